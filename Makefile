@@ -1,0 +1,31 @@
+# Entry points that work from a fresh clone: each target makes the virtualenv it needs first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test unit protos bench-syncer syncer clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)  ## every test tier that runs on this machine
+	$(BIN)/python -m pytest
+
+unit: $(STAMP)  ## only the pure-logic tests
+	$(BIN)/python -m pytest -m "not process"
+
+protos: $(STAMP)  ## regenerate the gRPC stubs from protos/
+	$(BIN)/python protos/generate.py
+
+bench-syncer: $(STAMP)  ## merge-and-serve throughput of one shard vs raw loopback
+	$(BIN)/python bench/syncer_throughput.py
+
+syncer: $(STAMP)  ## one syncer shard on loopback, token "dev", checkpoints in ./out/syncer
+	DILOCO_TOKEN=dev $(BIN)/diloco-syncer --host 127.0.0.1 --port 50051 --metrics-port 9090 --checkpoint-dir out/syncer
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

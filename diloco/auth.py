@@ -1,0 +1,68 @@
+"""The job's bearer token on every gRPC call, and the server-side check of it.
+
+Health checks are exempt: kubelet's gRPC probes cannot send metadata, and health reveals nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Callable
+
+import grpc
+
+METADATA_KEY = "authorization"
+EXEMPT_PREFIX = "/grpc.health.v1.Health/"
+
+
+def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that authenticates a client."""
+    return ((METADATA_KEY, f"Bearer {token}"),)
+
+
+def token_matches(metadata: tuple[tuple[str, str | bytes], ...] | None, token: str) -> bool:
+    """Constant-time check of the bearer token in call metadata."""
+    for key, value in metadata or ():
+        if key == METADATA_KEY and isinstance(value, str) and value.startswith("Bearer "):
+            return hmac.compare_digest(value[len("Bearer ") :].encode(), token.encode())
+    return False
+
+
+def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that refuses the call before reading anything."""
+
+    def deny(_request_or_iterator: object, context: grpc.ServicerContext) -> None:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    kinds: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    make = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(
+        deny,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call that does not carry the job's token with UNAUTHENTICATED."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("the job token must not be empty")
+        self._token = token
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(EXEMPT_PREFIX):
+            return handler
+        if token_matches(handler_call_details.invocation_metadata, self._token):
+            return handler
+        return _denying(handler)

@@ -1,0 +1,50 @@
+"""The DiLoCo outer optimizer (SGD with Nesterov momentum) as a pure in-place step on plain tensors.
+
+Syncer shards apply it per fragment, to tensors they hold without any nn.Module, optimizer object or autograd
+state, and checkpoint the momentum buffers themselves; a function over explicit parameter and momentum lists
+keeps that state visible. It matches torch.optim.SGD(momentum=mu, nesterov=..., dampening=0) exactly: a
+zero-initialised buffer gives mu·0 + g = g on the first step, which is torch's buf = g.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def init_momentum(params: Sequence[Tensor]) -> list[Tensor]:
+    """Zero momentum buffers shaped, typed and placed like `params`."""
+    return [torch.zeros_like(p) for p in params]
+
+
+def outer_step(
+    params: Sequence[Tensor],
+    momentum: Sequence[Tensor],
+    outer_grad: Sequence[Tensor],
+    *,
+    lr: float,
+    momentum_coef: float,
+    nesterov: bool = True,
+) -> None:
+    """Apply one outer step in place: buf ← μ·buf + g; θ ← θ − lr·(g + μ·buf if nesterov else buf)."""
+    if not len(params) == len(momentum) == len(outer_grad):
+        raise ValueError(
+            f"got {len(params)} params, {len(momentum)} momentum buffers and {len(outer_grad)} outer gradients"
+        )
+    if lr <= 0:
+        raise ValueError(f"lr must be positive, got {lr}")
+    if not 0 <= momentum_coef < 1:
+        raise ValueError(f"momentum_coef must be in [0, 1), got {momentum_coef}")
+    for i, (param, buf, grad) in enumerate(zip(params, momentum, outer_grad)):
+        if not param.shape == buf.shape == grad.shape:
+            raise ValueError(
+                f"tensor {i}: param {tuple(param.shape)}, momentum {tuple(buf.shape)} and outer gradient "
+                f"{tuple(grad.shape)} differ in shape"
+            )
+    with torch.no_grad():
+        for param, buf, grad in zip(params, momentum, outer_grad):
+            buf.mul_(momentum_coef).add_(grad)
+            step = torch.add(grad, buf, alpha=momentum_coef) if nesterov else buf
+            param.add_(step, alpha=-lr)

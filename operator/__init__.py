@@ -1,0 +1,1 @@
+"""The Kubernetes operator: reconciles DiLoCoJob resources into islands and syncer shards."""

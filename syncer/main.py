@@ -1,0 +1,61 @@
+"""`diloco-syncer`: runs one syncer shard until SIGTERM or SIGINT, then writes a final checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+from typing import Sequence
+
+from diloco.logs import setup_logging
+from diloco.settings import env_default, load_token, load_training_config
+from diloco.syncer.metrics import SyncerMetrics
+from diloco.syncer.server import SyncerServer
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="diloco-syncer", description=__doc__)
+    p.add_argument("--host", default=env_default("SYNCER_HOST", "0.0.0.0"), help="address to bind")
+    p.add_argument("--port", type=int, default=int(env_default("SYNCER_PORT", "50051")), help="gRPC port")
+    p.add_argument("--shard-index", type=int, default=int(env_default("SHARD_INDEX", "0")))
+    p.add_argument("--num-shards", type=int, default=int(env_default("NUM_SHARDS", "1")))
+    p.add_argument("--config", help="training config JSON file (else DILOCO_CONFIG_FILE, DILOCO_CONFIG, defaults)")
+    p.add_argument("--token-file", help="file holding the job token (else DILOCO_TOKEN_FILE or DILOCO_TOKEN)")
+    p.add_argument("--checkpoint-dir", default=env_default("CHECKPOINT_DIR"),
+                   help="where checkpoints live; none: state is lost on restart")
+    p.add_argument("--checkpoint-interval", type=float,
+                   default=float(env_default("CHECKPOINT_INTERVAL", "30")), help="seconds between checkpoints")
+    p.add_argument("--metrics-port", type=int, default=int(env_default("METRICS_PORT", "9090")),
+                   help="Prometheus port; 0 disables")
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    metrics = SyncerMetrics()
+    server = SyncerServer(
+        load_training_config(args.config),
+        shard_index=args.shard_index,
+        num_shards=args.num_shards,
+        token=load_token(args.token_file),
+        host=args.host,
+        port=args.port,
+        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        checkpoint_interval=args.checkpoint_interval,
+        metrics=metrics,
+    )
+    if args.metrics_port:
+        metrics.serve(args.metrics_port, addr=args.host)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    stop.wait()
+    server.stop()
+
+
+if __name__ == "__main__":
+    main()

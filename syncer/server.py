@@ -1,0 +1,380 @@
+"""The gRPC server of one syncer shard: the wire around `ShardState`, a merge thread and checkpoints.
+
+Data is read and decoded outside the state lock; only validation, submission, merges and snapshots hold
+it. Encoded fragment values are cached per version and encoding, so many islands pulling the same merge
+cost one encoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from diloco import wire
+from diloco.auth import TokenInterceptor
+from diloco.config import TrainingConfig
+from diloco.v1 import syncer_pb2 as pb
+from diloco.v1 import syncer_pb2_grpc as pb_grpc
+from diloco.syncer import checkpoint
+from diloco.syncer.metrics import SyncerMetrics
+from diloco.syncer.shard import PushKey, Refused, ShardState, TensorSpec
+
+log = logging.getLogger("diloco.syncer")
+
+SERVICE_NAME = "diloco.v1.Syncer"
+HEADER_SLACK_BYTES = 1024 * 1024
+MERGE_POLL_SECONDS = 0.5
+SUMMARY_SECONDS = 30.0
+
+
+def _new_incarnation() -> int:
+    return secrets.randbits(63)
+
+
+def _specs(payloads: Iterable[pb.TensorPayload]) -> list[TensorSpec]:
+    return [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in payloads]
+
+
+def _version(incarnation: int, version: int) -> pb.FragmentVersion:
+    return pb.FragmentVersion(incarnation=incarnation, version=version)
+
+
+class SyncerServer:
+    """One shard: owns fragments p with p mod num_shards == shard_index."""
+
+    def __init__(
+        self,
+        config: TrainingConfig,
+        *,
+        shard_index: int,
+        num_shards: int,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        checkpoint_dir: Path | None = None,
+        checkpoint_interval: float = 60.0,
+        max_fragment_bytes: int = 16 * 1024**3,
+        metrics: SyncerMetrics | None = None,
+        max_workers: int = 32,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or SyncerMetrics()
+        self.clock = clock
+        self.max_fragment_bytes = max_fragment_bytes
+        self.checkpoint_interval = checkpoint_interval
+        self._checkpoint_path = (
+            checkpoint.checkpoint_path(checkpoint_dir, shard_index, num_shards) if checkpoint_dir else None
+        )
+        self.state = self._resume_or_start(shard_index, num_shards)
+        self._cond = threading.Condition()
+        self._dirty = False
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._encoded: dict[tuple[int, int], tuple[int, list[pb.TensorPayload], list[bytes]]] = {}
+        self._health = health.HealthServicer()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="syncer-rpc"),
+            interceptors=[TokenInterceptor(token)],
+            options=[
+                ("grpc.max_receive_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
+                ("grpc.max_send_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        pb_grpc.add_SyncerServicer_to_server(_Servicer(self), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {host}:{port}")
+
+    def _resume_or_start(self, shard_index: int, num_shards: int) -> ShardState:
+        saved = checkpoint.load(self._checkpoint_path) if self._checkpoint_path else None
+        if saved is None:
+            return ShardState(self.config, shard_index, num_shards, _new_incarnation())
+        state = ShardState.from_state_dict(self.config, shard_index, num_shards, saved, _new_incarnation())
+        log.info(
+            "resumed from checkpoint",
+            extra={
+                "path": str(self._checkpoint_path),
+                "clean": saved["clean"],
+                "incarnation": state.incarnation,
+                "versions": {p: f.version for p, f in state.fragments.items()},
+            },
+        )
+        return state
+
+    # Lifecycle
+
+    def start(self) -> int:
+        self._server.start()
+        for target, name in ((self._merge_loop, "syncer-merge"), (self._checkpoint_loop, "syncer-checkpoint")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "syncer shard listening",
+            extra={
+                "port": self.port,
+                "shard": self.state.shard_index,
+                "shards": self.state.num_shards,
+                "fragments": sorted(self.state.fragments),
+            },
+        )
+        return self.port
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stops serving, then writes the final (clean) checkpoint: a graceful stop loses nothing."""
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self.save_checkpoint(clean=True)
+        log.info("syncer shard stopped", extra={"shard": self.state.shard_index})
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+    # Background work
+
+    def _merge_loop(self) -> None:
+        next_summary = self.clock() + SUMMARY_SECONDS
+        while not self._stopping.is_set():
+            with self._cond:
+                self.merge_due()
+                deadline = self.state.next_deadline()
+                wait = MERGE_POLL_SECONDS if deadline is None else deadline - self.clock()
+                self._cond.wait(min(max(wait, 0.0), MERGE_POLL_SECONDS))
+            if self.clock() >= next_summary:
+                next_summary = self.clock() + SUMMARY_SECONDS
+                self._log_summary()
+
+    def merge_due(self) -> None:
+        """Merges every fragment that is due; the caller holds the lock."""
+        now = self.clock()
+        self.metrics.live_islands.set(len(self.state.live_islands(now)))
+        for index in self.state.poll(now):
+            started = time.perf_counter()
+            record = self.state.merge(index, now)
+            self.metrics.merge_seconds.observe(time.perf_counter() - started)
+            self.metrics.merges.labels(str(index)).inc()
+            self.metrics.version.labels(str(index)).set(record.version)
+            self.metrics.contributors.observe(len(record.contributors))
+            self._dirty = True
+            log.debug(
+                "merged",
+                extra={
+                    "fragment": index,
+                    "version": record.version,
+                    "contributors": list(record.contributors),
+                    "tokens": record.tokens,
+                    "max_staleness": record.max_staleness,
+                },
+            )
+
+    def _log_summary(self) -> None:
+        with self._cond:
+            versions = {p: f.version for p, f in self.state.fragments.items()}
+            live = self.state.live_islands(self.clock())
+        log.info("shard progress", extra={"versions": versions, "live_islands": live})
+
+    def _checkpoint_loop(self) -> None:
+        while not self._stopping.wait(self.checkpoint_interval):
+            self.save_checkpoint(clean=False)
+
+    def save_checkpoint(self, clean: bool) -> None:
+        """Snapshots under the lock, writes outside it; skipped when nothing changed since the last one."""
+        if self._checkpoint_path is None:
+            return
+        with self._cond:
+            if not (self._dirty or clean):
+                return
+            snapshot = self.state.to_state_dict(clean=clean)
+            self._dirty = False
+        started = time.perf_counter()
+        size = checkpoint.save(self._checkpoint_path, snapshot)
+        self.metrics.checkpoint_seconds.observe(time.perf_counter() - started)
+        self.metrics.checkpoint_bytes.set(size)
+        log.debug("checkpoint written", extra={"path": str(self._checkpoint_path), "bytes": size, "clean": clean})
+
+    # Calls (the servicer below delegates here, holding no gRPC types beyond messages)
+
+    def encoded_fragment(self, index: int, encoding: int) -> tuple[pb.FragmentVersion, list[pb.TensorPayload], list[bytes]]:
+        """The fragment's current values in `encoding`, encoded once per version; the caller holds the lock."""
+        frag = self.state.seeded_fragment(index)
+        cached = self._encoded.get((index, encoding))
+        if cached is None or cached[0] != frag.version:
+            named = [(s.name, v) for s, v in zip(frag.specs, frag.values)]
+            payloads, blobs = wire.tensor_payloads(named, encoding, self.config.block_size)
+            for payload, spec in zip(payloads, frag.specs):
+                payload.dtype = spec.dtype
+            cached = (frag.version, payloads, blobs)
+            self._encoded[(index, encoding)] = cached
+        return _version(self.state.incarnation, cached[0]), cached[1], cached[2]
+
+    def refuse(self, refusal: Refused, context: grpc.ServicerContext) -> None:
+        with self._cond:
+            self.state.rejected_pushes += 1
+        self.metrics.rejected.labels(refusal.reason).inc()
+        log.debug("refused", extra={"reason": refusal.reason, "detail": refusal.message})
+        context.abort(refusal.code, refusal.message)
+
+
+def _first_header(chunks: Iterator, kind: str) -> object:
+    """The header message that must open a stream, before any data is buffered."""
+    first = next(chunks, None)
+    if first is None or first.WhichOneof("part") != "header":
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"a {kind} stream must start with a header")
+    return first
+
+
+def _wire_refusal(error: wire.WireError) -> Refused:
+    reason = "oversize" if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "malformed"
+    return Refused(error.code, reason, error.message)
+
+
+class _Servicer(pb_grpc.SyncerServicer):
+    def __init__(self, server: SyncerServer) -> None:
+        self.s = server
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        s = self.s
+        try:
+            if request.num_fragments != s.config.fragments:
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "layout",
+                    f"the island has {request.num_fragments} fragments, the job {s.config.fragments}",
+                )
+        except Refused as refusal:
+            s.refuse(refusal, context)
+        with s._cond:
+            s.state.touch(request.island_id, s.clock())
+            return pb.JoinReply(
+                shard_index=s.state.shard_index,
+                num_shards=s.state.num_shards,
+                owned_fragments=sorted(s.state.fragments),
+                unseeded_fragments=s.state.unseeded(),
+                max_chunk_bytes=wire.MAX_CHUNK_BYTES,
+            )
+
+    def Seed(self, request_iterator: Iterator[pb.FragmentChunk], context: grpc.ServicerContext) -> pb.SeedReply:
+        s = self.s
+        try:
+            first = _first_header(request_iterator, "seed")
+            index = first.header.fragment_id
+            with s._cond:
+                frag = s.state.fragment(index)
+                if frag.seeded:
+                    return pb.SeedReply(accepted=False, version=_version(s.state.incarnation, frag.version))
+            header, tensors = wire.read_fragment_stream(
+                itertools.chain([first], request_iterator), max_total_bytes=s.max_fragment_bytes
+            )
+            specs = _specs(p for p, _ in tensors)
+            with s._cond:
+                accepted = s.state.seed(index, specs, [t for _, t in tensors])
+                s._dirty |= accepted
+                version = _version(s.state.incarnation, s.state.fragments[index].version)
+        except wire.WireError as error:
+            s.refuse(_wire_refusal(error), context)
+        except Refused as refusal:
+            s.refuse(refusal, context)
+        s.metrics.bytes_in.inc(sum(p.byte_length for p, _ in tensors))
+        if accepted:
+            log.info("fragment seeded", extra={"fragment": index, "tensors": len(specs)})
+        return pb.SeedReply(accepted=accepted, version=version)
+
+    def PushDelta(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> pb.PushReply:
+        s = self.s
+        try:
+            first = _first_header(request_iterator, "push")
+            h = first.header
+            key = PushKey(h.island_id, h.base.incarnation, h.base.version, h.sequence)
+            specs = _specs(h.tensors)
+            if not h.island_id:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "a push must name its island")
+            with s._cond:
+                s.state.touch(h.island_id, s.clock())
+                early = s.state.check_push(key, h.fragment_id, specs)
+                limit = s.state.fragments[h.fragment_id].nbytes
+            if early is None:
+                _, tensors = wire.read_push_stream(
+                    itertools.chain([first], request_iterator), max_total_bytes=limit
+                )
+                with s._cond:
+                    result = s.state.submit(
+                        key, h.fragment_id, specs, [t for _, t in tensors], h.tokens, h.inner_steps, s.clock()
+                    )
+                    s._dirty |= not result.duplicate
+                    s._cond.notify_all()
+                s.metrics.bytes_in.inc(sum(p.byte_length for p, _ in tensors))
+            else:
+                result = early
+        except wire.WireError as error:
+            s.refuse(_wire_refusal(error), context)
+        except Refused as refusal:
+            s.refuse(refusal, context)
+        s.metrics.pushes.labels("duplicate" if result.duplicate else "accepted").inc()
+        if not result.duplicate:
+            s.metrics.staleness.observe(result.staleness)
+        return pb.PushReply(
+            duplicate=result.duplicate,
+            current=_version(s.state.incarnation, result.version),
+            staleness=result.staleness,
+        )
+
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.FragmentChunk]:
+        s = self.s
+        encoding = request.encoding or pb.FP32
+        try:
+            if encoding not in (pb.FP32, pb.BF16, pb.INT8, pb.INT4):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"unknown encoding {encoding}")
+            with s._cond:
+                s.state.touch(request.island_id, s.clock())
+                frag = s.state.seeded_fragment(request.fragment_id)
+                if (request.have.incarnation, request.have.version) == (s.state.incarnation, frag.version):
+                    return
+                version, payloads, blobs = s.encoded_fragment(request.fragment_id, encoding)
+        except Refused as refusal:
+            s.refuse(refusal, context)
+        yield from wire.fragment_chunks(request.fragment_id, version, payloads, blobs)
+        s.metrics.bytes_out.inc(sum(p.byte_length for p in payloads))
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        s = self.s
+        with s._cond:
+            st = s.state
+            return pb.StatusReply(
+                shard_index=st.shard_index,
+                num_shards=st.num_shards,
+                live_islands=st.live_islands(s.clock()),
+                rejected_pushes=st.rejected_pushes,
+                fragments=[
+                    pb.FragmentStatus(
+                        fragment_id=f.index,
+                        seeded=f.seeded,
+                        version=_version(st.incarnation, f.version),
+                        pending=len(f.pending),
+                        last_contributors=f.last_contributors,
+                        last_merge_unix=f.last_merge_unix,
+                        max_staleness_seen=f.max_staleness_seen,
+                        tokens_merged=f.tokens_merged,
+                    )
+                    for f in st.fragments.values()
+                ],
+            )

@@ -1,0 +1,391 @@
+"""The merge decisions of one syncer shard: quorum, grace window, staleness, idempotency and outer step.
+
+No I/O, no threads and no clock: every method takes `now`, so tests drive it with explicit times, and the
+server wraps it in a lock, a merge thread and checkpoints. Refusals are raised as `Refused`, carrying the
+gRPC status the server answers with and a short reason used as a metrics label; a refused call never
+changes the state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import grpc
+import torch
+
+from diloco.config import TrainingConfig
+from diloco.fragments import owned_fragments
+from diloco.merge import Contribution, is_too_stale, merge_deltas
+from diloco.outer_optimizer import init_momentum, outer_step
+
+CHECKPOINT_FORMAT = 1
+
+
+class Refused(Exception):
+    """A call the shard will not take; `code` is the gRPC status, `reason` a metrics label."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: int
+
+
+@dataclass(frozen=True)
+class PushKey:
+    """What makes a push unique: a retry repeats all four, so it is recognised and counted once."""
+
+    island: str
+    incarnation: int
+    base_version: int
+    sequence: int
+
+
+@dataclass
+class Pending:
+    key: PushKey
+    delta: list[torch.Tensor]
+    tokens: int
+    inner_steps: int
+
+
+@dataclass(frozen=True)
+class PushResult:
+    duplicate: bool
+    version: int
+    staleness: int
+
+
+@dataclass(frozen=True)
+class MergeRecord:
+    fragment: int
+    version: int
+    contributors: tuple[str, ...]
+    tokens: int
+    max_staleness: int
+
+
+@dataclass
+class FragmentState:
+    index: int
+    specs: tuple[TensorSpec, ...] = ()
+    values: list[torch.Tensor] = field(default_factory=list)
+    momentum: list[torch.Tensor] = field(default_factory=list)
+    version: int = 0
+    pending: dict[str, Pending] = field(default_factory=dict)
+    quorum_since: float | None = None
+    merged_keys: set[PushKey] = field(default_factory=set)
+    last_merge_unix: float = 0.0
+    last_contributors: int = 0
+    max_staleness_seen: int = 0
+    tokens_merged: int = 0
+
+    @property
+    def seeded(self) -> bool:
+        return bool(self.specs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.numel() * 4 for v in self.values)
+
+
+class ShardState:
+    """Every fragment the shard owns (p mod shards == index) and the islands it has heard from."""
+
+    def __init__(self, config: TrainingConfig, shard_index: int, num_shards: int, incarnation: int) -> None:
+        if num_shards < 1 or not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard index {shard_index} is outside 0..{num_shards - 1}")
+        self.config = config
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self.incarnation = incarnation
+        self.fragments = {
+            p: FragmentState(p) for p in owned_fragments(shard_index, num_shards, config.fragments)
+        }
+        self.islands: dict[str, float] = {}
+        self.rejected_pushes = 0
+
+    # Islands
+
+    def touch(self, island: str, now: float) -> None:
+        if island:
+            self.islands[island] = now
+
+    def live_islands(self, now: float) -> list[str]:
+        horizon = now - self.config.island_timeout_seconds
+        return sorted(name for name, seen in self.islands.items() if seen >= horizon)
+
+    def effective_quorum(self, now: float) -> int:
+        """K, capped by the islands alive, so dead islands never hold a merge back."""
+        return max(1, min(self.config.quorum, len(self.live_islands(now))))
+
+    # Fragments
+
+    def fragment(self, index: int) -> FragmentState:
+        try:
+            return self.fragments[index]
+        except KeyError:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "unknown_fragment",
+                f"fragment {index} is not owned by shard {self.shard_index} of {self.num_shards} "
+                f"(owned: {sorted(self.fragments)})",
+            ) from None
+
+    def seeded_fragment(self, index: int) -> FragmentState:
+        frag = self.fragment(index)
+        if not frag.seeded:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION, "not_seeded", f"fragment {index} has not been seeded yet"
+            )
+        return frag
+
+    def unseeded(self) -> list[int]:
+        return sorted(p for p, f in self.fragments.items() if not f.seeded)
+
+    def seed(self, index: int, specs: Sequence[TensorSpec], values: Sequence[torch.Tensor]) -> bool:
+        """Takes a fragment's initial values; the first seed wins and later ones change nothing."""
+        frag = self.fragment(index)
+        if frag.seeded:
+            return False
+        if not specs:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty", f"seed of fragment {index} has no tensors")
+        frag.specs = tuple(specs)
+        frag.values = [v.detach().to(torch.float32).clone() for v in values]
+        frag.momentum = init_momentum(frag.values)
+        return True
+
+    # Pushes
+
+    def check_push(self, key: PushKey, fragment: int, specs: Sequence[TensorSpec]) -> PushResult | None:
+        """Validates a push header before its data is read: a duplicate's result, None to go on, or Refused."""
+        frag = self.seeded_fragment(fragment)
+        if key in frag.merged_keys or (key.island in frag.pending and frag.pending[key.island].key == key):
+            return PushResult(duplicate=True, version=frag.version, staleness=0)
+        self._check_specs(frag, specs)
+        self._staleness(frag, key)
+        return None
+
+    def submit(
+        self,
+        key: PushKey,
+        fragment: int,
+        specs: Sequence[TensorSpec],
+        delta: Sequence[torch.Tensor],
+        tokens: int,
+        inner_steps: int,
+        now: float,
+    ) -> PushResult:
+        """Takes a decoded delta as the island's pending contribution to the fragment's next merge.
+
+        An island has at most one pending contribution per fragment: its deltas are cumulative against its
+        base, so a newer push replaces an older one, and a late retry of an older push changes nothing.
+        """
+        duplicate = self.check_push(key, fragment, specs)
+        if duplicate is not None:
+            return duplicate
+        frag = self.fragments[fragment]
+        staleness = self._staleness(frag, key)
+        current = frag.pending.get(key.island)
+        if current is not None and (current.key.base_version, current.key.sequence) > (
+            key.base_version,
+            key.sequence,
+        ):
+            return PushResult(duplicate=True, version=frag.version, staleness=staleness)
+        frag.pending[key.island] = Pending(key, [d.to(torch.float32) for d in delta], tokens, inner_steps)
+        frag.max_staleness_seen = max(frag.max_staleness_seen, staleness)
+        self.touch(key.island, now)
+        return PushResult(duplicate=False, version=frag.version, staleness=staleness)
+
+    def _check_specs(self, frag: FragmentState, specs: Sequence[TensorSpec]) -> None:
+        if len(specs) != len(frag.specs):
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "shape",
+                f"fragment {frag.index} has {len(frag.specs)} tensors, the push has {len(specs)}",
+            )
+        for got, want in zip(specs, frag.specs):
+            if got.name != want.name or got.shape != want.shape:
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "shape",
+                    f"fragment {frag.index}: expected tensor {want.name} of shape {list(want.shape)}, "
+                    f"got {got.name} of shape {list(got.shape)}",
+                )
+            if got.dtype != want.dtype:
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "dtype",
+                    f"fragment {frag.index}: tensor {want.name} has dtype {want.dtype}, the push says {got.dtype}",
+                )
+
+    def _staleness(self, frag: FragmentState, key: PushKey) -> int:
+        if key.incarnation != self.incarnation:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "incarnation",
+                f"fragment {frag.index}: base is from incarnation {key.incarnation}, the shard is at "
+                f"{self.incarnation} after a restart; pull the fragment again",
+            )
+        if key.base_version > frag.version:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "ahead",
+                f"fragment {frag.index}: base version {key.base_version} is ahead of {frag.version}; pull again",
+            )
+        staleness = frag.version - key.base_version
+        if is_too_stale(staleness, self.config.max_staleness):
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "stale",
+                f"fragment {frag.index}: base version {key.base_version} is {staleness} versions behind "
+                f"{frag.version}, beyond maxStaleness {self.config.max_staleness}; pull again",
+            )
+        return staleness
+
+    # Merges
+
+    def poll(self, now: float) -> list[int]:
+        """Fragments due for a merge: quorum reached and either everyone live reported or grace is over."""
+        live = set(self.live_islands(now))
+        quorum = self.effective_quorum(now)
+        due = []
+        for frag in self.fragments.values():
+            if len(frag.pending) < quorum:
+                frag.quorum_since = None
+                continue
+            if frag.quorum_since is None:
+                frag.quorum_since = now
+            everyone = live <= frag.pending.keys()
+            if everyone or now >= frag.quorum_since + self.config.grace_seconds:
+                due.append(frag.index)
+        return due
+
+    def next_deadline(self) -> float | None:
+        """When the earliest running grace window closes, for the server's merge thread to wake."""
+        ends = [f.quorum_since + self.config.grace_seconds for f in self.fragments.values() if f.quorum_since]
+        return min(ends, default=None)
+
+    def merge(self, index: int, now: float) -> MergeRecord:
+        """Merges the pending contributions into the fragment with the outer optimizer; bumps its version."""
+        frag = self.seeded_fragment(index)
+        if not frag.pending:
+            raise ValueError(f"fragment {index} has nothing to merge")
+        pending = sorted(frag.pending.values(), key=lambda p: p.key.island)
+        contributions = [
+            Contribution(p.key.island, p.delta, p.tokens, frag.version - p.key.base_version) for p in pending
+        ]
+        outer_grad = merge_deltas(
+            contributions,
+            staleness_decay=self.config.staleness_decay,
+            radial_directional=self.config.radial_directional,
+        )
+        outer = self.config.outer
+        outer_step(frag.values, frag.momentum, outer_grad, lr=outer.lr, momentum_coef=outer.momentum,
+                   nesterov=outer.nesterov)
+        frag.version += 1
+        frag.merged_keys |= {p.key for p in pending}
+        oldest_useful = frag.version - self.config.max_staleness
+        frag.merged_keys = {k for k in frag.merged_keys if k.base_version >= oldest_useful}
+        frag.pending.clear()
+        frag.quorum_since = None
+        tokens = sum(p.tokens for p in pending)
+        frag.last_merge_unix = now
+        frag.last_contributors = len(pending)
+        frag.tokens_merged += tokens
+        return MergeRecord(
+            fragment=index,
+            version=frag.version,
+            contributors=tuple(p.key.island for p in pending),
+            tokens=tokens,
+            max_staleness=max(c.staleness for c in contributions),
+        )
+
+    # Checkpoints
+
+    def to_state_dict(self, clean: bool) -> dict[str, Any]:
+        """A copy of everything a restarted shard needs; `clean` marks a final checkpoint after a stop."""
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "shard_index": self.shard_index,
+            "num_shards": self.num_shards,
+            "num_fragments": self.config.fragments,
+            "incarnation": self.incarnation,
+            "clean": clean,
+            "fragments": {p: _fragment_state(f) for p, f in self.fragments.items()},
+        }
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: TrainingConfig,
+        shard_index: int,
+        num_shards: int,
+        state: dict[str, Any],
+        new_incarnation: int,
+    ) -> ShardState:
+        """Resumes a shard. After an unclean stop the versions it served may be ahead of the checkpoint, so
+        it takes a new incarnation: islands holding such versions are told to pull again."""
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"checkpoint format {state.get('format')} is not {CHECKPOINT_FORMAT}")
+        saved = (state["shard_index"], state["num_shards"], state["num_fragments"])
+        wanted = (shard_index, num_shards, config.fragments)
+        if saved != wanted:
+            raise ValueError(
+                f"checkpoint is for shard {saved[0]} of {saved[1]} with {saved[2]} fragments, "
+                f"but this shard is {wanted[0]} of {wanted[1]} with {wanted[2]} fragments"
+            )
+        clean = bool(state["clean"])
+        shard = cls(config, shard_index, num_shards, state["incarnation"] if clean else new_incarnation)
+        for p, fragment in state["fragments"].items():
+            _restore_fragment(shard.fragment(p), fragment, keep_pushes=clean)
+        return shard
+
+
+def _fragment_state(frag: FragmentState) -> dict[str, Any]:
+    return {
+        "specs": [(s.name, list(s.shape), s.dtype) for s in frag.specs],
+        "values": [v.clone() for v in frag.values],
+        "momentum": [m.clone() for m in frag.momentum],
+        "version": frag.version,
+        "pending": [
+            {
+                "key": [p.key.island, p.key.incarnation, p.key.base_version, p.key.sequence],
+                "delta": [d.clone() for d in p.delta],
+                "tokens": p.tokens,
+                "inner_steps": p.inner_steps,
+            }
+            for p in frag.pending.values()
+        ],
+        "merged_keys": [[k.island, k.incarnation, k.base_version, k.sequence] for k in frag.merged_keys],
+        "last_merge_unix": frag.last_merge_unix,
+        "last_contributors": frag.last_contributors,
+        "max_staleness_seen": frag.max_staleness_seen,
+        "tokens_merged": frag.tokens_merged,
+    }
+
+
+def _restore_fragment(frag: FragmentState, saved: dict[str, Any], keep_pushes: bool) -> None:
+    """Fills a fresh fragment from its checkpoint; pending pushes and keys survive only a clean stop,
+    since after a crash their bases belong to an incarnation that no longer exists."""
+    frag.specs = tuple(TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in saved["specs"])
+    frag.values = list(saved["values"])
+    frag.momentum = list(saved["momentum"])
+    frag.version = saved["version"]
+    if keep_pushes:
+        for p in saved["pending"]:
+            key = PushKey(*p["key"])
+            frag.pending[key.island] = Pending(key, list(p["delta"]), p["tokens"], p["inner_steps"])
+        frag.merged_keys = {PushKey(*k) for k in saved["merged_keys"]}
+    frag.last_merge_unix = saved["last_merge_unix"]
+    frag.last_contributors = saved["last_contributors"]
+    frag.max_staleness_seen = saved["max_staleness_seen"]
+    frag.tokens_merged = saved["tokens_merged"]

@@ -1,0 +1,218 @@
+"""The shard's merge decisions, driven with explicit times: quorum, grace, staleness, idempotency, resume."""
+
+import grpc
+import pytest
+import torch
+
+from diloco.config import TrainingConfig
+from diloco.syncer.shard import PushKey, Refused, ShardState, TensorSpec
+from diloco.v1 import syncer_pb2 as pb
+
+SPECS = (TensorSpec("w", (2,), pb.FLOAT32), TensorSpec("b", (1,), pb.FLOAT32))
+INCARNATION = 7
+
+
+def make_shard(**overrides) -> ShardState:
+    config = TrainingConfig(fragments=2, inner_steps=10, overlap_steps=1, **overrides)
+    shard = ShardState(config, shard_index=0, num_shards=1, incarnation=INCARNATION)
+    for p in (0, 1):
+        shard.seed(p, SPECS, [torch.zeros(2), torch.zeros(1)])
+    return shard
+
+
+def push(shard, island, now, *, fragment=0, base=None, seq=0, delta=1.0, tokens=100, specs=SPECS):
+    base = shard.fragments[fragment].version if base is None else base
+    key = PushKey(island, INCARNATION, base, seq)
+    return shard.submit(
+        key, fragment, specs, [torch.full((2,), delta), torch.full((1,), delta)], tokens, 10, now
+    )
+
+
+def outer_lr_first_step(delta: float, config: TrainingConfig) -> float:
+    """θ after one Nesterov step from 0 with zero momentum: −lr·(g + μ·g)."""
+    return -config.outer.lr * (delta + config.outer.momentum * delta)
+
+
+class TestSeed:
+    def test_first_seed_wins(self):
+        shard = make_shard()
+        assert shard.seed(0, SPECS, [torch.ones(2), torch.ones(1)]) is False
+        assert torch.equal(shard.fragments[0].values[0], torch.zeros(2))
+
+    def test_push_to_unseeded_fragment_is_a_failed_precondition(self):
+        shard = ShardState(TrainingConfig(fragments=1, inner_steps=10, overlap_steps=1), 0, 1, INCARNATION)
+        with pytest.raises(Refused) as refused:
+            shard.check_push(PushKey("a", INCARNATION, 0, 0), 0, SPECS)
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+    def test_unknown_fragment_is_invalid(self):
+        shard = ShardState(TrainingConfig(fragments=4, inner_steps=8, overlap_steps=1), 1, 2, INCARNATION)
+        assert sorted(shard.fragments) == [1, 3]
+        with pytest.raises(Refused) as refused:
+            shard.fragment(2)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.reason == "unknown_fragment"
+
+
+class TestQuorumAndGrace:
+    def test_merge_waits_for_quorum(self):
+        shard = make_shard(quorum=2, grace_seconds=5.0, island_timeout_seconds=1000.0)
+        for island in "abc":
+            shard.touch(island, 0.0)
+        push(shard, "a", 1.0)
+        assert shard.poll(1.0) == []
+        assert shard.poll(100.0) == [], "one push never reaches a quorum of two, however long we wait"
+
+    def test_quorum_then_grace_window_bounds_the_wait(self):
+        shard = make_shard(quorum=2, grace_seconds=5.0)
+        for island in "abc":
+            shard.touch(island, 0.0)
+        push(shard, "a", 1.0)
+        push(shard, "b", 2.0)
+        assert shard.poll(2.0) == [], "c is live and may still report within the grace window"
+        assert shard.next_deadline() == pytest.approx(7.0)
+        assert shard.poll(6.9) == []
+        assert shard.poll(7.0) == [0], "the slow island c does not block the merge past the grace window"
+
+    def test_merge_is_immediate_when_every_live_island_reported(self):
+        shard = make_shard(quorum=1, grace_seconds=60.0)
+        push(shard, "a", 1.0)
+        push(shard, "b", 1.0)
+        assert shard.poll(1.0) == [0]
+
+    def test_quorum_is_capped_by_live_islands(self):
+        shard = make_shard(quorum=3, grace_seconds=0.0, island_timeout_seconds=10.0)
+        for island in "abc":
+            shard.touch(island, 0.0)
+        push(shard, "a", 20.0)
+        assert shard.effective_quorum(20.0) == 1, "b and c have not been heard from for 20 s"
+        assert shard.poll(20.0) == [0]
+
+
+class TestMerge:
+    def test_single_contribution_takes_one_nesterov_step(self):
+        shard = make_shard()
+        push(shard, "a", 0.0, delta=1.0)
+        record = shard.merge(0, 0.0)
+        expected = outer_lr_first_step(1.0, shard.config)
+        assert record.version == 1 and record.contributors == ("a",)
+        assert torch.allclose(shard.fragments[0].values[0], torch.full((2,), expected))
+        assert shard.fragments[0].pending == {}
+
+    def test_contributions_are_weighted_by_tokens(self):
+        shard = make_shard()
+        push(shard, "a", 0.0, delta=1.0, tokens=100)
+        push(shard, "b", 0.0, delta=5.0, tokens=300)
+        shard.merge(0, 0.0)
+        mean = (1.0 * 100 + 5.0 * 300) / 400
+        assert torch.allclose(shard.fragments[0].values[1], torch.full((1,), outer_lr_first_step(mean, shard.config)))
+
+    def test_merge_leaves_other_fragments_alone(self):
+        shard = make_shard()
+        push(shard, "a", 0.0)
+        shard.merge(0, 0.0)
+        assert shard.fragments[1].version == 0
+        assert torch.equal(shard.fragments[1].values[0], torch.zeros(2))
+
+
+class TestStalenessAndIdempotency:
+    def test_duplicate_push_counts_once(self):
+        shard = make_shard(quorum=2, grace_seconds=60.0)
+        first = push(shard, "a", 0.0, seq=3)
+        again = push(shard, "a", 0.1, seq=3, delta=99.0)
+        assert not first.duplicate and again.duplicate
+        assert torch.equal(shard.fragments[0].pending["a"].delta[0], torch.ones(2))
+
+    def test_retry_after_merge_is_a_duplicate(self):
+        shard = make_shard()
+        push(shard, "a", 0.0, seq=1)
+        shard.merge(0, 0.0)
+        assert push(shard, "a", 1.0, base=0, seq=1).duplicate
+        assert shard.fragments[0].pending == {}
+
+    def test_newer_push_replaces_pending_and_late_retry_does_not(self):
+        shard = make_shard(quorum=2, grace_seconds=60.0)
+        push(shard, "a", 0.0, seq=1, delta=1.0)
+        push(shard, "a", 0.1, seq=2, delta=2.0)
+        assert push(shard, "a", 0.2, seq=1, delta=1.0).duplicate, "a late retry of a superseded push"
+        assert torch.equal(shard.fragments[0].pending["a"].delta[0], torch.full((2,), 2.0))
+
+    def test_stale_beyond_bound_is_refused_and_changes_nothing(self):
+        shard = make_shard(max_staleness=1)
+        for _ in range(3):
+            push(shard, "a", 0.0)
+            shard.merge(0, 0.0)
+        before = shard.fragments[0].values[0].clone()
+        with pytest.raises(Refused) as refused:
+            push(shard, "b", 1.0, base=1)
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and refused.value.reason == "stale"
+        assert shard.fragments[0].pending == {}
+        assert torch.equal(shard.fragments[0].values[0], before)
+
+    def test_staleness_within_bound_is_reported_and_down_weighted(self):
+        shard = make_shard(max_staleness=2, staleness_decay=0.5)
+        push(shard, "a", 0.0)
+        shard.merge(0, 0.0)
+        result = push(shard, "b", 1.0, base=0, delta=4.0, tokens=100)
+        push(shard, "c", 1.0, base=1, delta=1.0, tokens=100)
+        assert result.staleness == 1
+        shard.merge(0, 1.0)
+        assert shard.fragments[0].max_staleness_seen == 1
+        lr, mu = shard.config.outer.lr, shard.config.outer.momentum
+        after_first = outer_lr_first_step(1.0, shard.config)
+        grad = (4.0 * 100 * 0.5 + 1.0 * 100) / (100 * 0.5 + 100)
+        expected = after_first - lr * (grad + mu * (mu * 1.0 + grad))
+        assert torch.allclose(shard.fragments[0].values[0], torch.full((2,), expected))
+
+    def test_base_ahead_or_from_another_incarnation_asks_for_a_pull(self):
+        shard = make_shard()
+        with pytest.raises(Refused) as ahead:
+            push(shard, "a", 0.0, base=5)
+        other = PushKey("a", INCARNATION + 1, 0, 0)
+        with pytest.raises(Refused) as foreign:
+            shard.submit(other, 0, SPECS, [torch.zeros(2), torch.zeros(1)], 1, 1, 0.0)
+        assert (ahead.value.reason, foreign.value.reason) == ("ahead", "incarnation")
+        assert ahead.value.code == foreign.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+    @pytest.mark.parametrize(
+        "specs, reason",
+        [
+            ((TensorSpec("w", (3,), pb.FLOAT32), SPECS[1]), "shape"),
+            ((SPECS[0],), "shape"),
+            ((TensorSpec("w", (2,), pb.BFLOAT16), SPECS[1]), "dtype"),
+        ],
+    )
+    def test_wrong_layout_is_invalid(self, specs, reason):
+        shard = make_shard()
+        with pytest.raises(Refused) as refused:
+            shard.check_push(PushKey("a", INCARNATION, 0, 0), 0, specs)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and refused.value.reason == reason
+
+
+class TestCheckpointState:
+    def test_clean_resume_keeps_incarnation_pending_and_keys(self):
+        shard = make_shard(quorum=2, grace_seconds=60.0)
+        push(shard, "a", 0.0, seq=1)
+        shard.merge(0, 0.0)
+        push(shard, "b", 1.0, seq=2)
+        resumed = ShardState.from_state_dict(shard.config, 0, 1, shard.to_state_dict(clean=True), 99)
+        assert resumed.incarnation == INCARNATION
+        assert resumed.fragments[0].version == 1
+        assert "b" in resumed.fragments[0].pending
+        assert push(resumed, "a", 2.0, base=0, seq=1).duplicate
+
+    def test_unclean_resume_takes_a_new_incarnation_and_drops_pending(self):
+        shard = make_shard()
+        push(shard, "a", 0.0)
+        shard.merge(0, 0.0)
+        push(shard, "b", 1.0)
+        resumed = ShardState.from_state_dict(shard.config, 0, 1, shard.to_state_dict(clean=False), 99)
+        assert resumed.incarnation == 99
+        assert resumed.fragments[0].pending == {}
+        assert torch.equal(resumed.fragments[0].values[0], shard.fragments[0].values[0])
+        assert resumed.fragments[0].version == 1
+
+    def test_resume_refuses_a_checkpoint_of_another_layout(self):
+        shard = make_shard()
+        with pytest.raises(ValueError, match="shard 0 of 1"):
+            ShardState.from_state_dict(shard.config, 0, 2, shard.to_state_dict(clean=True), 1)
