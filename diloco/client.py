@@ -57,6 +57,10 @@ class Backoff:
         return rng.uniform(0.0, min(self.maximum, self.initial * self.multiplier**attempt))
 
 
+def _method(name: str) -> str:
+    return f"/{pb.DESCRIPTOR.services_by_name['Syncer'].full_name}/{name}"
+
+
 class SyncerClient:
     def __init__(
         self,
@@ -79,6 +83,12 @@ class SyncerClient:
         self._rng = random.Random(seed)
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.SyncerStub(self._channel)
+        # The tensor-carrying calls skip message objects: serialized chunks out, zero-copy views in.
+        self._seed = self._channel.stream_unary(_method("Seed"), None, pb.SeedReply.FromString)
+        self._push = self._channel.stream_unary(_method("PushDelta"), None, pb.PushReply.FromString)
+        self._pull = self._channel.unary_stream(
+            _method("Pull"), pb.PullRequest.SerializeToString, wire.parse_fragment_chunk
+        )
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def close(self) -> None:
@@ -131,8 +141,8 @@ class SyncerClient:
         unset = pb.FragmentVersion()
         return self._retrying(
             "Seed",
-            lambda: self._stub.Seed(
-                wire.fragment_chunks(fragment_id, unset, payloads, blobs),
+            lambda: self._seed(
+                wire.fragment_messages(fragment_id, unset, payloads, blobs),
                 timeout=self.timeout,
                 metadata=self._metadata,
             ),
@@ -162,8 +172,8 @@ class SyncerClient:
         )
         return self._retrying(
             "PushDelta",
-            lambda: self._stub.PushDelta(
-                wire.push_chunks(header, payloads, blobs), timeout=self.timeout, metadata=self._metadata
+            lambda: self._push(
+                wire.push_messages(header, payloads, blobs), timeout=self.timeout, metadata=self._metadata
             ),
         )
 
@@ -176,9 +186,7 @@ class SyncerClient:
         )
 
         def attempt() -> tuple[pb.FragmentVersion, list[tuple[str, torch.Tensor]]] | None:
-            chunks: Iterator[pb.FragmentChunk] = self._stub.Pull(
-                request, timeout=self.timeout, metadata=self._metadata
-            )
+            chunks: Iterator[wire.Part] = self._pull(request, timeout=self.timeout, metadata=self._metadata)
             first = next(chunks, None)
             if first is None:
                 return None

@@ -9,11 +9,12 @@ that the contract prescribes.
 """
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from diloco.encoding import EncodingError, decode, encode, encoded_nbytes
 from diloco.v1 import syncer_pb2 as pb
@@ -23,8 +24,19 @@ MAX_CHUNK_BYTES = 4 * 1024 * 1024
 _DTYPES = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16}
 _QUANTISED = (pb.INT8, pb.INT4)
 
+_DATA_TAG = b"\x12"  # field 2 (`data`), length-delimited: the same in PushChunk and FragmentChunk
+
 _Header = pb.FragmentHeader | pb.PushHeader
 _Chunk = TypeVar("_Chunk", pb.FragmentChunk, pb.PushChunk)
+
+
+class _Undecodable:
+    """What a deserializer returns for bytes that are no chunk message, so the reader (not gRPC, which
+    would answer INTERNAL) refuses the call with INVALID_ARGUMENT."""
+
+
+Part = pb.FragmentHeader | pb.PushHeader | memoryview | _Undecodable
+_PARTS = (pb.FragmentHeader, pb.PushHeader, memoryview, _Undecodable)
 
 
 class WireError(Exception):
@@ -64,11 +76,8 @@ def tensor_payloads(
     return payloads, blobs
 
 
-def split(blobs: Iterable[bytes], max_chunk: int = MAX_CHUNK_BYTES) -> Iterator[bytes]:
-    """The concatenation of `blobs` in pieces of at most `max_chunk` bytes; pieces may span blob boundaries.
-
-    Slices memoryviews, so each byte is copied once, into the piece that carries it.
-    """
+def _pieces(blobs: Iterable[bytes], max_chunk: int) -> Iterator[list[memoryview]]:
+    """The concatenation of `blobs` as runs of views adding up to at most `max_chunk` bytes each."""
     if max_chunk <= 0:
         raise ValueError(f"max_chunk must be positive, got {max_chunk}")
     parts: list[memoryview] = []
@@ -82,46 +91,105 @@ def split(blobs: Iterable[bytes], max_chunk: int = MAX_CHUNK_BYTES) -> Iterator[
             size += take
             offset += take
             if size == max_chunk:
-                yield b"".join(parts)
+                yield parts
                 parts, size = [], 0
     if size:
+        yield parts
+
+
+def split(blobs: Iterable[bytes], max_chunk: int = MAX_CHUNK_BYTES) -> Iterator[bytes]:
+    """The concatenation of `blobs` in pieces of at most `max_chunk` bytes; pieces may span blob boundaries."""
+    for parts in _pieces(blobs, max_chunk):
         yield b"".join(parts)
 
 
-def _chunks(chunk_type: type[_Chunk], header: _Header, blobs: list[bytes], max_chunk: int) -> Iterator[_Chunk]:
-    yield chunk_type(header=header)
-    for piece in split(blobs, max_chunk):
-        yield chunk_type(data=piece)
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
-def fragment_chunks(
+def _messages(chunk_type: type[_Chunk], header: _Header, blobs: Sequence[bytes], max_chunk: int) -> Iterator[bytes]:
+    """Serialized chunk messages. A data message is written straight from the encoded bytes (tag, length,
+    payload: exactly what protobuf would write), sparing the copies that building message objects costs."""
+    yield chunk_type(header=header).SerializeToString()
+    for parts in _pieces(blobs, max_chunk):
+        size = sum(len(p) for p in parts)
+        yield b"".join((_DATA_TAG, _varint(size), *parts))
+
+
+def fragment_messages(
     fragment_id: int,
     version: pb.FragmentVersion,
     payloads: Sequence[pb.TensorPayload],
     blobs: Sequence[bytes],
     max_chunk: int = MAX_CHUNK_BYTES,
-) -> Iterator[pb.FragmentChunk]:
-    """The messages of a Seed request or a Pull reply: a FragmentHeader, then the data.
+) -> Iterator[bytes]:
+    """The serialized FragmentChunk messages of a Seed request or a Pull reply: a header, then the data.
 
     Takes bytes encoded once by `tensor_payloads`, so a retried call or many pulls of one version re-send
     them without encoding again.
     """
     header = pb.FragmentHeader(fragment_id=fragment_id, version=version, tensors=payloads)
-    return _chunks(pb.FragmentChunk, header, list(blobs), max_chunk)
+    return _messages(pb.FragmentChunk, header, blobs, max_chunk)
 
 
-def push_chunks(
+def push_messages(
     header: pb.PushHeader,
     payloads: Sequence[pb.TensorPayload],
     blobs: Sequence[bytes],
     max_chunk: int = MAX_CHUNK_BYTES,
-) -> Iterator[pb.PushChunk]:
-    """The messages of a PushDelta request: a copy of `header` with its tensors filled in, then the data."""
+) -> Iterator[bytes]:
+    """The serialized PushChunk messages of a PushDelta request: `header` with its tensors, then the data."""
     filled = pb.PushHeader()
     filled.CopyFrom(header)
     del filled.tensors[:]
     filled.tensors.extend(payloads)
-    return _chunks(pb.PushChunk, filled, list(blobs), max_chunk)
+    return _messages(pb.PushChunk, filled, blobs, max_chunk)
+
+
+def _parser(chunk_type: type[_Chunk]) -> Callable[[bytes], "Part"]:
+    def parse(raw: bytes) -> Part:
+        if raw[:1] == _DATA_TAG:
+            size, offset = _read_varint(raw, 1)
+            if offset + size == len(raw):
+                return memoryview(raw)[offset:]
+        try:
+            chunk = chunk_type.FromString(raw)
+        except DecodeError:
+            return _Undecodable()
+        return _part(chunk)
+
+    return parse
+
+
+def _read_varint(raw: bytes, offset: int) -> tuple[int, int]:
+    """A protobuf varint at `offset` and the offset after it; (-1, offset) if it runs off the end."""
+    value = shift = 0
+    for index in range(offset, min(len(raw), offset + 10)):
+        value |= (raw[index] & 0x7F) << shift
+        if raw[index] < 0x80:
+            return value, index + 1
+        shift += 7
+    return -1, offset
+
+
+def _part(chunk: _Chunk) -> "Part":
+    kind = chunk.WhichOneof("part")
+    if kind == "header":
+        return chunk.header
+    if kind == "data":
+        return memoryview(chunk.data)
+    return _Undecodable()
+
+
+parse_fragment_chunk = _parser(pb.FragmentChunk)
+parse_fragment_chunk.__doc__ = "gRPC deserializer of FragmentChunk: a data message becomes a view, not a copy."
+parse_push_chunk = _parser(pb.PushChunk)
+parse_push_chunk.__doc__ = "gRPC deserializer of PushChunk: a data message becomes a view, not a copy."
 
 
 def _declared_total(payloads: Iterable[pb.TensorPayload]) -> int:
@@ -146,40 +214,40 @@ def _declared_total(payloads: Iterable[pb.TensorPayload]) -> int:
 
 
 def _read_stream(
-    chunks: Iterable[_Chunk], max_chunk: int, max_total_bytes: int | None
+    items: Iterable["Part | _Chunk"], max_chunk: int, max_total_bytes: int | None
 ) -> tuple[_Header, list[tuple[pb.TensorPayload, torch.Tensor]]]:
-    it = iter(chunks)
-    first = next(it, None)
-    if first is None:
+    parts = (item if isinstance(item, _PARTS) else _part(item) for item in items)
+    header = next(parts, None)
+    if header is None:
         raise _invalid("empty stream: expected a header")
-    if first.WhichOneof("part") != "header":
+    if not isinstance(header, (pb.FragmentHeader, pb.PushHeader)):
         raise _invalid("first message is not a header")
-    header = first.header
     total = _declared_total(header.tensors)
     if max_total_bytes is not None and total > max_total_bytes:
         raise WireError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"header declares {total} bytes, more than the limit of {max_total_bytes}",
         )
-    # Grown as data arrives rather than allocated from the header, so memory follows what was really sent.
-    buf = bytearray()
-    for chunk in it:
-        part = chunk.WhichOneof("part")
-        if part == "header":
+    # Untouched pages of a large zeroed allocation cost nothing, so a header that lies costs no memory.
+    buf = bytearray(total)
+    view = memoryview(buf)
+    received = 0
+    for part in parts:
+        if isinstance(part, (pb.FragmentHeader, pb.PushHeader)):
             raise _invalid("header after the first message")
-        if part != "data":
-            raise _invalid("message with neither header nor data")
-        if len(chunk.data) > max_chunk:
+        if isinstance(part, _Undecodable):
+            raise _invalid("message with neither header nor data, or not a chunk message at all")
+        if len(part) > max_chunk:
             raise WireError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"data message of {len(chunk.data)} bytes exceeds the chunk limit of {max_chunk}",
+                f"data message of {len(part)} bytes exceeds the chunk limit of {max_chunk}",
             )
-        if len(buf) + len(chunk.data) > total:
+        if received + len(part) > total:
             raise _invalid(f"trailing bytes: more data than the {total} bytes the header declares")
-        buf += chunk.data
-    if len(buf) != total:
-        raise _invalid(f"truncated stream: got {len(buf)} of {total} bytes")
-    view = memoryview(buf)
+        view[received : received + len(part)] = part
+        received += len(part)
+    if received != total:
+        raise _invalid(f"truncated stream: got {received} of {total} bytes")
     tensors = []
     offset = 0
     for p in header.tensors:
@@ -193,14 +261,15 @@ def _read_stream(
 
 
 def read_fragment_stream(
-    chunks: Iterable[pb.FragmentChunk], *, max_chunk: int = MAX_CHUNK_BYTES, max_total_bytes: int | None = None
+    chunks: Iterable["Part | pb.FragmentChunk"], *, max_chunk: int = MAX_CHUNK_BYTES, max_total_bytes: int | None = None
 ) -> tuple[pb.FragmentHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
-    """Read a Seed request or Pull reply into its header and float32 tensors; raises WireError if malformed."""
+    """Read a Seed request or Pull reply (messages, or parts from `parse_fragment_chunk`) into its header
+    and float32 tensors; raises WireError if malformed."""
     return _read_stream(chunks, max_chunk, max_total_bytes)
 
 
 def read_push_stream(
-    chunks: Iterable[pb.PushChunk], *, max_chunk: int = MAX_CHUNK_BYTES, max_total_bytes: int | None = None
+    chunks: Iterable["Part | pb.PushChunk"], *, max_chunk: int = MAX_CHUNK_BYTES, max_total_bytes: int | None = None
 ) -> tuple[pb.PushHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     """Read a PushDelta request into its header and float32 tensors; raises WireError if malformed."""
     return _read_stream(chunks, max_chunk, max_total_bytes)

@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import grpc
 import torch
@@ -24,7 +24,6 @@ from diloco import wire
 from diloco.auth import TokenInterceptor
 from diloco.config import TrainingConfig
 from diloco.v1 import syncer_pb2 as pb
-from diloco.v1 import syncer_pb2_grpc as pb_grpc
 from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.shard import PushKey, Refused, ShardState, TensorSpec
@@ -35,6 +34,8 @@ SERVICE_NAME = "diloco.v1.Syncer"
 HEADER_SLACK_BYTES = 1024 * 1024
 MERGE_POLL_SECONDS = 0.5
 SUMMARY_SECONDS = 30.0
+
+H = TypeVar("H", pb.FragmentHeader, pb.PushHeader)
 
 
 def _new_incarnation() -> int:
@@ -81,7 +82,7 @@ class SyncerServer:
         self._dirty = False
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._encoded: dict[tuple[int, int], tuple[int, list[pb.TensorPayload], list[bytes]]] = {}
+        self._replies: dict[tuple[int, int], tuple[int, list[bytes], int]] = {}
         self._health = health.HealthServicer()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="syncer-rpc"),
@@ -92,7 +93,7 @@ class SyncerServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_SyncerServicer_to_server(_Servicer(self), self._server)
+        self._server.add_generic_rpc_handlers((_handlers(_Servicer(self)),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
@@ -214,18 +215,21 @@ class SyncerServer:
 
     # Calls (the servicer below delegates here, holding no gRPC types beyond messages)
 
-    def encoded_fragment(self, index: int, encoding: int) -> tuple[pb.FragmentVersion, list[pb.TensorPayload], list[bytes]]:
-        """The fragment's current values in `encoding`, encoded once per version; the caller holds the lock."""
+    def pull_reply(self, index: int, encoding: int) -> tuple[int, list[bytes], int]:
+        """The serialized Pull reply for the fragment's current values in `encoding` (version, messages,
+        tensor bytes), built once per version; the caller holds the lock."""
         frag = self.state.seeded_fragment(index)
-        cached = self._encoded.get((index, encoding))
+        cached = self._replies.get((index, encoding))
         if cached is None or cached[0] != frag.version:
             named = [(s.name, v) for s, v in zip(frag.specs, frag.values)]
             payloads, blobs = wire.tensor_payloads(named, encoding, self.config.block_size)
             for payload, spec in zip(payloads, frag.specs):
                 payload.dtype = spec.dtype
-            cached = (frag.version, payloads, blobs)
-            self._encoded[(index, encoding)] = cached
-        return _version(self.state.incarnation, cached[0]), cached[1], cached[2]
+            version = _version(self.state.incarnation, frag.version)
+            messages = list(wire.fragment_messages(index, version, payloads, blobs))
+            cached = (frag.version, messages, sum(len(b) for b in blobs))
+            self._replies[(index, encoding)] = cached
+        return cached
 
     def refuse(self, refusal: Refused, context: grpc.ServicerContext) -> None:
         with self._cond:
@@ -235,11 +239,13 @@ class SyncerServer:
         context.abort(refusal.code, refusal.message)
 
 
-def _first_header(chunks: Iterator, kind: str) -> object:
-    """The header message that must open a stream, before any data is buffered."""
-    first = next(chunks, None)
-    if first is None or first.WhichOneof("part") != "header":
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"a {kind} stream must start with a header")
+def _first_header(parts: Iterator[wire.Part], header_type: type[H]) -> H:
+    """The header that must open a stream, read before any data is buffered."""
+    first = next(parts, None)
+    if not isinstance(first, header_type):
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"the stream must start with a {header_type.__name__}"
+        )
     return first
 
 
@@ -248,7 +254,29 @@ def _wire_refusal(error: wire.WireError) -> Refused:
     return Refused(error.code, reason, error.message)
 
 
-class _Servicer(pb_grpc.SyncerServicer):
+def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
+    """The diloco.v1.Syncer service with zero-copy chunk deserializers; Pull yields serialized messages."""
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Join": grpc.unary_unary_rpc_method_handler(
+                servicer.Join, pb.JoinRequest.FromString, pb.JoinReply.SerializeToString
+            ),
+            "Seed": grpc.stream_unary_rpc_method_handler(
+                servicer.Seed, wire.parse_fragment_chunk, pb.SeedReply.SerializeToString
+            ),
+            "PushDelta": grpc.stream_unary_rpc_method_handler(
+                servicer.PushDelta, wire.parse_push_chunk, pb.PushReply.SerializeToString
+            ),
+            "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, pb.PullRequest.FromString, None),
+            "Status": grpc.unary_unary_rpc_method_handler(
+                servicer.Status, pb.StatusRequest.FromString, pb.StatusReply.SerializeToString
+            ),
+        },
+    )
+
+
+class _Servicer:
     def __init__(self, server: SyncerServer) -> None:
         self.s = server
 
@@ -273,11 +301,11 @@ class _Servicer(pb_grpc.SyncerServicer):
                 max_chunk_bytes=wire.MAX_CHUNK_BYTES,
             )
 
-    def Seed(self, request_iterator: Iterator[pb.FragmentChunk], context: grpc.ServicerContext) -> pb.SeedReply:
+    def Seed(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.SeedReply:
         s = self.s
         try:
-            first = _first_header(request_iterator, "seed")
-            index = first.header.fragment_id
+            first = _first_header(request_iterator, pb.FragmentHeader)
+            index = first.fragment_id
             with s._cond:
                 frag = s.state.fragment(index)
                 if frag.seeded:
@@ -299,11 +327,10 @@ class _Servicer(pb_grpc.SyncerServicer):
             log.info("fragment seeded", extra={"fragment": index, "tensors": len(specs)})
         return pb.SeedReply(accepted=accepted, version=version)
 
-    def PushDelta(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> pb.PushReply:
+    def PushDelta(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.PushReply:
         s = self.s
         try:
-            first = _first_header(request_iterator, "push")
-            h = first.header
+            h = _first_header(request_iterator, pb.PushHeader)
             key = PushKey(h.island_id, h.base.incarnation, h.base.version, h.sequence)
             specs = _specs(h.tensors)
             if not h.island_id:
@@ -314,7 +341,7 @@ class _Servicer(pb_grpc.SyncerServicer):
                 limit = s.state.fragments[h.fragment_id].nbytes
             if early is None:
                 _, tensors = wire.read_push_stream(
-                    itertools.chain([first], request_iterator), max_total_bytes=limit
+                    itertools.chain([h], request_iterator), max_total_bytes=limit
                 )
                 with s._cond:
                     result = s.state.submit(
@@ -338,7 +365,7 @@ class _Servicer(pb_grpc.SyncerServicer):
             staleness=result.staleness,
         )
 
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.FragmentChunk]:
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         s = self.s
         encoding = request.encoding or pb.FP32
         try:
@@ -349,11 +376,11 @@ class _Servicer(pb_grpc.SyncerServicer):
                 frag = s.state.seeded_fragment(request.fragment_id)
                 if (request.have.incarnation, request.have.version) == (s.state.incarnation, frag.version):
                     return
-                version, payloads, blobs = s.encoded_fragment(request.fragment_id, encoding)
+                _, messages, nbytes = s.pull_reply(request.fragment_id, encoding)
         except Refused as refusal:
             s.refuse(refusal, context)
-        yield from wire.fragment_chunks(request.fragment_id, version, payloads, blobs)
-        s.metrics.bytes_out.inc(sum(p.byte_length for p in payloads))
+        yield from messages
+        s.metrics.bytes_out.inc(nbytes)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         s = self.s

@@ -9,8 +9,10 @@ from diloco.v1 import syncer_pb2 as pb
 from diloco.wire import (
     MAX_CHUNK_BYTES,
     WireError,
-    fragment_chunks,
-    push_chunks,
+    fragment_messages,
+    parse_fragment_chunk,
+    parse_push_chunk,
+    push_messages,
     read_fragment_stream,
     read_push_stream,
     split,
@@ -23,11 +25,15 @@ VERSION = pb.FragmentVersion(incarnation=3, version=17)
 
 
 def fragment_stream(fragment_id, version, named, encoding, block_size, max_chunk=MAX_CHUNK_BYTES):
-    return fragment_chunks(fragment_id, version, *tensor_payloads(named, encoding, block_size), max_chunk)
+    """Chunk messages as any protobuf peer would parse the serialized stream."""
+    payloads, blobs = tensor_payloads(named, encoding, block_size)
+    messages = fragment_messages(fragment_id, version, payloads, blobs, max_chunk)
+    return [pb.FragmentChunk.FromString(m) for m in messages]
 
 
 def push_stream(header, named, encoding, block_size, max_chunk=MAX_CHUNK_BYTES):
-    return push_chunks(header, *tensor_payloads(named, encoding, block_size), max_chunk)
+    payloads, blobs = tensor_payloads(named, encoding, block_size)
+    return [pb.PushChunk.FromString(m) for m in push_messages(header, payloads, blobs, max_chunk)]
 
 
 def _named(seed=0):
@@ -337,3 +343,32 @@ def test_wire_error_carries_code_and_message():
     error = WireError(INVALID, "bad thing")
     assert error.code == INVALID and error.message == "bad thing"
     assert "bad thing" in str(error)
+
+
+def test_serialized_data_messages_are_exactly_what_protobuf_writes():
+    payloads, blobs = tensor_payloads(_named(), pb.INT8, 16)
+    messages = list(push_messages(_push_header(), payloads, blobs, max_chunk=300))
+    for raw in messages[1:]:
+        assert pb.PushChunk(data=pb.PushChunk.FromString(raw).data).SerializeToString() == raw
+
+
+@pytest.mark.parametrize("parse, build", [
+    (parse_fragment_chunk, lambda p, b: fragment_messages(5, VERSION, p, b, 300)),
+    (parse_push_chunk, lambda p, b: push_messages(_push_header(), p, b, 300)),
+])
+def test_zero_copy_parts_read_like_messages(parse, build):
+    named = _named()
+    payloads, blobs = tensor_payloads(named, pb.FP32, 0)
+    parts = [parse(raw) for raw in build(payloads, blobs)]
+    assert all(isinstance(part, memoryview) for part in parts[1:])
+    read = read_fragment_stream if parse is parse_fragment_chunk else read_push_stream
+    _, decoded = read(parts, max_chunk=300)
+    for (_, want), (_, got) in zip(named, decoded):
+        assert torch.equal(got, want.to(torch.float32))
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xff\xff", b"\x12\x05ab", b"\x0a\x03\x0a\x01"])
+def test_bytes_that_are_no_chunk_are_refused_as_invalid(raw):
+    header = pb.FragmentChunk(header=pb.FragmentHeader(fragment_id=1)).SerializeToString()
+    error = _refusal(read_fragment_stream, [parse_fragment_chunk(header), parse_fragment_chunk(raw)])
+    assert error.code == INVALID
