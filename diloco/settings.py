@@ -29,5 +29,5 @@ def load_token(path: str | None) -> str:
     path = path or env_default("TOKEN_FILE")
     token = Path(path).read_text().strip() if path else (env_default("TOKEN") or "")
     if not token:
-        raise SystemExit("no job token: pass --token-file or set DILOCO_TOKEN / DILOCO_TOKEN_FILE")
+        raise ValueError("no job token: pass --token-file or set DILOCO_TOKEN / DILOCO_TOKEN_FILE")
     return token

@@ -228,9 +228,8 @@ def _read_stream(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"header declares {total} bytes, more than the limit of {max_total_bytes}",
         )
-    # Untouched pages of a large zeroed allocation cost nothing, so a header that lies costs no memory.
-    buf = bytearray(total)
-    view = memoryview(buf)
+    # Uninitialised memory: its pages are committed only as data lands, so a header that lies costs nothing.
+    view = memoryview(torch.empty(total, dtype=torch.uint8).numpy())
     received = 0
     for part in parts:
         if isinstance(part, (pb.FragmentHeader, pb.PushHeader)):

@@ -35,12 +35,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging(args.log_level)
+    try:
+        config, token = load_training_config(args.config), load_token(args.token_file)
+    except (ValueError, OSError) as error:
+        raise SystemExit(f"diloco-syncer: {error}") from None
     metrics = SyncerMetrics()
     server = SyncerServer(
-        load_training_config(args.config),
+        config,
         shard_index=args.shard_index,
         num_shards=args.num_shards,
-        token=load_token(args.token_file),
+        token=token,
         host=args.host,
         port=args.port,
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,

@@ -264,7 +264,7 @@ class ShardState:
                 continue
             if frag.quorum_since is None:
                 frag.quorum_since = now
-            everyone = live <= frag.pending.keys()
+            everyone = bool(live) and live <= frag.pending.keys()
             if everyone or now >= frag.quorum_since + self.config.grace_seconds:
                 due.append(frag.index)
         return due
@@ -320,6 +320,7 @@ class ShardState:
             "num_fragments": self.config.fragments,
             "incarnation": self.incarnation,
             "clean": clean,
+            "islands": dict(self.islands),
             "fragments": {p: _fragment_state(f) for p, f in self.fragments.items()},
         }
 
@@ -333,7 +334,8 @@ class ShardState:
         new_incarnation: int,
     ) -> ShardState:
         """Resumes a shard. After an unclean stop the versions it served may be ahead of the checkpoint, so
-        it takes a new incarnation: islands holding such versions are told to pull again."""
+        it takes a new incarnation: islands holding such versions are told to pull again. When each island
+        was last heard from survives either way, so the quorum cap does not fall to one after a restart."""
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"checkpoint format {state.get('format')} is not {CHECKPOINT_FORMAT}")
         saved = (state["shard_index"], state["num_shards"], state["num_fragments"])
@@ -345,6 +347,7 @@ class ShardState:
             )
         clean = bool(state["clean"])
         shard = cls(config, shard_index, num_shards, state["incarnation"] if clean else new_incarnation)
+        shard.islands = dict(state["islands"])
         for p, fragment in state["fragments"].items():
             _restore_fragment(shard.fragment(p), fragment, keep_pushes=clean)
         return shard

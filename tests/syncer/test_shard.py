@@ -89,6 +89,13 @@ class TestQuorumAndGrace:
         assert shard.poll(20.0) == [0]
 
 
+    def test_no_live_island_is_not_everyone_reporting(self):
+        shard = make_shard(quorum=1, grace_seconds=5.0, island_timeout_seconds=10.0)
+        push(shard, "a", 0.0)
+        assert shard.poll(100.0) == [], "a timed out: nobody is live, so the grace window still runs"
+        assert shard.poll(105.0) == [0]
+
+
 class TestMerge:
     def test_single_contribution_takes_one_nesterov_step(self):
         shard = make_shard()
@@ -200,6 +207,15 @@ class TestCheckpointState:
         assert resumed.fragments[0].version == 1
         assert "b" in resumed.fragments[0].pending
         assert push(resumed, "a", 2.0, base=0, seq=1).duplicate
+
+    def test_resume_remembers_when_islands_were_heard_from(self):
+        shard = make_shard(quorum=2, grace_seconds=60.0, island_timeout_seconds=1000.0)
+        push(shard, "a", 0.0)
+        shard.touch("b", 0.0)
+        for clean in (True, False):
+            resumed = ShardState.from_state_dict(shard.config, 0, 1, shard.to_state_dict(clean=clean), 99)
+            assert resumed.live_islands(1.0) == ["a", "b"]
+            assert resumed.effective_quorum(1.0) == 2, "the quorum cap does not fall to one after a restart"
 
     def test_unclean_resume_takes_a_new_incarnation_and_drops_pending(self):
         shard = make_shard()
