@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -13,29 +12,17 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
-import torch
 
-from diloco.client import Backoff, SyncerClient
 from diloco.config import TrainingConfig
+from diloco.fragments import owned_fragments
 from diloco.syncer.server import SyncerServer
-
-TOKEN = "test-token"
-SHAPES = {"w": (64, 32), "b": (32,)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def fragment_values(fill: float = 0.0) -> list[tuple[str, torch.Tensor]]:
-    return [(name, torch.full(shape, fill)) for name, shape in SHAPES.items()]
-
-
-def make_client(port: int, island: str = "", **kwargs) -> SyncerClient:
-    kwargs.setdefault("backoff", Backoff(initial=0.02, maximum=0.5))
-    return SyncerClient(f"127.0.0.1:{port}", TOKEN, island_id=island, **kwargs)
+from syncer_harness import (  # noqa: F401  (re-exported: the helpers used to live here)
+    SHAPES,
+    TOKEN,
+    fragment_values,
+    free_port,
+    make_client,
+)
 
 
 @pytest.fixture
@@ -45,12 +32,14 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., SyncerServer]]:
 
     def start(config: TrainingConfig, *, seed: bool = True, **kwargs) -> SyncerServer:
         kwargs.setdefault("checkpoint_dir", tmp_path / "ckpt")
-        server = SyncerServer(config, shard_index=0, num_shards=1, token=TOKEN, **kwargs)
+        kwargs.setdefault("shard_index", 0)
+        kwargs.setdefault("num_shards", 1)
+        server = SyncerServer(config, token=TOKEN, **kwargs)
         server.start()
         servers.append(server)
         if seed:
             with make_client(server.port, "seeder") as client:
-                for p in range(config.fragments):
+                for p in owned_fragments(kwargs["shard_index"], kwargs["num_shards"], config.fragments):
                     client.seed(p, fragment_values())
         return server
 
@@ -105,3 +94,4 @@ def syncer_process(tmp_path: Path) -> Iterator[Callable[[TrainingConfig], Syncer
     yield make
     for process in made:
         process.stop()
+

@@ -1,0 +1,86 @@
+"""Helpers shared by the syncer's process-level tests (conftest re-exports the old ones). A module of its own,
+with a unique name, so test modules can import it while other test folders have their own conftest."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Callable
+
+import pytest
+import torch
+
+from diloco.client import Backoff, SyncerClient
+from diloco.config import TrainingConfig
+
+TOKEN = "test-token"
+SHAPES = {"w": (64, 32), "b": (32,)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fragment_values(fill: float = 0.0) -> list[tuple[str, torch.Tensor]]:
+    return [(name, torch.full(shape, fill)) for name, shape in SHAPES.items()]
+
+
+def make_client(port: int, island: str = "", **kwargs) -> SyncerClient:
+    kwargs.setdefault("backoff", Backoff(initial=0.02, maximum=0.5))
+    return SyncerClient(f"127.0.0.1:{port}", TOKEN, island_id=island, **kwargs)
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 10.0, interval: float = 0.02) -> object:
+    """Polls `condition` until it returns something truthy (returned), failing the test after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout} s: {getattr(condition, '__name__', condition)}")
+        time.sleep(interval)
+
+
+def versions(client: SyncerClient) -> dict[int, tuple[int, int]]:
+    """(incarnation, version) per fragment, from the shard's Status."""
+    return {f.fragment_id: (f.version.incarnation, f.version.version) for f in client.status().fragments}
+
+
+def config_for(**overrides) -> TrainingConfig:
+    """A small valid config: two fragments and scale blocks of 32 unless told otherwise."""
+    overrides.setdefault("fragments", 2)
+    overrides.setdefault("inner_steps", 10)
+    overrides.setdefault("overlap_steps", 1)
+    overrides.setdefault("block_size", 32)
+    return TrainingConfig(**overrides)
+
+
+def random_values(seed: int, scale: float = 1.0) -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(name, torch.randn(shape, generator=generator) * scale) for name, shape in SHAPES.items()]
+
+
+class ReferenceFragment:
+    """The outer optimizer written out by hand (Nesterov SGD, zero initial momentum), independent of the
+    code under test: θ ← θ − lr·(g + μ·buf) after buf ← μ·buf + g, g the token-weighted mean of the deltas."""
+
+    def __init__(self, config: TrainingConfig, values: list[tuple[str, torch.Tensor]]) -> None:
+        self.lr = config.outer.lr
+        self.mu = config.outer.momentum
+        self.theta = [v.clone().double() for _, v in values]
+        self.buf = [torch.zeros_like(t) for t in self.theta]
+
+    def merge(self, contributions: list[tuple[list[tuple[str, torch.Tensor]], int]]) -> None:
+        total = sum(tokens for _, tokens in contributions)
+        for j in range(len(self.theta)):
+            g = sum(delta[j][1].double() * tokens for delta, tokens in contributions) / total
+            self.buf[j] = self.mu * self.buf[j] + g
+            self.theta[j] = self.theta[j] - self.lr * (g + self.mu * self.buf[j])
+
+    def assert_matches(self, pulled: list[tuple[str, torch.Tensor]], atol: float = 1e-5) -> None:
+        assert [name for name, _ in pulled] == list(SHAPES)
+        for (name, got), want in zip(pulled, self.theta):
+            assert torch.allclose(got.double(), want, rtol=0, atol=atol), f"tensor {name} differs from the reference"

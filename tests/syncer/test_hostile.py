@@ -1,0 +1,501 @@
+"""Hostile and broken callers against a real shard: every refusal carries the status code of the contract
+(protos/diloco/v1/syncer.proto) and leaves the shard exactly as it was — versions, pending contributions,
+live islands and the values it serves — and a later merge uses only the valid deltas."""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+import pytest
+import torch
+
+from diloco import wire
+from diloco.client import SyncerClient
+from diloco.syncer.server import SyncerServer
+from diloco.v1 import syncer_pb2 as pb
+from diloco.v1 import syncer_pb2_grpc
+from syncer_harness import (
+    TOKEN,
+    ReferenceFragment,
+    config_for,
+    make_client,
+    random_values,
+    wait_until,
+)
+
+pytestmark = pytest.mark.process
+
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+MiB = 1024 * 1024
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+BASE_VERSION = 2  # fragment 0 after the two merges of the scene
+
+
+@dataclass
+class Scene:
+    """A shard with history: fragment 0 merged twice and holding a's pending push, fragment 1 holding c's
+    pending push, fragment 2 never seeded; islands a, b, c live; quorum 2, max staleness 1, a long grace."""
+
+    server: SyncerServer
+    stub: syncer_pb2_grpc.SyncerStub
+    observer: SyncerClient
+    incarnation: int
+    reference: ReferenceFragment  # fragment 0 as it must be after its merges
+    pending: dict[str, tuple[list[tuple[str, torch.Tensor]], int]]  # fragment 0's valid pending deltas
+    islands: dict[str, SyncerClient]
+
+    def base(self, version: int = BASE_VERSION) -> pb.FragmentVersion:
+        return pb.FragmentVersion(incarnation=self.incarnation, version=version)
+
+
+@pytest.fixture
+def scene(start_server) -> Scene:
+    config = config_for(fragments=3, quorum=2, grace_seconds=30.0, max_staleness=1, block_size=32)
+    server = start_server(config, seed=False)
+    islands = {name: make_client(server.port, name) for name in "abc"}
+    observer = make_client(server.port)  # no island id: reading never marks anyone live
+    seeds = {p: random_values(p) for p in (0, 1)}
+    for p, values in seeds.items():
+        assert observer.seed(p, values).accepted
+    for client in islands.values():
+        client.join(3)
+    incarnation = observer.pull(0)[0].incarnation
+    reference = ReferenceFragment(config, seeds[0])
+    for r in range(BASE_VERSION):  # every live island reports: each round merges at once
+        round_deltas = []
+        for i, (name, client) in enumerate(islands.items()):
+            delta, tokens = random_values(100 + 10 * r + i, 0.1), 100 * (i + 1)
+            client.push(0, base=pb.FragmentVersion(incarnation=incarnation, version=r), tokens=tokens,
+                        inner_steps=10, sequence=r, delta=delta, encoding=pb.FP32, block_size=0)
+            round_deltas.append((delta, tokens))
+        wait_until(lambda: observer.pull(0)[0].version == r + 1)
+        reference.merge(round_deltas)
+    reference.assert_matches(observer.pull(0)[1])
+    pending_a = (random_values(200, 0.1), 150)
+    islands["a"].push(0, base=pb.FragmentVersion(incarnation=incarnation, version=BASE_VERSION),
+                      tokens=pending_a[1], inner_steps=10, sequence=100, delta=pending_a[0],
+                      encoding=pb.FP32, block_size=0)
+    islands["c"].push(1, base=pb.FragmentVersion(incarnation=incarnation, version=0), tokens=10, inner_steps=10,
+                      sequence=0, delta=random_values(201, 0.1), encoding=pb.FP32, block_size=0)
+    channel = grpc.insecure_channel(
+        f"127.0.0.1:{server.port}",
+        options=[("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)],
+    )
+    yield Scene(server, syncer_pb2_grpc.SyncerStub(channel), observer, incarnation, reference,
+                {"a": pending_a}, islands)
+    channel.close()
+    observer.close()
+    for client in islands.values():
+        client.close()
+
+
+@dataclass
+class Snapshot:
+    fragments: dict
+    live_islands: list[str]
+    rejected: int
+    values: dict
+
+
+def snapshot(scene: Scene) -> Snapshot:
+    status = scene.observer.status()
+    fragments = {
+        f.fragment_id: (f.seeded, f.version.incarnation, f.version.version, f.pending, f.last_contributors,
+                        f.last_merge_unix, f.max_staleness_seen, f.tokens_merged)
+        for f in status.fragments
+    }
+    values = {}
+    for p, (seeded, *_) in fragments.items():
+        if seeded:
+            version, named = scene.observer.pull(p)
+            values[p] = ((version.incarnation, version.version), named)
+    return Snapshot(fragments, list(status.live_islands), status.rejected_pushes, values)
+
+
+def assert_unchanged(before: Snapshot, after: Snapshot) -> None:
+    assert after.fragments == before.fragments
+    assert after.live_islands == before.live_islands
+    assert after.values.keys() == before.values.keys()
+    for p, (version, named) in before.values.items():
+        assert after.values[p][0] == version
+        for (name, want), (_, got) in zip(named, after.values[p][1]):
+            assert torch.equal(got, want), f"fragment {p} tensor {name} changed"
+
+
+def refused(call: Callable[[], object]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as error:
+        call()
+    return error.value
+
+
+# Push streams. Each builder takes the scene and the island sending, and returns the messages of one stream.
+
+def valid_delta(seed: int = 300) -> list[tuple[str, torch.Tensor]]:
+    return random_values(seed, 0.1)
+
+
+def push_header(scene: Scene, island: str, payloads, *, fragment: int = 0, base: pb.FragmentVersion | None = None,
+                sequence: int = 7) -> pb.PushChunk:
+    return pb.PushChunk(header=pb.PushHeader(
+        island_id=island, fragment_id=fragment, base=base or scene.base(), tokens=100, inner_steps=10,
+        sequence=sequence, tensors=payloads,
+    ))
+
+
+def push_stream(scene, island, named=None, encoding=pb.FP32, block_size=0, **header) -> list[pb.PushChunk]:
+    payloads, blobs = wire.tensor_payloads(named or valid_delta(), encoding, block_size)
+    return [push_header(scene, island, payloads, **header), pb.PushChunk(data=b"".join(blobs))]  # one chunk: small
+
+
+def with_data(scene, island, payloads, data: bytes) -> list[pb.PushChunk]:
+    return [push_header(scene, island, payloads), pb.PushChunk(data=data)]
+
+
+def corrupt_first_value(encoding: int, block_size: int, raw: bytes) -> Callable:
+    """A stream whose first tensor's first 4 (or 2) bytes — a value, or the first block's scale — are `raw`."""
+
+    def build(scene, island):
+        payloads, blobs = wire.tensor_payloads(valid_delta(), encoding, block_size)
+        blobs[0] = raw + blobs[0][len(raw):]
+        return with_data(scene, island, payloads, b"".join(blobs))
+
+    return build
+
+
+def with_payload_changes(
+    change: Callable[[list[pb.TensorPayload]], None], extra: bytes = b"", encoding: int = pb.FP32, block_size: int = 0
+) -> Callable:
+    def build(scene, island):
+        payloads, blobs = wire.tensor_payloads(valid_delta(), encoding, block_size)
+        change(payloads)
+        return with_data(scene, island, payloads, b"".join(blobs) + extra)
+
+    return build
+
+
+def set_field(index: int, **fields) -> Callable[[list[pb.TensorPayload]], None]:
+    def change(payloads):
+        for key, value in fields.items():
+            setattr(payloads[index], key, value)
+
+    return change
+
+
+def truncated(scene, island):
+    chunks = push_stream(scene, island)
+    return [chunks[0], pb.PushChunk(data=chunks[1].data[:-100])]
+
+
+def trailing(scene, island):
+    return push_stream(scene, island) + [pb.PushChunk(data=b"\0" * 8)]
+
+
+def second_header(scene, island):
+    chunks = push_stream(scene, island)
+    return chunks[:1] + chunks[:1] + chunks[1:]
+
+
+def data_first(scene, island):
+    chunks = push_stream(scene, island)
+    return chunks[1:] + chunks[:1]
+
+
+def oversize_message(scene, island):
+    """A valid header, then one data message of 6 MiB: beyond the 4 MiB chunks plus any slack for framing."""
+    payloads, _ = wire.tensor_payloads(valid_delta(), pb.FP32, 0)
+    return with_data(scene, island, payloads, b"\0" * (6 * MiB))
+
+
+def oversize_chunk(scene, island):
+    """One data message a byte over the contract's 4 MiB chunk limit (small enough for gRPC's own limit)."""
+    payloads, _ = wire.tensor_payloads(valid_delta(), pb.FP32, 0)
+    return with_data(scene, island, payloads, b"\0" * (4 * MiB + 1))
+
+
+def beyond_fragment_size(scene, island):
+    """A header consistent in itself (int8 with one scale per element: 5 bytes per element) that declares more
+    bytes than the fragment holds in float32 (4 per element): refused as oversize before any data is read."""
+    return push_stream(scene, island, encoding=pb.INT8, block_size=1)
+
+
+NAN32, INF32 = struct.pack("<f", math.nan), struct.pack("<f", math.inf)
+PUSH_CASES = {
+    "wrong shape": (lambda s, i: push_stream(s, i, [("w", torch.zeros(32, 64)), ("b", torch.zeros(32))]), INVALID),
+    "wrong tensor count": (lambda s, i: push_stream(s, i, valid_delta()[:1]), INVALID),
+    "extra tensor": (lambda s, i: push_stream(s, i, valid_delta() + [("c", torch.zeros(2))]), INVALID),
+    "wrong tensor name": (lambda s, i: push_stream(s, i, [("x", t) for _, t in valid_delta()[:1]] + valid_delta()[1:]),
+                          INVALID),
+    "bfloat16 dtype for a float32 fragment": (
+        lambda s, i: push_stream(s, i, [(n, t.bfloat16()) for n, t in valid_delta()]), INVALID),
+    "unknown dtype": (with_payload_changes(set_field(0, dtype=7)), INVALID),
+    "NaN in fp32 data": (corrupt_first_value(pb.FP32, 0, NAN32), INVALID),
+    "Inf in fp32 data": (corrupt_first_value(pb.FP32, 0, INF32), INVALID),
+    "-Inf in fp32 data": (corrupt_first_value(pb.FP32, 0, struct.pack("<f", -math.inf)), INVALID),
+    "NaN in bf16 data": (corrupt_first_value(pb.BF16, 0, b"\xc0\x7f"), INVALID),
+    "Inf scale in int8 data": (corrupt_first_value(pb.INT8, 32, INF32), INVALID),
+    "NaN scale in int4 data": (corrupt_first_value(pb.INT4, 32, NAN32), INVALID),
+    "unknown encoding": (with_payload_changes(set_field(0, encoding=9)), INVALID),
+    "odd int4 block size": (with_payload_changes(set_field(0, block_size=3), encoding=pb.INT4, block_size=32),
+                            INVALID),
+    "int8 without a block size": (with_payload_changes(set_field(0, block_size=0), encoding=pb.INT8, block_size=32),
+                                  INVALID),
+    "unknown fragment": (lambda s, i: push_stream(s, i, fragment=7), INVALID),
+    "unseeded fragment": (lambda s, i: push_stream(s, i, fragment=2, base=s.base(0)), PRECONDITION),
+    "stale beyond maxStaleness": (lambda s, i: push_stream(s, i, base=s.base(0)), PRECONDITION),
+    "base ahead of the current version": (lambda s, i: push_stream(s, i, base=s.base(BASE_VERSION + 1)),
+                                          PRECONDITION),
+    "base from another incarnation": (
+        lambda s, i: push_stream(s, i, base=pb.FragmentVersion(incarnation=s.incarnation + 1, version=BASE_VERSION)),
+        PRECONDITION),
+    "data message over 4 MiB plus slack": (oversize_message, EXHAUSTED),
+    "data message over the 4 MiB chunk limit": (oversize_chunk, EXHAUSTED),
+    "header declares more bytes than the fragment holds": (beyond_fragment_size, EXHAUSTED),
+    "byte_length beyond what the shape implies": (with_payload_changes(
+        lambda ps: setattr(ps[0], "byte_length", ps[0].byte_length + 4), extra=b"\0" * 4), INVALID),
+    "byte_length short of what the shape implies": (with_payload_changes(
+        lambda ps: setattr(ps[0], "byte_length", ps[0].byte_length - 4)), INVALID),
+    "negative dimension": (with_payload_changes(lambda ps: ps[1].shape.__setitem__(0, -32)), INVALID),
+    "truncated stream": (truncated, INVALID),
+    "trailing bytes": (trailing, INVALID),
+    "second header": (second_header, INVALID),
+    "data before the header": (data_first, INVALID),
+    "empty stream": (lambda s, i: [], INVALID),
+    "message with neither header nor data": (lambda s, i: push_stream(s, i)[:1] + [pb.PushChunk()], INVALID),
+    "no island id": (lambda s, i: push_stream(s, ""), INVALID),
+}
+
+
+@pytest.mark.parametrize("case", list(PUSH_CASES))
+def test_hostile_push_is_refused_and_changes_nothing(scene, case):
+    build, code = PUSH_CASES[case]
+    before = snapshot(scene)
+    # b has no pending push on fragment 0: if this one were taken, fragment 0 would show two pending.
+    error = refused(lambda: scene.stub.PushDelta(iter(build(scene, "b")), metadata=AUTH, timeout=30))
+    assert error.code() == code, error.details()
+    after = snapshot(scene)
+    assert_unchanged(before, after)
+    if case == "data message over 4 MiB plus slack":
+        # gRPC itself may refuse the message before the shard's code sees it; then nothing is counted.
+        assert after.rejected - before.rejected in (0, 1)
+    else:
+        assert after.rejected == before.rejected + 1
+
+
+def test_refused_pushes_never_reach_a_merge(scene):
+    """Island a, holding a valid pending delta, sends every hostile push; the next merge uses only valid deltas."""
+    for case, (build, code) in PUSH_CASES.items():
+        error = refused(lambda: scene.stub.PushDelta(iter(build(scene, "a")), metadata=AUTH, timeout=30))
+        assert error.code() == code, case
+    contributions = [scene.pending["a"]]
+    for i, name in enumerate("bc"):
+        delta, tokens = random_values(400 + i, 0.1), 50 * (i + 1)
+        reply = scene.islands[name].push(0, base=scene.base(), tokens=tokens, inner_steps=10, sequence=9,
+                                         delta=delta, encoding=pb.FP32, block_size=0)
+        assert not reply.duplicate
+        contributions.append((delta, tokens))
+    version, values = wait_until(lambda: (got := scene.observer.pull(0))[0].version == BASE_VERSION + 1 and got)
+    scene.reference.merge(contributions)
+    scene.reference.assert_matches(values)
+    status = next(f for f in scene.observer.status().fragments if f.fragment_id == 0)
+    assert (status.last_contributors, status.pending) == (3, 0)
+
+
+# Seeds: fragment 2 awaits its seed and must still await it after each refusal.
+
+def seed_chunks(fragment, payloads, blobs) -> list[pb.FragmentChunk]:
+    header = pb.FragmentHeader(fragment_id=fragment, tensors=payloads)
+    return [pb.FragmentChunk(header=header), pb.FragmentChunk(data=b"".join(blobs))]
+
+
+def seed_stream(named, fragment=2) -> list[pb.FragmentChunk]:
+    return seed_chunks(fragment, *wire.tensor_payloads(named, pb.FP32, 0))
+
+
+def seed_with_nan():
+    payloads, blobs = wire.tensor_payloads(random_values(5), pb.FP32, 0)
+    blobs[1] = NAN32 + blobs[1][4:]
+    return seed_chunks(2, payloads, blobs)
+
+
+def seed_declaring_4_tib():
+    huge = pb.TensorPayload(name="w", shape=[2**40], dtype=pb.FLOAT32, encoding=pb.FP32, byte_length=2**42)
+    header = pb.FragmentHeader(fragment_id=2, tensors=[huge])
+    return [pb.FragmentChunk(header=header), pb.FragmentChunk(data=b"\0" * 1024)]
+
+
+SEED_CASES = {
+    "NaN value": (seed_with_nan, INVALID),
+    "no tensors": (lambda: seed_stream([]), INVALID),
+    "header declares more than a fragment may hold": (seed_declaring_4_tib, EXHAUSTED),
+    "truncated": (lambda: seed_stream(random_values(5))[:1], INVALID),
+    "data before the header": (lambda: seed_stream(random_values(5))[::-1], INVALID),
+    "unknown fragment": (lambda: seed_stream(random_values(5), fragment=7), INVALID),
+    "empty stream": (lambda: [], INVALID),
+}
+
+
+@pytest.mark.parametrize("case", list(SEED_CASES))
+def test_hostile_seed_is_refused_and_changes_nothing(scene, case):
+    build, code = SEED_CASES[case]
+    before = snapshot(scene)
+    error = refused(lambda: scene.stub.Seed(iter(build()), metadata=AUTH, timeout=30))
+    assert error.code() == code, error.details()
+    after = snapshot(scene)
+    assert_unchanged(before, after)
+    assert after.rejected == before.rejected + 1
+    assert list(scene.islands["a"].join(3).unseeded_fragments) == [2]
+
+
+@pytest.mark.parametrize(
+    "request_, code",
+    [
+        (pb.PullRequest(fragment_id=7), INVALID),
+        (pb.PullRequest(fragment_id=2), PRECONDITION),
+        (pb.PullRequest(fragment_id=0, encoding=9), INVALID),
+    ],
+    ids=["unknown fragment", "unseeded fragment", "unknown encoding"],
+)
+def test_hostile_pull_is_refused(scene, request_, code):
+    before = snapshot(scene)
+    error = refused(lambda: list(scene.stub.Pull(request_, metadata=AUTH, timeout=30)))
+    assert error.code() == code, error.details()
+    assert_unchanged(before, snapshot(scene))
+
+
+def test_join_with_another_layout_is_refused_and_does_not_make_the_island_live(scene):
+    before = snapshot(scene)
+    error = refused(lambda: scene.stub.Join(pb.JoinRequest(island_id="zed", num_fragments=4), metadata=AUTH,
+                                            timeout=30))
+    assert error.code() == INVALID
+    assert_unchanged(before, snapshot(scene))
+
+
+# Credentials
+
+CREDENTIALS = {
+    "missing": None,
+    "wrong token": (("authorization", "Bearer wrong-token"),),
+    "token without the Bearer scheme": (("authorization", TOKEN),),
+    "prefix of the token": (("authorization", f"Bearer {TOKEN[:-1]}"),),
+    "token with a suffix": (("authorization", f"Bearer {TOKEN}x"),),
+    "empty bearer": (("authorization", "Bearer "),),
+}
+
+CALLS = {
+    "Join": lambda s, md: s.stub.Join(pb.JoinRequest(island_id="intruder", num_fragments=3), metadata=md, timeout=30),
+    "Seed": lambda s, md: s.stub.Seed(iter(seed_stream(random_values(9))), metadata=md, timeout=30),
+    "PushDelta": lambda s, md: s.stub.PushDelta(iter(push_stream(s, "intruder")), metadata=md, timeout=30),
+    "Pull": lambda s, md: list(s.stub.Pull(pb.PullRequest(fragment_id=0, island_id="intruder"), metadata=md,
+                                           timeout=30)),
+    "Status": lambda s, md: s.stub.Status(pb.StatusRequest(), metadata=md, timeout=30),
+}
+
+
+@pytest.mark.parametrize("rpc", list(CALLS))
+def test_every_call_needs_the_token(scene, rpc):
+    before = snapshot(scene)
+    for name, metadata in CREDENTIALS.items():
+        error = refused(lambda: CALLS[rpc](scene, metadata))
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED, name
+        after = snapshot(scene)
+        assert "intruder" not in after.live_islands
+        assert_unchanged(before, after)  # fragment 2 is still unseeded, nothing pending was added
+    CALLS[rpc](scene, AUTH)  # the same call with the token goes through
+
+
+# A client that gives up halfway
+
+def cancelled_push(scene: Scene, chunks: list[pb.PushChunk], data: bytes) -> None:
+    """Sends the header and `data`, then cancels the call without ever half-closing the stream."""
+    sent, release = threading.Event(), threading.Event()
+
+    def stream():
+        yield chunks[0]
+        yield pb.PushChunk(data=data)
+        sent.set()
+        release.wait(30)
+
+    call = scene.stub.PushDelta.future(stream(), metadata=AUTH, timeout=30)
+    try:
+        assert sent.wait(10)
+        time.sleep(0.3)  # let the shard read what was sent
+        assert call.cancel()
+    finally:
+        release.set()
+    assert call.code() == grpc.StatusCode.CANCELLED
+    time.sleep(0.3)
+
+
+def pending_on_fragment0(scene: Scene) -> int:
+    return next(f for f in scene.observer.status().fragments if f.fragment_id == 0).pending
+
+
+def test_push_cancelled_mid_data_changes_nothing(scene):
+    before = snapshot(scene)
+    chunks = push_stream(scene, "b", sequence=11)
+    cancelled_push(scene, chunks, chunks[1].data[: len(chunks[1].data) // 2])
+    assert_unchanged(before, snapshot(scene))
+    # The cancelled push was never counted: sent again whole, the same push is new to the shard.
+    reply = scene.stub.PushDelta(iter(chunks), metadata=AUTH, timeout=30)
+    assert not reply.duplicate and reply.current.version == BASE_VERSION
+    assert pending_on_fragment0(scene) == 2
+
+
+def test_push_cancelled_after_all_its_data_counts_at_most_once(scene):
+    """All data sent, the stream never half-closed, then cancelled. gRPC's sync server may see the cancel as
+    the end of the stream, so the shard may take the push (as if only the reply were lost); either way it
+    counts once: the retry is then a duplicate, and nothing but b's pending contribution changes."""
+    before = snapshot(scene)
+    chunks = push_stream(scene, "b", sequence=11)
+    cancelled_push(scene, chunks, chunks[1].data)
+    taken = pending_on_fragment0(scene) == 2
+    reply = scene.stub.PushDelta(iter(chunks), metadata=AUTH, timeout=30)
+    assert reply.duplicate == taken and reply.current.version == BASE_VERSION
+    after = snapshot(scene)
+    assert pending_on_fragment0(scene) == 2
+    assert after.values.keys() == before.values.keys()
+    for p, (version, named) in before.values.items():
+        assert after.values[p][0] == version
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(named, after.values[p][1]))
+
+
+# Memory: what a refused stream costs the shard
+
+def peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc status")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_a_header_that_lies_about_its_size_costs_no_memory(syncer_process):
+    """A seed header may declare up to the shard's fragment limit (16 GiB by default) and then send almost
+    nothing: the shard must not reserve what was declared before the data arrives (the contract's reason for
+    checking every declared length is that a peer is untrusted)."""
+    process = syncer_process(config_for())
+    declared = 1024 * MiB
+    lying = pb.TensorPayload(name="w", shape=[declared // 4], dtype=pb.FLOAT32, encoding=pb.FP32,
+                             byte_length=declared)
+    chunks = [pb.FragmentChunk(header=pb.FragmentHeader(fragment_id=0, tensors=[lying])),
+              pb.FragmentChunk(data=b"\0" * 1024)]
+    with grpc.insecure_channel(f"127.0.0.1:{process.port}") as channel:
+        stub = syncer_pb2_grpc.SyncerStub(channel)
+        stub.Status(pb.StatusRequest(), metadata=AUTH, timeout=30)  # everything a call needs is loaded
+        peak_before = peak_rss_bytes(process.proc.pid)
+        error = refused(lambda: stub.Seed(iter(chunks), metadata=AUTH, timeout=60))
+        assert error.code() == INVALID, error.details()  # truncated: 1 KiB of the 1 GiB declared
+        growth = peak_rss_bytes(process.proc.pid) - peak_before
+    assert growth < declared // 4, f"a 1 KiB stream declaring 1 GiB raised the peak memory by {growth >> 20} MiB"
+    with make_client(process.port) as client:
+        assert list(client.join(2).unseeded_fragments) == [0, 1]
