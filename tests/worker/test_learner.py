@@ -1,0 +1,231 @@
+"""Learners against real syncer shards on loopback: merging, sharding, late joiners, shard restarts, slow
+islands and refused pushes."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from diloco.worker.learner import Learner
+from learner_harness import BATCH, TOKEN, flat_params, make_config, tiny_model
+
+pytestmark = pytest.mark.process
+
+
+def pulled_params(shards, learner) -> dict[str, torch.Tensor]:
+    """Every tensor of the model as the owning shard serves it now."""
+    values = {}
+    for p in range(shards.config.fragments):
+        with shards.client(p % shards.count) as client:
+            _, named = client.pull(p)
+        values.update(named)
+    return values
+
+
+def test_two_islands_merge_and_move_toward_each_other(start_shards, island):
+    config = make_config(encoding="int4", block_size=8)
+    shards = start_shards(config)
+    a = island(shards, seed=1, name="island-a")
+    b = island(shards, seed=2, name="island-b")
+    assert torch.equal(flat_params(a.model), flat_params(b.model)), "both start from the global values"
+
+    # The same two islands (same start, same data, same inner optimizer) without any syncing.
+    alone = [tiny_model(0), tiny_model(0)]
+    for model in alone:
+        model.load_state_dict(a.model.state_dict())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in alone]
+    data = [torch.Generator().manual_seed(1001), torch.Generator().manual_seed(1002)]
+    teachers = [torch.randn(8, 4, generator=g) for g in data]
+
+    steps = 24
+    for _ in range(steps):
+        a.train(1)
+        b.train(1)
+        for model, optimizer, gen, teacher in zip(alone, optimizers, data, teachers):
+            x = torch.randn(BATCH, 8, generator=gen)
+            torch.nn.functional.mse_loss(model(x), x @ teacher).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    synced = (flat_params(a.model) - flat_params(b.model)).norm()
+    apart = (flat_params(alone[0]) - flat_params(alone[1])).norm()
+    assert synced < 0.5 * apart, f"synced islands are {synced:.4f} apart, unsynced ones {apart:.4f}"
+
+    status = shards.status(0)
+    for p in (0, 1):
+        seeded, version, tokens = status[p]
+        assert seeded and version >= steps // config.inner_steps, f"fragment {p} at version {version}"
+        assert tokens > 0
+    for learner in (a.learner, b.learner):
+        stats = learner.stats
+        assert stats.inner_steps == steps and stats.tokens == steps * BATCH
+        assert stats.syncs_pushed >= steps // config.inner_steps * 2 - 2
+        assert stats.syncs_merged > 0 and stats.syncs_failed == 0
+        assert stats.bytes_pushed > 0 and stats.bytes_pulled > 0
+        assert stats.blocked_seconds > 0
+        assert all(stats.versions[p].version > 0 for p in (0, 1))
+    # int4 with 8-element blocks: a byte per 2 values plus a float32 scale per block, far below fp32.
+    numel = sum(p.numel() for p in a.model.parameters())
+    assert a.learner.stats.bytes_pushed < a.learner.stats.syncs_pushed * numel * 4 / 2
+
+
+def test_fragments_go_to_the_shard_that_owns_them(start_shards, island):
+    shards = start_shards(make_config(), count=2)
+    one = island(shards, seed=1, name="island-a")
+    one.train(8)  # fragment 1 pushed at steps 2 and 6, fragment 0 at steps 4 and 8
+
+    by_shard = [shards.status(0), shards.status(1)]
+    assert sorted(by_shard[0]) == [0] and sorted(by_shard[1]) == [1]
+    for p, status in enumerate(by_shard):
+        seeded, version, tokens = status[p]
+        assert seeded and version == 2 and tokens > 0
+    versions = one.learner.stats.versions
+    assert versions[1].version == 2
+    assert versions[0].version == 1, "the merge of step 8's push is mixed in τ = 1 step later"
+    one.train(1)
+    assert one.learner.stats.versions[0].version == 2
+
+
+def test_shards_listed_out_of_order_are_refused(start_shards, island):
+    shards = start_shards(make_config(), count=2)
+    swapped = island(shards, seed=1, name="island-a", start=False, syncers=shards.targets[::-1])
+    with pytest.raises(ValueError, match="index order"):
+        swapped.learner.start()
+
+
+def test_late_island_starts_from_the_global_values(start_shards, island):
+    shards = start_shards(make_config())
+    early = island(shards, seed=1, name="island-a")
+    early.train(9)
+    assert all(v.version == 2 for v in early.learner.stats.versions.values())
+
+    late = island(shards, seed=7, name="island-b", start=False)
+    own_init = {name: p.detach().clone() for name, p in late.model.named_parameters()}
+    late.learner.start()
+
+    served = pulled_params(shards, late.learner)
+    for name, param in late.model.named_parameters():
+        assert torch.equal(param.detach(), served[name]), name
+        assert not torch.equal(param.detach(), own_init[name]), name
+    assert {p: v.version for p, v in late.learner.stats.versions.items()} == {0: 2, 1: 2}
+
+
+def test_training_goes_on_while_the_shard_restarts(start_shards, island):
+    shards = start_shards(make_config())
+    one = island(shards, seed=1, name="island-a")
+    one.train(8)
+    before = shards.status(0)
+
+    shards.stop(0)
+    for _ in range(12):
+        one.train(1, wait=False)
+        time.sleep(0.01)
+    shards.start(0, shards.ports[0])
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(
+        v.version <= before[p][1] + 1 for p, v in one.learner.stats.versions.items()
+    ):
+        one.train(1, wait=False)
+        time.sleep(0.01)
+
+    after = shards.status(0)
+    for p in (0, 1):
+        assert after[p][1] > before[p][1] + 1, f"fragment {p}: {before[p][1]} -> {after[p][1]}"
+        assert one.learner.stats.versions[p].version > before[p][1] + 1
+
+
+def test_a_slow_island_does_not_hold_back_merges(start_shards, island):
+    shards = start_shards(make_config(quorum=1))
+    fast = island(shards, seed=1, name="fast")
+    slow = island(shards, seed=2, name="slow")
+
+    for i in range(40):
+        fast.train(1)
+        if i % 5 == 4:
+            slow.train(1)
+
+    assert slow.learner.stats.inner_steps == 8
+    fast_stats = fast.learner.stats
+    assert fast_stats.syncs_merged >= 16, fast_stats
+    status = shards.status(0)
+    assert all(status[p][1] >= 10 for p in (0, 1)), status
+
+
+def test_a_refused_push_rebases_on_fresh_values(start_shards, island):
+    shards = start_shards(make_config(max_staleness=0))
+    a = island(shards, seed=1, name="island-a")
+    b = island(shards, seed=2, name="island-b")
+    a.train(2)  # fragment 1 is due at step 2: merged into version 1
+    assert shards.status(0)[1][1] == 1
+
+    b.train(2)  # b's push is based on version 0, one merge behind a bound of 0: refused, b pulls again
+    before = {name: p.detach().clone() for name, p in b.model.named_parameters()}
+    b.train(1)  # τ = 1 step after the push: b mixes the fresh values in
+
+    stats = b.learner.stats
+    assert stats.syncs_resynced == 1 and stats.syncs_failed == 0
+    assert stats.versions[1].version == 1
+    assert shards.status(0)[1][1] == 1, "the refused delta was not merged"
+    assert any(not torch.equal(before[n], p.detach()) for n, p in b.model.named_parameters())
+
+
+def test_a_shard_that_lost_its_state_is_seeded_again(start_shards, island):
+    shards = start_shards(make_config(), checkpoints=False)
+    one = island(shards, seed=1, name="island-a")
+    one.train(4)
+    shards.stop(0)
+    shards.start(0, shards.ports[0])
+    assert shards.status(0)[0][0] is False, "a shard without a checkpoint starts unseeded"
+
+    one.train(9)  # steps 6 and 8 re-seed and re-base both fragments; 10 and 12 push, 11 and 13 mix
+
+    status = shards.status(0)
+    stats = one.learner.stats
+    assert all(status[p][0] and status[p][1] >= 1 for p in (0, 1)), status
+    assert stats.syncs_resynced == 2 and stats.syncs_failed == 0
+    assert all(stats.versions[p].version == status[p][1] for p in (0, 1))
+
+
+def test_a_dead_shard_costs_rounds_not_steps(start_shards, island):
+    shards = start_shards(make_config())
+    one = island(shards, seed=1, name="island-a", retry_for=0.3)
+    one.train(1)
+    shards.stop(0)
+
+    one.train(4)  # the rounds of steps 2 and 4 fail once the client's retries run out
+
+    stats = one.learner.stats
+    assert stats.inner_steps == 5
+    assert stats.syncs_failed == 2 and stats.syncs_pushed == 0, stats
+    one.learner.close()
+
+
+def test_from_env_reads_what_the_operator_injects(start_shards, tmp_path, monkeypatch):
+    shards = start_shards(make_config())
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    monkeypatch.setenv("DILOCO_SYNCERS", shards.targets[0])
+    monkeypatch.setenv("DILOCO_TOKEN_FILE", str(token_file))
+    monkeypatch.setenv("DILOCO_ISLAND", "island-env")
+    monkeypatch.setenv("DILOCO_CONFIG", shards.config.to_json())
+    model = tiny_model(1)
+    learner = Learner.from_env(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        learner.start()
+        assert shards.status(0)[0][0], "the learner joined with the token from the file and seeded"
+        with shards.client(0) as client:
+            assert "island-env" in client.status().live_islands
+    finally:
+        learner.close()
+
+
+def test_a_wrong_token_fails_start(start_shards, island):
+    shards = start_shards(make_config())
+    intruder = island(shards, seed=1, name="island-a", start=False, token="wrong")
+    with pytest.raises(grpc.RpcError) as refused:
+        intruder.learner.start()
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -1,0 +1,153 @@
+import math
+
+import pytest
+import torch
+
+from diloco.fragments import plan_fragments
+from diloco.worker.data import BatchSampler, load_tokens
+from diloco.worker.model import PRESETS, GPT, ModelPreset, build_model, resolve_preset
+
+# Stated parameter-count targets of the presets (distinct elements, tied head counted once).
+TARGETS = {"tiny": 0.84e6, "small": 25e6, "medium": 124e6, "large": 350e6}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> GPT:
+    return build_model("tiny", seed=0)
+
+
+def test_logits_and_loss_shapes(tiny):
+    idx = torch.randint(0, 256, (3, 17))
+    logits, loss = tiny(idx)
+    assert logits.shape == (3, 17, 256) and loss is None
+    logits, loss = tiny(idx, idx)
+    assert loss.shape == () and torch.isfinite(loss)
+
+
+def test_sequence_longer_than_context_is_refused(tiny):
+    with pytest.raises(ValueError, match="context"):
+        tiny(torch.zeros(1, tiny.preset.context + 1, dtype=torch.long))
+
+
+def test_initial_loss_is_uniform_over_bytes(tiny):
+    generator = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 256, (8, 128), generator=generator)
+    targets = torch.randint(0, 256, (8, 128), generator=generator)
+    _, loss = tiny(idx, targets)
+    assert loss.item() == pytest.approx(math.log(256), abs=0.1)
+
+
+def test_init_is_deterministic_per_seed_and_leaves_global_rng_alone():
+    state = torch.random.get_rng_state()
+    a, b, c = build_model("tiny", 7), build_model("tiny", 7), build_model("tiny", 8)
+    assert torch.equal(state, torch.random.get_rng_state())
+    for (name, pa), (_, pb), (_, pc) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+        assert torch.equal(pa, pb), name
+        if pa.dim() == 2:
+            assert not torch.equal(pa, pc), name
+
+
+def test_init_follows_gpt2_scheme(tiny):
+    params = dict(tiny.named_parameters())
+    assert torch.equal(params["blocks.0.ln1.weight"], torch.ones(128))
+    assert torch.equal(params["blocks.0.attn.qkv.bias"], torch.zeros(384))
+    assert params["tok_emb.weight"].std().item() == pytest.approx(0.02, rel=0.1)
+    assert params["blocks.2.mlp.proj.weight"].std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.1)
+
+
+def test_output_head_is_tied_to_token_embedding():
+    model = build_model("tiny", 0)
+    assert not any("head" in name for name, _ in model.named_parameters())
+    assert not any("head" in name for name in model.state_dict())
+    idx = torch.zeros(1, 4, dtype=torch.long)
+    before, _ = model(idx)
+    with torch.no_grad():
+        model.tok_emb.weight[200] += 1.0  # token 200 is not in the input: only the head sees it
+    after, _ = model(idx)
+    changed = (after - before).abs().amax(dim=(0, 1)) > 0
+    assert changed[200] and changed.sum() == 1
+
+
+def test_parameter_names_carry_layer_indices(tiny):
+    names = [name for name, _ in tiny.named_parameters()]
+    for layer in range(4):
+        assert f"blocks.{layer}.attn.qkv.weight" in names
+        assert f"blocks.{layer}.mlp.proj.weight" in names
+    shapes = [(name, tuple(p.shape)) for name, p in tiny.named_parameters()]
+    plan = plan_fragments(shapes, 2)
+    assert {n.split(".")[1] for n in plan[0].names if n.startswith("blocks.")} == {"0", "2"}
+    assert {n.split(".")[1] for n in plan[1].names if n.startswith("blocks.")} == {"1", "3"}
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_parameter_counts_on_meta_device(name):
+    model = build_model(name, 0, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert model.num_parameters() == pytest.approx(TARGETS[name], rel=0.15)
+    assert model.num_parameters() == sum(p.numel() for p in model.state_dict().values())
+
+
+def test_presets_and_errors():
+    assert resolve_preset("tiny") is PRESETS["tiny"]
+    custom = ModelPreset("custom", vocab_size=50, context=8, d_model=16, n_layers=1, n_heads=2)
+    assert build_model(custom, 0).preset is custom
+    with pytest.raises(ValueError, match="known presets: tiny, small, medium, large"):
+        build_model("huge", 0)
+    with pytest.raises(ValueError, match="divisible"):
+        ModelPreset("bad", vocab_size=8, context=8, d_model=10, n_layers=1, n_heads=3)
+
+
+def test_causality(tiny):
+    idx = torch.randint(0, 256, (2, 32))
+    changed = idx.clone()
+    changed[:, 20] = (changed[:, 20] + 1) % 256
+    before, _ = tiny(idx)
+    after, _ = tiny(changed)
+    assert torch.equal(before[:, :20], after[:, :20])
+    assert not torch.allclose(before[:, 20:], after[:, 20:])
+
+
+def test_bf16_autocast_runs_and_backpropagates(tiny):
+    idx = torch.randint(0, 256, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = tiny(idx, idx)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in tiny.parameters())
+    tiny.zero_grad(set_to_none=True)
+
+
+def test_dropout_is_active_only_in_training():
+    preset = ModelPreset("drop", vocab_size=32, context=16, d_model=32, n_layers=2, n_heads=2, dropout=0.5)
+    model = build_model(preset, 0)
+    idx = torch.randint(0, 32, (2, 16))
+    model.eval()
+    assert torch.equal(model(idx)[0], model(idx)[0])
+    model.train()
+    assert not torch.equal(model(idx)[0], model(idx)[0])
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, two threads contending with other work are an
+    order of magnitude slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tiny_preset_learns_the_embedded_corpus(one_thread):
+    model = build_model("tiny", 0)
+    sampler = BatchSampler(load_tokens(None, 1 << 20), 128, island=0, rank=0, num_ranks=1, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(30):
+        inputs, targets = sampler.next_batch(16)
+        _, loss = model(inputs, targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[0] > 5.0
+    assert sum(losses[-5:]) / 5 < 4.0

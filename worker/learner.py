@@ -1,0 +1,355 @@
+"""`Learner`: turns any PyTorch training loop into a Decoupled DiLoCo island in a few lines.
+
+    learner = Learner(model, optimizer, config, syncers=[...], token=..., island_id="island-0")
+    learner.start()
+    for batch in data:
+        loss_fn(model(batch)).backward()
+        learner.step(tokens=batch_tokens)
+    learner.close()
+
+Per fragment p the learner keeps the global values it last received (`base`, float32 on the host) and
+their version. When p falls due (every H inner steps, staggered by H/P), the training thread snapshots the
+fragment and a background round pushes Δ_p = base_p − θ_p to the owning shard and polls for the merge.
+τ inner steps later, or at the first step after that when the reply is in, the fragment is mixed,
+θ_p ← α·θ_p + (1−α)·θ_p(global), and the global values become the new base. Training never waits on the
+network: a round that fails or takes too long is dropped, and the fragment is pushed again when next due.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from diloco.client import Backoff, SyncerClient
+from diloco.config import TrainingConfig
+from diloco.fragments import Fragment, fragments_due, plan_fragments, shard_of
+from diloco.settings import env_default, load_token, load_training_config
+from diloco.v1 import syncer_pb2 as pb
+from diloco.worker.island import Island
+from diloco.worker.stats import LearnerStats, StatsRecorder, Version
+from diloco.worker.sync import (
+    FragmentSync,
+    Outcome,
+    SyncRequest,
+    fragment_bytes,
+    fragment_values,
+    local_snapshot,
+)
+
+log = logging.getLogger("diloco.worker")
+
+_OUTCOME_COUNTERS = {
+    Outcome.MERGED: "syncs_merged",
+    Outcome.RESYNCED: "syncs_resynced",
+    Outcome.ABANDONED: "syncs_abandoned",
+    Outcome.FAILED: "syncs_failed",
+}
+
+
+@dataclass
+class _FragmentState:
+    """One fragment as this rank tracks it; `base`, `base_version` and `sequence` are used on rank 0 only."""
+
+    plan: Fragment
+    params: list[torch.nn.Parameter]
+    shard: int
+    base: list[torch.Tensor] = field(default_factory=list)
+    base_version: pb.FragmentVersion = field(default_factory=pb.FragmentVersion)
+    tokens: int = 0
+    steps: int = 0
+    sequence: int = 0
+    mixable_at: int | None = None  # while a round runs: the first step that may act on its result (push + τ)
+
+
+class Learner:
+    """A model and its inner optimizer, trained as one island of a Decoupled DiLoCo job.
+
+    With `process_group`, the island spans that group's ranks (ordinary data parallelism): rank 0 alone
+    talks to the syncers and broadcasts what it receives, so every rank mixes the same values at the same
+    step. Gradients are averaged by the caller's usual means (DDP) or by `all_reduce_gradients()`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: TrainingConfig,
+        *,
+        syncers: Sequence[str],
+        token: str,
+        island_id: str,
+        process_group: dist.ProcessGroup | None = None,
+        sync_timeout: float = 60.0,
+        close_timeout: float = 10.0,
+        rpc_timeout: float = 60.0,
+        retry_for: float = 120.0,
+        backoff: Backoff = Backoff(),
+    ) -> None:
+        """`syncers[i]` is the address of shard i. A round with no merge within `sync_timeout` seconds is
+        abandoned; each call gets `rpc_timeout` seconds per attempt and is retried for `retry_for`."""
+        if not syncers:
+            raise ValueError("a learner needs at least one syncer shard")
+        if not island_id:
+            raise ValueError("a learner needs an island id: the shards count contributions per island")
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.syncers = list(syncers)
+        self.island_id = island_id
+        self.island = Island(process_group)
+        self.sync_timeout = sync_timeout
+        self.close_timeout = close_timeout
+        self._token = token
+        self._client_options = {"timeout": rpc_timeout, "retry_for": retry_for, "backoff": backoff}
+        # Names must be the same on every island, whether or not it wraps its model in DDP ("module." prefix).
+        named_model = model.module if isinstance(model, DistributedDataParallel) else model
+        params = {name: p for name, p in named_model.named_parameters() if p.requires_grad}
+        plan = plan_fragments([(name, tuple(p.shape)) for name, p in params.items()], config.fragments)
+        self._fragments = [
+            _FragmentState(f, [params[name] for name in f.names], shard_of(f.index, len(self.syncers)))
+            for f in plan
+        ]
+        self._clients: list[SyncerClient] = []
+        self._rounds: dict[int, FragmentSync] = {}
+        self._stopping = threading.Event()
+        self._stats = StatsRecorder()
+        self._step = 0
+        self._started = False
+        self._closed = False
+
+    @classmethod
+    def from_env(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> Learner:
+        """A learner configured by the `DILOCO_*` variables the operator injects: DILOCO_SYNCERS
+        (comma-separated, index = shard), DILOCO_TOKEN or DILOCO_TOKEN_FILE, DILOCO_ISLAND, and
+        DILOCO_CONFIG or DILOCO_CONFIG_FILE. Without `process_group`, an initialised default process group
+        is taken to be the island (one torch.distributed world per island)."""
+        syncers = [target.strip() for target in (env_default("SYNCERS") or "").split(",") if target.strip()]
+        if not syncers:
+            raise ValueError("DILOCO_SYNCERS is not set: expected comma-separated syncer addresses")
+        island = env_default("ISLAND")
+        if not island:
+            raise ValueError("DILOCO_ISLAND is not set: expected this island's id")
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        return cls(
+            model,
+            optimizer,
+            load_training_config(None),
+            syncers=syncers,
+            token=load_token(None),
+            island_id=island,
+            process_group=process_group,
+        )
+
+    @property
+    def stats(self) -> LearnerStats:
+        """A consistent snapshot of this rank's counters."""
+        return self._stats.snapshot()
+
+    def __enter__(self) -> Learner:
+        self.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Joins every shard, seeds the fragments no island has seeded yet (the first island wins), then
+        takes the global values, so every island, and every rank of this one, starts from the same point."""
+        if self._started:
+            raise RuntimeError("start() was already called")
+        started = time.perf_counter()
+        error: Exception | None = None
+        if self.island.is_leader:
+            try:
+                self._connect()
+            except Exception as failure:
+                error = failure
+        succeeded = self.island.broadcast(torch.tensor([error is None], dtype=torch.int64))
+        if not succeeded.item():
+            raise error or RuntimeError(f"island {self.island_id}: rank 0 could not reach the syncers")
+        versions = self.island.broadcast(
+            torch.tensor([[f.base_version.incarnation, f.base_version.version] for f in self._fragments])
+        ).cpu()
+        for f in self._fragments:
+            self.island.broadcast_tensors(f.params)
+            self._stats.set_version(f.plan.index, Version(*versions[f.plan.index].tolist()))
+        self._started = True
+        log.info(
+            "learner started",
+            extra={
+                "island": self.island_id,
+                "rank": self.island.rank,
+                "ranks": self.island.size,
+                "syncers": self.syncers,
+                "fragments": [f.plan.numel for f in self._fragments],
+                "versions": versions[:, 1].tolist(),
+                "seconds": time.perf_counter() - started,
+            },
+        )
+
+    def _connect(self) -> None:
+        self._clients = [
+            SyncerClient(target, self._token, island_id=self.island_id, **self._client_options)
+            for target in self.syncers
+        ]
+        for index, client in enumerate(self._clients):
+            reply = client.join(self.config.fragments)
+            if (reply.shard_index, reply.num_shards) != (index, len(self._clients)):
+                raise ValueError(
+                    f"syncer {client.target} is shard {reply.shard_index} of {reply.num_shards}, but it is "
+                    f"listed at index {index} of {len(self._clients)}: list the shards in index order"
+                )
+            for p in reply.unseeded_fragments:
+                f = self._fragments[p]
+                seeded = client.seed(p, list(zip(f.plan.names, local_snapshot(f.params))))
+                log.info("seeded fragment", extra={"fragment": p, "accepted": seeded.accepted})
+        sequence = time.time_ns()
+        for f in self._fragments:
+            pulled = self._clients[f.shard].pull(f.plan.index)
+            if pulled is None:
+                raise RuntimeError(f"fragment {f.plan.index}: a pull without a version came back empty")
+            version, named = pulled
+            values = fragment_values(f.plan.index, f.plan.names, named)
+            with torch.no_grad():
+                for param, value in zip(f.params, values):
+                    param.copy_(value)
+            f.base, f.base_version, f.sequence = values, version, sequence
+            self._stats.add(bytes_pulled=fragment_bytes(values))
+
+    def step(self, tokens: int = 0) -> None:
+        """One inner step: the optimizer's step and zero_grad, then the sync work of this step, which never
+        waits on the network. `tokens` is what this rank trained on; a push carries the island's sum."""
+        if not self._started or self._closed:
+            raise RuntimeError("step() needs a started learner that is not closed")
+        if tokens < 0:
+            raise ValueError(f"tokens must be non-negative, got {tokens}")
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        started = time.perf_counter()
+        self._step += 1
+        for f in self._fragments:
+            f.tokens += tokens
+            f.steps += 1
+        self._finish_rounds()
+        for index in fragments_due(self._step, self.config.inner_steps, self.config.fragments):
+            if self._fragments[index].mixable_at is None:
+                self._begin_round(self._fragments[index])
+        self._stats.add(inner_steps=1, tokens=tokens, blocked_seconds=time.perf_counter() - started)
+
+    def all_reduce_gradients(self) -> None:
+        """Averages the gradients over the island's ranks, for loops that do not use DDP. Call it between
+        backward() and step() on every rank."""
+        self.island.average_gradients(self.model.parameters())
+
+    def wait_for_syncs(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds for the running rounds' replies, which the next step() mixes in;
+        True when none is left running. Training never needs this: it is for the end of a run and for tests."""
+        deadline = time.monotonic() + timeout
+        return all(r.join(max(0.0, deadline - time.monotonic())) for r in list(self._rounds.values()))
+
+    def close(self) -> None:
+        """Gives running pushes up to `close_timeout` seconds to land, stops polling, closes the channels.
+        Issues no collective, so the ranks of an island may close in any order."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping.set()
+        self.wait_for_syncs(self.close_timeout)
+        for client in self._clients:
+            client.close()
+        log.info("learner closed", extra={"island": self.island_id, "rank": self.island.rank, **asdict(self.stats)})
+
+    def _begin_round(self, f: _FragmentState) -> None:
+        f.mixable_at = self._step + self.config.overlap_steps
+        tokens = self.island.sum(f.tokens)
+        if not self.island.is_leader:
+            return
+        f.sequence += 1
+        request = SyncRequest(
+            fragment=f.plan.index,
+            names=f.plan.names,
+            base_version=f.base_version,
+            base=f.base,
+            local=local_snapshot(f.params),
+            tokens=tokens,
+            inner_steps=f.steps,
+            sequence=f.sequence,
+        )
+        round_ = FragmentSync(
+            self._clients[f.shard],
+            request,
+            encoding=self.config.encoding.wire,
+            block_size=self.config.block_size,
+            timeout=self.sync_timeout,
+            stopping=self._stopping,
+            stats=self._stats,
+        )
+        self._rounds[f.plan.index] = round_
+        round_.start()
+
+    def _decisions(self, running: dict[int, int]) -> torch.Tensor:
+        """Rank 0's verdict per fragment: (outcome, incarnation, version), outcome 0 while a round must go
+        on (reply not in, or fewer than τ steps since its push began)."""
+        decisions = torch.zeros(len(self._fragments), 3, dtype=torch.int64)
+        if not self.island.is_leader:
+            return decisions
+        for index, mixable_at in running.items():
+            result = self._rounds[index].result
+            if result is None or self._step < mixable_at:
+                continue
+            decisions[index, 0] = result.outcome
+            if result.version is not None:
+                decisions[index, 1] = result.version.incarnation
+                decisions[index, 2] = result.version.version
+        return decisions
+
+    def _finish_rounds(self) -> None:
+        running = {f.plan.index: f.mixable_at for f in self._fragments if f.mixable_at is not None}
+        if not running:
+            return
+        decisions = self.island.broadcast(self._decisions(running)).cpu()
+        for index in running:
+            f = self._fragments[index]
+            code, incarnation, version = decisions[index].tolist()
+            if code == 0:
+                continue
+            outcome = Outcome(code)
+            f.mixable_at = None
+            if outcome.adopts:
+                self._mix(f, Version(incarnation, version))
+            elif self.island.is_leader:
+                self._rounds.pop(index)
+            self._stats.add(**{_OUTCOME_COUNTERS[outcome]: 1})
+
+    def _mix(self, f: _FragmentState, version: Version) -> None:
+        """θ ← α·θ + (1−α)·global on rank 0, then its result on every rank; the global values become the base."""
+        if self.island.is_leader:
+            result = self._rounds.pop(f.plan.index).result
+            if result is None or result.values is None or result.version is None:
+                raise RuntimeError(f"fragment {f.plan.index}: an adopting round without values")
+            with torch.no_grad():
+                for param, value in zip(f.params, result.values):
+                    mixed = torch.lerp(value.to(param.device), param.float(), self.config.mix_alpha)
+                    param.copy_(mixed)
+            f.base, f.base_version = result.values, result.version
+        self.island.broadcast_tensors(f.params)
+        f.tokens = f.steps = 0
+        self._stats.set_version(f.plan.index, version)
+        log.debug("mixed", extra={"fragment": f.plan.index, "version": version.version, "step": self._step})

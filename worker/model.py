@@ -1,0 +1,199 @@
+"""The built-in trainer's model: a compact GPT-style decoder and its named size presets.
+
+A job names a preset rather than shipping model code, so every island (and the syncer, which plans
+fragments from parameter names and shapes) builds exactly the same architecture. Block parameters carry
+the layer index as a path component (`blocks.3.attn.qkv.weight`) because fragmenting strides fragments
+across depth by that number. Initialisation draws from a private generator seeded by the job, so islands
+that start apart start from identical weights without touching the global RNG, and every preset can be
+built on the meta device to count parameters without allocating them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Architecture of a decoder-only transformer: vocabulary, context length and width/depth/heads."""
+
+    name: str
+    vocab_size: int
+    context: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field_name in ("vocab_size", "context", "d_model", "n_layers", "n_heads", "mlp_ratio"):
+            value = getattr(self, field_name)
+            if value < 1:
+                raise ValueError(f"preset {self.name!r}: {field_name} must be positive, got {value}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"preset {self.name!r}: d_model {self.d_model} is not divisible by n_heads {self.n_heads}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"preset {self.name!r}: dropout must be in [0, 1), got {self.dropout}")
+
+
+_GPT2_VOCAB = 50304  # GPT-2's 50257 BPE tokens padded to a multiple of 64 for faster matmuls.
+
+PRESETS: dict[str, ModelPreset] = {
+    preset.name: preset
+    for preset in (
+        # ~0.84M parameters, byte-level: trains visibly within minutes on a laptop CPU.
+        ModelPreset("tiny", vocab_size=256, context=128, d_model=128, n_layers=4, n_heads=4),
+        # ~25.6M parameters, byte-level: a single modest GPU.
+        ModelPreset("small", vocab_size=256, context=512, d_model=512, n_layers=8, n_heads=8),
+        # ~124M parameters: GPT-2 small over GPT-2 BPE tokens.
+        ModelPreset("medium", vocab_size=_GPT2_VOCAB, context=1024, d_model=768, n_layers=12, n_heads=12),
+        # ~354M parameters: GPT-2 medium over GPT-2 BPE tokens.
+        ModelPreset("large", vocab_size=_GPT2_VOCAB, context=1024, d_model=1024, n_layers=24, n_heads=16),
+    )
+}
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through the fused scaled-dot-product kernel."""
+
+    def __init__(self, preset: ModelPreset) -> None:
+        super().__init__()
+        self.n_heads = preset.n_heads
+        self.dropout = preset.dropout
+        self.qkv = nn.Linear(preset.d_model, 3 * preset.d_model)
+        self.proj = nn.Linear(preset.d_model, preset.d_model)
+        self.resid_drop = nn.Dropout(preset.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, time, self.n_heads, width // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(batch, time, width)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network with a GELU."""
+
+    def __init__(self, preset: ModelPreset) -> None:
+        super().__init__()
+        hidden = preset.mlp_ratio * preset.d_model
+        self.fc = nn.Linear(preset.d_model, hidden)
+        self.proj = nn.Linear(hidden, preset.d_model)
+        self.drop = nn.Dropout(preset.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, preset: ModelPreset) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(preset.d_model)
+        self.attn = CausalSelfAttention(preset)
+        self.ln2 = nn.LayerNorm(preset.d_model)
+        self.mlp = MLP(preset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer whose output projection reuses the token embedding (weight tying).
+
+    The head is computed from `tok_emb.weight` directly rather than held as a second reference, so tying
+    survives device moves, `to_empty` and `load_state_dict`, and the state dict holds the tensor once.
+    """
+
+    def __init__(self, preset: ModelPreset) -> None:
+        super().__init__()
+        self.preset = preset
+        self.tok_emb = nn.Embedding(preset.vocab_size, preset.d_model)
+        self.pos_emb = nn.Embedding(preset.context, preset.d_model)
+        self.drop = nn.Dropout(preset.dropout)
+        self.blocks = nn.ModuleList(Block(preset) for _ in range(preset.n_layers))
+        self.ln_f = nn.LayerNorm(preset.d_model)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of shape (batch, time, vocab) for int64 tokens `idx` (batch, time), and the mean
+        cross-entropy against `targets` (batch, time) when given, else None."""
+        time = idx.shape[1]
+        if time > self.preset.context:
+            raise ValueError(f"sequence length {time} exceeds the model's context {self.preset.context}")
+        positions = torch.arange(time, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.tok_emb.weight)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        return logits, loss
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameter elements (the tied head is counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def _initialise(model: GPT, seed: int) -> None:
+    """GPT-2 initialisation from a private generator: N(0, 0.02) weights and embeddings, zero biases,
+    unit norms, and residual output projections scaled by 1/sqrt(2 * n_layers) so the residual stream's
+    variance does not grow with depth."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    residual_std = _INIT_STD / math.sqrt(2 * model.preset.n_layers)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith(".proj") else _INIT_STD
+                module.weight.normal_(0.0, std, generator=generator)
+                module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, _INIT_STD, generator=generator)
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+
+
+def resolve_preset(preset: str | ModelPreset) -> ModelPreset:
+    """The preset named `preset` (or `preset` itself); unknown names list the known ones."""
+    if isinstance(preset, ModelPreset):
+        return preset
+    try:
+        return PRESETS[preset]
+    except KeyError:
+        raise ValueError(f"unknown model preset {preset!r}; known presets: {', '.join(PRESETS)}") from None
+
+
+def build_model(preset: str | ModelPreset, seed: int, device: torch.device | str = "cpu") -> GPT:
+    """A freshly initialised model, identical for equal `seed` on any machine.
+
+    Weights are initialised on the CPU and then moved to `device`, so the values do not depend on the
+    accelerator. On the meta device nothing is allocated or initialised (for counting parameters).
+    """
+    resolved = resolve_preset(preset)
+    with torch.device("meta"):
+        model = GPT(resolved)
+    target = torch.device(device)
+    if target.type == "meta":
+        return model
+    model.to_empty(device="cpu")
+    _initialise(model, seed)
+    return model.to(target)

@@ -1,0 +1,60 @@
+"""What a learner has done, for logs, metrics and tests: counters written by the training thread and by
+the background syncs, read as consistent snapshots."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, fields, replace
+from typing import NamedTuple
+
+
+class Version(NamedTuple):
+    """A global fragment version as the shard names it: merges counted within one shard incarnation."""
+
+    incarnation: int
+    version: int
+
+
+@dataclass
+class LearnerStats:
+    """Counters of one learner (one rank). Pushes and bytes are counted on the island's rank 0 only; the
+    outcomes of syncs and the versions are the same on every rank."""
+
+    inner_steps: int = 0
+    tokens: int = 0
+    syncs_pushed: int = 0
+    syncs_merged: int = 0
+    syncs_resynced: int = 0
+    syncs_abandoned: int = 0
+    syncs_failed: int = 0
+    bytes_pushed: int = 0
+    bytes_pulled: int = 0
+    blocked_seconds: float = 0.0
+    versions: dict[int, Version] = field(default_factory=dict)
+
+
+_COUNTERS = frozenset(f.name for f in fields(LearnerStats) if f.name != "versions")
+
+
+class StatsRecorder:
+    """Thread-safe updates of a `LearnerStats`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = LearnerStats()
+
+    def add(self, **amounts: float) -> None:
+        unknown = amounts.keys() - _COUNTERS
+        if unknown:
+            raise AttributeError(f"LearnerStats has no counter {sorted(unknown)}")
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self._stats, name, getattr(self._stats, name) + amount)
+
+    def set_version(self, fragment: int, version: Version) -> None:
+        with self._lock:
+            self._stats.versions[fragment] = version
+
+    def snapshot(self) -> LearnerStats:
+        with self._lock:
+            return replace(self._stats, versions=dict(self._stats.versions))

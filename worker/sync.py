@@ -1,0 +1,229 @@
+"""One fragment's round trip to the syncer shard that owns it, run off the training thread.
+
+A round pushes the outer gradient Δ = base − local, then polls for the merge that takes it in. A push the
+shard refuses with FAILED_PRECONDITION (a base that is stale, from an older incarnation, or ahead of the
+shard) turns into a fresh pull, so the island re-bases instead of stalling. Every other failure ends the
+round: the learner drops it and trains on, and the next due step pushes again.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from diloco.client import SyncerClient
+from diloco.encoding import encoded_nbytes
+from diloco.v1 import syncer_pb2 as pb
+from diloco.worker.stats import StatsRecorder
+
+log = logging.getLogger("diloco.worker")
+
+POLL_INITIAL_SECONDS = 0.02
+POLL_MAX_SECONDS = 1.0
+
+
+class Outcome(enum.IntEnum):
+    """How a round ended; the values travel in the island's broadcast, 0 meaning "still running"."""
+
+    MERGED = 1  # a version newer than the one the push was taken at arrived
+    RESYNCED = 2  # the push was refused as stale, from another incarnation or ahead: fresh values pulled
+    ABANDONED = 3  # no newer version within the time bound (or the learner is closing)
+    FAILED = 4  # a call failed after the client's own retries
+
+    @property
+    def adopts(self) -> bool:
+        """Whether the round brought global values to mix in."""
+        return self in (Outcome.MERGED, Outcome.RESYNCED)
+
+
+@dataclass(frozen=True)
+class SyncRequest:
+    """One round: the fragment's base, a snapshot of its local values, and what the push header carries."""
+
+    fragment: int
+    names: tuple[str, ...]
+    base_version: pb.FragmentVersion
+    base: Sequence[torch.Tensor]
+    local: Sequence[torch.Tensor]
+    tokens: int
+    inner_steps: int
+    sequence: int
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    outcome: Outcome
+    version: pb.FragmentVersion | None = None
+    values: list[torch.Tensor] | None = None
+
+
+class FragmentSync:
+    """A daemon thread running one round; the training thread checks `result` without waiting on it.
+
+    `base` must stay unchanged while the round runs (the learner only re-bases a fragment once its round is
+    over); `local` becomes the thread's own. A daemon thread never holds the process open at exit.
+    """
+
+    def __init__(
+        self,
+        client: SyncerClient,
+        request: SyncRequest,
+        *,
+        encoding: int,
+        block_size: int,
+        timeout: float,
+        stopping: threading.Event,
+        stats: StatsRecorder,
+    ) -> None:
+        self.client = client
+        self.request = request
+        self.encoding = encoding
+        self.block_size = block_size
+        self.timeout = timeout
+        self._stopping = stopping
+        self._stats = stats
+        self._result: SyncResult | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"diloco-sync-{request.fragment}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds; True when the round is over."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def result(self) -> SyncResult | None:
+        """The round's result, or None while it runs."""
+        return None if self._thread.is_alive() else self._result
+
+    def _run(self) -> None:
+        try:
+            self._result = self._round()
+        except Exception:
+            if self._stopping.is_set():
+                log.debug("sync interrupted by close", extra=self._fields(), exc_info=True)
+            else:
+                log.exception("sync failed", extra=self._fields())
+            self._result = SyncResult(Outcome.FAILED)
+
+    def _fields(self, **more: object) -> dict[str, object]:
+        return {"fragment": self.request.fragment, "target": self.client.target, **more}
+
+    def _round(self) -> SyncResult:
+        r = self.request
+        delta = [torch.sub(base, local, out=local) for base, local in zip(r.base, r.local)]
+        try:
+            reply = self.client.push(
+                r.fragment,
+                base=r.base_version,
+                tokens=r.tokens,
+                inner_steps=r.inner_steps,
+                sequence=r.sequence,
+                delta=list(zip(r.names, delta)),
+                encoding=self.encoding,
+                block_size=self.block_size,
+            )
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                log.debug("push refused, pulling afresh", extra=self._fields(detail=error.details()))
+                return self._fresh()
+            return self._failed("push", error)
+        nbytes = sum(encoded_nbytes(d.numel(), self.encoding, self.block_size) for d in delta)
+        self._stats.add(syncs_pushed=1, bytes_pushed=nbytes)
+        log.debug(
+            "pushed",
+            extra=self._fields(
+                base=r.base_version.version, sequence=r.sequence, tokens=r.tokens, bytes=nbytes,
+                staleness=reply.staleness, duplicate=reply.duplicate,
+            ),
+        )
+        # Wait for a version newer than the one the push was taken at: that merge includes this delta, so
+        # the next delta, taken against it, does not count this round's progress a second time.
+        have = r.base_version if reply.duplicate else reply.current
+        return self._await_merge(have)
+
+    def _await_merge(self, have: pb.FragmentVersion) -> SyncResult:
+        deadline = time.monotonic() + self.timeout
+        delay = POLL_INITIAL_SECONDS
+        while True:
+            try:
+                pulled = self.client.pull(self.request.fragment, have=have)
+            except grpc.RpcError as error:
+                return self._failed("pull", error)
+            if pulled is not None:
+                return self._adopt(Outcome.MERGED, *pulled)
+            if time.monotonic() + delay > deadline or self._stopping.wait(delay):
+                log.debug("no merge in time, round abandoned", extra=self._fields(have=have.version))
+                return SyncResult(Outcome.ABANDONED)
+            delay = min(delay * 2, POLL_MAX_SECONDS)
+
+    def _fresh(self) -> SyncResult:
+        """The fragment's current values whatever this island holds. A shard that lost its state entirely
+        (restarted without a checkpoint) is unseeded: it is seeded again with the last global values this
+        island received, the first island to do so winning."""
+        r = self.request
+        try:
+            try:
+                pulled = self.client.pull(r.fragment)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                seeded = self.client.seed(r.fragment, list(zip(r.names, r.base)))
+                log.info("re-seeded fragment", extra=self._fields(accepted=seeded.accepted))
+                pulled = self.client.pull(r.fragment)
+        except grpc.RpcError as error:
+            return self._failed("pull", error)
+        if pulled is None:
+            raise RuntimeError(f"fragment {r.fragment}: a pull without a version came back empty")
+        return self._adopt(Outcome.RESYNCED, *pulled)
+
+    def _adopt(
+        self, outcome: Outcome, version: pb.FragmentVersion, named: list[tuple[str, torch.Tensor]]
+    ) -> SyncResult:
+        values = fragment_values(self.request.fragment, self.request.names, named)
+        self._stats.add(bytes_pulled=fragment_bytes(values))
+        log.debug("pulled", extra=self._fields(outcome=outcome.name, version=version.version))
+        return SyncResult(outcome, version, values)
+
+    def _failed(self, call: str, error: grpc.RpcError) -> SyncResult:
+        level = logging.DEBUG if self._stopping.is_set() else logging.WARNING
+        log.log(
+            level,
+            "sync call failed, round dropped",
+            extra=self._fields(call=call, code=error.code().name, detail=error.details()),
+        )
+        return SyncResult(Outcome.FAILED)
+
+
+def fragment_values(
+    fragment: int, names: Sequence[str], named: Sequence[tuple[str, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """The pulled tensors in the fragment's order, refusing a layout that is not this model's."""
+    got = [name for name, _ in named]
+    if got != list(names):
+        raise ValueError(
+            f"fragment {fragment}: the shard holds tensors {got}, this model's fragment is {list(names)}; "
+            "every island must train the same model with the same number of fragments"
+        )
+    return [tensor for _, tensor in named]
+
+
+def local_snapshot(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Float32 host copies of `params`: what the training thread hands to a round."""
+    return [p.detach().to("cpu", torch.float32, copy=True) for p in params]
+
+
+def fragment_bytes(values: Sequence[torch.Tensor]) -> int:
+    """Bytes of float32 values as a pull carries them."""
+    return sum(4 * v.numel() for v in values)
