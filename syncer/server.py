@@ -336,8 +336,8 @@ class _Servicer:
             if not h.island_id:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "a push must name its island")
             with s._cond:
-                s.state.touch(h.island_id, s.clock())
                 early = s.state.check_push(key, h.fragment_id, specs)
+                s.state.touch(h.island_id, s.clock())
                 limit = s.state.fragments[h.fragment_id].nbytes
             if early is None:
                 _, tensors = wire.read_push_stream(

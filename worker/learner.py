@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
 
@@ -54,6 +54,16 @@ _OUTCOME_COUNTERS = {
 }
 
 
+@dataclass(frozen=True)
+class RoundReport:
+    """How one fragment's round ended; the steps up to `began_at_step` reached the global model iff the
+    outcome is MERGED."""
+
+    fragment: int
+    began_at_step: int
+    outcome: Outcome
+
+
 @dataclass
 class _FragmentState:
     """One fragment as this rank tracks it; `base`, `base_version` and `sequence` are used on rank 0 only."""
@@ -67,6 +77,7 @@ class _FragmentState:
     steps: int = 0
     sequence: int = 0
     mixable_at: int | None = None  # while a round runs: the first step that may act on its result (push + τ)
+    began_at: int = 0  # the step the last round began at
 
 
 class Learner:
@@ -92,9 +103,14 @@ class Learner:
         rpc_timeout: float = 60.0,
         retry_for: float = 120.0,
         backoff: Backoff = Backoff(),
+        synchronous: bool = False,
+        on_round: Callable[[RoundReport], None] | None = None,
     ) -> None:
         """`syncers[i]` is the address of shard i. A round with no merge within `sync_timeout` seconds is
-        abandoned; each call gets `rpc_timeout` seconds per attempt and is retried for `retry_for`."""
+        abandoned; each call gets `rpc_timeout` seconds per attempt and is retried for `retry_for`.
+
+        `synchronous` makes every sync a barrier (the island waits for the merge and mixes at once): the
+        synchronous-DiLoCo baseline. `on_round` hears how every round ended, on every rank."""
         if not syncers:
             raise ValueError("a learner needs at least one syncer shard")
         if not island_id:
@@ -107,6 +123,8 @@ class Learner:
         self.island = Island(process_group)
         self.sync_timeout = sync_timeout
         self.close_timeout = close_timeout
+        self.synchronous = synchronous
+        self.on_round = on_round
         self._token = token
         self._client_options = {"timeout": rpc_timeout, "retry_for": retry_for, "backoff": backoff}
         # Names must be the same on every island, whether or not it wraps its model in DDP ("module." prefix).
@@ -248,10 +266,30 @@ class Learner:
             f.tokens += tokens
             f.steps += 1
         self._finish_rounds()
-        for index in fragments_due(self._step, self.config.inner_steps, self.config.fragments):
+        due = fragments_due(self._step, self.config.inner_steps, self.config.fragments)
+        for index in due:
             if self._fragments[index].mixable_at is None:
                 self._begin_round(self._fragments[index])
+        if self.synchronous and due:
+            self._await_rounds(self.sync_timeout)
         self._stats.add(inner_steps=1, tokens=tokens, blocked_seconds=time.perf_counter() - started)
+
+    def flush(self, timeout: float) -> None:
+        """Pushes every fragment's progress since its last sync and waits up to `timeout` seconds for the
+        merges: the end of a run, so that its last steps reach the global model too."""
+        for f in self._fragments:
+            if f.mixable_at is None:
+                self._begin_round(f)
+        self._await_rounds(timeout)
+
+    def _await_rounds(self, timeout: float) -> None:
+        """Waits for the running rounds and mixes their results now rather than τ steps later."""
+        for f in self._fragments:
+            if f.mixable_at is not None:
+                f.mixable_at = self._step
+        if self.island.is_leader:
+            self.wait_for_syncs(timeout)
+        self._finish_rounds()
 
     def all_reduce_gradients(self) -> None:
         """Averages the gradients over the island's ranks, for loops that do not use DDP. Call it between
@@ -278,6 +316,7 @@ class Learner:
 
     def _begin_round(self, f: _FragmentState) -> None:
         f.mixable_at = self._step + self.config.overlap_steps
+        f.began_at = self._step
         tokens = self.island.sum(f.tokens)
         if not self.island.is_leader:
             return
@@ -332,6 +371,8 @@ class Learner:
                 continue
             outcome = Outcome(code)
             f.mixable_at = None
+            if self.on_round is not None:
+                self.on_round(RoundReport(fragment=index, began_at_step=f.began_at, outcome=outcome))
             if outcome.adopts:
                 self._mix(f, Version(incarnation, version))
             elif self.island.is_leader:

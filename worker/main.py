@@ -1,0 +1,79 @@
+"""`diloco-worker`: the built-in trainer as a container command. Every flag has a `DILOCO_*` variable,
+which is how the operator configures it; torch.distributed inside the island uses the usual RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from diloco.logs import setup_logging
+from diloco.settings import env_default, load_token, load_training_config
+from diloco.worker.trainer import MODES, Trainer, TrainerSettings
+
+log = logging.getLogger("diloco.worker")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    env = env_default
+    p = argparse.ArgumentParser(prog="diloco-worker", description=__doc__)
+    p.add_argument("--mode", choices=MODES, default=env("MODE", "diloco"),
+                   help="diloco (default), sync-diloco (a barrier at every sync) or ddp (all-reduce every step)")
+    p.add_argument("--island", default=env("ISLAND"), help="this island's id (DILOCO_ISLAND)")
+    p.add_argument("--syncers", default=env("SYNCERS", ""), help="comma-separated shard addresses, in index order")
+    p.add_argument("--config", help="training config JSON file (else DILOCO_CONFIG_FILE, DILOCO_CONFIG, defaults)")
+    p.add_argument("--token-file", help="file holding the job token (else DILOCO_TOKEN_FILE or DILOCO_TOKEN)")
+    p.add_argument("--model", default=env("MODEL", "tiny"), help="model preset: tiny, small, medium, large")
+    p.add_argument("--data", default=env("DATA"), help="token (.bin/.npy) or text file; default: embedded corpus")
+    p.add_argument("--max-data-bytes", type=int, default=int(env("MAX_DATA_BYTES", str(8 * 1024 * 1024))))
+    p.add_argument("--batch-size", type=int, default=int(env("BATCH_SIZE", "16")))
+    p.add_argument("--steps", type=int, default=int(env("STEPS", "300")), help="inner steps to train")
+    p.add_argument("--eval-every", type=int, default=int(env("EVAL_EVERY", "50")))
+    p.add_argument("--seed", type=int, default=int(env("SEED", "0")))
+    p.add_argument("--slowdown", type=float, default=float(env("SLOWDOWN", "1")),
+                   help="run this many times slower, standing in for older hardware")
+    p.add_argument("--threads", type=int, default=int(env("THREADS", "0")) or None, help="torch CPU threads")
+    p.add_argument("--device", default=env("DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
+    p.add_argument("--progress-file", default=env("PROGRESS_FILE"), help="append JSON progress events here")
+    p.add_argument("--checkpoint-dir", default=env("CHECKPOINT_DIR"), help="ddp mode: checkpoints for restarts")
+    p.add_argument("--checkpoint-every", type=int, default=int(env("CHECKPOINT_EVERY", "50")))
+    p.add_argument("--log-level", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    syncers = [t.strip() for t in args.syncers.split(",") if t.strip()]
+    try:
+        settings = TrainerSettings(
+            mode=args.mode, preset=args.model, data=args.data, max_data_bytes=args.max_data_bytes,
+            batch_size=args.batch_size, steps=args.steps, eval_every=args.eval_every, seed=args.seed,
+            slowdown=args.slowdown, threads=args.threads, device=args.device,
+            progress_file=Path(args.progress_file) if args.progress_file else None,
+            checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+            checkpoint_every=args.checkpoint_every,
+        )
+        config = load_training_config(args.config)
+        needs_syncers = settings.mode != "ddp"
+        token = load_token(args.token_file) if needs_syncers else ""
+        if needs_syncers and not (syncers and args.island):
+            raise ValueError("a DiLoCo worker needs --syncers and --island (DILOCO_SYNCERS, DILOCO_ISLAND)")
+    except (ValueError, OSError) as error:
+        raise SystemExit(f"diloco-worker: {error}") from None
+    trainer = Trainer(settings, config, island=args.island or "ddp", syncers=syncers, token=token)
+    try:
+        loss = trainer.run()
+    finally:
+        trainer.close()
+    log.info("training finished", extra={"island": args.island, "steps": settings.steps, "eval_loss": loss})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

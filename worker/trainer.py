@@ -1,0 +1,243 @@
+"""The built-in trainer: a GPT preset on a token stream, as one rank of one island, or as one rank of the
+data-parallel baseline that all-reduces every step across every worker.
+
+It reports what it does as JSON lines (start, step, eval, round, checkpoint, done) to a progress file, so a
+launcher can draw progress, measure goodput and plot losses without parsing logs; a line is flushed as soon
+as it is written, so a worker killed with SIGKILL loses at most the line it was writing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+from diloco.config import InnerOptimizerConfig, TrainingConfig
+from diloco.worker.data import BatchSampler, evaluate, load_tokens, split_holdout
+from diloco.worker.island import Island
+from diloco.worker.learner import Learner, RoundReport
+from diloco.worker.model import GPT, build_model, resolve_preset
+
+log = logging.getLogger("diloco.worker")
+
+MODES = ("diloco", "sync-diloco", "ddp")
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """What the built-in trainer does, apart from the DiLoCo knobs (TrainingConfig) and the syncers."""
+
+    mode: str = "diloco"
+    preset: str = "tiny"
+    data: str | None = None
+    max_data_bytes: int = 8 * 1024 * 1024
+    batch_size: int = 16
+    steps: int = 300
+    eval_every: int = 50
+    eval_batches: int = 8
+    seed: int = 0
+    slowdown: float = 1.0
+    threads: int | None = None
+    device: str = "cpu"
+    progress_file: Path | None = None
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 50
+    flush_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.steps < 1 or self.batch_size < 1 or self.eval_every < 1 or self.checkpoint_every < 1:
+            raise ValueError("steps, batch size, eval and checkpoint intervals must be positive")
+        if self.slowdown < 1.0:
+            raise ValueError(f"slowdown is a factor >= 1 (1 = full speed), got {self.slowdown}")
+
+
+class Progress:
+    """Appends one JSON object per event to the progress file (nothing when there is none)."""
+
+    def __init__(self, path: Path | None, **identity: Any) -> None:
+        self._identity = identity
+        self._file: IO[str] | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", buffering=1)
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"event": event, "t": time.time(), **self._identity, **fields}) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def inner_optimizer(model: torch.nn.Module, settings: InnerOptimizerConfig) -> torch.optim.Optimizer:
+    """AdamW with decoupled weight decay on matrices only, as GPT recipes do."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(settings.beta1, settings.beta2),
+    )
+
+
+def learning_rate(step: int, settings: InnerOptimizerConfig) -> float:
+    """Linear warmup to the peak, then constant: DiLoCo islands restart and join at any step."""
+    if settings.warmup_steps and step < settings.warmup_steps:
+        return settings.lr * (step + 1) / settings.warmup_steps
+    return settings.lr
+
+
+def init_distributed(backend: str) -> dist.ProcessGroup | None:
+    """The torch.distributed world from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, when there is more than one
+    rank; a dead peer surfaces as an error within the timeout rather than as a hang."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    dist.init_process_group(backend, timeout=timedelta(seconds=float(os.environ.get("DILOCO_DIST_TIMEOUT", "60"))))
+    return dist.group.WORLD
+
+
+class Trainer:
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        config: TrainingConfig,
+        *,
+        island: str,
+        syncers: list[str],
+        token: str,
+    ) -> None:
+        self.settings = settings
+        self.config = config
+        self.island_id = island
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        backend = "nccl" if settings.device.startswith("cuda") else "gloo"
+        self.group = init_distributed(backend)
+        self.ranks = Island(self.group)
+        self.device = torch.device(settings.device)
+        preset = resolve_preset(settings.preset)
+        self.context = preset.context
+        tokens = load_tokens(settings.data, settings.max_data_bytes)
+        if int(tokens.max()) >= preset.vocab_size:
+            raise ValueError(f"token id {int(tokens.max())} is outside the {preset.name} vocabulary ({preset.vocab_size})")
+        self.train_tokens, self.heldout = split_holdout(tokens)
+        self.model: GPT = build_model(preset, settings.seed, device=self.device)
+        self.optimizer = inner_optimizer(self.model, config.inner)
+        # Salted per process start: a restarted rank draws fresh batches instead of replaying its last ones.
+        stream_seed = settings.seed * 1_000_003 + time.time_ns() % 1_000_003
+        self.sampler = BatchSampler(
+            self.train_tokens, self.context, island, self.ranks.rank, self.ranks.size, stream_seed
+        )
+        self.progress = Progress(
+            settings.progress_file, island=island, rank=self.ranks.rank, mode=settings.mode, pid=os.getpid()
+        )
+        self.learner: Learner | None = None
+        if settings.mode != "ddp":
+            self.learner = Learner(
+                self.model,
+                self.optimizer,
+                config,
+                syncers=syncers,
+                token=token,
+                island_id=island,
+                process_group=self.group,
+                synchronous=settings.mode == "sync-diloco",
+                sync_timeout=600.0 if settings.mode == "sync-diloco" else 60.0,
+                on_round=self._on_round,
+            )
+        self.step = 0
+
+    def _on_round(self, report: RoundReport) -> None:
+        self.progress("round", fragment=report.fragment, began_at=report.began_at_step, outcome=report.outcome.name)
+
+    def _checkpoint_path(self) -> Path | None:
+        folder = self.settings.checkpoint_dir
+        return folder / "ddp.pt" if folder else None
+
+    def _resume(self) -> None:
+        """The data-parallel baseline restarts everyone from its last checkpoint after any failure."""
+        path = self._checkpoint_path()
+        if path is None or not path.exists():
+            return
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+
+    def _save(self) -> None:
+        path = self._checkpoint_path()
+        if path is None or not self.ranks.is_leader:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step}
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        self.progress("checkpoint", step=self.step)
+
+    def run(self) -> float:
+        """Trains until `steps` inner steps, then flushes the last progress; returns the held-out loss."""
+        s = self.settings
+        if self.learner is not None:
+            self.learner.start()
+        else:
+            self._resume()
+            self.ranks.broadcast_tensors(list(self.model.parameters()))
+        self.progress("start", step=self.step, world=self.ranks.size)
+        tokens_per_step = s.batch_size * self.context
+        self.model.train()
+        while self.step < s.steps:
+            started = time.perf_counter()
+            for group in self.optimizer.param_groups:
+                group["lr"] = learning_rate(self.step, self.config.inner)
+            inputs, targets = self.sampler.next_batch(s.batch_size)
+            _, loss = self.model(inputs.to(self.device), targets.to(self.device))
+            loss.backward()
+            self.ranks.average_gradients(self.model.parameters())
+            if self.config.inner.grad_clip:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
+            if self.learner is not None:
+                self.learner.step(tokens=tokens_per_step)
+            else:
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+            self.step += 1
+            if s.slowdown > 1.0:
+                time.sleep((s.slowdown - 1.0) * (time.perf_counter() - started))
+            self.progress("step", step=self.step, loss=loss.item(), tokens=tokens_per_step,
+                          seconds=time.perf_counter() - started)
+            if self.learner is None and self.step % s.checkpoint_every == 0:
+                self._save()
+            if self.step % s.eval_every == 0 and self.ranks.is_leader:
+                self.progress("eval", step=self.step, loss=self.evaluate())
+        if self.learner is not None:
+            self.learner.flush(s.flush_seconds)
+        else:
+            self._save()
+        final = self.evaluate()
+        stats = asdict(self.learner.stats) if self.learner is not None else {}
+        stats.pop("versions", None)
+        self.progress("done", step=self.step, loss=final, **stats)
+        return final
+
+    def evaluate(self) -> float:
+        return evaluate(self.model, self.heldout, self.context, self.settings.batch_size, self.settings.eval_batches)
+
+    def close(self) -> None:
+        if self.learner is not None:
+            self.learner.close()
+        self.progress.close()
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group()
