@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 SUBCOMMANDS = (
+    "diloco.run",
     "diloco.status",
 )
 

@@ -208,6 +208,7 @@ class Trainer:
             self.ranks.average_gradients(self.model.parameters())
             if self.config.inner.grad_clip:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
+            blocked_before = self._blocked_seconds()
             if self.learner is not None:
                 self.learner.step(tokens=tokens_per_step)
             else:
@@ -217,7 +218,7 @@ class Trainer:
             if s.slowdown > 1.0:
                 time.sleep((s.slowdown - 1.0) * (time.perf_counter() - started))
             self.progress("step", step=self.step, loss=loss.item(), tokens=tokens_per_step,
-                          seconds=time.perf_counter() - started)
+                          seconds=time.perf_counter() - started, sync_seconds=self._blocked_seconds() - blocked_before)
             if self.learner is None and self.step % s.checkpoint_every == 0:
                 self._save()
             if self.step % s.eval_every == 0 and self.ranks.is_leader:
@@ -231,6 +232,10 @@ class Trainer:
         stats.pop("versions", None)
         self.progress("done", step=self.step, loss=final, **stats)
         return final
+
+    def _blocked_seconds(self) -> float:
+        """Time the training thread has spent on sync work (waiting, in the synchronous baseline)."""
+        return self.learner.stats.blocked_seconds if self.learner is not None else 0.0
 
     def evaluate(self) -> float:
         return evaluate(self.model, self.heldout, self.context, self.settings.batch_size, self.settings.eval_batches)
