@@ -46,9 +46,6 @@ class Account:
     def goodput(self) -> float:
         return self.useful_seconds / self.allocated_seconds if self.allocated_seconds else 0.0
 
-    @property
-    def restarts(self) -> int:
-        return self.process_starts - self.slots
 
 
 def _slot(event: dict) -> tuple[str, int]:
