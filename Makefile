@@ -4,13 +4,16 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test unit protos bench-syncer syncer clean
+.PHONY: run test unit protos bench-syncer syncer clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+run: $(STAMP)  ## the embedded default: a syncer and 4 islands on loopback train the tiny GPT (a few minutes)
+	$(BIN)/diloco run
 
 test: $(STAMP)  ## every test tier that runs on this machine
 	$(BIN)/python -m pytest

@@ -157,7 +157,7 @@ def plot_curves(path: Path, accounts: list[Account], summaries: list[ModeSummary
     for acct, summary in zip(accounts, summaries):
         if acct.eval_curve:
             xs, ys = zip(*acct.eval_curve)
-            line, = ax.plot(xs, ys, marker="o", markersize=3, label=f"{acct.mode} (islands' local models)")
+            line, = ax.plot(xs, ys, marker="o", markersize=3, label=f"{acct.mode} (during training)")
             if math.isfinite(summary.final_loss):
                 ax.scatter([xs[-1]], [summary.final_loss], color=line.get_color(), marker="*", s=120, zorder=3,
                            label=f"{acct.mode} final model: {summary.final_loss:.3f}")
