@@ -119,11 +119,13 @@ def _int4_values(packed: torch.Tensor) -> torch.Tensor:
 
 
 def decode(
-    data: bytes | bytearray | memoryview, shape: Sequence[int], encoding: int, block_size: int
+    data: bytes | bytearray | memoryview | torch.Tensor, shape: Sequence[int], encoding: int, block_size: int
 ) -> torch.Tensor:
-    """Decode bytes from `encode` into a new float32 tensor of `shape`, refusing anything malformed.
+    """Decode bytes from `encode` into a float32 tensor of `shape`, refusing anything malformed.
 
-    `data` is copied once up front, so the result never aliases it and it may be a reused receive buffer.
+    Bytes are copied once up front, so the result never aliases them and they may be a reused receive
+    buffer. A uint8 tensor is taken over instead (the result may alias it): the reader of a stream hands
+    over the buffer it assembled, sparing a copy of every received byte.
     """
     shape = tuple(int(d) for d in shape)
     if any(d < 0 for d in shape):
@@ -132,8 +134,11 @@ def decode(
     expected = encoded_nbytes(numel, encoding, block_size)
     if len(data) != expected:
         raise EncodingError(f"expected {expected} bytes for {numel} elements, got {len(data)}")
-    raw = torch.empty(expected, dtype=torch.uint8)
-    raw.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    if isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.storage_offset() % _SCALE_BYTES == 0:
+        raw = data.reshape(-1)
+    else:
+        raw = torch.empty(expected, dtype=torch.uint8)
+        raw.numpy()[:] = np.frombuffer(data.numpy() if isinstance(data, torch.Tensor) else data, dtype=np.uint8)
     if encoding == pb.FP32:
         out = raw.view(torch.float32)
     elif encoding == pb.BF16:

@@ -229,7 +229,8 @@ def _read_stream(
             f"header declares {total} bytes, more than the limit of {max_total_bytes}",
         )
     # Uninitialised memory: its pages are committed only as data lands, so a header that lies costs nothing.
-    view = memoryview(torch.empty(total, dtype=torch.uint8).numpy())
+    buffer = torch.empty(total, dtype=torch.uint8)
+    view = memoryview(buffer.numpy())
     received = 0
     for part in parts:
         if isinstance(part, (pb.FragmentHeader, pb.PushHeader)):
@@ -251,7 +252,7 @@ def _read_stream(
     offset = 0
     for p in header.tensors:
         try:
-            values = decode(view[offset : offset + p.byte_length], p.shape, p.encoding, p.block_size)
+            values = decode(buffer[offset : offset + p.byte_length], p.shape, p.encoding, p.block_size)
         except EncodingError as e:
             raise _invalid(f"tensor {p.name!r}: {e}") from None
         tensors.append((p, values))

@@ -221,3 +221,14 @@ def test_encode_does_not_modify_its_input():
     for encoding in ALL:
         encode(x, encoding, 16)
     assert torch.equal(x, before)
+
+
+def test_a_uint8_tensor_is_decoded_in_place_when_aligned_and_copied_when_not():
+    values = torch.randn(33)
+    encoded = torch.frombuffer(bytearray(b"\0" + encode(values, pb.FP32, 0)), dtype=torch.uint8)
+    aligned = encoded[1:].clone()
+    decoded = decode(aligned, (33,), pb.FP32, 0)
+    assert torch.equal(decoded, values)
+    assert decoded.untyped_storage().data_ptr() == aligned.untyped_storage().data_ptr(), "no copy"
+    misaligned = decode(encoded[1:], (33,), pb.FP32, 0)
+    assert torch.equal(misaligned, values)
