@@ -11,6 +11,7 @@ from typing import Sequence
 SUBCOMMANDS = (
     "diloco.run",
     "diloco.status",
+    "diloco.simulate",
 )
 
 

@@ -29,7 +29,7 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 
@@ -74,7 +74,7 @@ class SimConfig:
     chips: int = 1_200_000
     learners: int = 8
     mtbi_years: float = 1.0
-    horizon_hours: float = 24.0
+    horizon_hours: float = 72.0
     seeds: tuple[int, ...] = (0, 1, 2)
     policies: tuple[Policy, ...] = tuple(Policy)
     step_seconds: tuple[float, ...] = (1.0,)
@@ -83,7 +83,7 @@ class SimConfig:
     restart_s: float = 55.0
     reform_s: float = 9.0
     checkpoint_steps: int = 1
-    sync_steps: int = 20
+    sync_steps: int = 16
     fragments: int = 4
     overlap_steps: int = 3
     quorum: int = 1
@@ -253,7 +253,7 @@ def save_trace(path: str | Path, events: Iterable[FailureEvent]) -> None:
             writer.writerow([repr(e.time_s), e.chip, repr(e.downtime_s)])
 
 
-def simulate(config: SimConfig, progress: Callable[[], None] | None = None) -> SimResult:
+def simulate(config: SimConfig) -> SimResult:
     """Runs every policy of `config` on the same failures: one sample per seed, or the trace once."""
     if config.trace is not None:
         samples: list[tuple[int | None, Failures]] = [(None, Failures.from_events(config.trace, config.horizon_s))]
@@ -264,8 +264,6 @@ def simulate(config: SimConfig, progress: Callable[[], None] | None = None) -> S
         for policy in config.policies:
             result = run_policy(policy, config, failures)
             runs[policy].append(replace(result, seed=seed))
-            if progress is not None:
-                progress()
     return SimResult(config, tuple(PolicyResult(policy, tuple(runs[policy])) for policy in config.policies))
 
 
@@ -279,7 +277,7 @@ def run_policy(policy: Policy, config: SimConfig, failures: Failures) -> RunResu
 
 
 def _work_per_step(config: SimConfig) -> tuple[float, list[float], list[int]]:
-    """Lockstep step time (the slowest generation) and the chip-seconds each learner's chips compute per step."""
+    """Lockstep step time (the slowest generation), then each learner's step time and chip count."""
     sizes = np.diff(config.learner_bounds()).tolist()
     steps = config.learner_steps()
     return max(steps), steps, sizes

@@ -1,0 +1,102 @@
+"""`diloco simulate` end to end with small settings: what it prints and what it writes."""
+
+import csv
+
+import pytest
+
+from diloco.cli import main
+from diloco.failure_sim import Policy, SimConfig
+from diloco.simulate import sweep
+
+SMALL = ["--chips", "20000,40000", "--learners", "4", "--seeds", "2", "--horizon-hours", "2", "--mtbi-years", "0.1",
+         "--jobs", "1", "--no-progress"]
+
+
+def rows(path):
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_writes_table_plot_and_report(tmp_path, capsys):
+    out = tmp_path / "sim"
+    assert main(["simulate", *SMALL, "--out", str(out), "--model-params", "7e10", "--link-gbps", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "Goodput (%) against fleet size" in printed and "| 20,000 |" in printed and "| 40,000 |" in printed
+    assert "Published scenarios" not in printed  # a 0.1-year MTBI is not the published setting
+    assert "70B" in printed and "at 2 Gbit/s" in printed
+
+    table = rows(out / "goodput.csv")
+    assert len(table) == 2 * len(Policy)
+    assert {r["policy"] for r in table} == {p.value for p in Policy}
+    for r in table:
+        assert 0 < float(r["goodput"]) <= float(r["uptime"]) <= 1
+        assert r["runs"] == "2"
+
+    assert (out / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "report.md").read_text()
+    for heading in ("## Goodput (%) against fleet size", "## Uptime (%)", "## Bandwidth between sites", "goodput.png"):
+        assert heading in report
+    assert "docs/simulator.md" in report
+
+
+def test_saved_trace_drives_the_same_numbers(tmp_path):
+    # Sample once and save the failures of the largest fleet; replaying that file gives the same goodput.
+    sampled, replayed = tmp_path / "sampled", tmp_path / "replayed"
+    trace = tmp_path / "trace.csv"
+    common = ["--chips", "40000", "--learners", "4", "--horizon-hours", "2", "--mtbi-years", "0.1", "--jobs", "1",
+              "--no-progress"]
+    assert main(["simulate", *common, "--seeds", "1", "--out", str(sampled), "--save-trace", str(trace)]) == 0
+    assert trace.read_text().startswith("time_s,chip,downtime_s\n")
+    assert main(["simulate", *common, "--trace", str(trace), "--out", str(replayed)]) == 0
+    assert main(["simulate", *common, "--trace", str(trace), "--out", str(tmp_path / "again")]) == 0
+    first, second = rows(sampled / "goodput.csv"), rows(replayed / "goodput.csv")
+    assert [(r["policy"], r["goodput"], r["uptime"]) for r in first] == [
+        (r["policy"], r["goodput"], r["uptime"]) for r in second
+    ]
+    assert rows(tmp_path / "again" / "goodput.csv") == second
+    assert f"trace {trace}" in (replayed / "report.md").read_text()
+
+
+def test_default_grid_compares_with_the_published_figures(tmp_path, capsys):
+    out = tmp_path / "sim"
+    args = ["simulate", "--chips", "1200000", "--learners", "8", "--horizon-hours", "2", "--seeds", "1",
+            "--policies", "dp,decoupled-diloco", "--jobs", "1", "--no-progress", "--out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "Published scenarios" in printed
+    assert "| 1.2M chips, M=8 | data-parallel (non-elastic) | 27 |" in printed
+    assert "| 1.2M chips, M=8 | Decoupled DiLoCo M=8 | 88 |" in printed
+    assert "elastic data-parallel" not in printed.split("Bandwidth")[0]
+
+
+def test_processes_give_the_same_points_as_one():
+    base = SimConfig(mtbi_years=0.1, horizon_hours=1, seeds=(0, 1))
+    one, _ = sweep(base, [20_000, 30_000], [4, 8], jobs=1)
+    two, seconds = sweep(base, [20_000, 30_000], [4, 8], jobs=2)
+    assert one == two
+    assert set(seconds) == {20_000, 30_000}
+    # Data-parallel policies only at the first M; DiLoCo policies at every M.
+    assert sorted((p.learners, p.result.policy.value) for p in one if p.chips == 20_000) == sorted(
+        [(4, p.value) for p in Policy] + [(8, "sync-diloco"), (8, "decoupled-diloco")]
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--quorum", "9", "--learners", "8"], "quorum"),
+        (["--trace", "/nonexistent/trace.csv"], "No such file"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(tmp_path, capsys, args, message):
+    code = main(["simulate", "--chips", "20000", "--horizon-hours", "1", "--seeds", "1", "--jobs", "1",
+                 "--no-progress", "--out", str(tmp_path), *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_policy_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--policies", "dp,magic"])
+    assert exit_info.value.code == 2
+    assert "decoupled-diloco" in capsys.readouterr().err
