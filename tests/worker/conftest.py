@@ -16,6 +16,16 @@ from diloco.worker.learner import Learner
 from learner_harness import FAST_BACKOFF, TOKEN, SingleIsland
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, two threads contending with other work are an
+    order of magnitude slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class Shards:
     """In-process shards of one job; a shard can be stopped and started again on the same port."""
 

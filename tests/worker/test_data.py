@@ -15,15 +15,7 @@ from diloco.worker.data import (
 )
 from diloco.worker.model import build_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, two threads contending with other work are an
-    order of magnitude slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_stdlib_sources_are_sorted_and_skip_tests_and_packages():

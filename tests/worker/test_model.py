@@ -127,16 +127,6 @@ def test_dropout_is_active_only_in_training():
     assert not torch.equal(model(idx)[0], model(idx)[0])
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, two threads contending with other work are an
-    order of magnitude slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_tiny_preset_learns_the_embedded_corpus(one_thread):
     model = build_model("tiny", 0)
     sampler = BatchSampler(load_tokens(None, 1 << 20), 128, island=0, rank=0, num_ranks=1, seed=0)
