@@ -46,6 +46,7 @@ JOB_NAME_RULE = {
     "message": f"metadata.name must be a DNS-1035 label of at most {JOB_NAME_MAX} characters (lower-case "
     "letters, digits and '-', starting with a letter): it prefixes the names of the job's Services and "
     "StatefulSets",
+    "fieldPath": ".metadata.name",
 }
 
 

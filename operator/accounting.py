@@ -1,0 +1,239 @@
+"""Island pods as observed, and what their comings and goings mean: failures (charged to the restart budget),
+preemptions (never charged), and when an island must be re-formed. A container that exited with code 0
+(a trainer that finished its steps, restarted by the kubelet) is neither.
+
+Only what exists is observed; the island's status keeps a record of each pod as last seen, so a pod that
+vanished between two passes is judged by what it was then and counted once, whatever the operator missed
+while it was down. A pod is *preempted* when it carried the DisruptionTarget condition (preemption,
+eviction, taint-based or node-shutdown eviction) or its node is gone, NotReady or cordoned; any other loss,
+a container restart or a pod in phase Failed is a *failure*.
+
+A multi-pod island is one torch.distributed world: when one rank dies the others fail with it. So every
+failure or preemption *re-forms* the island (all its pods stopped, then started together, after
+`backoffSeconds` for a failure), and the failures seen in one pass are charged once, as the largest count
+of any one pod: a crash-looping rank still exhausts the budget, its collateral peers add nothing, and
+failures that accompany a preemption are charged as part of it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from diloco.operator import naming as n
+from diloco.operator.events import Event
+from diloco.spec import IslandSpec, IslandStatus, PodRecord, Reform
+
+_ORDINAL_SUFFIX = re.compile(r"-(\d+)$")
+
+
+@dataclass(frozen=True)
+class PodObservation:
+    """The facts about one island pod that accounting needs."""
+
+    name: str
+    island: str
+    ordinal: int
+    uid: str
+    restarts: int
+    phase: str
+    ready: bool
+    terminating: bool
+    disrupted: bool
+    node: str | None
+    revision: str | None
+    ip: str | None = None
+    last_exit_clean: bool = False
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A node as the accounting sees it; a missing node is a lost one."""
+
+    exists: bool
+    ready: bool = True
+    schedulable: bool = True
+
+    @property
+    def healthy(self) -> bool:
+        return self.exists and self.ready and self.schedulable
+
+
+HEALTHY = NodeState(exists=True)
+
+
+def _condition(conditions: Sequence[Mapping[str, Any]] | None, kind: str) -> bool:
+    return any(c.get("type") == kind and c.get("status") == "True" for c in conditions or ())
+
+
+def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
+    """From a Pod object (as the API returns it); None for a pod that is not an island pod."""
+    meta, status = pod.get("metadata", {}), pod.get("status") or {}
+    labels = meta.get("labels") or {}
+    island = labels.get(n.LABEL_ISLAND)
+    index = labels.get(n.POD_INDEX_LABEL)
+    if index is None:
+        match = _ORDINAL_SUFFIX.search(meta.get("name", ""))
+        index = match.group(1) if match else None
+    if island is None or index is None:
+        return None
+    terminating = meta.get("deletionTimestamp") is not None
+    conditions = status.get("conditions")
+    return PodObservation(
+        name=meta["name"],
+        island=island,
+        ordinal=int(index),
+        uid=meta["uid"],
+        restarts=sum(int(c.get("restartCount", 0)) for c in status.get("containerStatuses") or ()),
+        phase=status.get("phase", "Pending"),
+        ready=_condition(conditions, "Ready") and not terminating,
+        terminating=terminating,
+        disrupted=_condition(conditions, "DisruptionTarget"),
+        node=(pod.get("spec") or {}).get("nodeName"),
+        revision=labels.get(n.REVISION_LABEL),
+        ip=status.get("podIP"),
+        last_exit_clean=_last_exit_clean(status.get("containerStatuses") or ()),
+    )
+
+
+def _last_exit_clean(statuses: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether every container that has terminated before last did so with exit code 0: a trainer that
+    finished its steps and was restarted by the kubelet, not a failure."""
+    exits = [((s.get("lastState") or {}).get("terminated") or {}).get("exitCode") for s in statuses]
+    exits = [code for code in exits if code is not None]
+    return bool(exits) and all(code == 0 for code in exits)
+
+
+def observe_node(node: Mapping[str, Any] | None) -> NodeState:
+    """From a Node object, or None when the API says it does not exist."""
+    if node is None:
+        return NodeState(exists=False)
+    return NodeState(
+        exists=True,
+        ready=_condition((node.get("status") or {}).get("conditions"), "Ready"),
+        schedulable=not (node.get("spec") or {}).get("unschedulable", False),
+    )
+
+
+def nodes_to_check(previous: Sequence[PodRecord], pods: Sequence[PodObservation]) -> set[str]:
+    """Nodes whose state decides how a loss is counted: those of vanished or replaced pods not already
+    explained, and those of failed pods. Looked up only when needed, never listed."""
+    live = {(p.ordinal, p.uid) for p in pods}
+    names = {
+        r.node
+        for r in previous
+        if (r.ordinal, r.uid) not in live and r.node and not r.failed and not r.disrupted
+    }
+    names |= {p.node for p in pods if p.phase == "Failed" and not p.disrupted and p.node}
+    return names
+
+
+@dataclass(frozen=True)
+class IslandAccount:
+    """The island's new status, the replicas its StatefulSet should have now, and what to tell the user."""
+
+    status: IslandStatus
+    replicas: int
+    events: tuple[Event, ...]
+
+
+def account_island(
+    previous: IslandStatus | None,
+    island: IslandSpec,
+    pods: Sequence[PodObservation],
+    nodes: Mapping[str, NodeState],
+    update_revision: str | None,
+    active: bool,
+    backoff_seconds: int,
+    now: datetime.datetime,
+) -> IslandAccount:
+    """Folds one observation of the island's pods into its status (see the module docstring).
+
+    `update_revision` is the StatefulSet's current template revision when the controller has observed
+    the latest spec (else None); pods of another revision make the island re-form to pick it up.
+    `active` is false while the job is suspended or finished: the island is then wound down to zero."""
+    prev = previous or IslandStatus(name=island.name)
+    records = {r.ordinal: r for r in prev.pods}
+    current = {p.ordinal: p for p in pods}
+
+    def expected_loss(ordinal: int) -> bool:
+        return not active or prev.reform is not None or ordinal >= prev.desired or ordinal >= island.replicas
+
+    def lost_to_preemption(disrupted: bool, node: str | None) -> bool:
+        return disrupted or not nodes.get(node or "", HEALTHY).healthy
+
+    failures: dict[int, int] = {}
+    preempted: list[int] = []
+    for ordinal, record in records.items():
+        pod = current.get(ordinal)
+        if (pod is not None and pod.uid == record.uid) or record.failed or expected_loss(ordinal):
+            continue
+        if lost_to_preemption(record.disrupted, record.node):
+            preempted.append(ordinal)
+        else:
+            failures[ordinal] = failures.get(ordinal, 0) + 1
+
+    new_records: list[PodRecord] = []
+    for ordinal, pod in sorted(current.items()):
+        record = records.get(ordinal)
+        same = record is not None and record.uid == pod.uid
+        seen_restarts = record.restarts if same else (pod.restarts if previous is None else 0)
+        already_failed = same and record.failed
+        if not expected_loss(ordinal):
+            if pod.phase == "Failed" and not already_failed:
+                if lost_to_preemption(pod.disrupted, pod.node):
+                    preempted.append(ordinal)
+                else:
+                    failures[ordinal] = failures.get(ordinal, 0) + 1
+            restarted = pod.restarts - seen_restarts - (1 if pod.last_exit_clean else 0)
+            if restarted > 0 and not pod.disrupted:
+                failures[ordinal] = failures.get(ordinal, 0) + restarted
+        new_records.append(
+            PodRecord(
+                ordinal=ordinal,
+                uid=pod.uid,
+                restarts=pod.restarts,
+                node=pod.node,
+                disrupted=pod.disrupted or (same and record.disrupted),
+                failed=pod.phase == "Failed",
+            )
+        )
+
+    charged = 0 if preempted else max(failures.values(), default=0)
+    events: list[Event] = []
+    reform = prev.reform if active else None
+    if active and reform is None:
+        if preempted:
+            reform = Reform(reason="Preemption", since=now, hold_until=now)
+            events.append(Event("Warning", "IslandPreempted",
+                                f"island {island.name}: pods {sorted(preempted)} preempted or lost with their node; "
+                                "re-forming the island (not counted against the restart budget)"))
+        elif charged:
+            hold = now + datetime.timedelta(seconds=backoff_seconds)
+            reform = Reform(reason="Failure", since=now, hold_until=hold)
+            events.append(Event("Warning", "IslandFailed",
+                                f"island {island.name}: pods {sorted(failures)} failed; restarts "
+                                f"{prev.restarts + charged}; re-forming after {backoff_seconds}s"))
+        elif update_revision and any(p.revision and p.revision != update_revision for p in pods):
+            reform = Reform(reason="Update", since=now, hold_until=now)
+            events.append(Event("Normal", "IslandUpdating",
+                                f"island {island.name}: pod template changed; re-forming the island"))
+    if reform is not None and not pods and now >= reform.hold_until:
+        events.append(Event("Normal", "IslandReformed", f"island {island.name}: starting {island.replicas} pods"))
+        reform = None
+
+    desired = island.replicas if active else 0
+    status = prev.model_copy(
+        update={
+            "desired": desired,
+            "ready": sum(1 for p in pods if p.ready),
+            "restarts": prev.restarts + charged,
+            "preemptions": prev.preemptions + len(preempted),
+            "reform": reform,
+            "pods": new_records,
+        }
+    )
+    return IslandAccount(status=status, replicas=0 if reform is not None else desired, events=tuple(events))

@@ -1,0 +1,444 @@
+"""Every child object of a DiLoCoJob, rendered as plain dicts from the spec: no API calls, no clock.
+
+Per job: a ConfigMap (training config JSON), a Secret (the gRPC bearer token, generated once by the caller
+and passed in), and a NetworkPolicy that admits only the job's own pods (and the operator) to the syncers.
+Per syncer shard: a Service, a Deployment (one pod, Recreate, so two incarnations never share a
+checkpoint) and a PersistentVolumeClaim. Per island: a headless Service and a StatefulSet whose pods take
+their torch.distributed rank from the ordinal. Replica counts come from the caller's decisions (`Scale`),
+so suspending, re-forming and finishing are rendering the same objects with other numbers.
+
+Each object carries `diloco.dev/applied-hash`, a digest of everything else in it: the operator applies
+an object only when the live one carries another digest.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from diloco.spec import DiLoCoJobSpec, IslandSpec, ResourceRequirements, Toleration, validate_job_name
+from diloco.operator import naming as n
+from diloco.operator.overrides import merge
+
+CONFIG_DIR = "/etc/diloco"
+TOKEN_DIR = "/var/run/secrets/diloco"
+CHECKPOINT_DIR = "/var/lib/diloco"
+RUN_AS = 10001
+WORKER_COMMAND = ("diloco-worker",)
+SYNCER_COMMAND = ("diloco-syncer",)
+DEFAULT_MODEL = "tiny"
+DEFAULT_DATA = "stdlib"
+
+SPOT_TOLERATIONS: tuple[dict[str, str], ...] = (
+    {"key": "cloud.google.com/gke-spot", "operator": "Exists", "effect": "NoSchedule"},
+    {"key": "cloud.google.com/gke-preemptible", "operator": "Exists", "effect": "NoSchedule"},
+    {"key": "kubernetes.azure.com/scalesetpriority", "operator": "Exists", "effect": "NoSchedule"},
+    {"key": "karpenter.sh/capacity-type", "operator": "Exists", "effect": "NoSchedule"},
+    {"key": "eks.amazonaws.com/capacityType", "operator": "Exists", "effect": "NoSchedule"},
+)
+"""Taints that cloud providers and common provisioners put on spot/preemptible nodes."""
+
+
+@dataclass(frozen=True)
+class OperatorRef:
+    """Where the operator's pods run, so the NetworkPolicy lets them call the syncers' Status RPC."""
+
+    namespace: str
+    pod_labels: Mapping[str, str] = field(default_factory=lambda: {"app.kubernetes.io/name": "diloco-operator"})
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Replicas decided for this pass: per island name, and for every syncer shard (0 or 1)."""
+
+    islands: Mapping[str, int]
+    syncers: int
+
+
+def digest(obj: Any) -> str:
+    """A short, stable digest of a JSON-able value."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _stamped(obj: dict[str, Any]) -> dict[str, Any]:
+    obj["metadata"].setdefault("annotations", {})[n.ANNOTATION_HASH] = digest(obj)
+    return obj
+
+
+def _metadata(job: n.JobRef, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": job.namespace, "labels": labels, "ownerReferences": [job.owner_reference()]}
+
+
+def _tolerations(items: list[Toleration]) -> list[dict[str, Any]]:
+    return [t.model_dump(by_alias=True, exclude_none=True) for t in items]
+
+
+def _resources(requirements: ResourceRequirements, extra: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """Quantities as strings, the form the API server returns, so applied and live objects compare equal."""
+    out: dict[str, Any] = {}
+    for kind in ("requests", "limits"):
+        values = {**getattr(requirements, kind), **(extra or {})}
+        if values:
+            out[kind] = {name: str(quantity) for name, quantity in values.items()}
+    return out
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security(read_only_root: bool) -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": read_only_root,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _env(values: Mapping[str, str]) -> list[dict[str, Any]]:
+    return [{"name": key, "value": value} for key, value in values.items()]
+
+
+def _shared_volumes(job: str) -> list[dict[str, Any]]:
+    return [
+        {"name": "config", "configMap": {"name": n.config_map_name(job)}},
+        {"name": "token", "secret": {"secretName": n.token_secret_name(job), "defaultMode": 0o440}},
+    ]
+
+
+def _shared_mounts() -> list[dict[str, Any]]:
+    return [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True},
+    ]
+
+
+def _shared_env() -> dict[str, str]:
+    return {
+        "DILOCO_CONFIG_FILE": f"{CONFIG_DIR}/{n.CONFIG_KEY}",
+        "DILOCO_TOKEN_FILE": f"{TOKEN_DIR}/{n.TOKEN_KEY}",
+    }
+
+
+def config_hash(spec: DiLoCoJobSpec) -> str:
+    """Digest of the training config; it annotates pod templates so a config change rolls the pods."""
+    return digest(spec.training.to_json())
+
+
+def config_map(job: n.JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
+    return _stamped(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _metadata(job, n.config_map_name(job.name), n.common_labels(job.name, None, "config")),
+            "data": {n.CONFIG_KEY: spec.training.to_json()},
+        }
+    )
+
+
+def token_secret(job: n.JobRef, token: str) -> dict[str, Any]:
+    return _stamped(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": _metadata(job, n.token_secret_name(job.name), n.common_labels(job.name, None, "token")),
+            "type": "Opaque",
+            "data": {n.TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+        }
+    )
+
+
+def syncer_service(job: n.JobRef, spec: DiLoCoJobSpec, shard: int) -> dict[str, Any]:
+    return _stamped(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _metadata(job, n.syncer_name(job.name, shard), n.shard_labels(job.name, shard)),
+            "spec": {
+                "type": "ClusterIP",
+                "selector": n.shard_selector(job.name, shard),
+                "ports": [
+                    {"name": "grpc", "port": spec.syncer.port, "targetPort": "grpc", "protocol": "TCP",
+                     "appProtocol": "kubernetes.io/h2c"},
+                    {"name": "metrics", "port": spec.syncer.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
+                ],
+            },
+        }
+    )
+
+
+def syncer_claim(job: n.JobRef, spec: DiLoCoJobSpec, shard: int) -> dict[str, Any]:
+    claim: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": str(spec.syncer.checkpoint.size)}},
+    }
+    if spec.syncer.checkpoint.storage_class_name:
+        claim["storageClassName"] = spec.syncer.checkpoint.storage_class_name
+    return _stamped(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": _metadata(job, n.syncer_name(job.name, shard), n.shard_labels(job.name, shard)),
+            "spec": claim,
+        }
+    )
+
+
+def _grpc_probe(port: int, period: int, failures: int) -> dict[str, Any]:
+    return {"grpc": {"port": port}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 2}
+
+
+def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: int) -> dict[str, Any]:
+    syncer = spec.syncer
+    labels = n.shard_labels(job.name, shard)
+    env = {
+        **_shared_env(),
+        "DILOCO_SHARD_INDEX": str(shard),
+        "DILOCO_NUM_SHARDS": str(syncer.shards),
+        "DILOCO_SYNCER_PORT": str(syncer.port),
+        "DILOCO_METRICS_PORT": str(syncer.metrics_port),
+        "DILOCO_CHECKPOINT_DIR": CHECKPOINT_DIR,
+        "DILOCO_CHECKPOINT_INTERVAL": f"{syncer.checkpoint.interval_seconds:g}",
+    }
+    container = {
+        "name": n.SYNCER_CONTAINER,
+        "image": spec.syncer_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": list(SYNCER_COMMAND),
+        "env": _env(env),
+        "ports": [
+            {"name": "grpc", "containerPort": syncer.port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": syncer.metrics_port, "protocol": "TCP"},
+        ],
+        # A shard loads its whole checkpoint before it serves: the startup probe allows ten minutes.
+        "startupProbe": _grpc_probe(syncer.port, period=5, failures=120),
+        "readinessProbe": _grpc_probe(syncer.port, period=5, failures=2),
+        "livenessProbe": _grpc_probe(syncer.port, period=10, failures=6),
+        "resources": _resources(syncer.resources),
+        "securityContext": _container_security(read_only_root=True),
+        "volumeMounts": [
+            {"name": "checkpoints", "mountPath": CHECKPOINT_DIR},
+            *_shared_mounts(),
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(),
+        # SIGTERM makes the shard write a final, clean checkpoint.
+        "terminationGracePeriodSeconds": 60,
+        "containers": [container],
+        "volumes": [
+            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": n.syncer_name(job.name, shard)}},
+            *_shared_volumes(job.name),
+            {"name": "tmp", "emptyDir": {}},
+        ],
+    }
+    if syncer.node_selector:
+        pod_spec["nodeSelector"] = dict(syncer.node_selector)
+    if syncer.tolerations:
+        pod_spec["tolerations"] = _tolerations(syncer.tolerations)
+    if syncer.priority_class_name:
+        pod_spec["priorityClassName"] = syncer.priority_class_name
+    template = {
+        "metadata": {"labels": labels, "annotations": {n.ANNOTATION_CONFIG_HASH: config_hash(spec)}},
+        "spec": pod_spec,
+    }
+    if syncer.pod_template:
+        template = merge(template, syncer.pod_template)
+    return _stamped(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _metadata(job, n.syncer_name(job.name, shard), labels),
+            "spec": {
+                "replicas": replicas,
+                "strategy": {"type": "Recreate"},
+                "selector": {"matchLabels": n.shard_selector(job.name, shard)},
+                "template": template,
+            },
+        }
+    )
+
+
+def island_service(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> dict[str, Any]:
+    """Headless: gives every pod a stable DNS name, published before it is ready, for the rendezvous."""
+    return _stamped(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _metadata(job, n.island_name(job.name, island.name), n.island_labels(job.name, island.name)),
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": n.island_selector(job.name, island.name),
+                "ports": [
+                    {"name": "rendezvous", "port": spec.trainer.rendezvous_port, "targetPort": "rendezvous",
+                     "protocol": "TCP"},
+                ],
+            },
+        }
+    )
+
+
+def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[dict[str, Any]]:
+    """DILOCO_* for `Learner.from_env` and the built-in worker, and torch.distributed's static rendezvous:
+    the rank is the StatefulSet ordinal, the world the island, the master its ordinal-0 pod."""
+    syncers = ",".join(
+        n.syncer_address(job.name, job.namespace, shard, spec.syncer.port) for shard in range(spec.syncer.shards)
+    )
+    values = {
+        **_shared_env(),
+        "DILOCO_JOB": job.name,
+        "DILOCO_ISLAND": island.name,
+        "DILOCO_SYNCERS": syncers,
+        "DILOCO_METRICS_PORT": str(spec.trainer.metrics_port),
+        "DILOCO_ACCELERATORS_PER_POD": str(island.accelerators_per_pod),
+    }
+    if spec.trainer.command is None:
+        values["DILOCO_MODEL"] = (spec.trainer.model.value if spec.trainer.model else DEFAULT_MODEL)
+        values["DILOCO_DATA"] = spec.trainer.data or DEFAULT_DATA
+    values |= {
+        "WORLD_SIZE": str(island.replicas),
+        "MASTER_ADDR": n.rank0_address(job.name, job.namespace, island.name),
+        "MASTER_PORT": str(spec.trainer.rendezvous_port),
+    }
+    return [
+        *_env(values),
+        {"name": "RANK", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{n.POD_INDEX_LABEL}']"}}},
+        {"name": "DILOCO_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+
+
+def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> dict[str, Any]:
+    """The pod template of an island, with the island's pod-template override merged in last."""
+    accelerators = {island.accelerator_resource: island.accelerators_per_pod} if island.accelerators_per_pod else None
+    container = {
+        "name": n.TRAINER_CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": list(spec.trainer.command or WORKER_COMMAND),
+        "env": trainer_env(job, spec, island),
+        "ports": [
+            {"name": "rendezvous", "containerPort": spec.trainer.rendezvous_port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": spec.trainer.metrics_port, "protocol": "TCP"},
+        ],
+        "resources": _resources(island.resources, accelerators),
+        "securityContext": _container_security(read_only_root=False),
+        "volumeMounts": [*_shared_mounts(), {"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    if spec.trainer.args:
+        container["args"] = list(spec.trainer.args)
+    tolerations = _tolerations(island.tolerations) + (list(SPOT_TOLERATIONS) if island.spot else [])
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(),
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+        # Shared memory for data loaders and NCCL, which the container runtime's 64 MiB default starves.
+        "volumes": [*_shared_volumes(job.name), {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+    }
+    if island.node_selector:
+        pod_spec["nodeSelector"] = dict(island.node_selector)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if island.affinity:
+        pod_spec["affinity"] = island.affinity
+    if island.priority_class_name:
+        pod_spec["priorityClassName"] = island.priority_class_name
+    template = {
+        "metadata": {
+            "labels": n.island_labels(job.name, island.name),
+            "annotations": {n.ANNOTATION_CONFIG_HASH: config_hash(spec)},
+        },
+        "spec": pod_spec,
+    }
+    return merge(template, island.pod_template) if island.pod_template else template
+
+
+def island_statefulset(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, replicas: int) -> dict[str, Any]:
+    """Parallel pod management: ranks start together. OnDelete updates: a template change is rolled out by
+    the operator re-forming the whole island, never one rank at a time (which would break the
+    torch.distributed world once per pod)."""
+    name = n.island_name(job.name, island.name)
+    return _stamped(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": _metadata(job, name, n.island_labels(job.name, island.name)),
+            "spec": {
+                "serviceName": name,
+                "replicas": replicas,
+                "podManagementPolicy": "Parallel",
+                "updateStrategy": {"type": "OnDelete"},
+                "selector": {"matchLabels": n.island_selector(job.name, island.name)},
+                "template": island_template(job, spec, island),
+            },
+        }
+    )
+
+
+def network_policy(job: n.JobRef, spec: DiLoCoJobSpec, operator: OperatorRef | None) -> dict[str, Any]:
+    """The syncers' gRPC port admits the job's own pods and the operator; metrics stay open to scrapers."""
+    peers: list[dict[str, Any]] = [{"podSelector": {"matchLabels": n.job_selector(job.name)}}]
+    if operator is not None:
+        peers.append(
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator.namespace}},
+                "podSelector": {"matchLabels": dict(operator.pod_labels)},
+            }
+        )
+    return _stamped(
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _metadata(job, n.network_policy_name(job.name), n.common_labels(job.name, None, "network")),
+            "spec": {
+                "podSelector": {
+                    "matchLabels": {**n.job_selector(job.name), "app.kubernetes.io/component": n.COMPONENT_SYNCER}
+                },
+                "policyTypes": ["Ingress"],
+                "ingress": [
+                    {"from": peers, "ports": [{"port": spec.syncer.port, "protocol": "TCP"}]},
+                    {"ports": [{"port": spec.syncer.metrics_port, "protocol": "TCP"}]},
+                ],
+            },
+        }
+    )
+
+
+def render_children(
+    job: n.JobRef, spec: DiLoCoJobSpec, token: str, scale: Scale, operator: OperatorRef | None
+) -> list[dict[str, Any]]:
+    """Every child, in the order they are best created: config and credentials, then syncers, then islands."""
+    validate_job_name(job.name)
+    children = [config_map(job, spec), token_secret(job, token), network_policy(job, spec, operator)]
+    for shard in range(spec.syncer.shards):
+        children += [
+            syncer_claim(job, spec, shard),
+            syncer_service(job, spec, shard),
+            syncer_deployment(job, spec, shard, scale.syncers),
+        ]
+    for island in spec.islands:
+        children += [
+            island_service(job, spec, island),
+            island_statefulset(job, spec, island, scale.islands.get(island.name, 0)),
+        ]
+    return children
+
+
+def child_key(obj: Mapping[str, Any]) -> tuple[str, str]:
+    """Identity of a child within its job's namespace."""
+    return obj["kind"], obj["metadata"]["name"]

@@ -1,0 +1,126 @@
+"""The operator's Kubernetes API calls, all of them: list by label, get, server-side apply, delete.
+
+Objects travel as plain dicts, the form `children.py` renders and the API returns, so nothing here knows
+about the kinds beyond where their endpoints are. Applying is server-side apply under one field manager,
+forced only over an object this job already owns: a same-named object made by someone else is never
+taken over, the API server reports the conflict instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes import client, config
+
+from diloco.operator.naming import MANAGER
+from diloco.spec import API_GROUP, API_VERSION, PLURAL
+
+RESOURCES: dict[str, tuple[str, str, bool]] = {
+    "ConfigMap": ("v1", "configmaps", True),
+    "Secret": ("v1", "secrets", True),
+    "Service": ("v1", "services", True),
+    "PersistentVolumeClaim": ("v1", "persistentvolumeclaims", True),
+    "Pod": ("v1", "pods", True),
+    "Node": ("v1", "nodes", False),
+    "Deployment": ("apps/v1", "deployments", True),
+    "StatefulSet": ("apps/v1", "statefulsets", True),
+    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies", True),
+    "DiLoCoJob": (f"{API_GROUP}/{API_VERSION}", PLURAL, True),
+}
+"""kind -> (apiVersion, plural, namespaced) of every kind the operator touches."""
+
+
+class ApiError(Exception):
+    """A refused API call, with the HTTP status and the API server's message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def load_config() -> client.ApiClient:
+    """In a pod, its service account; elsewhere, the current kubeconfig context."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+def _path(kind: str, namespace: str | None, name: str | None = None) -> str:
+    api_version, plural, namespaced = RESOURCES[kind]
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    scope = f"/namespaces/{namespace}" if namespaced else ""
+    return f"{prefix}{scope}/{plural}" + (f"/{name}" if name else "")
+
+
+def selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
+class Kube:
+    """Synchronous JSON calls through the `kubernetes` client's connection pool and credentials."""
+
+    def __init__(self, api: client.ApiClient, timeout: float = 30.0) -> None:
+        self.api = api
+        self.timeout = timeout
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str | None = None,
+    ) -> dict[str, Any] | None:
+        """The decoded reply; None for 404; ApiError for any other refusal."""
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        request = self.api.param_serialize(
+            method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
+        )
+        response = self.api.call_api(*request, _request_timeout=self.timeout)
+        response.read()
+        if response.status == 404:
+            return None
+        payload = json.loads(response.data) if response.data else {}
+        if not 200 <= response.status < 300:
+            raise ApiError(response.status, payload.get("message", str(payload)))
+        return payload
+
+    def list(self, kind: str, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Every object of `kind` in `namespace` carrying all of `labels`."""
+        reply = self._call("GET", _path(kind, namespace), [("labelSelector", selector(labels))])
+        api_version = RESOURCES[kind][0]
+        return [{"apiVersion": api_version, "kind": kind, **item} for item in (reply or {}).get("items", [])]
+
+    def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        return self._call("GET", _path(kind, namespace, name))
+
+    def apply(self, obj: Mapping[str, Any], force: bool) -> dict[str, Any]:
+        """Server-side apply of `obj` (created if missing); `force` takes over fields other managers set."""
+        meta = obj["metadata"]
+        query = [("fieldManager", MANAGER), ("force", "true" if force else "false")]
+        reply = self._call(
+            "PATCH",
+            _path(obj["kind"], meta.get("namespace"), meta["name"]),
+            query,
+            body=dict(obj),
+            content_type="application/apply-patch+yaml",
+        )
+        if reply is None:
+            raise ApiError(404, f"{obj['kind']} {meta['name']}: the namespace or the kind does not exist")
+        return reply
+
+    def delete(self, kind: str, namespace: str | None, name: str) -> None:
+        """Deletes in the background (dependents garbage-collected); an object already gone is fine."""
+        self._call(
+            "DELETE",
+            _path(kind, namespace, name),
+            body={"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"},
+            content_type="application/json",
+        )

@@ -1,0 +1,216 @@
+"""One reconcile pass of one job: observe the cluster, decide (pure, `status.decide`), render the children
+(pure, `children.render_children`) and converge: apply what differs, delete what is no longer wanted.
+
+Level-based: nothing here depends on which event triggered the pass or on anything remembered between
+passes except the job's own status; running a pass twice does no more than running it once (an object is
+applied only when it is missing, was rendered differently, or was changed by someone else).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import logging
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
+
+from diloco.operator import naming as n
+from diloco.operator.accounting import PodObservation, nodes_to_check, observe_node, observe_pod
+from diloco.operator.children import OperatorRef, child_key, render_children
+from diloco.operator.events import Event
+from diloco.operator.kube import ApiError, Kube
+from diloco.operator.probes import shard_statuses, trainer_losses
+from diloco.operator.status import Observation, ShardObservation, decide
+from diloco.spec import DiLoCoJobSpec, DiLoCoJobStatus
+
+log = logging.getLogger("diloco.operator")
+
+CHILD_KINDS = ("ConfigMap", "Secret", "NetworkPolicy", "PersistentVolumeClaim", "Service", "Deployment", "StatefulSet")
+
+ShardPoller = Callable[[Sequence[str], Sequence[bool], str, float], list[ShardObservation]]
+LossScraper = Callable[[Mapping[str, str], float], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a pass did: the status to write, events to post, objects applied and deleted."""
+
+    status: dict[str, Any]
+    events: tuple[Event, ...]
+    applied: tuple[str, ...]
+    deleted: tuple[str, ...]
+    job_deleted: bool
+
+
+def status_patch(status: DiLoCoJobStatus) -> dict[str, Any]:
+    """The status as a JSON merge patch: every top-level field present, `null` clearing unset ones."""
+    body = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    for name, info in DiLoCoJobStatus.model_fields.items():
+        body.setdefault(info.alias or name, None)
+    return body
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences", ()))
+
+
+def read_token(secret: Mapping[str, Any] | None) -> str | None:
+    data = (secret or {}).get("data") or {}
+    return base64.b64decode(data[n.TOKEN_KEY]).decode() if n.TOKEN_KEY in data else None
+
+
+def applied_hash(obj: Mapping[str, Any] | None) -> str | None:
+    return ((obj or {}).get("metadata", {}).get("annotations") or {}).get(n.ANNOTATION_HASH)
+
+
+def _same_value(live: Any, want: Any) -> bool:
+    if live == want:
+        return True
+    if isinstance(live, str) and isinstance(want, str):
+        try:
+            return parse_quantity(live) == parse_quantity(want)
+        except (ValueError, ArithmeticError):
+            return False
+    return False
+
+
+def contains(live: Any, want: Any) -> bool:
+    """Whether the live object still holds every value the operator set: fields the API server or others
+    added are ignored; a changed or removed one, or a quantity not equal in value, is drift."""
+    if isinstance(want, Mapping):
+        return isinstance(live, Mapping) and all(k in live and contains(live[k], v) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(live, list) and len(live) == len(want) and all(map(contains, live, want))
+    return _same_value(live, want)
+
+
+def in_sync(live: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    """The live child is what this pass would apply: the same digest (so nothing was dropped from the
+    rendering since it was applied) and no drift (so nobody changed what the operator set)."""
+    return applied_hash(live) == applied_hash(desired) and contains(live, desired)
+
+
+def _metrics_url(ip: str, port: int) -> str:
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}/metrics"
+
+
+class Reconciler:
+    """Holds the API client and the probes; `reconcile` is one pass over one job."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        operator: OperatorRef | None,
+        probe_timeout: float = 2.0,
+        poll_shards: ShardPoller = shard_statuses,
+        scrape_losses: LossScraper = trainer_losses,
+    ) -> None:
+        self.kube = kube
+        self.operator = operator
+        self.probe_timeout = probe_timeout
+        self.poll_shards = poll_shards
+        self.scrape_losses = scrape_losses
+
+    def _existing(self, job: n.JobRef) -> dict[tuple[str, str], dict[str, Any]]:
+        found: dict[tuple[str, str], dict[str, Any]] = {}
+        for kind in CHILD_KINDS:
+            for obj in self.kube.list(kind, job.namespace, n.job_selector(job.name)):
+                found[child_key(obj)] = obj
+        return found
+
+    def _observe(
+        self,
+        job: n.JobRef,
+        spec: DiLoCoJobSpec,
+        previous: DiLoCoJobStatus,
+        existing: Mapping[tuple[str, str], Mapping[str, Any]],
+        token: str,
+    ) -> Observation:
+        pods: dict[str, list[PodObservation]] = {island.name: [] for island in spec.islands}
+        for raw in self.kube.list("Pod", job.namespace, n.job_selector(job.name)):
+            pod = observe_pod(raw)
+            if pod is not None and pod.island in pods:
+                pods[pod.island].append(pod)
+
+        records = {i.name: i.pods for i in previous.islands}
+        wanted = set().union(*(nodes_to_check(records.get(name, []), found) for name, found in pods.items()))
+        nodes = {name: observe_node(self.kube.get("Node", None, name)) for name in sorted(wanted)}
+
+        revisions: dict[str, str] = {}
+        for island in spec.islands:
+            sts = existing.get(("StatefulSet", n.island_name(job.name, island.name)))
+            status = (sts or {}).get("status") or {}
+            if sts and status.get("updateRevision") and status.get("observedGeneration") == sts["metadata"].get("generation"):
+                revisions[island.name] = status["updateRevision"]
+
+        ready = [
+            int(((existing.get(("Deployment", n.syncer_name(job.name, shard))) or {}).get("status") or {}).get(
+                "readyReplicas", 0)) > 0
+            for shard in range(spec.syncer.shards)
+        ]
+        targets = [n.syncer_address(job.name, job.namespace, s, spec.syncer.port) for s in range(spec.syncer.shards)]
+        shards = self.poll_shards(targets, ready, token, self.probe_timeout)
+
+        urls = {
+            name: _metrics_url(pod.ip, spec.trainer.metrics_port)
+            for name, found in pods.items()
+            for pod in found
+            if pod.ordinal == 0 and pod.ready and pod.ip
+        }
+        losses = self.scrape_losses(urls, self.probe_timeout)
+        return Observation(pods=pods, nodes=nodes, update_revisions=revisions, shards=shards, losses=losses)
+
+    def reconcile(
+        self,
+        job: n.JobRef,
+        generation: int | None,
+        raw_spec: Mapping[str, Any],
+        raw_status: Mapping[str, Any] | None,
+        now: datetime.datetime,
+    ) -> Outcome:
+        """Raises pydantic's ValidationError for a spec the models refuse (the caller reports it)."""
+        spec = DiLoCoJobSpec.model_validate(dict(raw_spec))
+        previous = DiLoCoJobStatus.model_validate(dict(raw_status or {}))
+        existing = self._existing(job)
+        token = read_token(existing.get(("Secret", n.token_secret_name(job.name)))) or secrets.token_urlsafe(32)
+        decision = decide(spec, generation, previous, self._observe(job, spec, previous, existing, token), now)
+        events = list(decision.events)
+
+        desired = render_children(job, spec, token, decision.scale, self.operator)
+        applied: list[str] = []
+        for obj in desired:
+            live = existing.get(child_key(obj))
+            mine = live is not None and owned_by(live, job.uid)
+            if mine and in_sync(live, obj):
+                continue
+            try:
+                self.kube.apply(obj, force=mine)
+                applied.append("/".join(child_key(obj)))
+            except ApiError as error:
+                log.warning("apply failed", extra={"job": job.name, "object": child_key(obj), "error": str(error)})
+                events.append(Event("Warning", "ApplyFailed", f"{'/'.join(child_key(obj))}: {error.message}"))
+
+        wanted = {child_key(obj) for obj in desired}
+        deleted: list[str] = []
+        for key, obj in existing.items():
+            if key not in wanted and owned_by(obj, job.uid):
+                try:
+                    self.kube.delete(key[0], job.namespace, key[1])
+                    deleted.append("/".join(key))
+                except ApiError as error:
+                    events.append(Event("Warning", "DeleteFailed", f"{'/'.join(key)}: {error.message}"))
+
+        if decision.delete:
+            self.kube.delete("DiLoCoJob", job.namespace, job.name)
+        return Outcome(
+            status=status_patch(decision.status),
+            events=tuple(events),
+            applied=tuple(applied),
+            deleted=tuple(deleted),
+            job_deleted=decision.delete,
+        )

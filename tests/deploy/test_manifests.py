@@ -1,0 +1,139 @@
+"""The install manifests and the chart agree with each other and with what the operator needs: the same
+RBAC rules, the pod labels the jobs' NetworkPolicies admit, the peering object kopf expects, and images
+built from local files that run as non-root."""
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes.client import models as k8s
+
+from diloco.operator.children import OperatorRef
+from diloco.operator.main import PEERING_NAME
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "diloco"
+MODELS = {
+    "ServiceAccount": k8s.V1ServiceAccount, "ClusterRole": k8s.V1ClusterRole,
+    "ClusterRoleBinding": k8s.V1ClusterRoleBinding, "Role": k8s.V1Role, "RoleBinding": k8s.V1RoleBinding,
+    "Deployment": k8s.V1Deployment, "Service": k8s.V1Service, "Namespace": k8s.V1Namespace,
+}
+
+
+def documents(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def helm() -> Path | None:
+    cache = Path(os.environ.get("DILOCO_CLUSTER_CACHE", Path.home() / ".cache" / "diloco-cluster"))
+    found = sorted(cache.glob("helm-*/helm")) if cache.is_dir() else []
+    return found[-1] if found else None
+
+
+def render_chart(*sets: str) -> list[dict]:
+    binary = helm()
+    if binary is None:
+        pytest.skip("no helm binary (tests/cluster/build.sh builds one)")
+    args = [str(binary), "template", "diloco", str(CHART), "--namespace", "diloco-system"]
+    for value in sets:
+        args += ["--set", value]
+    output = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(output) if d]
+
+
+def rules_of(docs, kind, name=None):
+    return [r for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+            for r in d["rules"]]
+
+
+def normalised(rules):
+    return sorted((tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in rules)
+
+
+def test_deploy_manifests_are_valid_objects():
+    for path in (ROOT / "deploy" / "rbac.yaml", ROOT / "deploy" / "operator.yaml"):
+        for doc in documents(path):
+            if doc["kind"] in MODELS:
+                MODELS[doc["kind"]].from_dict(doc)
+
+
+def test_operator_pods_carry_the_labels_job_network_policies_admit():
+    deployment = next(d for d in documents(ROOT / "deploy" / "operator.yaml") if d["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]
+    assert OperatorRef("x").pod_labels.items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["serviceAccountName"] == "diloco-operator"
+
+
+def test_the_peering_object_kopf_needs_is_installed():
+    peering = [d for d in documents(ROOT / "deploy" / "operator.yaml") if d["kind"] == "ClusterKopfPeering"]
+    assert [p["metadata"]["name"] for p in peering] == [PEERING_NAME]
+
+
+def test_chart_cluster_wide_rbac_is_deploy_rbac():
+    chart = render_chart()
+    deploy = documents(ROOT / "deploy" / "rbac.yaml")
+    assert normalised(rules_of(chart, "ClusterRole")) == normalised(rules_of(deploy, "ClusterRole"))
+    assert [d["metadata"]["name"] for d in chart if d["kind"] == "ClusterKopfPeering"] == [PEERING_NAME]
+    for doc in chart:
+        if doc["kind"] in MODELS:
+            MODELS[doc["kind"]].from_dict(doc)
+    deployment = next(d for d in chart if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "--all-namespaces" in container["args"] and container["image"] == "diloco-operator:0.1.0"
+    assert OperatorRef("x").pod_labels.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_chart_for_named_namespaces_grants_only_those():
+    chart = render_chart("watchNamespaces={team-a,team-b}", "metrics.enabled=false")
+    roles = {d["metadata"]["namespace"]: d for d in chart if d["kind"] == "Role"}
+    assert set(roles) == {"team-a", "team-b"}
+    cluster_wide = normalised(rules_of(documents(ROOT / "deploy" / "rbac.yaml"), "ClusterRole"))
+    namespaced = normalised(rules_of(chart, "Role")[: len(roles["team-a"]["rules"])])
+    nodes = (("",), ("nodes",), ("get",))
+    assert normalised(rules_of(chart, "ClusterRole")) == [nodes]
+    as_cluster = [r for r in cluster_wide if r != nodes and r[1] != ("clusterkopfpeerings",)]
+    assert [r for r in namespaced if r[1] != ("kopfpeerings",)] == as_cluster
+    peerings = {d["metadata"]["namespace"] for d in chart if d["kind"] == "KopfPeering"}
+    assert peerings == {"team-a", "team-b"}
+    args = next(d for d in chart if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--metrics-port=0" in args
+    assert not [d for d in chart if d["kind"] == "Service"]
+
+
+def test_chart_ships_the_rendered_crds_and_says_how_to_upgrade_them():
+    assert (CHART / "crds" / "dilocojobs.diloco.dev.yaml").read_text() == (ROOT / "deploy" / "crd.yaml").read_text()
+    assert "kubectl apply --server-side -f deploy/crd.yaml" in (CHART / "README.md").read_text()
+    assert "deploy/crd.yaml" in (CHART / "templates" / "NOTES.txt").read_text()
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.operator", "Dockerfile.trainer"])
+def test_images_build_from_a_named_base_and_run_as_non_root(name):
+    text = (ROOT / "deploy" / name).read_text()
+    assert re.search(r"^ARG PYTHON_IMAGE=", text, re.M)
+    assert all(line.split()[1].startswith("${PYTHON_IMAGE}") for line in text.splitlines() if line.startswith("FROM"))
+    assert re.search(r"^USER 10001", text, re.M)
+    ignore = (ROOT / "deploy" / f"{name}.dockerignore").read_text()
+    assert "!diloco/" in ignore and "!operator/" in ignore and "!pyproject.toml" in ignore
+
+
+def test_operator_image_installs_pinned_dependencies_without_torch():
+    text = (ROOT / "deploy" / "Dockerfile.operator").read_text()
+    wanted = set(re.search(r"wanted = \{(.*)\}", text).group(1).replace('"', "").replace(" ", "").split(","))
+    pinned = {r.split("==")[0].lower() for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    assert wanted <= pinned and "torch" not in wanted
+
+
+def test_the_operator_imports_without_torch():
+    blocker = "import sys; sys.modules['torch'] = None; import diloco.operator.main, diloco.operator.reconcile"
+    result = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,271 @@
+"""Against a real kube-apiserver: the CRD is accepted, defaults and refuses as designed (messages naming the
+field), the API layer works, and the operator, run as its own ServiceAccount under deploy/rbac.yaml,
+converges jobs, honours suspend, final phases and the TTL, and changes nothing when restarted."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from apiserver_harness import free_port
+from kubernetes import config as kube_config
+
+from diloco.operator.kube import ApiError, Kube
+
+pytestmark = [pytest.mark.process, pytest.mark.filterwarnings("ignore:Unverified HTTPS request")]
+
+ROOT = Path(__file__).resolve().parents[2]
+RESYNC = 1.0
+
+
+def wait_until(condition, timeout=60.0, interval=0.5):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"not reached within {timeout}s: {getattr(condition, '__name__', condition)}")
+        time.sleep(interval)
+
+
+def job_manifest(name, **spec):
+    body = {"image": "diloco-trainer:dev", "training": {"innerSteps": 20, "fragments": 2, "overlapSteps": 1},
+            "islands": [{"name": "a", "replicas": 2}, {"name": "b"}], "syncer": {"shards": 2}}
+    body.update(spec)
+    return yaml.safe_dump({"apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob", "metadata": {"name": name},
+                           "spec": body})
+
+
+@pytest.fixture(scope="module")
+def kube(control_plane):
+    return Kube(kube_config.new_client_from_config(config_file=str(control_plane.admin_kubeconfig)))
+
+
+def namespace(plane, name):
+    plane.kubectl("create", "namespace", name)
+    return name
+
+
+# --- the CRD ------------------------------------------------------------------------------------
+
+
+def test_examples_are_accepted_with_every_default_filled_in(control_plane, kube):
+    ns = namespace(control_plane, "examples")
+    control_plane.kubectl("-n", ns, "apply", "-f", str(ROOT / "deploy" / "examples"))
+    tiny = kube.get("DiLoCoJob", ns, "tiny-cpu")
+    assert tiny["spec"]["training"]["outer"] == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert tiny["spec"]["training"]["maxStaleness"] == 4 and tiny["spec"]["failurePolicy"]["restartBudget"] == 10
+    assert tiny["spec"]["syncer"]["checkpoint"] == {"size": "1Gi", "intervalSeconds": 30}
+    assert tiny["spec"]["islands"][0]["acceleratorResource"] == "nvidia.com/gpu"
+    mixed = kube.get("DiLoCoJob", ns, "llm-mixed")
+    assert mixed["spec"]["islands"][0]["podTemplate"]["spec"]["volumes"][0]["name"] == "corpus"
+    listing = control_plane.kubectl("-n", ns, "get", "dj").stdout.splitlines()[0].split()
+    assert listing[:4] == ["NAME", "PHASE", "ISLANDS", "OUTER"]
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        ("quorum", {"training": {"quorum": 3}}, "spec.training.quorum: Invalid value: spec.training.quorum must not"),
+        ("frag", {"training": {"innerSteps": 2, "fragments": 3, "overlapSteps": 0}, "syncer": {"shards": 1}},
+         "spec.training.fragments: Invalid value: spec.training.fragments (P) must not exceed"),
+        ("tau", {"training": {"innerSteps": 8, "fragments": 4, "overlapSteps": 2}},
+         "spec.training.overlapSteps: Invalid value"),
+        ("shards", {"syncer": {"shards": 3}}, "spec.syncer.shards: Invalid value: spec.syncer.shards must not exceed"),
+        ("dup", {"islands": [{"name": "a"}, {"name": "a"}]}, "spec.islands[1]: Duplicate value"),
+        ("reserved", {"islands": [{"name": "syncer-1"}]}, "spec.islands[0].name: Invalid value"),
+        ("cmd", {"trainer": {"command": ["python"], "model": "tiny"}}, "cannot be set together with spec.trainer.command"),
+        ("ports", {"syncer": {"shards": 1, "port": 9090}}, "spec.syncer.metricsPort: Invalid value"),
+        ("qty", {"islands": [{"name": "a", "resources": {"limits": {"memory": "lots"}}}]},
+         "spec.islands[0].resources.limits.memory"),
+        ("alpha", {"training": {"innerSteps": 20, "fragments": 2, "overlapSteps": 1, "mixAlpha": 2}},
+         "spec.training.mixAlpha"),
+        ("a" * 31, {}, "metadata.name: Invalid value: metadata.name must be a DNS-1035 label of at most 30"),
+    ],
+    ids=lambda value: value if isinstance(value, str) and len(value) < 12 else None,
+)
+def test_bad_manifests_are_refused_naming_the_field(control_plane, name, change, message):
+    result = control_plane.kubectl("-n", "default", "apply", "-f", "-", stdin=job_manifest(name, **change), check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_fragments_and_shards_are_immutable(control_plane):
+    control_plane.kubectl("-n", "default", "apply", "-f", "-", stdin=job_manifest("fixed"))
+    for patch, message in (({"training": {"fragments": 4, "innerSteps": 40}}, "spec.training.fragments is immutable"),
+                           ({"syncer": {"shards": 1}}, "spec.syncer.shards is immutable")):
+        result = control_plane.kubectl("-n", "default", "patch", "dj", "fixed", "--type", "merge",
+                                       "-p", json.dumps({"spec": patch}), check=False)
+        assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+# --- the API layer -------------------------------------------------------------------------------
+
+
+def config_map(name, data, owner_uid=None):
+    meta = {"name": name, "namespace": "api", "labels": {"diloco.dev/job": "x"}}
+    if owner_uid:
+        meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": owner_uid,
+                                    "controller": True}]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
+
+
+def test_kube_applies_lists_gets_and_deletes(control_plane, kube):
+    namespace(control_plane, "api")
+    kube.apply(config_map("one", {"k": "1"}), force=False)
+    kube.apply(config_map("one", {"k": "2"}), force=True)
+    assert kube.get("ConfigMap", "api", "one")["data"] == {"k": "2"}
+    assert [o["metadata"]["name"] for o in kube.list("ConfigMap", "api", {"diloco.dev/job": "x"})] == ["one"]
+    assert kube.list("ConfigMap", "api", {"diloco.dev/job": "y"}) == []
+    kube.delete("ConfigMap", "api", "one")
+    kube.delete("ConfigMap", "api", "one")
+    assert kube.get("ConfigMap", "api", "one") is None
+    assert kube.get("Node", None, "no-such-node") is None
+
+
+def test_kube_never_takes_over_fields_someone_else_set(control_plane, kube):
+    control_plane.kubectl("-n", "api", "create", "configmap", "theirs", "--from-literal=k=mine")
+    with pytest.raises(ApiError) as refused:
+        kube.apply(config_map("theirs", {"k": "ours"}), force=False)
+    assert refused.value.status == 409
+    assert kube.get("ConfigMap", "api", "theirs")["data"] == {"k": "mine"}
+
+
+# --- the operator --------------------------------------------------------------------------------
+
+
+class Operator:
+    """`diloco-operator` as a subprocess with the ServiceAccount's credentials."""
+
+    def __init__(self, kubeconfig: Path, log: Path):
+        self.kubeconfig, self.log, self.process = kubeconfig, log, None
+        self.metrics_port = free_port()
+
+    def start(self):
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "POD_NAMESPACE": "diloco-system",
+               "PYTHONWARNINGS": "ignore", "DILOCO_LOG_LEVEL": "INFO"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "diloco.operator.main", "--all-namespaces", f"--resync-seconds={RESYNC}",
+             f"--metrics-port={self.metrics_port}", f"--liveness-port={free_port()}", "--probe-timeout=0.5"],
+            env=env, stdout=open(self.log, "a"), stderr=subprocess.STDOUT,
+        )
+        wait_until(lambda: self.metric("diloco_operator_reconciles_total") is not None, timeout=60)
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(30)
+
+    def metric(self, name):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return None
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+        return sum(values)
+
+
+@pytest.fixture(scope="module")
+def operator(control_plane, tmp_path_factory):
+    namespace(control_plane, "diloco-system")
+    control_plane.kubectl("apply", "-f", str(ROOT / "deploy" / "rbac.yaml"))
+    peering = [d for d in yaml.safe_load_all((ROOT / "deploy" / "operator.yaml").read_text())
+               if d["kind"] == "ClusterKopfPeering"]
+    control_plane.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(peering))
+    kubeconfig = control_plane.service_account_kubeconfig("diloco-system", "diloco-operator")
+    running = Operator(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log")
+    running.start()
+    yield running
+    running.stop()
+    log = running.log.read_text()
+    assert "Forbidden" not in log and " 403" not in log, log[-4000:]
+
+
+def children(kube, ns, job):
+    kinds = ("ConfigMap", "Secret", "NetworkPolicy", "PersistentVolumeClaim", "Service", "Deployment", "StatefulSet")
+    return {(k, o["metadata"]["name"]): o for k in kinds for o in kube.list(k, ns, {"diloco.dev/job": job})}
+
+
+def test_the_operator_creates_every_child_and_keeps_status(control_plane, kube, operator):
+    ns = namespace(control_plane, "e2e-create")
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("demo"))
+    found = wait_until(lambda: (c := children(kube, ns, "demo")) and len(c) == 13 and c)
+    job = kube.get("DiLoCoJob", ns, "demo")
+    for obj in found.values():
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "diloco-operator"
+    assert found[("StatefulSet", "demo-a")]["spec"]["replicas"] == 2
+    status = wait_until(lambda: (kube.get("DiLoCoJob", ns, "demo").get("status") or {}).get("phase") and
+                        kube.get("DiLoCoJob", ns, "demo")["status"])
+    assert status["phase"] == "Pending" and status["islandsReady"] == "0/2" and status["observedGeneration"] == 1
+    assert {c["type"] for c in status["conditions"]} == {"Ready", "Degraded", "Suspended", "Complete", "Failed"}
+    assert "diloco.dev/finalizer" in job["metadata"]["finalizers"]
+    control_plane.kubectl("-n", ns, "delete", "dj", "demo", "--timeout=60s")
+
+
+def test_suspend_and_removing_an_island(control_plane, kube, operator):
+    ns = namespace(control_plane, "e2e-change")
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("demo"))
+    wait_until(lambda: len(children(kube, ns, "demo")) == 13)
+    control_plane.kubectl("-n", ns, "patch", "dj", "demo", "--type", "merge", "-p", '{"spec": {"suspend": true}}')
+    wait_until(lambda: all(kube.get("StatefulSet", ns, f"demo-{i}")["spec"]["replicas"] == 0 for i in "ab"))
+    wait_until(lambda: kube.get("DiLoCoJob", ns, "demo")["status"]["phase"] == "Suspended")
+    assert kube.get("Deployment", ns, "demo-syncer-0")["spec"]["replicas"] == 1
+    events = wait_until(lambda: control_plane.kubectl("-n", ns, "get", "events", "-o", "json").stdout.count(
+        '"reason": "Suspended"') and control_plane.kubectl("-n", ns, "get", "events").stdout)
+    assert "spec.suspend is true" in events
+    control_plane.kubectl("-n", ns, "patch", "dj", "demo", "--type", "json",
+                          "-p", '[{"op": "remove", "path": "/spec/islands/1"}, '
+                                '{"op": "replace", "path": "/spec/suspend", "value": false}]')
+    wait_until(lambda: kube.get("StatefulSet", ns, "demo-b") is None and kube.get("Service", ns, "demo-b") is None)
+    wait_until(lambda: kube.get("StatefulSet", ns, "demo-a")["spec"]["replicas"] == 2)
+
+
+def force_status(plane, kube, ns, name, status):
+    """Writes a status over the operator's until the operator has read it (it rewrites status every pass)."""
+    patch = json.dumps({"status": status})
+
+    def took():
+        plane.kubectl("-n", ns, "patch", "dj", name, "--subresource=status", "--type", "merge", "-p", patch,
+                      check=False)
+        time.sleep(3 * RESYNC)
+        current = kube.get("DiLoCoJob", ns, name)
+        return current is None or current.get("status", {}).get("phase") == status["phase"]
+
+    wait_until(took, timeout=60, interval=0)
+
+
+def test_a_failed_job_stays_failed_and_a_finished_one_goes_after_its_ttl(control_plane, kube, operator):
+    ns = namespace(control_plane, "e2e-final")
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("broken"))
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("done", ttlSecondsAfterFinished=2))
+    wait_until(lambda: len(children(kube, ns, "broken")) == 13 and len(children(kube, ns, "done")) == 13)
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    force_status(control_plane, kube, ns, "broken", {"phase": "Failed", "completionTime": now})
+    wait_until(lambda: kube.get("StatefulSet", ns, "broken-a")["spec"]["replicas"] == 0
+               and kube.get("Deployment", ns, "broken-syncer-1")["spec"]["replicas"] == 0)
+    time.sleep(4 * RESYNC)
+    assert kube.get("DiLoCoJob", ns, "broken")["status"]["phase"] == "Failed"
+    assert kube.get("StatefulSet", ns, "broken-b")["spec"]["replicas"] == 0
+    force_status(control_plane, kube, ns, "done", {"phase": "Succeeded", "completionTime": now})
+    wait_until(lambda: kube.get("DiLoCoJob", ns, "done") is None, timeout=60)
+
+
+def test_a_restarted_operator_changes_nothing(control_plane, kube, operator):
+    ns = namespace(control_plane, "e2e-restart")
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("steady"))
+    wait_until(lambda: len(children(kube, ns, "steady")) == 13)
+    wait_until(lambda: (kube.get("DiLoCoJob", ns, "steady").get("status") or {}).get("phase") == "Pending")
+    operator.stop()
+    operator.start()
+    wait_until(lambda: operator.metric('diloco_operator_reconciles_total{result="ok",trigger="timer"}') >= 5)
+    assert operator.metric("diloco_operator_applied_objects_total") == 0
+    assert operator.metric("diloco_operator_deleted_objects_total") == 0

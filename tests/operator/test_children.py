@@ -1,0 +1,317 @@
+"""Every child of a DiLoCoJob, rendered from a spec: names, labels, owners, env, probes, resources,
+tolerations, overrides, and that each is a well-formed Kubernetes object."""
+
+import base64
+import json
+
+import pytest
+from kubernetes.client import models as k8s
+
+from diloco.config import TrainingConfig
+from diloco.operator import naming as n
+from diloco.operator.children import (
+    SPOT_TOLERATIONS,
+    OperatorRef,
+    Scale,
+    child_key,
+    render_children,
+)
+from diloco.operator.overrides import merge
+from diloco.spec import DiLoCoJobSpec
+
+JOB = n.JobRef(name="demo", namespace="ml", uid="0b7c6c1e-uid")
+MODELS = {
+    "ConfigMap": k8s.V1ConfigMap, "Secret": k8s.V1Secret, "Service": k8s.V1Service,
+    "PersistentVolumeClaim": k8s.V1PersistentVolumeClaim, "Deployment": k8s.V1Deployment,
+    "StatefulSet": k8s.V1StatefulSet, "NetworkPolicy": k8s.V1NetworkPolicy,
+}
+
+
+def make_spec(**overrides) -> DiLoCoJobSpec:
+    data = {
+        "image": "reg.example/diloco:1",
+        "training": {"innerSteps": 40, "fragments": 4, "overlapSteps": 2},
+        "islands": [
+            {"name": "h100", "replicas": 4, "acceleratorsPerPod": 8, "spot": True,
+             "nodeSelector": {"pool": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
+             "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                 "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+             "resources": {"requests": {"cpu": 32}, "limits": {"memory": "256Gi"}},
+             "priorityClassName": "training"},
+            {"name": "a100", "replicas": 1},
+        ],
+        "syncer": {"shards": 2, "resources": {"requests": {"cpu": "2"}},
+                   "checkpoint": {"size": "20Gi", "storageClassName": "ssd"}},
+    }
+    data.update(overrides)
+    return DiLoCoJobSpec.model_validate(data)
+
+
+def render(spec=None, scale=None, token="s3cret", operator=OperatorRef("diloco-system")):
+    spec = spec or make_spec()
+    scale = scale or Scale(islands={i.name: i.replicas for i in spec.islands}, syncers=1)
+    return {child_key(obj): obj for obj in render_children(JOB, spec, token, scale, operator)}
+
+
+def env_of(container) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_every_child_is_named_deterministically():
+    assert set(render()) == {
+        ("ConfigMap", "demo-config"), ("Secret", "demo-token"), ("NetworkPolicy", "demo-syncers"),
+        ("PersistentVolumeClaim", "demo-syncer-0"), ("Service", "demo-syncer-0"), ("Deployment", "demo-syncer-0"),
+        ("PersistentVolumeClaim", "demo-syncer-1"), ("Service", "demo-syncer-1"), ("Deployment", "demo-syncer-1"),
+        ("Service", "demo-h100"), ("StatefulSet", "demo-h100"), ("Service", "demo-a100"), ("StatefulSet", "demo-a100"),
+    }
+
+
+def test_every_child_is_a_valid_kubernetes_object():
+    for (kind, name), obj in render().items():
+        parsed = MODELS[kind].from_dict(obj)
+        assert parsed.metadata.name == name and parsed.metadata.namespace == "ml"
+
+
+def test_labels_and_owner_references():
+    for (kind, name), obj in render().items():
+        meta = obj["metadata"]
+        labels = meta["labels"]
+        assert labels["app.kubernetes.io/name"] == "diloco", name
+        assert labels["app.kubernetes.io/instance"] == "demo"
+        assert labels["app.kubernetes.io/managed-by"] == "diloco-operator"
+        assert labels["diloco.dev/job"] == "demo" and labels["diloco.dev/role"]
+        assert meta["ownerReferences"] == [{
+            "apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob", "name": "demo", "uid": JOB.uid,
+            "controller": True, "blockOwnerDeletion": True,
+        }]
+    children = render()
+    island = children[("StatefulSet", "demo-h100")]["metadata"]["labels"]
+    assert (island["app.kubernetes.io/component"], island["diloco.dev/island"], island["diloco.dev/role"]) == (
+        "island", "h100", "trainer")
+    shard = children[("Deployment", "demo-syncer-1")]["metadata"]["labels"]
+    assert (shard["app.kubernetes.io/component"], shard["diloco.dev/shard"], shard["diloco.dev/role"]) == (
+        "syncer", "1", "syncer")
+
+
+def test_rendering_is_deterministic_and_digests_track_content():
+    first, again = render(), render()
+    assert first == again
+    digests = {k: v["metadata"]["annotations"][n.ANNOTATION_HASH] for k, v in first.items()}
+    changed = render(scale=Scale(islands={"h100": 0, "a100": 1}, syncers=1))
+    for key, obj in changed.items():
+        same = obj["metadata"]["annotations"][n.ANNOTATION_HASH] == digests[key]
+        assert same == (key != ("StatefulSet", "demo-h100")), key
+
+
+def test_config_map_holds_the_training_config_and_pods_roll_when_it_changes():
+    spec = make_spec()
+    cm = render(spec)[("ConfigMap", "demo-config")]
+    assert TrainingConfig.from_json(cm["data"][n.CONFIG_KEY]) == spec.training
+    hash_before = render(spec)[("StatefulSet", "demo-a100")]["spec"]["template"]["metadata"]["annotations"]
+    other = make_spec(training={"innerSteps": 40, "fragments": 4, "overlapSteps": 2, "quorum": 2})
+    hash_after = render(other)[("StatefulSet", "demo-a100")]["spec"]["template"]["metadata"]["annotations"]
+    assert hash_before[n.ANNOTATION_CONFIG_HASH] != hash_after[n.ANNOTATION_CONFIG_HASH]
+
+
+def test_secret_carries_the_given_token():
+    secret = render(token="tok-123")[("Secret", "demo-token")]
+    assert secret["type"] == "Opaque"
+    assert base64.b64decode(secret["data"][n.TOKEN_KEY]).decode() == "tok-123"
+
+
+def test_syncer_deployment():
+    spec = make_spec()
+    deployment = render(spec, scale=Scale(islands={}, syncers=1))[("Deployment", "demo-syncer-1")]
+    dspec = deployment["spec"]
+    assert dspec["replicas"] == 1 and dspec["strategy"] == {"type": "Recreate"}
+    assert dspec["selector"]["matchLabels"].items() <= dspec["template"]["metadata"]["labels"].items()
+    pod = dspec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["name"] == "syncer" and container["command"] == ["diloco-syncer"]
+    assert container["image"] == spec.image
+    env = env_of(container)
+    assert env["DILOCO_SHARD_INDEX"] == "1" and env["DILOCO_NUM_SHARDS"] == "2"
+    assert env["DILOCO_SYNCER_PORT"] == "50051" and env["DILOCO_METRICS_PORT"] == "9090"
+    assert env["DILOCO_CHECKPOINT_DIR"] == "/var/lib/diloco" and env["DILOCO_CHECKPOINT_INTERVAL"] == "30"
+    assert env["DILOCO_CONFIG_FILE"] == "/etc/diloco/training.json"
+    assert env["DILOCO_TOKEN_FILE"] == "/var/run/secrets/diloco/token"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": 50051}, probe
+    assert container["resources"] == {"requests": {"cpu": "2"}}
+    assert {"name": "checkpoints", "mountPath": "/var/lib/diloco"} in container["volumeMounts"]
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "demo-syncer-1"}} in pod["volumes"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["automountServiceAccountToken"] is False
+
+
+def test_syncer_image_override_and_stopped_syncers():
+    spec = make_spec(syncer={"shards": 1, "image": "reg.example/syncer:2"})
+    deployment = render(spec, scale=Scale(islands={}, syncers=0))[("Deployment", "demo-syncer-0")]
+    assert deployment["spec"]["replicas"] == 0
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "reg.example/syncer:2"
+
+
+def test_syncer_environment_is_what_diloco_syncer_reads(monkeypatch):
+    from diloco.syncer.main import parse_args
+
+    container = render()[("Deployment", "demo-syncer-1")]["spec"]["template"]["spec"]["containers"][0]
+    for name, value in env_of(container).items():
+        monkeypatch.setenv(name, value)
+    args = parse_args([])
+    assert (args.shard_index, args.num_shards, args.port, args.metrics_port) == (1, 2, 50051, 9090)
+    assert (args.checkpoint_dir, args.checkpoint_interval) == ("/var/lib/diloco", 30.0)
+
+
+def test_syncer_service_and_claim():
+    children = render()
+    service = children[("Service", "demo-syncer-0")]["spec"]
+    assert service["selector"] == {"diloco.dev/job": "demo", "diloco.dev/shard": "0"}
+    assert {p["name"]: p["port"] for p in service["ports"]} == {"grpc": 50051, "metrics": 9090}
+    claim = children[("PersistentVolumeClaim", "demo-syncer-0")]["spec"]
+    assert claim["resources"] == {"requests": {"storage": "20Gi"}} and claim["storageClassName"] == "ssd"
+    assert claim["accessModes"] == ["ReadWriteOnce"]
+
+
+def test_island_statefulset():
+    sts = render()[("StatefulSet", "demo-h100")]["spec"]
+    assert sts["replicas"] == 4 and sts["podManagementPolicy"] == "Parallel"
+    assert sts["updateStrategy"] == {"type": "OnDelete"} and sts["serviceName"] == "demo-h100"
+    assert sts["selector"]["matchLabels"] == {"diloco.dev/job": "demo", "diloco.dev/island": "h100"}
+    assert sts["selector"]["matchLabels"].items() <= sts["template"]["metadata"]["labels"].items()
+    pod = sts["template"]["spec"]
+    (trainer,) = pod["containers"]
+    assert trainer["name"] == "trainer" and trainer["command"] == ["diloco-worker"]
+    assert trainer["resources"] == {
+        "requests": {"cpu": "32", "nvidia.com/gpu": "8"},
+        "limits": {"memory": "256Gi", "nvidia.com/gpu": "8"},
+    }
+    assert pod["nodeSelector"] == {"pool": "h100"} and pod["priorityClassName"] == "training"
+    assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert pod["tolerations"][0] == {"key": "gpu", "operator": "Exists"}
+    assert pod["tolerations"][1:] == list(SPOT_TOLERATIONS)
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_island_environment_rendezvous_and_syncers():
+    pod = render()[("StatefulSet", "demo-h100")]["spec"]["template"]["spec"]
+    env = env_of(pod["containers"][0])
+    assert env["DILOCO_SYNCERS"] == "demo-syncer-0.ml.svc:50051,demo-syncer-1.ml.svc:50051"
+    assert env["DILOCO_ISLAND"] == "h100" and env["DILOCO_JOB"] == "demo"
+    assert env["DILOCO_MODEL"] == "tiny" and env["DILOCO_DATA"] == "stdlib"
+    assert env["DILOCO_ACCELERATORS_PER_POD"] == "8"
+    assert env["WORLD_SIZE"] == "4" and env["MASTER_PORT"] == "29500"
+    assert env["MASTER_ADDR"] == "demo-h100-0.demo-h100.ml.svc"
+    assert env["RANK"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    assert env["DILOCO_CONFIG_FILE"] == "/etc/diloco/training.json"
+    assert env["DILOCO_TOKEN_FILE"] == "/var/run/secrets/diloco/token"
+
+
+def test_island_environment_is_what_diloco_worker_reads(monkeypatch):
+    worker_main = pytest.importorskip("diloco.worker.main")
+    container = render()[("StatefulSet", "demo-h100")]["spec"]["template"]["spec"]["containers"][0]
+    for name, value in env_of(container).items():
+        if isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    args = worker_main.parse_args([])
+    assert args.island == "h100" and args.model == "tiny" and args.data == "stdlib"
+    assert args.syncers.split(",") == ["demo-syncer-0.ml.svc:50051", "demo-syncer-1.ml.svc:50051"]
+
+
+def test_headless_island_service():
+    service = render()[("Service", "demo-a100")]["spec"]
+    assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is True
+    assert service["selector"] == {"diloco.dev/job": "demo", "diloco.dev/island": "a100"}
+    assert service["ports"][0]["port"] == 29500
+
+
+def test_cpu_island_without_spot_has_no_accelerators_or_tolerations():
+    pod = render()[("StatefulSet", "demo-a100")]["spec"]["template"]["spec"]
+    assert "tolerations" not in pod and "nodeSelector" not in pod and "priorityClassName" not in pod
+    assert pod["containers"][0]["resources"] == {}
+
+
+def test_builtin_trainer_settings_and_custom_command():
+    spec = make_spec(trainer={"model": "large", "data": "/data/t.bin", "args": ["--batch-size", "8"]})
+    trainer = render(spec)[("StatefulSet", "demo-a100")]["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(trainer)["DILOCO_MODEL"] == "large" and env_of(trainer)["DILOCO_DATA"] == "/data/t.bin"
+    assert trainer["args"] == ["--batch-size", "8"]
+    custom = make_spec(trainer={"command": ["python", "-m", "mine"]})
+    trainer = render(custom)[("StatefulSet", "demo-a100")]["spec"]["template"]["spec"]["containers"][0]
+    assert trainer["command"] == ["python", "-m", "mine"] and "args" not in trainer
+    assert "DILOCO_MODEL" not in env_of(trainer) and "DILOCO_SYNCERS" in env_of(trainer)
+
+
+def test_pod_template_override_is_merged_last():
+    override = {
+        "metadata": {"labels": {"team": "llm"}},
+        "spec": {
+            "containers": [{"name": "trainer", "image": "reg.example/diloco:1-cu121",
+                            "env": [{"name": "NCCL_IB_DISABLE", "value": "1"},
+                                    {"name": "DILOCO_DATA", "value": "/mnt/override"}]},
+                           {"name": "sidecar", "image": "busybox"}],
+            "volumes": [{"name": "corpus", "persistentVolumeClaim": {"claimName": "corpus"}}],
+            "terminationGracePeriodSeconds": 120,
+            "enableServiceLinks": None,
+        },
+    }
+    spec = make_spec(islands=[{"name": "old", "podTemplate": override}])
+    template = render(spec)[("StatefulSet", "demo-old")]["spec"]["template"]
+    assert template["metadata"]["labels"]["team"] == "llm"
+    assert template["metadata"]["labels"]["diloco.dev/island"] == "old"
+    trainer, sidecar = template["spec"]["containers"]
+    assert trainer["image"] == "reg.example/diloco:1-cu121" and trainer["command"] == ["diloco-worker"]
+    env = env_of(trainer)
+    assert env["NCCL_IB_DISABLE"] == "1" and env["DILOCO_DATA"] == "/mnt/override" and env["DILOCO_ISLAND"] == "old"
+    assert sidecar == {"name": "sidecar", "image": "busybox"}
+    assert [v["name"] for v in template["spec"]["volumes"]] == ["config", "token", "dshm", "corpus"]
+    assert template["spec"]["terminationGracePeriodSeconds"] == 120
+    assert "enableServiceLinks" not in template["spec"]
+    k8s.V1PodTemplateSpec.from_dict(template)
+
+
+def test_merge_semantics():
+    base = {"a": {"b": 1, "c": [1, 2]}, "items": [{"name": "x", "v": 1}, {"name": "y", "v": 2}]}
+    patch = {"a": {"c": [3], "d": None}, "items": [{"name": "y", "v": 20}, {"name": "z"}], "new": {"k": None}}
+    assert merge(base, patch) == {
+        "a": {"b": 1, "c": [3]},
+        "items": [{"name": "x", "v": 1}, {"name": "y", "v": 20}, {"name": "z"}],
+        "new": {},
+    }
+    assert base["items"][1]["v"] == 2
+    assert merge({"items": [{"name": "x"}]}, {"items": []}) == {"items": []}
+    assert merge({"a": 1}, {"a": None}) == {}
+
+
+def test_network_policy_admits_only_the_job_and_the_operator():
+    policy = render()[("NetworkPolicy", "demo-syncers")]["spec"]
+    assert policy["podSelector"]["matchLabels"] == {"diloco.dev/job": "demo", "app.kubernetes.io/component": "syncer"}
+    assert policy["policyTypes"] == ["Ingress"]
+    grpc_rule, metrics_rule = policy["ingress"]
+    assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    assert grpc_rule["from"] == [
+        {"podSelector": {"matchLabels": {"diloco.dev/job": "demo"}}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "diloco-system"}},
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "diloco-operator"}}},
+    ]
+    assert metrics_rule == {"ports": [{"port": 9090, "protocol": "TCP"}]}
+    alone = render(operator=None)[("NetworkPolicy", "demo-syncers")]["spec"]["ingress"][0]["from"]
+    assert alone == [{"podSelector": {"matchLabels": {"diloco.dev/job": "demo"}}}]
+
+
+def test_scale_decides_island_replicas():
+    children = render(scale=Scale(islands={"h100": 0}, syncers=1))
+    assert children[("StatefulSet", "demo-h100")]["spec"]["replicas"] == 0
+    assert children[("StatefulSet", "demo-a100")]["spec"]["replicas"] == 0
+
+
+def test_a_job_name_too_long_for_its_children_is_refused():
+    with pytest.raises(ValueError, match="metadata.name"):
+        render_children(n.JobRef("x" * 31, "ml", "uid"), make_spec(), "t", Scale({}, 1), None)
+
+
+def test_children_serialise_to_json():
+    for obj in render().values():
+        assert json.loads(json.dumps(obj)) == obj

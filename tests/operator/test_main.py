@@ -1,0 +1,126 @@
+"""The kopf wiring and the command line: which triggers reconcile, how an outcome reaches the job and the
+metrics, and which namespaces are watched."""
+
+import argparse
+
+import kopf
+import pytest
+from pydantic import ValidationError
+
+from diloco.operator import handlers
+from diloco.operator.events import Event
+from diloco.operator.main import parse_args, watched_namespaces
+from diloco.operator.metrics import OperatorMetrics
+from diloco.operator.reconcile import Outcome
+from diloco.spec import DiLoCoJobSpec
+
+
+class FakeReconciler:
+    def __init__(self, outcome=None, error=None):
+        self.outcome, self.error, self.calls = outcome, error, []
+
+    def reconcile(self, job, generation, spec, status, now):
+        self.calls.append((job, generation, spec, status))
+        if self.error:
+            raise self.error
+        return self.outcome
+
+
+def sample(metrics, name, **labels):
+    return metrics.registry.get_sample_value(name, labels) or 0
+
+
+def call(handler, **overrides):
+    kwargs = dict(body={"metadata": {"name": "demo", "namespace": "ml"}}, meta={"generation": 3},
+                  spec={"image": "x"}, status={"phase": "Pending"}, name="demo", namespace="ml", uid="u",
+                  patch={}, logger=None, retry=0)
+    kwargs.update(overrides)
+    handler(**kwargs)
+    return kwargs
+
+
+def test_every_trigger_runs_the_same_pass():
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, FakeReconciler(), OperatorMetrics(), interval=7)
+    changing = {h.id: h.reason for h in registry._changing.get_all_handlers()}
+    assert set(changing) == {"reconcile-on-resume", "reconcile-on-create", "reconcile-on-update"}
+    (timer,) = registry._spawning.get_all_handlers()
+    assert timer.id == "reconcile-on-timer" and timer.interval == 7
+    selectors = {h.selector.group for h in [*registry._changing.get_all_handlers(), timer]}
+    assert selectors == {"diloco.dev"}
+
+
+def test_an_outcome_becomes_a_status_patch_events_and_metrics(monkeypatch):
+    posted = []
+    monkeypatch.setattr(kopf, "event", lambda body, **event: posted.append(event))
+    outcome = Outcome(status={"phase": "Running"}, events=(Event("Warning", "ApplyFailed", "Service/x: no"),),
+                      applied=("StatefulSet/demo-a", "Service/demo-a"), deleted=("Service/demo-b",),
+                      job_deleted=False)
+    reconciler, metrics = FakeReconciler(outcome), OperatorMetrics()
+    kwargs = call(handlers._handler(reconciler, metrics, "timer"))
+    (job, generation, spec, status), = reconciler.calls
+    assert (job.name, job.namespace, job.uid, generation, status) == ("demo", "ml", "u", 3, {"phase": "Pending"})
+    assert kwargs["patch"] == {"status": {"phase": "Running"}}
+    assert posted == [{"type": "Warning", "reason": "ApplyFailed", "message": "Service/x: no"}]
+    assert sample(metrics, "diloco_operator_reconciles_total", trigger="timer", result="ok") == 1
+    assert sample(metrics, "diloco_operator_applied_objects_total", kind="StatefulSet") == 1
+    assert sample(metrics, "diloco_operator_deleted_objects_total", kind="Service") == 1
+    assert sample(metrics, "diloco_operator_errors_total", kind="ApplyFailed") == 1
+    assert sample(metrics, "diloco_operator_reconcile_seconds_count") == 1
+
+
+def test_a_deleted_job_gets_no_status_patch(monkeypatch):
+    monkeypatch.setattr(kopf, "event", lambda body, **event: None)
+    outcome = Outcome(status={"phase": "Succeeded"}, events=(), applied=(), deleted=(), job_deleted=True)
+    assert call(handlers._handler(FakeReconciler(outcome), OperatorMetrics(), "timer"))["patch"] == {}
+
+
+def test_an_invalid_spec_is_reported_and_not_retried(monkeypatch):
+    warned = []
+    monkeypatch.setattr(kopf, "warn", lambda body, **event: warned.append(event))
+    try:
+        DiLoCoJobSpec.model_validate({"image": "x", "islands": []})
+    except ValidationError as error:
+        invalid = error
+    metrics = OperatorMetrics()
+    with pytest.raises(kopf.PermanentError):
+        call(handlers._handler(FakeReconciler(error=invalid), metrics, "update"))
+    assert warned[0]["reason"] == "InvalidSpec" and "islands" in warned[0]["message"]
+    assert sample(metrics, "diloco_operator_reconciles_total", trigger="update", result="invalid") == 1
+
+
+def test_other_failures_are_counted_and_left_to_kopf_to_retry():
+    metrics = OperatorMetrics()
+    with pytest.raises(RuntimeError):
+        call(handlers._handler(FakeReconciler(error=RuntimeError("API down")), metrics, "create"))
+    assert sample(metrics, "diloco_operator_errors_total", kind="reconcile") == 1
+
+
+def test_kopf_settings():
+    settings = kopf.OperatorSettings()
+    handlers.configure(settings)
+    assert settings.persistence.finalizer == "diloco.dev/finalizer" and settings.scanning.disabled
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "expected"),
+    [
+        ([], {}, []),
+        (["--all-namespaces"], {"DILOCO_WATCH_NAMESPACES": "a"}, []),
+        (["-n", "a", "--namespace", "b"], {"DILOCO_WATCH_NAMESPACES": "c"}, ["a", "b"]),
+        ([], {"DILOCO_WATCH_NAMESPACES": "team-a, team-b"}, ["team-a", "team-b"]),
+        ([], {"DILOCO_WATCH_NAMESPACES": "*"}, []),
+    ],
+)
+def test_watched_namespaces(argv, environ, expected):
+    assert watched_namespaces(parse_args(argv), environ) == expected
+
+
+def test_command_line_defaults_and_exclusions():
+    args = parse_args([])
+    assert (args.resync_seconds, args.metrics_port, args.liveness_port, args.peering) == (10.0, 8000, 8080,
+                                                                                          "diloco-operator")
+    assert isinstance(args, argparse.Namespace) and args.priority is None and not args.standalone
+    for exclusive in (["-A", "-n", "x"], ["--standalone", "--peering", "p"]):
+        with pytest.raises(SystemExit):
+            parse_args(exclusive)

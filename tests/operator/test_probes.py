@@ -1,0 +1,82 @@
+"""The operator's calls into a job: a real syncer shard's Status RPC and a trainer's Prometheus endpoint,
+both on loopback."""
+
+import socket
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from diloco.client import SyncerClient
+from diloco.config import TrainingConfig
+from diloco.operator.probes import LOSS_METRIC, shard_status, shard_statuses, trainer_loss, trainer_losses
+from diloco.syncer.server import SyncerServer
+
+TOKEN = "probe-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def shard():
+    config = TrainingConfig(fragments=2, inner_steps=10, overlap_steps=1, block_size=32)
+    server = SyncerServer(config, shard_index=0, num_shards=1, token=TOKEN, host="127.0.0.1", port=free_port())
+    server.start()
+    with SyncerClient(f"127.0.0.1:{server.port}", TOKEN, island_id="island-a", timeout=5, retry_for=5) as client:
+        client.join(2)
+        client.seed(0, [("w", torch.zeros(4, 4))])
+    yield f"127.0.0.1:{server.port}"
+    server.stop(grace=0)
+
+
+def test_shard_status_reports_seeded_fragments_and_live_islands(shard):
+    observed = shard_status(0, True, shard, TOKEN, timeout=5)
+    assert observed.ready and observed.fragments is not None
+    assert [(f.fragment, f.version, f.tokens) for f in observed.fragments] == [(0, 0, 0)]
+    assert observed.live_islands == frozenset({"island-a"})
+
+
+def test_a_refused_or_absent_shard_is_unreachable_not_an_error(shard):
+    assert shard_status(0, True, shard, "wrong-token", timeout=5).fragments is None
+    assert shard_status(1, True, f"127.0.0.1:{free_port()}", TOKEN, timeout=0.5).fragments is None
+
+
+def test_a_shard_not_ready_is_not_called():
+    observed = shard_status(3, False, "unresolvable.invalid:1", TOKEN, timeout=5)
+    assert (observed.shard, observed.ready, observed.fragments) == (3, False, None)
+
+
+def test_shards_are_polled_in_index_order(shard):
+    observed = shard_statuses([shard, shard], [True, False], TOKEN, timeout=5)
+    assert [(o.shard, o.ready, o.fragments is not None) for o in observed] == [(0, True, True), (1, False, False)]
+
+
+def test_trainer_loss_from_prometheus_text():
+    registry = CollectorRegistry()
+    Gauge(LOSS_METRIC, "training loss", registry=registry).set(2.75)
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        assert trainer_loss(url, timeout=5) == 2.75
+        silent = f"http://127.0.0.1:{free_port()}/metrics"
+        assert trainer_losses({"a": url, "b": silent}, timeout=1) == {"a": 2.75}
+    finally:
+        server.shutdown()
+        thread.join(5)
+
+
+def test_an_endpoint_without_the_gauge_gives_no_loss():
+    registry = CollectorRegistry()
+    Gauge("something_else", "x", registry=registry).set(1)
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        assert trainer_loss(f"http://127.0.0.1:{port}/metrics", timeout=5) is None
+    finally:
+        server.shutdown()
+        thread.join(5)

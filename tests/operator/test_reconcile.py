@@ -1,0 +1,225 @@
+"""One reconcile pass against an in-memory API: converges, is idempotent, keeps the token, prunes what the
+spec no longer has, never touches what the job does not own, and honours the TTL."""
+
+import copy
+import datetime
+
+import pytest
+from pydantic import ValidationError
+
+from diloco.operator import naming as n
+from diloco.operator.children import OperatorRef
+from diloco.operator.kube import ApiError
+from diloco.operator.reconcile import Reconciler, contains, read_token, status_patch
+from diloco.operator.status import FragmentReport, ShardObservation
+from diloco.spec import DiLoCoJobStatus
+
+JOB = n.JobRef(name="demo", namespace="ml", uid="job-uid")
+NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+SPEC = {
+    "image": "img",
+    "training": {"innerSteps": 20, "fragments": 2, "overlapSteps": 1},
+    "islands": [{"name": "a", "replicas": 2}, {"name": "b"}],
+    "syncer": {"shards": 2},
+}
+
+
+class FakeKube:
+    """Objects by (kind, namespace, name); records every write."""
+
+    def __init__(self):
+        self.objects = {}
+        self.writes = []
+        self.refuse = set()
+
+    def list(self, kind, namespace, labels):
+        return [copy.deepcopy(o) for (k, ns, _), o in self.objects.items()
+                if k == kind and ns == namespace and labels.items() <= o["metadata"].get("labels", {}).items()]
+
+    def get(self, kind, namespace, name):
+        return copy.deepcopy(self.objects.get((kind, namespace, name)))
+
+    def apply(self, obj, force):
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if key[2] in self.refuse:
+            raise ApiError(409, "conflict with another manager")
+        self.writes.append(("apply", key[0], key[2], force))
+        stored = copy.deepcopy(obj)
+        old = self.objects.get(key)
+        stored["metadata"]["generation"] = (old["metadata"]["generation"] + 1) if old else 1
+        if old and "status" in old:
+            stored["status"] = old["status"]
+        self.objects[key] = stored
+        return stored
+
+    def delete(self, kind, namespace, name):
+        self.writes.append(("delete", kind, name))
+        self.objects.pop((kind, namespace, name), None)
+
+    def add(self, obj):
+        meta = obj["metadata"]
+        self.objects[(obj["kind"], meta.get("namespace"), meta["name"])] = obj
+
+
+def probes(calls):
+    def poll(targets, ready, token, timeout):
+        calls.append((list(targets), list(ready), token))
+        return [ShardObservation(shard=i, ready=r, fragments=(FragmentReport(i, 4, 100, 0.0),) if r else None)
+                for i, r in enumerate(ready)]
+
+    return poll
+
+
+@pytest.fixture
+def setup():
+    kube, calls = FakeKube(), []
+    reconciler = Reconciler(kube, OperatorRef("ops"), poll_shards=probes(calls), scrape_losses=lambda urls, t: {})
+    return kube, reconciler, calls
+
+
+def island_pod(island, ordinal, uid, node="n1", ready=True):
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"demo-{island}-{ordinal}", "namespace": "ml", "uid": uid,
+                     "labels": {"diloco.dev/job": "demo", "diloco.dev/island": island,
+                                "apps.kubernetes.io/pod-index": str(ordinal)}},
+        "spec": {"nodeName": node},
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def test_first_pass_creates_every_child_and_a_token(setup):
+    kube, reconciler, calls = setup
+    outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    assert len(outcome.applied) == 3 + 3 * 2 + 2 * 2
+    assert all(force is False for *_, force in kube.writes)
+    token = read_token(kube.get("Secret", "ml", "demo-token"))
+    assert token and len(token) >= 32
+    assert calls == [(["demo-syncer-0.ml.svc:50051", "demo-syncer-1.ml.svc:50051"], [False, False], token)]
+    assert outcome.status["phase"] == "Pending" and outcome.status["islandsReady"] == "0/2"
+    assert kube.get("StatefulSet", "ml", "demo-a")["spec"]["replicas"] == 2
+
+
+def test_a_second_pass_changes_nothing_and_keeps_the_token(setup):
+    kube, reconciler, _ = setup
+    reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    token = read_token(kube.get("Secret", "ml", "demo-token"))
+    kube.writes.clear()
+    outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    assert outcome.applied == () and outcome.deleted == () and kube.writes == []
+    assert read_token(kube.get("Secret", "ml", "demo-token")) == token
+
+
+def test_a_spec_change_patches_only_what_it_touches_with_force(setup):
+    kube, reconciler, _ = setup
+    reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    kube.writes.clear()
+    bigger = {**SPEC, "islands": [{"name": "a", "replicas": 3}, {"name": "b"}]}
+    outcome = reconciler.reconcile(JOB, 2, bigger, None, NOW)
+    assert outcome.applied == ("StatefulSet/demo-a",)
+    assert kube.writes == [("apply", "StatefulSet", "demo-a", True)]
+
+
+def test_drift_is_corrected_but_server_defaults_are_not_drift(setup):
+    kube, reconciler, _ = setup
+    reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    sts = kube.objects[("StatefulSet", "ml", "demo-a")]
+    sts["spec"]["revisionHistoryLimit"] = 10
+    sts["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    kube.objects[("Deployment", "ml", "demo-syncer-0")]["spec"]["template"]["spec"]["containers"][0][
+        "resources"] = {"requests": {"cpu": "2000m"}}
+    kube.writes.clear()
+    assert reconciler.reconcile(JOB, 1, {**SPEC, "syncer": {"shards": 2, "resources": {"requests": {"cpu": 2}}}},
+                                None, NOW).applied == ("Deployment/demo-syncer-0", "Deployment/demo-syncer-1")
+    kube.objects[("Deployment", "ml", "demo-syncer-0")]["spec"]["template"]["spec"]["containers"][0][
+        "resources"] = {"requests": {"cpu": "2000m"}}
+    assert reconciler.reconcile(JOB, 1, {**SPEC, "syncer": {"shards": 2, "resources": {"requests": {"cpu": 2}}}},
+                                None, NOW).applied == ()
+    sts["spec"]["replicas"] = 5
+    kube.objects[("ConfigMap", "ml", "demo-config")]["data"]["training.json"] = "{}"
+    outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    assert set(outcome.applied) >= {"StatefulSet/demo-a", "ConfigMap/demo-config"}
+    assert kube.objects[("StatefulSet", "ml", "demo-a")]["spec"]["replicas"] == 2
+
+
+def test_contains():
+    assert contains({"a": 1, "b": {"c": [1, {"d": 2, "e": 3}]}}, {"b": {"c": [1, {"d": 2}]}})
+    assert not contains({"b": {"c": [1]}}, {"b": {"c": [1, 2]}})
+    assert not contains({"a": "x"}, {"a": "y"}) and not contains({}, {"a": None})
+    assert contains({"cpu": "1"}, {"cpu": "1000m"}) and not contains({"cpu": "1"}, {"cpu": "2"})
+
+
+def test_a_removed_island_loses_its_children(setup):
+    kube, reconciler, _ = setup
+    reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    outcome = reconciler.reconcile(JOB, 2, {**SPEC, "islands": [{"name": "a", "replicas": 2}]}, None, NOW)
+    assert set(outcome.deleted) == {"StatefulSet/demo-b", "Service/demo-b"}
+    assert kube.get("StatefulSet", "ml", "demo-b") is None and kube.get("StatefulSet", "ml", "demo-a")
+
+
+def test_objects_the_job_does_not_own_are_neither_deleted_nor_forced(setup):
+    kube, reconciler, _ = setup
+    foreign = {"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": "demo-notes", "namespace": "ml", "labels": {"diloco.dev/job": "demo"}}}
+    kube.add(foreign)
+    clash = {"apiVersion": "v1", "kind": "ConfigMap",
+             "metadata": {"name": "demo-config", "namespace": "ml", "labels": {"diloco.dev/job": "demo"},
+                          "ownerReferences": [{"uid": "someone-else", "controller": True}]}}
+    kube.add(clash)
+    kube.refuse.add("demo-config")
+    outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    assert kube.get("ConfigMap", "ml", "demo-notes") == foreign
+    assert ("Warning", "ApplyFailed") in [(e.type, e.reason) for e in outcome.events]
+    assert "ConfigMap/demo-config" not in outcome.applied and len(outcome.applied) == 12
+
+
+def test_observed_pods_and_syncers_reach_the_status(setup):
+    kube, reconciler, calls = setup
+    reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    for shard in (0, 1):
+        kube.objects[("Deployment", "ml", f"demo-syncer-{shard}")]["status"] = {"readyReplicas": 1}
+    for island, ordinal in (("a", 0), ("a", 1), ("b", 0)):
+        kube.add(island_pod(island, ordinal, f"{island}{ordinal}"))
+    outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    assert calls[-1][1] == [True, True]
+    status = outcome.status
+    assert status["phase"] == "Running" and status["islandsReady"] == "2/2"
+    assert status["outerStep"] == 4 and status["syncer"] == {"shards": 2, "ready": 2, "reachable": 2}
+    assert [i["ready"] for i in status["islands"]] == [2, 1]
+
+
+def test_a_vanished_pod_is_judged_by_looking_its_node_up(setup):
+    kube, reconciler, _ = setup
+    first = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    for island, ordinal in (("a", 0), ("a", 1), ("b", 0)):
+        kube.add(island_pod(island, ordinal, f"{island}{ordinal}", node=f"node-{island}{ordinal}"))
+    second = reconciler.reconcile(JOB, 1, SPEC, first.status, NOW)
+    del kube.objects[("Pod", "ml", "demo-a-1")]
+    lookups = []
+    kube.get = lambda kind, ns, name: lookups.append((kind, name))
+    third = reconciler.reconcile(JOB, 1, SPEC, second.status, NOW + datetime.timedelta(seconds=10))
+    assert lookups == [("Node", "node-a1")]
+    island = third.status["islands"][0]
+    assert island["preemptions"] == 1 and island["restarts"] == 0
+    assert kube.objects[("StatefulSet", "ml", "demo-a")]["spec"]["replicas"] == 0
+
+
+def test_an_expired_ttl_deletes_the_job(setup):
+    kube, reconciler, _ = setup
+    done = DiLoCoJobStatus(phase="Succeeded", completion_time=NOW).model_dump(mode="json", by_alias=True)
+    outcome = reconciler.reconcile(JOB, 1, {**SPEC, "ttlSecondsAfterFinished": 0}, done, NOW)
+    assert outcome.job_deleted and ("delete", "DiLoCoJob", "demo") in kube.writes
+    assert kube.get("StatefulSet", "ml", "demo-a")["spec"]["replicas"] == 0
+
+
+def test_an_invalid_spec_is_refused_before_anything_is_written(setup):
+    kube, reconciler, _ = setup
+    with pytest.raises(ValidationError, match="spec.training.quorum"):
+        reconciler.reconcile(JOB, 1, {**SPEC, "training": {**SPEC["training"], "quorum": 3}}, None, NOW)
+    assert kube.writes == []
+
+
+def test_status_patch_clears_unset_fields():
+    patch = status_patch(DiLoCoJobStatus())
+    assert patch["phase"] == "Pending" and patch["startTime"] is None and patch["goodput"] is None
+    assert set(patch) == {f.alias for f in DiLoCoJobStatus.model_fields.values()}
