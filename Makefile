@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test unit protos bench-syncer syncer clean
+.PHONY: run test unit protos bench-syncer bench-simulator syncer clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ protos: $(STAMP)  ## regenerate the gRPC stubs from protos/
 
 bench-syncer: $(STAMP)  ## merge-and-serve throughput of one shard vs raw loopback
 	$(BIN)/python bench/syncer_throughput.py
+
+bench-simulator: $(STAMP)  ## diloco simulate's goodput predictions vs diloco run --compare on one failure trace (~5 min)
+	$(BIN)/python bench/simulate_vs_run.py
 
 syncer: $(STAMP)  ## one syncer shard on loopback, token "dev", checkpoints in ./out/syncer
 	DILOCO_TOKEN=dev $(BIN)/diloco-syncer --host 127.0.0.1 --port 50051 --metrics-port 9090 --checkpoint-dir out/syncer

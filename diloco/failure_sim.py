@@ -1,8 +1,8 @@
 """Discrete-event simulation of a training run under chip interruptions: goodput and uptime per policy.
 
 The fleet's interruptions are one Poisson process (rate = chips / MTBI), generated with numpy in one go, or
-a failure trace read from a file; either way each event names a chip and how long its replacement takes, so
-the same trace can drive this simulator and a real run. Every policy replays the same events:
+a failure trace (`diloco.failures`, the format `diloco run` replays too); either way each event strikes a
+chip and says how long its replacement takes. Every policy replays the same events:
 
 - `dp`: non-elastic data-parallel. Every chip stops until the replacement is in and the whole job has
   restarted (`reschedule_s + restart_s`), and rolls back to its last checkpoint.
@@ -15,23 +15,27 @@ the same trace can drive this simulator and a real run. Every policy replays the
   learners, then merge. A learner that has pushed must see that push merged within `overlap_steps` (tau)
   inner steps or it waits. Synchronous DiLoCo is the same engine with K = M, never capped, and no grace.
 
-Interruptions strike only hardware that is running: an event on a group that is already down (or on a
-replica already out) is absorbed and counted. Goodput is the share of wall-clock chip time spent on steps
-that end in the model; uptime is the share of chip time in groups that are up (training or waiting).
+Every group first spends `startup_s` starting (0 by default). Interruptions strike only hardware that is
+running: an event on a group that is already down or restarting (or on a replica already out) is absorbed
+and counted, unless `interrupt_recovery` is set, in which case it starts that group's recovery over, as a
+supervisor that kills the replacement process too does (`diloco run`). Goodput is the share of wall-clock
+chip time spent on steps that end in the model; uptime is the share of chip time in groups that are up
+(training or waiting).
 """
 
 from __future__ import annotations
 
-import csv
 import enum
 import heapq
 import math
+import re
 import statistics
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+
+from diloco.failures import FailureEvent, chip_target
 
 SECONDS_PER_YEAR = 365.25 * 86400
 
@@ -59,15 +63,6 @@ _LABELS = {
 
 
 @dataclass(frozen=True)
-class FailureEvent:
-    """One interruption: when, which chip, and how long until its replacement is ready."""
-
-    time_s: float
-    chip: int
-    downtime_s: float
-
-
-@dataclass(frozen=True)
 class SimConfig:
     """A training job, its fleet's reliability, and the knobs of every policy (defaults: see docs/simulator.md)."""
 
@@ -88,6 +83,10 @@ class SimConfig:
     overlap_steps: int = 3
     quorum: int = 1
     grace_s: float = 2.0
+    startup_s: float = 0.0
+    interrupt_recovery: bool = False
+    sync_latency_s: float = 0.0
+    island_timeout_s: float = 0.0
     trace: tuple[FailureEvent, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -96,9 +95,10 @@ class SimConfig:
             (self.mtbi_years > 0 and self.horizon_hours > 0, "mtbi_years and horizon_hours must be positive"),
             (len(self.seeds) > 0 or self.trace is not None, "need at least one seed (or a trace)"),
             (len(self.policies) > 0, "need at least one policy"),
-            (len(self.step_seconds) > 0 and min(self.step_seconds) > 0, "step_seconds must be positive"),
+            (len(self.step_seconds) > 0 and all(s > 0 for s in self.step_seconds), "step_seconds must be positive"),
             (self.failure_chips >= 1 and self.checkpoint_steps >= 1, "failure_chips, checkpoint_steps >= 1"),
-            (min(self.reschedule_s, self.restart_s, self.reform_s, self.grace_s) >= 0, "times must be >= 0"),
+            (all(t >= 0 for t in (self.reschedule_s, self.restart_s, self.reform_s, self.grace_s, self.startup_s,
+                                  self.sync_latency_s, self.island_timeout_s)), "times must be >= 0"),
             (1 <= self.fragments <= self.sync_steps, "need 1 <= fragments <= sync_steps"),
             (0 <= self.overlap_steps <= self.sync_steps, "need 0 <= overlap_steps <= sync_steps"),
             (1 <= self.quorum <= self.learners, "need 1 <= quorum <= learners"),
@@ -106,6 +106,11 @@ class SimConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        for number, event in enumerate(self.trace or ()):
+            try:
+                chip_of(event, self)
+            except ValueError as error:
+                raise ValueError(f"trace event {number} ({event.target} at {event.at:g} s): {error}") from None
 
     @property
     def horizon_s(self) -> float:
@@ -189,17 +194,45 @@ class Failures:
         return len(self.times)
 
     @classmethod
-    def from_events(cls, events: Iterable[FailureEvent], horizon_s: float) -> Failures:
-        """Sorts a trace by time (stably) and keeps what falls inside the horizon."""
-        kept = sorted((e for e in events if 0 <= e.time_s < horizon_s), key=lambda e: e.time_s)
+    def from_events(cls, events: Iterable[FailureEvent], config: SimConfig) -> Failures:
+        """A trace's events inside the horizon, sorted by time (stably), each resolved to the chip it strikes."""
+        kept = sorted((e for e in events if e.at < config.horizon_s), key=lambda e: e.at)
         return cls(
-            np.array([e.time_s for e in kept], dtype=np.float64),
-            np.array([e.chip for e in kept], dtype=np.int64),
-            np.array([e.downtime_s for e in kept], dtype=np.float64),
+            np.array([e.at for e in kept], dtype=np.float64),
+            np.array([chip_of(e, config) for e in kept], dtype=np.int64),
+            np.array([e.downtime for e in kept], dtype=np.float64),
         )
 
     def events(self) -> list[FailureEvent]:
-        return [FailureEvent(float(t), int(c), float(d)) for t, c, d in zip(self.times, self.chips, self.downtimes)]
+        """As a trace: one `chip:<n>` event per interruption."""
+        return [
+            FailureEvent(float(t), chip_target(int(c)), float(d))
+            for t, c, d in zip(self.times, self.chips, self.downtimes)
+        ]
+
+
+_NUMBERED = re.compile(r".*?(\d+)")
+
+
+def chip_of(event: FailureEvent, config: SimConfig) -> int:
+    """The chip an event strikes. `chip:<n>` is that chip; `learner:<i>` is learner i's first chip, and so is
+    `worker:<island>/<rank>` when the island's name ends in i (`island-2`, as `diloco run` names islands):
+    the whole island is the learner that fails. Syncer failures are not modelled, so they are refused."""
+    kind, index = event.kind, event.index
+    if kind == "chip":
+        if index >= config.chips:
+            raise ValueError(f"chip {index} is outside the fleet of {config.chips}")
+        return index
+    if kind == "worker":
+        numbered = _NUMBERED.fullmatch(event.island)
+        if numbered is None:
+            raise ValueError(f"island {event.island!r} has no number to map it to a learner (island-<i>)")
+        index = int(numbered.group(1))
+    elif kind != "learner":
+        raise ValueError("the simulator does not model syncer failures; leave them out of its trace")
+    if index >= config.learners:
+        raise ValueError(f"learner {index} is outside 0..{config.learners - 1}")
+    return int(config.learner_bounds()[index])
 
 
 def sample_failures(config: SimConfig, seed: int) -> Failures:
@@ -211,52 +244,10 @@ def sample_failures(config: SimConfig, seed: int) -> Failures:
     return Failures(times, chips, np.full(count, config.reschedule_s))
 
 
-def load_trace(path: str | Path, config: SimConfig) -> tuple[FailureEvent, ...]:
-    """Reads a CSV trace with columns `time_s`, `chip` or `learner`, and optionally `downtime_s`.
-
-    A `learner` row hits that learner's first chip; an empty or missing downtime means `reschedule_s`.
-    """
-    bounds = config.learner_bounds()
-    events = []
-    with open(path, newline="") as handle:
-        reader = csv.DictReader(handle)
-        fields = set(reader.fieldnames or ())
-        if "time_s" not in fields or not fields & {"chip", "learner"}:
-            raise ValueError(f"{path}: a trace needs a time_s column and a chip or learner column")
-        for line, row in enumerate(reader, start=2):
-            try:
-                if row.get("chip") not in (None, ""):
-                    chip = int(row["chip"])
-                else:
-                    learner = int(row["learner"])
-                    if not 0 <= learner < config.learners:
-                        raise ValueError(f"learner {learner} outside 0..{config.learners - 1}")
-                    chip = int(bounds[learner])
-                downtime = row.get("downtime_s")
-                event = FailureEvent(
-                    float(row["time_s"]), chip, float(downtime) if downtime not in (None, "") else config.reschedule_s
-                )
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"{path}:{line}: {error}") from error
-            if not 0 <= event.chip < config.chips or event.time_s < 0 or event.downtime_s < 0:
-                raise ValueError(f"{path}:{line}: chip outside the fleet or negative time")
-            events.append(event)
-    return tuple(events)
-
-
-def save_trace(path: str | Path, events: Iterable[FailureEvent]) -> None:
-    """Writes events in the CSV form `load_trace` reads, so a sampled run can be replayed elsewhere."""
-    with open(path, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["time_s", "chip", "downtime_s"])
-        for e in events:
-            writer.writerow([repr(e.time_s), e.chip, repr(e.downtime_s)])
-
-
 def simulate(config: SimConfig) -> SimResult:
     """Runs every policy of `config` on the same failures: one sample per seed, or the trace once."""
     if config.trace is not None:
-        samples: list[tuple[int | None, Failures]] = [(None, Failures.from_events(config.trace, config.horizon_s))]
+        samples: list[tuple[int | None, Failures]] = [(None, Failures.from_events(config.trace, config))]
     else:
         samples = [(seed, sample_failures(config, seed)) for seed in config.seeds]
     runs: dict[Policy, list[RunResult]] = {policy: [] for policy in config.policies}
@@ -291,11 +282,15 @@ def _run_dp(config: SimConfig, failures: Failures) -> RunResult:
     every = config.checkpoint_steps
     kept_steps = 0
     up_time = 0.0
-    up_since = 0.0
+    up_since = config.startup_s
     struck = absorbed = 0
     for t, downtime in zip(failures.times.tolist(), failures.downtimes.tolist()):
         if t < up_since:
-            absorbed += 1
+            if config.interrupt_recovery:  # the restarting job is struck again: its recovery starts over
+                struck += 1
+                up_since = t + downtime + config.restart_s
+            else:
+                absorbed += 1
             continue
         struck += 1
         done = math.floor((t - up_since) / step)
@@ -321,9 +316,9 @@ def _run_elastic(config: SimConfig, failures: Failures) -> RunResult:
     size = config.failure_chips
     active_work = sum(c * s for c, s in zip(sizes, steps))
     active_chips = config.chips
-    out: set[int] = set()
+    out: dict[int, float] = {}  # replicas out, and when each rejoins
     rejoins: list[tuple[float, int]] = []
-    running_since = 0.0
+    running_since = config.startup_s
     useful = chip_up = 0.0
     struck = absorbed = 0
 
@@ -343,25 +338,31 @@ def _run_elastic(config: SimConfig, failures: Failures) -> RunResult:
         nonlocal active_work, active_chips, running_since
         while rejoins and rejoins[0][0] <= t:
             when, r = heapq.heappop(rejoins)
+            if out.get(r) != when:  # superseded: the replacement was struck too and rejoins later
+                continue
             if when >= running_since:
                 close(when)
                 running_since = when + config.reform_s
             chips, work = replica(r)
-            out.discard(r)
+            del out[r]
             active_chips += chips
             active_work += work
 
     for t, chip, downtime in zip(failures.times.tolist(), failures.chips.tolist(), failures.downtimes.tolist()):
         rejoin_until(t)
         r = chip // size
-        if t < running_since or r in out:
+        if (t < running_since or r in out) and not config.interrupt_recovery:
             absorbed += 1
             continue
         struck += 1
+        if r in out:  # its replacement is struck before it rejoined: it rejoins `downtime` from now
+            out[r] = t + downtime
+            heapq.heappush(rejoins, (t + downtime, r))
+            continue
         close(t)
-        running_since = t + config.reform_s
+        running_since = max(running_since, t + config.reform_s)
         chips, work = replica(r)
-        out.add(r)
+        out[r] = t + downtime
         active_chips -= chips
         active_work -= work
         heapq.heappush(rejoins, (t + downtime, r))
@@ -376,7 +377,7 @@ def _run_elastic(config: SimConfig, failures: Failures) -> RunResult:
 
 
 _RUN, _BLOCKED, _DOWN = 0, 1, 2
-_PUSH, _TAU, _RECOVER, _MERGE = 0, 1, 2, 3
+_PUSH, _TAU, _RECOVER, _MERGE, _DELIVER, _EXPIRE = 0, 1, 2, 3, 4, 5
 
 
 def _run_diloco(config: SimConfig, failures: Failures, synchronous: bool) -> RunResult:
@@ -389,6 +390,7 @@ def _run_diloco(config: SimConfig, failures: Failures, synchronous: bool) -> Run
     offsets = [p * h / fragments for p in range(fragments)]
     quorum = m if synchronous else config.quorum
     grace = 0.0 if synchronous else config.grace_s
+    latency, timeout = config.sync_latency_s, config.island_timeout_s
     learner_of = (np.searchsorted(config.learner_bounds(), failures.chips, side="right") - 1).tolist()
 
     status = [_RUN] * m
@@ -398,11 +400,13 @@ def _run_diloco(config: SimConfig, failures: Failures, synchronous: bool) -> Run
     up_since = [0.0] * m
     epoch = [0] * m  # invalidates a learner's scheduled events when its state changes
     awaiting = [False] * m  # pushed, and that push not merged yet
+    pushes = [0] * m  # round pushes so far: a delayed merge reply names the push it answers
+    down_since = [-math.inf] * m  # when it went down: the syncer counts it live `timeout` seconds longer
     steps_run = [0.0] * m
     steps_lost = [0.0] * m
     up_time = [0.0] * m
     pending: set[int] = set()
-    down = 0
+    down = m  # learners down (all, until their start-up is over)
     timer_at: float | None = None
     timer_epoch = 0
     merges = contributors = 0
@@ -421,7 +425,7 @@ def _run_diloco(config: SimConfig, failures: Failures, synchronous: bool) -> Run
         """The learner's next own event: the τ check on its unmerged push, or its next round push."""
         if awaiting[i]:
             deadline = t + (tau - phase[i]) * step[i]
-            if timer_at is None or timer_at > deadline:
+            if timer_at is None or timer_at + latency > deadline:
                 if phase[i] >= tau:
                     status[i] = _BLOCKED
                     epoch[i] += 1
@@ -430,17 +434,24 @@ def _run_diloco(config: SimConfig, failures: Failures, synchronous: bool) -> Run
                 return
         heapq.heappush(heap, (t + (h - phase[i]) * step[i], _PUSH, i, epoch[i]))
 
+    def deliver(j: int, t: float) -> None:
+        """The merge that took learner j's push in reaches it; if it was waiting for that, it trains on."""
+        awaiting[j] = False
+        if status[j] == _BLOCKED:
+            status[j] = _RUN
+            last[j] = t
+            epoch[j] += 1
+            schedule(j, t)
+
     def merge(t: float) -> None:
         nonlocal timer_at, timer_epoch, merges, contributors
         merges += 1
         contributors += len(pending)
         for j in pending:
-            awaiting[j] = False
-            if status[j] == _BLOCKED:
-                status[j] = _RUN
-                last[j] = t
-                epoch[j] += 1
-                schedule(j, t)
+            if latency > 0:
+                heapq.heappush(heap, (t + latency, _DELIVER, j, pushes[j]))
+            else:
+                deliver(j, t)
         pending.clear()
         timer_at = None
         timer_epoch += 1
@@ -449,11 +460,15 @@ def _run_diloco(config: SimConfig, failures: Failures, synchronous: bool) -> Run
         nonlocal timer_at
         if not pending:
             return
-        alive = m - down
+        # Live: what the syncer counts, which includes a learner down for less than `timeout`.
+        live = [j for j in range(m) if status[j] != _DOWN or t < down_since[j] + timeout] if timeout > 0 else None
+        alive = m - down if live is None else len(live)
         needed = quorum if synchronous else max(1, min(quorum, alive))
         if len(pending) < needed:
             return
-        if grace <= 0 or sum(1 for j in pending if status[j] != _DOWN) == alive:
+        if grace <= 0 or (
+            sum(1 for j in pending if status[j] != _DOWN) == alive if live is None else pending.issuperset(live)
+        ):
             merge(t)
         elif timer_at is None:
             timer_at = t + grace
@@ -464,8 +479,9 @@ def _run_diloco(config: SimConfig, failures: Failures, synchronous: bool) -> Run
         a, cap = phase[i], since_restart[i]
         return sum(min((a - o) % h, cap) for o in offsets) / fragments
 
-    for i in range(m):
-        heapq.heappush(heap, (h * step[i], _PUSH, i, 0))
+    for i in range(m):  # every learner starts the way it restarts: down until it is up
+        status[i] = _DOWN
+        heapq.heappush(heap, (config.startup_s, _RECOVER, i, epoch[i]))
     times, downtimes = failures.times.tolist(), failures.downtimes.tolist()
     next_failure, total = 0, len(times)
     while True:
@@ -478,7 +494,12 @@ def _run_diloco(config: SimConfig, failures: Failures, synchronous: bool) -> Run
             downtime = downtimes[next_failure]
             next_failure += 1
             if status[i] == _DOWN:
-                absorbed += 1
+                if config.interrupt_recovery:  # its replacement is struck: the recovery starts over
+                    struck += 1
+                    epoch[i] += 1
+                    heapq.heappush(heap, (t + downtime + config.reform_s, _RECOVER, i, epoch[i]))
+                else:
+                    absorbed += 1
                 continue
             struck += 1
             advance(i, t)
@@ -487,14 +508,24 @@ def _run_diloco(config: SimConfig, failures: Failures, synchronous: bool) -> Run
             status[i] = _DOWN
             awaiting[i] = False
             epoch[i] += 1
+            down_since[i] = t
             down += 1
             heapq.heappush(heap, (t + downtime + config.reform_s, _RECOVER, i, epoch[i]))
+            if timeout > 0:
+                heapq.heappush(heap, (t + timeout, _EXPIRE, i, 0))
             maybe_merge(t)
             continue
         t, kind, i, tag = heapq.heappop(heap)
         if kind == _MERGE:
             if tag == timer_epoch:
                 merge(t)
+            continue
+        if kind == _DELIVER:
+            if awaiting[i] and pushes[i] == tag:
+                deliver(i, t)
+            continue
+        if kind == _EXPIRE:  # the syncer stops counting a silent learner: a merge may be due now
+            maybe_merge(t)
             continue
         if tag != epoch[i]:
             continue
@@ -510,6 +541,7 @@ def _run_diloco(config: SimConfig, failures: Failures, synchronous: bool) -> Run
             phase[i] = 0.0
             pending.add(i)
             awaiting[i] = True
+            pushes[i] += 1
             maybe_merge(t)
             schedule(i, t)
         else:  # _TAU: its push is still unmerged after tau steps, so it waits for the merge

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from tqdm import tqdm
 
 from diloco.accounting import Account, account, load_events
 from diloco.config import TrainingConfig
-from diloco.failures import FailureEvent, load_trace, random_trace, save_trace, worker_target
+from diloco.failures import FailureEvent, load_trace, random_trace, save_trace, syncer_target, worker_target
 from diloco.launcher import JobResult, LocalJob, RunPlan
 
 MODES = ("diloco", "sync-diloco", "ddp")
@@ -25,6 +26,7 @@ MODES = ("diloco", "sync-diloco", "ddp")
 @dataclass(frozen=True)
 class ModeSummary:
     mode: str
+    started_at: float  # unix time the workers were first launched: the trace's time zero
     wall_seconds: float
     final_loss: float
     goodput: float
@@ -100,6 +102,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         comm = result.syncer_bytes
     summary = ModeSummary(
         mode=plan.mode,
+        started_at=result.started_at,
         wall_seconds=result.finished_at - result.started_at,
         final_loss=final,
         goodput=acct.goodput,
@@ -165,15 +168,26 @@ def plot_curves(path: Path, accounts: list[Account], summaries: list[ModeSummary
     ax.set_ylabel("held-out loss (nats/byte)")
     ax.set_title("diloco run: held-out loss")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def build_trace(args: argparse.Namespace, workers: list[str]) -> list[FailureEvent]:
+    """The given trace, checked against this job's processes, or a random one made from the options."""
     if args.trace:
-        return load_trace(args.trace)
+        trace = load_trace(args.trace)
+        processes = set(workers) | {syncer_target(shard) for shard in range(args.shards)}
+        for event in trace:
+            if event.target not in processes:
+                raise ValueError(
+                    f"{args.trace}: {event.target} (at {event.at:g} s) is not a process of this job; a run "
+                    f"replays worker:island-<i>/<rank> and syncer:<shard> targets "
+                    f"({args.islands} islands x {args.ranks} ranks, {args.shards} shard(s))"
+                )
+        return trace
     syncer_kills = [(float(at), 0) for at in args.kill_syncer_at]
     return random_trace(
         seed=args.seed, duration=args.fail_until, mean_interval=args.kill_every, workers=workers,
@@ -188,7 +202,11 @@ def run(args: argparse.Namespace) -> int:
     )
     slowdowns = tuple(float(x) for x in args.slowdown.split(",")) if args.slowdown else ()
     workers = [worker_target(f"island-{i}", r) for i in range(args.islands) for r in range(args.ranks)]
-    trace = build_trace(args, workers)
+    try:
+        trace = build_trace(args, workers)
+    except (OSError, ValueError) as error:
+        print(f"diloco run: {error}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     save_trace(args.out / "trace.json", trace)
     modes = [args.mode] + ([m for m in MODES if m != args.mode] if args.compare else [])

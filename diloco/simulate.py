@@ -24,16 +24,8 @@ from typing import Callable, Sequence
 from tqdm import tqdm
 
 from diloco import bandwidth
-from diloco.failure_sim import (
-    Policy,
-    PolicyResult,
-    SimConfig,
-    SimResult,
-    load_trace,
-    sample_failures,
-    save_trace,
-    simulate,
-)
+from diloco.failure_sim import Policy, PolicyResult, SimConfig, SimResult, sample_failures, simulate
+from diloco.failures import load_trace, save_trace
 from diloco.logs import setup_logging
 
 log = logging.getLogger("diloco.simulate")
@@ -81,12 +73,12 @@ def sweep(
 
     Data-parallel policies run only at the first M, since M does not change them.
     """
+    trace = tuple(load_trace(trace_path)) if trace_path else None
     configs = []  # the costliest (most learners) first, so parallel workers finish together
     for index, m in sorted(enumerate(learners), key=lambda pair: -pair[1]):
         policies = tuple(p for p in base.policies if index == 0 or p not in _DP_POLICIES)
         for n in chips if policies else ():
-            config = replace(base, chips=n, learners=m, policies=policies, trace=None)
-            configs.append(replace(config, trace=load_trace(trace_path, config)) if trace_path else config)
+            configs.append(replace(base, chips=n, learners=m, policies=policies, trace=trace))
     points: list[Point] = []
     seconds: dict[int, float] = {}
 
@@ -268,6 +260,10 @@ def settings_line(config: SimConfig, trace_path: str | None) -> str:
         f"{config.reform_s:g} s; checkpoint every {config.checkpoint_steps} step(s); a failure takes out "
         f"{config.failure_chips} chips (elastic); DiLoCo H={config.sync_steps}, P={config.fragments}, "
         f"tau={config.overlap_steps}, K={config.quorum}, grace {config.grace_s:g} s"
+        + (f"; merge reaches learners after {config.sync_latency_s:g} s" if config.sync_latency_s else "")
+        + (f"; a down learner counts as live for {config.island_timeout_s:g} s" if config.island_timeout_s else "")
+        + (f"; start-up {config.startup_s:g} s" if config.startup_s else "")
+        + ("; failures during a recovery start it over" if config.interrupt_recovery else "")
     )
 
 
@@ -399,6 +395,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         overlap_steps=args.overlap_steps,
         quorum=args.quorum,
         grace_s=args.grace_s,
+        startup_s=args.startup_s,
+        interrupt_recovery=args.interrupt_recovery,
+        sync_latency_s=args.sync_latency_s,
+        island_timeout_s=args.island_timeout_s,
     )
 
 
@@ -463,8 +463,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--chips", type=_ints, default=DEFAULT_CHIPS, help="chip counts, comma-separated")
     add("--learners", type=_ints, default=DEFAULT_LEARNERS, help="learner counts M, comma-separated")
     add("--mtbi-years", type=float, default=d.mtbi_years, help="mean time between interruptions of one chip")
-    add("--trace", help="CSV failure trace (time_s, chip or learner, downtime_s) to replay instead of sampling")
-    add("--save-trace", help="write the sampled failures of the largest fleet (first seed) as a trace")
+    add("--trace", help="failure trace (JSON, as `diloco run` writes and replays; chip:<n>, learner:<i> or "
+                        "worker:island-<i>/<rank> targets) to replay instead of sampling")
+    add("--save-trace", help="write the sampled failures of the largest fleet (first seed) as a trace (chip targets)")
     add("--seeds", type=int, default=len(d.seeds), help="independent failure samples per point")
     add("--horizon-hours", type=float, default=d.horizon_hours, help="simulated wall-clock time")
     add("--failure-chips", type=int, default=d.failure_chips,
@@ -472,6 +473,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--reschedule-s", type=float, default=d.reschedule_s, help="seconds until a replacement is ready")
     add("--restart-s", type=float, default=d.restart_s, help="seconds for a full restart of a non-elastic job")
     add("--reform-s", type=float, default=d.reform_s, help="seconds to re-form a group after a membership change")
+    add("--startup-s", type=float, default=d.startup_s, help="seconds every group spends starting before step one")
+    add("--interrupt-recovery", action="store_true",
+        help="an interruption of a group that is down or restarting starts its recovery over (default: absorbed)")
     policy = parser.add_argument_group("policies")
     add = policy.add_argument
     add("--policies", type=_policies, default=d.policies,
@@ -485,6 +489,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--overlap-steps", type=int, default=d.overlap_steps, help="tau: steps a push may stay unmerged")
     add("--quorum", type=int, default=d.quorum, help="K: pushes a merge waits for (capped by live learners)")
     add("--grace-s", type=float, default=d.grace_s, help="seconds a merge waits for more once K are in")
+    add("--sync-latency-s", type=float, default=d.sync_latency_s,
+        help="seconds from a merge until the learners that pushed have its result")
+    add("--island-timeout-s", type=float, default=d.island_timeout_s,
+        help="seconds the syncer still counts a learner that went down as live (quorum cap, grace window)")
     bw = parser.add_argument_group("bandwidth")
     add = bw.add_argument
     add("--model-params", type=_floats, default=DEFAULT_MODEL_PARAMS, help="model sizes, comma-separated")

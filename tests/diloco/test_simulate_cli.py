@@ -5,7 +5,8 @@ import csv
 import pytest
 
 from diloco.cli import main
-from diloco.failure_sim import Policy, SimConfig
+from diloco.failure_sim import Policy, SimConfig, simulate
+from diloco.failures import FailureEvent, load_trace, save_trace
 from diloco.simulate import sweep
 
 SMALL = ["--chips", "20000,40000", "--learners", "4", "--seeds", "2", "--horizon-hours", "2", "--mtbi-years", "0.1",
@@ -42,11 +43,12 @@ def test_writes_table_plot_and_report(tmp_path, capsys):
 def test_saved_trace_drives_the_same_numbers(tmp_path):
     # Sample once and save the failures of the largest fleet; replaying that file gives the same goodput.
     sampled, replayed = tmp_path / "sampled", tmp_path / "replayed"
-    trace = tmp_path / "trace.csv"
+    trace = tmp_path / "trace.json"
     common = ["--chips", "40000", "--learners", "4", "--horizon-hours", "2", "--mtbi-years", "0.1", "--jobs", "1",
               "--no-progress"]
     assert main(["simulate", *common, "--seeds", "1", "--out", str(sampled), "--save-trace", str(trace)]) == 0
-    assert trace.read_text().startswith("time_s,chip,downtime_s\n")
+    events = load_trace(trace)
+    assert len(events) > 50 and all(e.kind == "chip" and e.index < 40_000 for e in events)
     assert main(["simulate", *common, "--trace", str(trace), "--out", str(replayed)]) == 0
     assert main(["simulate", *common, "--trace", str(trace), "--out", str(tmp_path / "again")]) == 0
     first, second = rows(sampled / "goodput.csv"), rows(replayed / "goodput.csv")
@@ -81,11 +83,32 @@ def test_processes_give_the_same_points_as_one():
     )
 
 
+def test_a_run_trace_replays_its_islands_as_learners(tmp_path, capsys):
+    # The trace `diloco run` writes names workers of islands island-<i>; the simulator reads each as learner i,
+    # and with one chip per learner the island and the learner are the same thing.
+    trace = tmp_path / "trace.json"
+    save_trace(trace, [FailureEvent(20.0, "worker:island-0/0", 3.0), FailureEvent(50.0, "worker:island-1/0", 3.0)])
+    out = tmp_path / "sim"
+    args = ["simulate", "--chips", "2", "--learners", "2", "--horizon-hours", str(100 / 3600), "--step-seconds",
+            "0.5", "--sync-steps", "10", "--fragments", "2", "--overlap-steps", "2", "--reform-s", "4",
+            "--startup-s", "5", "--interrupt-recovery", "--trace", str(trace), "--jobs", "1", "--no-progress",
+            "--out", str(out)]
+    assert main(args) == 0
+    table = {r["policy"]: r["goodput"] for r in rows(out / "goodput.csv")}
+    same = SimConfig(chips=2, learners=2, horizon_hours=100 / 3600, step_seconds=(0.5,), sync_steps=10, fragments=2,
+                     overlap_steps=2, reform_s=4, startup_s=5, interrupt_recovery=True,
+                     trace=(FailureEvent(20.0, "chip:0", 3.0), FailureEvent(50.0, "chip:1", 3.0)))
+    expected = simulate(same)
+    assert table == {p.policy.value: f"{p.goodput:.5f}" for p in expected.policies}
+    assert all(p.runs[0].failures == 2 for p in expected.policies)
+    assert "start-up 5 s; failures during a recovery start it over" in (out / "report.md").read_text()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--quorum", "9", "--learners", "8"], "quorum"),
-        (["--trace", "/nonexistent/trace.csv"], "No such file"),
+        (["--trace", "/nonexistent/trace.json"], "No such file"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(tmp_path, capsys, args, message):

@@ -7,16 +7,18 @@ import pytest
 
 from diloco.failure_sim import (
     SECONDS_PER_YEAR,
-    FailureEvent,
     Failures,
     Policy,
     SimConfig,
-    load_trace,
     run_policy,
     sample_failures,
-    save_trace,
     simulate,
 )
+from diloco.failures import FailureEvent, load_trace, save_trace
+
+
+def chip(at: float, index: int, downtime: float) -> FailureEvent:
+    return FailureEvent(at, f"chip:{index}", downtime)
 
 
 def kept_fraction(rate: float, save_every_s: float) -> float:
@@ -108,7 +110,7 @@ def test_without_failures_only_lockstep_wastes_mixed_generations():
 def test_one_failure_hand_computed():
     # 8 chips, 2 learners of 4, 1 s steps, 1000 s; chip 0 fails at 100.5 s, its replacement ready 50 s later.
     config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, failure_chips=2,
-                       trace=(FailureEvent(100.5, 0, 50.0),))
+                       trace=(chip(100.5, 0, 50.0),))
     result = simulate(config)
     # DP: 100 whole steps kept, down until 100.5 + 50 + 55 = 205.5, then 794 steps.
     assert result[Policy.DP].goodput == pytest.approx((100 + 794) / 1000)
@@ -129,7 +131,7 @@ def test_one_failure_hand_computed():
 
 
 def test_failure_on_a_group_already_down_is_absorbed():
-    trace = (FailureEvent(100.5, 0, 50.0), FailureEvent(120.0, 1, 50.0))
+    trace = (chip(100.5, 0, 50.0), chip(120.0, 1, 50.0))
     config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, failure_chips=2, trace=trace)
     result = simulate(config)
     counts = {p.policy: (p.runs[0].failures, p.runs[0].absorbed) for p in result.policies}
@@ -140,7 +142,7 @@ def test_failure_on_a_group_already_down_is_absorbed():
 
 
 def test_failure_on_another_learner_costs_only_that_learner():
-    trace = (FailureEvent(100.5, 0, 50.0), FailureEvent(120.0, 4, 50.0))
+    trace = (chip(100.5, 0, 50.0), chip(120.0, 4, 50.0))
     config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, trace=trace)
     result = simulate(config)
     assert result[Policy.DECOUPLED_DILOCO].runs[0].failures == 2
@@ -209,48 +211,126 @@ def test_sampled_failures_are_a_poisson_process_over_the_fleet():
 def test_saved_trace_replays_the_sampled_run_exactly(tmp_path):
     config = SimConfig(chips=600_000, learners=8, horizon_hours=4, seeds=(5,))
     sampled = simulate(config)
-    path = tmp_path / "trace.csv"
+    path = tmp_path / "trace.json"
     save_trace(path, sample_failures(config, 5).events())
-    replayed = simulate(SimConfig(**{**config.__dict__, "trace": load_trace(path, config)}))
+    events = load_trace(path)
+    assert all(e.kind == "chip" for e in events) and len(events) > 100
+    replayed = simulate(SimConfig(**{**config.__dict__, "trace": tuple(events)}))
     for policy in Policy:
         a, b = sampled[policy].runs[0], replayed[policy].runs[0]
         assert (a.goodput, a.uptime, a.failures, a.absorbed) == (b.goodput, b.uptime, b.failures, b.absorbed)
     assert replayed[Policy.DP].runs[0].seed is None
 
 
-def test_trace_by_learner_with_default_downtime(tmp_path):
-    path = tmp_path / "trace.csv"
-    path.write_text("time_s,learner,downtime_s\n300,1,\n100.5,0,50\n")
+def test_learner_and_island_targets_strike_that_learners_first_chip():
+    # The trace `diloco run` replays names workers of islands `island-<i>`: in the simulator the island is
+    # learner i, and any of its ranks takes the whole learner out, as in the run.
     config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600)
-    events = load_trace(path, config)
-    assert events == (FailureEvent(300.0, 4, config.reschedule_s), FailureEvent(100.5, 0, 50.0))
-    failures = Failures.from_events(events, config.horizon_s)
-    assert failures.times.tolist() == [100.5, 300.0]
-    first = simulate(SimConfig(**{**config.__dict__, "trace": events}))
-    second = simulate(SimConfig(**{**config.__dict__, "trace": events}))
-    assert first == second
-    assert first[Policy.DECOUPLED_DILOCO].runs[0].failures == 2
+    trace = (FailureEvent(300.0, "worker:island-1/3", 50.0), FailureEvent(100.5, "learner:0", 50.0))
+    failures = Failures.from_events(trace, config)
+    assert failures.times.tolist() == [100.5, 300.0] and failures.chips.tolist() == [0, 4]
+    by_worker = simulate(SimConfig(**{**config.__dict__, "trace": trace}))
+    by_chip = simulate(SimConfig(**{**config.__dict__, "trace": (chip(100.5, 0, 50.0), chip(300.0, 4, 50.0))}))
+    assert by_worker.policies == by_chip.policies
+    assert by_worker[Policy.DECOUPLED_DILOCO].runs[0].failures == 2
 
 
 @pytest.mark.parametrize(
-    "text, message",
+    "target, message",
     [
-        ("when,chip\n1,2\n", "time_s column"),
-        ("time_s,chip\n1,99\n", ":2: chip outside"),
-        ("time_s,learner\n1,5\n", ":2: learner 5 outside"),
-        ("time_s,chip\nsoon,1\n", ":2:"),
+        ("chip:8", "chip 8 is outside the fleet of 8"),
+        ("learner:2", "learner 2 is outside 0..1"),
+        ("worker:island-5/0", "learner 5 is outside 0..1"),
+        ("worker:east/0", "island 'east' has no number"),
+        ("syncer:0", "the simulator does not model syncer failures"),
     ],
 )
-def test_bad_trace_is_refused_with_its_line(tmp_path, text, message):
-    path = tmp_path / "trace.csv"
-    path.write_text(text)
-    with pytest.raises(ValueError, match=message):
-        load_trace(path, SimConfig(chips=8, learners=2))
+def test_trace_events_the_fleet_cannot_have_are_refused(target, message):
+    with pytest.raises(ValueError, match=f"trace event 1 \\({target} at 7 s\\): {message}"):
+        SimConfig(chips=8, learners=2, trace=(chip(1.0, 0, 1.0), FailureEvent(7.0, target, 1.0)))
+
+
+# --- what `diloco run` needs: start-up, and failures that strike a recovery ----------------------------------
+
+
+def test_startup_is_paid_once_by_everyone_before_the_first_step():
+    # 10 s of start-up out of 1000 s, no failures: 990 steps of 1 s, for every policy.
+    config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, startup_s=10.0, trace=())
+    result = simulate(config)
+    for policy in Policy:
+        assert result[policy].goodput == pytest.approx(0.99, abs=1e-9), policy
+        assert result[policy].uptime == pytest.approx(0.99, abs=1e-9), policy
+
+
+def test_a_failure_during_a_recovery_is_absorbed_or_starts_it_over():
+    # DP (checkpoint every step): chip 0 fails at 100.5 s (down 50 s + restart 55 s, until 205.5 s), again at
+    # 150 s, inside that recovery. Absorbed: as with one failure. Interrupting: up at 150 + 50 + 55 = 255 s.
+    trace = (chip(100.5, 0, 50.0), chip(150.0, 5, 50.0))
+    base = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, trace=trace, policies=(Policy.DP,))
+    absorbed = simulate(base)[Policy.DP].runs[0]
+    restarted = simulate(SimConfig(**{**base.__dict__, "interrupt_recovery": True}))[Policy.DP].runs[0]
+    assert absorbed.goodput == pytest.approx((100 + 794) / 1000) and absorbed.absorbed == 1
+    assert restarted.goodput == pytest.approx((100 + 745) / 1000)
+    assert (restarted.failures, restarted.absorbed) == (2, 0)
+
+
+def test_a_learner_struck_while_restarting_is_back_later_and_loses_nothing_more():
+    # Decoupled, learner 0 fails at 100.5 s and is due back at 100.5 + 50 + 9 = 159.5 s; struck again at
+    # 150 s it is back at 150 + 50 + 9 = 209 s instead: 49.5 s more down, no progress lost twice.
+    trace = (chip(100.5, 0, 50.0), chip(150.0, 1, 50.0))
+    base = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, trace=trace,
+                     policies=(Policy.DECOUPLED_DILOCO,))
+    absorbed = simulate(base)[Policy.DECOUPLED_DILOCO].runs[0]
+    restarted = simulate(SimConfig(**{**base.__dict__, "interrupt_recovery": True}))[Policy.DECOUPLED_DILOCO].runs[0]
+    assert absorbed.goodput == pytest.approx(4 * (100.5 - 6.5 + 840.5 + 1000) / 8000)
+    assert restarted.goodput == pytest.approx(4 * (100.5 - 6.5 + 791 + 1000) / 8000)
+    assert restarted.uptime == pytest.approx((4 * (100.5 + 791) + 4 * 1000) / 8000)
+
+
+def test_an_elastic_replica_struck_while_out_rejoins_later():
+    # Replica of chips 0-1 out at 100.5 s until 150.5 s; struck again at 120 s it rejoins at 170 s.
+    # 100 steps on 8 chips; re-form to 109.5; 60 steps on 6 chips to 169.5 (the step in flight at the
+    # rejoin at 170 s is lost); re-form to 179; 821 steps on 8 chips.
+    trace = (chip(100.5, 0, 50.0), chip(120.0, 1, 50.0))
+    config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, failure_chips=2, trace=trace,
+                       policies=(Policy.ELASTIC_DP,), interrupt_recovery=True)
+    run = simulate(config)[Policy.ELASTIC_DP].runs[0]
+    assert run.goodput == pytest.approx((100 * 8 + 60 * 6 + 821 * 8) / 8000)
+    assert (run.failures, run.absorbed) == (2, 0)
+
+
+def test_merge_latency_is_waited_out_by_a_learner_that_blocks_on_its_push():
+    # tau = 0: a learner waits after each push until the merge reaches it. K = 1 and no grace merge at once,
+    # and the reply takes 0.5 s: every round of 10 one-second steps costs 10.5 s, 100 rounds in 1050 s.
+    config = SimConfig(chips=2, learners=2, horizon_hours=1050 / 3600, sync_steps=10, fragments=1, overlap_steps=0,
+                       grace_s=0.0, sync_latency_s=0.5, trace=(), policies=(Policy.DECOUPLED_DILOCO,))
+    run = simulate(config)[Policy.DECOUPLED_DILOCO].runs[0]
+    assert run.goodput == pytest.approx(1000 / 1050)
+    assert run.merges == 200
+    never_waits = SimConfig(**{**config.__dict__, "overlap_steps": 10})
+    assert simulate(never_waits)[Policy.DECOUPLED_DILOCO].goodput == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "timeout, goodput", [(0.0, (50 + 1000) / 2000), (1.5, (50 + 999.5) / 2000), (60.0, (50 + 990) / 2000)]
+)
+def test_a_dead_learner_holds_merges_for_the_grace_window_until_the_syncer_times_it_out(timeout, goodput):
+    # Learner 0 dies at 59 s, 9 steps after its push at 50 s (50 steps kept), and stays down. Learner 1
+    # blocks on its push at 60 s (tau = 0). With no timeout the syncer knows learner 0 is gone and merges at
+    # once; with a 1.5 s timeout it counts learner 0 live until 60.5 s and waits for it until then (the 2 s
+    # grace window would end at 62 s), so learner 1 loses 0.5 s; with 60 s it waits out the grace, 2 s, at
+    # each of its pushes until 119 s (at 60, 72, 84, 96 and 108 s): 10 s.
+    config = SimConfig(chips=2, learners=2, horizon_hours=1000 / 3600, sync_steps=10, fragments=1,
+                       overlap_steps=0, grace_s=2.0, island_timeout_s=timeout, trace=(chip(59.0, 0, 5000.0),),
+                       policies=(Policy.DECOUPLED_DILOCO,))
+    assert simulate(config)[Policy.DECOUPLED_DILOCO].goodput == pytest.approx(goodput)
 
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"quorum": 9}, {"chips": 4}, {"fragments": 17}, {"overlap_steps": 17}, {"step_seconds": (0.0,)}, {"seeds": ()}],
+    [{"quorum": 9}, {"chips": 4}, {"fragments": 17}, {"overlap_steps": 17}, {"step_seconds": (0.0,)}, {"seeds": ()},
+     {"startup_s": -1.0}, {"sync_latency_s": -0.1}, {"island_timeout_s": -1.0}, {"startup_s": float("nan")},
+     {"step_seconds": (1.0, float("nan"))}],
 )
 def test_impossible_configurations_are_refused(overrides):
     with pytest.raises(ValueError):
