@@ -15,6 +15,7 @@ from kubernetes.client import models as k8s
 
 from diloco.operator.children import OperatorRef
 from diloco.operator.main import PEERING_NAME
+from support import missing_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "diloco"
@@ -38,7 +39,7 @@ def helm() -> Path | None:
 def render_chart(*sets: str) -> list[dict]:
     binary = helm()
     if binary is None:
-        pytest.skip("no helm binary (tests/cluster/build.sh builds one)")
+        missing_binary("no helm binary (tests/cluster/build.sh builds one)")
     args = [str(binary), "template", "diloco", str(CHART), "--namespace", "diloco-system"]
     for value in sets:
         args += ["--set", value]

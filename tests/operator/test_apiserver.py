@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,21 +21,15 @@ from kubernetes import config as kube_config
 
 from diloco.operator.kube import ApiError, Kube
 
+import support
+
+# The API server answers slower than loopback gRPC: poll for a minute, twice a second.
+wait_until = partial(support.wait_until, timeout=60.0, interval=0.5)
+
 pytestmark = [pytest.mark.process, pytest.mark.filterwarnings("ignore:Unverified HTTPS request")]
 
 ROOT = Path(__file__).resolve().parents[2]
 RESYNC = 1.0
-
-
-def wait_until(condition, timeout=60.0, interval=0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"not reached within {timeout}s: {getattr(condition, '__name__', condition)}")
-        time.sleep(interval)
 
 
 def job_manifest(name, **spec):

@@ -4,7 +4,6 @@ with a unique name, so test modules can import it while other test folders have 
 from __future__ import annotations
 
 import socket
-import time
 from typing import Callable
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from diloco.client import Backoff, SyncerClient
 from diloco.config import TrainingConfig
+from support import wait_until  # noqa: F401  (re-exported to the syncer tests)
 
 TOKEN = "test-token"
 SHAPES = {"w": (64, 32), "b": (32,)}
@@ -30,18 +30,6 @@ def fragment_values(fill: float = 0.0) -> list[tuple[str, torch.Tensor]]:
 def make_client(port: int, island: str = "", **kwargs) -> SyncerClient:
     kwargs.setdefault("backoff", Backoff(initial=0.02, maximum=0.5))
     return SyncerClient(f"127.0.0.1:{port}", TOKEN, island_id=island, **kwargs)
-
-
-def wait_until(condition: Callable[[], object], timeout: float = 10.0, interval: float = 0.02) -> object:
-    """Polls `condition` until it returns something truthy (returned), failing the test after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout} s: {getattr(condition, '__name__', condition)}")
-        time.sleep(interval)
 
 
 def versions(client: SyncerClient) -> dict[int, tuple[int, int]]:
