@@ -2,7 +2,8 @@
 and retries with jittered exponential backoff, so a restarting shard or a flaky link never stops training.
 
 Every call is safe to repeat: pushes are idempotent by (island, fragment, base, sequence), seeds are
-first-wins, pulls and status read only. A retried stream is rebuilt from bytes encoded once.
+first-wins, pulls and status read only. A retried stream is rebuilt from bytes encoded once. `pull_delta`
+asks for the difference to the values the island holds (see `diloco.compressed_pull`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco import wire
 from diloco.auth import bearer_metadata
+from diloco.compressed_pull import apply_delta
 from diloco.v1 import syncer_pb2 as pb
 from diloco.v1 import syncer_pb2_grpc as pb_grpc
 
@@ -55,6 +57,25 @@ class Backoff:
 
     def delay(self, attempt: int, rng: random.Random) -> float:
         return rng.uniform(0.0, min(self.maximum, self.initial * self.multiplier**attempt))
+
+
+@dataclass(frozen=True)
+class Held:
+    """Float32 values an island holds of a fragment, as a shard served them, and their CRC-32."""
+
+    version: pb.FragmentVersion
+    values: Sequence[torch.Tensor]
+    crc32: int
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A fragment's newest values, however they travelled: `delta` when as a difference to held values."""
+
+    version: pb.FragmentVersion
+    tensors: list[tuple[str, torch.Tensor]]
+    wire_bytes: int
+    delta: bool
 
 
 def _method(name: str) -> str:
@@ -184,16 +205,42 @@ class SyncerClient:
         request = pb.PullRequest(
             fragment_id=fragment_id, have=have or pb.FragmentVersion(), encoding=encoding, island_id=self.island_id
         )
+        pulled = self._retrying("Pull", lambda: self._pull_attempt(request, None))
+        return None if pulled is None else (pulled.version, pulled.tensors)
 
-        def attempt() -> tuple[pb.FragmentVersion, list[tuple[str, torch.Tensor]]] | None:
-            chunks: Iterator[wire.Part] = self._pull(request, timeout=self.timeout, metadata=self._metadata)
-            first = next(chunks, None)
-            if first is None:
-                return None
-            header, tensors = wire.read_fragment_stream(itertools.chain([first], chunks))
-            return header.version, [(p.name, t) for p, t in tensors]
+    def pull_delta(
+        self, fragment_id: int, *, have: pb.FragmentVersion | None, held: Held | None, encoding: int
+    ) -> Pulled | None:
+        """Like `pull`, but the shard may answer with the difference, in `encoding`, from the `held` values
+        (which must be what a pull of this client returned) to the newest; either way the newest values come
+        back. With `held` None the values come in full and the shard notes them as this island's."""
+        if not self.island_id:
+            raise ValueError("a compressed pull needs the client's island id")
+        request = pb.PullRequest(
+            fragment_id=fragment_id, have=have or pb.FragmentVersion(), encoding=pb.FP32,
+            island_id=self.island_id, delta_encoding=encoding,
+        )
+        if held is not None:
+            request.held.version.CopyFrom(held.version)
+            request.held.crc32 = held.crc32
+        return self._retrying("Pull", lambda: self._pull_attempt(request, held))
 
-        return self._retrying("Pull", attempt)
+    def _pull_attempt(self, request: pb.PullRequest, held: Held | None) -> Pulled | None:
+        chunks: Iterator[wire.Part] = self._pull(request, timeout=self.timeout, metadata=self._metadata)
+        first = next(chunks, None)
+        if first is None:
+            return None
+        header, tensors = wire.read_fragment_stream(itertools.chain([first], chunks))
+        wire_bytes = sum(p.byte_length for p, _ in tensors)
+        named = [(p.name, t) for p, t in tensors]
+        if not header.HasField("delta_base"):
+            return Pulled(header.version, named, wire_bytes, delta=False)
+        if held is None or header.delta_base != held.version:
+            raise wire.WireError(
+                grpc.StatusCode.INTERNAL, f"fragment {request.fragment_id}: a difference to values this island does not hold"
+            )
+        values = apply_delta(held.values, [t for _, t in named])
+        return Pulled(header.version, [(name, v) for (name, _), v in zip(named, values)], wire_bytes, delta=True)
 
     def status(self) -> pb.StatusReply:
         return self._retrying(

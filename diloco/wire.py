@@ -127,13 +127,14 @@ def fragment_messages(
     payloads: Sequence[pb.TensorPayload],
     blobs: Sequence[bytes],
     max_chunk: int = MAX_CHUNK_BYTES,
+    delta_base: pb.FragmentVersion | None = None,
 ) -> Iterator[bytes]:
     """The serialized FragmentChunk messages of a Seed request or a Pull reply: a header, then the data.
 
     Takes bytes encoded once by `tensor_payloads`, so a retried call or many pulls of one version re-send
-    them without encoding again.
+    them without encoding again. With `delta_base`, the tensors are differences to the values of that version.
     """
-    header = pb.FragmentHeader(fragment_id=fragment_id, version=version, tensors=payloads)
+    header = pb.FragmentHeader(fragment_id=fragment_id, version=version, tensors=payloads, delta_base=delta_base)
     return _messages(pb.FragmentChunk, header, blobs, max_chunk)
 
 

@@ -19,6 +19,8 @@ class SyncerMetrics:
         self.bytes_in = Counter("diloco_syncer_received_bytes", "Tensor bytes received in pushes and seeds",
                                 registry=r)
         self.bytes_out = Counter("diloco_syncer_sent_bytes", "Tensor bytes sent in pulls", registry=r)
+        self.pulls = Counter("diloco_syncer_pulls", "Pulls answered with values: in full, or as the difference "
+                             "to what the island held", ["form"], registry=r)
         self.pushes = Counter("diloco_syncer_pushes", "Pushes taken (duplicates included)", ["result"], registry=r)
         self.staleness = Histogram("diloco_syncer_push_staleness", "Versions between a delta's base and current",
                                    buckets=(0, 1, 2, 3, 4, 6, 8, 16), registry=r)

@@ -2,7 +2,8 @@
 
 Data is read and decoded outside the state lock; only validation, submission, merges and snapshots hold
 it. Encoded fragment values are cached per version and encoding, so many islands pulling the same merge
-cost one encoding.
+cost one encoding. An island that says which values it holds gets the difference to the newest in the
+job's encoding when the shard knows those values (`diloco.compressed_pull`), and full values otherwise.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from diloco import wire
 from diloco.auth import TokenInterceptor
+from diloco.compressed_pull import held_after, values_crc32
 from diloco.config import TrainingConfig
 from diloco.v1 import syncer_pb2 as pb
 from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
+from diloco.syncer.references import Reference, References
 from diloco.syncer.shard import PushKey, Refused, ShardState, TensorSpec
 
 log = logging.getLogger("diloco.syncer")
@@ -36,6 +39,7 @@ MERGE_POLL_SECONDS = 0.5
 SUMMARY_SECONDS = 30.0
 
 H = TypeVar("H", pb.FragmentHeader, pb.PushHeader)
+ENCODINGS = (pb.FP32, pb.BF16, pb.INT8, pb.INT4)
 
 
 def _new_incarnation() -> int:
@@ -65,6 +69,7 @@ class SyncerServer:
         checkpoint_dir: Path | None = None,
         checkpoint_interval: float = 60.0,
         max_fragment_bytes: int = 16 * 1024**3,
+        max_reference_bytes: int = 4 * 1024**3,
         metrics: SyncerMetrics | None = None,
         max_workers: int = 32,
         clock: Callable[[], float] = time.time,
@@ -83,6 +88,8 @@ class SyncerServer:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._replies: dict[tuple[int, int], tuple[int, list[bytes], int]] = {}
+        self._full_references: dict[int, Reference] = {}
+        self._references = References(max_reference_bytes)
         self._health = health.HealthServicer()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="syncer-rpc"),
@@ -231,6 +238,51 @@ class SyncerServer:
             self._replies[(index, encoding)] = cached
         return cached
 
+    def full_reference(self, index: int) -> Reference:
+        """The fragment's current float32 values as a reference, one copy per version shared by every island
+        that pulls them in full; the caller holds the lock."""
+        frag = self.state.seeded_fragment(index)
+        ref = self._full_references.get(index)
+        if ref is None or (ref.incarnation, ref.version) != (self.state.incarnation, frag.version):
+            values = tuple(v.clone() for v in frag.values)
+            ref = Reference(self.state.incarnation, frag.version, values, values_crc32(values))
+            self._full_references[index] = ref
+        return ref
+
+    def record_full(self, island: str, index: int) -> None:
+        """Notes that `island` is being sent the fragment's current values in full; the caller holds the lock."""
+        self._references.record(island, index, self.full_reference(index))
+
+    def held_reference(self, request: pb.PullRequest) -> Reference | None:
+        """What the island holds, when it asks for a difference and the shard knows exactly those values; the
+        caller holds the lock."""
+        if not (request.HasField("held") and request.delta_encoding and request.island_id):
+            return None
+        held = request.held
+        return self._references.match(
+            request.island_id, request.fragment_id, held.version.incarnation, held.version.version, held.crc32
+        )
+
+    def delta_reply(
+        self, request: pb.PullRequest, held: Reference, differences: list[torch.Tensor], version: int
+    ) -> tuple[list[bytes], int]:
+        """The serialized difference from `held` to the values of `version` (and its tensor bytes); records
+        what the island will hold once it applies it. Encodes outside the lock."""
+        frag = self.state.fragments[request.fragment_id]
+        encoding, block_size = request.delta_encoding, self.config.block_size
+        named = [(spec.name, d) for spec, d in zip(frag.specs, differences)]
+        payloads, blobs = wire.tensor_payloads(named, encoding, block_size)
+        for payload, spec in zip(payloads, frag.specs):
+            payload.dtype = spec.dtype
+        values = tuple(held_after(held.values, blobs, encoding, block_size))
+        ref = Reference(self.state.incarnation, version, values, values_crc32(values))
+        with self._cond:
+            self._references.record(request.island_id, request.fragment_id, ref)
+        messages = wire.fragment_messages(
+            request.fragment_id, _version(ref.incarnation, version), payloads, blobs, delta_base=request.held.version
+        )
+        return list(messages), sum(len(b) for b in blobs)
+
     def refuse(self, refusal: Refused, context: grpc.ServicerContext) -> None:
         with self._cond:
             self.state.rejected_pushes += 1
@@ -368,18 +420,33 @@ class _Servicer:
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         s = self.s
         encoding = request.encoding or pb.FP32
+        held = None
         try:
-            if encoding not in (pb.FP32, pb.BF16, pb.INT8, pb.INT4):
+            if encoding not in ENCODINGS:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"unknown encoding {encoding}")
+            if request.delta_encoding and request.delta_encoding not in ENCODINGS:
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"unknown delta encoding {request.delta_encoding}"
+                )
             with s._cond:
                 s.state.touch(request.island_id, s.clock())
                 frag = s.state.seeded_fragment(request.fragment_id)
                 if (request.have.incarnation, request.have.version) == (s.state.incarnation, frag.version):
                     return
-                _, messages, nbytes = s.pull_reply(request.fragment_id, encoding)
+                version = frag.version
+                held = s.held_reference(request)
+                if held is not None:
+                    differences = [torch.sub(v, h) for v, h in zip(frag.values, held.values)]
+                else:
+                    _, messages, nbytes = s.pull_reply(request.fragment_id, encoding)
+                    if request.delta_encoding and request.island_id and encoding == pb.FP32:
+                        s.record_full(request.island_id, request.fragment_id)
         except Refused as refusal:
             s.refuse(refusal, context)
+        if held is not None:
+            messages, nbytes = s.delta_reply(request, held, differences, version)
         yield from messages
+        s.metrics.pulls.labels("full" if held is None else "delta").inc()
         s.metrics.bytes_out.inc(nbytes)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:

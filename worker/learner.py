@@ -39,9 +39,9 @@ from diloco.worker.sync import (
     FragmentSync,
     Outcome,
     SyncRequest,
-    fragment_bytes,
     fragment_values,
     local_snapshot,
+    pull_values,
 )
 
 log = logging.getLogger("diloco.worker")
@@ -105,12 +105,15 @@ class Learner:
         backoff: Backoff = Backoff(),
         synchronous: bool = False,
         on_round: Callable[[RoundReport], None] | None = None,
+        compressed_pulls: bool | None = None,
     ) -> None:
         """`syncers[i]` is the address of shard i. A round with no merge within `sync_timeout` seconds is
         abandoned; each call gets `rpc_timeout` seconds per attempt and is retried for `retry_for`.
 
         `synchronous` makes every sync a barrier (the island waits for the merge and mixes at once): the
-        synchronous-DiLoCo baseline. `on_round` hears how every round ended, on every rank."""
+        synchronous-DiLoCo baseline. `on_round` hears how every round ended, on every rank.
+        `compressed_pulls` (default: DILOCO_COMPRESSED_PULLS, on unless "0") has the shards send merged
+        fragments as differences to the island's base in the job's encoding instead of float32 values."""
         if not syncers:
             raise ValueError("a learner needs at least one syncer shard")
         if not island_id:
@@ -126,6 +129,9 @@ class Learner:
         self.synchronous = synchronous
         self.on_round = on_round
         self._token = token
+        if compressed_pulls is None:
+            compressed_pulls = env_default("COMPRESSED_PULLS", "1") != "0"
+        self._pull_encoding = config.encoding.wire if compressed_pulls else None
         self._client_options = {"timeout": rpc_timeout, "retry_for": retry_for, "backoff": backoff}
         # Names must be the same on every island, whether or not it wraps its model in DDP ("module." prefix).
         named_model = model.module if isinstance(model, DistributedDataParallel) else model
@@ -240,16 +246,16 @@ class Learner:
                 log.info("seeded fragment", extra={"fragment": p, "accepted": seeded.accepted})
         sequence = time.time_ns()
         for f in self._fragments:
-            pulled = self._clients[f.shard].pull(f.plan.index)
+            pulled = pull_values(self._clients[f.shard], f.plan.index, None, None, self._pull_encoding)
             if pulled is None:
                 raise RuntimeError(f"fragment {f.plan.index}: a pull without a version came back empty")
-            version, named = pulled
-            values = fragment_values(f.plan.index, f.plan.names, named)
+            version = pulled.version
+            values = fragment_values(f.plan.index, f.plan.names, pulled.tensors)
             with torch.no_grad():
                 for param, value in zip(f.params, values):
                     param.copy_(value)
             f.base, f.base_version, f.sequence = values, version, sequence
-            self._stats.add(bytes_pulled=fragment_bytes(values))
+            self._stats.add(bytes_pulled=pulled.wire_bytes)
 
     def step(self, tokens: int = 0) -> None:
         """One inner step: the optimizer's step and zero_grad, then the sync work of this step, which never
@@ -339,6 +345,7 @@ class Learner:
             timeout=self.sync_timeout,
             stopping=self._stopping,
             stats=self._stats,
+            pull_encoding=self._pull_encoding,
         )
         self._rounds[f.plan.index] = round_
         round_.start()

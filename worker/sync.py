@@ -3,7 +3,8 @@
 A round pushes the outer gradient Δ = base − local, then polls for the merge that takes it in. A push the
 shard refuses with FAILED_PRECONDITION (a base that is stale, from an older incarnation, or ahead of the
 shard) turns into a fresh pull, so the island re-bases instead of stalling. Every other failure ends the
-round: the learner drops it and trains on, and the next due step pushes again.
+round: the learner drops it and trains on, and the next due step pushes again. With a pull encoding, pulls
+are compressed: the shard sends the difference from the island's base (`diloco.compressed_pull`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from diloco.client import SyncerClient
+from diloco.client import Held, Pulled, SyncerClient
+from diloco.compressed_pull import values_crc32
 from diloco.encoding import encoded_nbytes
 from diloco.v1 import syncer_pb2 as pb
 from diloco.worker.stats import StatsRecorder
@@ -81,10 +83,13 @@ class FragmentSync:
         timeout: float,
         stopping: threading.Event,
         stats: StatsRecorder,
+        pull_encoding: int | None = None,
     ) -> None:
+        """`pull_encoding`: the encoding of compressed pulls, None for full float32 ones."""
         self.client = client
         self.request = request
         self.encoding = encoding
+        self.pull_encoding = pull_encoding
         self.block_size = block_size
         self.timeout = timeout
         self._stopping = stopping
@@ -156,13 +161,14 @@ class FragmentSync:
     def _await_merge(self, have: pb.FragmentVersion) -> SyncResult:
         deadline = time.monotonic() + self.timeout
         delay = POLL_INITIAL_SECONDS
+        held = self._held()
         while True:
             try:
-                pulled = self.client.pull(self.request.fragment, have=have)
+                pulled = pull_values(self.client, self.request.fragment, have, held, self.pull_encoding)
             except grpc.RpcError as error:
                 return self._failed("pull", error)
             if pulled is not None:
-                return self._adopt(Outcome.MERGED, *pulled)
+                return self._adopt(Outcome.MERGED, pulled)
             if time.monotonic() + delay > deadline or self._stopping.wait(delay):
                 log.debug("no merge in time, round abandoned", extra=self._fields(have=have.version))
                 return SyncResult(Outcome.ABANDONED)
@@ -175,26 +181,32 @@ class FragmentSync:
         r = self.request
         try:
             try:
-                pulled = self.client.pull(r.fragment)
+                pulled = pull_values(self.client, r.fragment, None, self._held(), self.pull_encoding)
             except grpc.RpcError as error:
                 if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 seeded = self.client.seed(r.fragment, list(zip(r.names, r.base)))
                 log.info("re-seeded fragment", extra=self._fields(accepted=seeded.accepted))
-                pulled = self.client.pull(r.fragment)
+                pulled = pull_values(self.client, r.fragment, None, None, self.pull_encoding)
         except grpc.RpcError as error:
             return self._failed("pull", error)
         if pulled is None:
             raise RuntimeError(f"fragment {r.fragment}: a pull without a version came back empty")
-        return self._adopt(Outcome.RESYNCED, *pulled)
+        return self._adopt(Outcome.RESYNCED, pulled)
 
-    def _adopt(
-        self, outcome: Outcome, version: pb.FragmentVersion, named: list[tuple[str, torch.Tensor]]
-    ) -> SyncResult:
-        values = fragment_values(self.request.fragment, self.request.names, named)
-        self._stats.add(bytes_pulled=fragment_bytes(values))
-        log.debug("pulled", extra=self._fields(outcome=outcome.name, version=version.version))
-        return SyncResult(outcome, version, values)
+    def _held(self) -> Held | None:
+        """The island's base, named for a compressed pull."""
+        if self.pull_encoding is None:
+            return None
+        r = self.request
+        return Held(r.base_version, r.base, values_crc32(r.base))
+
+    def _adopt(self, outcome: Outcome, pulled: Pulled) -> SyncResult:
+        values = fragment_values(self.request.fragment, self.request.names, pulled.tensors)
+        self._stats.add(bytes_pulled=pulled.wire_bytes)
+        log.debug("pulled", extra=self._fields(outcome=outcome.name, version=pulled.version.version,
+                                               delta=pulled.delta, bytes=pulled.wire_bytes))
+        return SyncResult(outcome, pulled.version, values)
 
     def _failed(self, call: str, error: grpc.RpcError) -> SyncResult:
         level = logging.DEBUG if self._stopping.is_set() else logging.WARNING
@@ -204,6 +216,24 @@ class FragmentSync:
             extra=self._fields(call=call, code=error.code().name, detail=error.details()),
         )
         return SyncResult(Outcome.FAILED)
+
+
+def pull_values(
+    client: SyncerClient,
+    fragment: int,
+    have: pb.FragmentVersion | None,
+    held: Held | None,
+    pull_encoding: int | None,
+) -> Pulled | None:
+    """A fragment's newest values (None when `have` is the newest): compressed against `held` when
+    `pull_encoding` is set, else in full float32."""
+    if pull_encoding is not None:
+        return client.pull_delta(fragment, have=have, held=held, encoding=pull_encoding)
+    pulled = client.pull(fragment, have=have)
+    if pulled is None:
+        return None
+    version, named = pulled
+    return Pulled(version, named, fragment_bytes([t for _, t in named]), delta=False)
 
 
 def fragment_values(

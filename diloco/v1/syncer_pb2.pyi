@@ -56,14 +56,16 @@ class FragmentVersion(_message.Message):
     def __init__(self, incarnation: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FragmentHeader(_message.Message):
-    __slots__ = ("fragment_id", "version", "tensors")
+    __slots__ = ("fragment_id", "version", "tensors", "delta_base")
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_FIELD_NUMBER: _ClassVar[int]
     fragment_id: int
     version: FragmentVersion
     tensors: _containers.RepeatedCompositeFieldContainer[TensorPayload]
-    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ...) -> None: ...
+    delta_base: FragmentVersion
+    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., delta_base: _Optional[_Union[FragmentVersion, _Mapping]] = ...) -> None: ...
 
 class FragmentChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -140,16 +142,28 @@ class PushReply(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ..., current: _Optional[_Union[FragmentVersion, _Mapping]] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("fragment_id", "have", "encoding", "island_id")
+    __slots__ = ("fragment_id", "have", "encoding", "island_id", "held", "delta_encoding")
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    DELTA_ENCODING_FIELD_NUMBER: _ClassVar[int]
     fragment_id: int
     have: FragmentVersion
     encoding: Encoding
     island_id: str
-    def __init__(self, fragment_id: _Optional[int] = ..., have: _Optional[_Union[FragmentVersion, _Mapping]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., island_id: _Optional[str] = ...) -> None: ...
+    held: HeldValues
+    delta_encoding: Encoding
+    def __init__(self, fragment_id: _Optional[int] = ..., have: _Optional[_Union[FragmentVersion, _Mapping]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., island_id: _Optional[str] = ..., held: _Optional[_Union[HeldValues, _Mapping]] = ..., delta_encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
+
+class HeldValues(_message.Message):
+    __slots__ = ("version", "crc32")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    version: FragmentVersion
+    crc32: int
+    def __init__(self, version: _Optional[_Union[FragmentVersion, _Mapping]] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -361,8 +361,9 @@ def test_hostile_seed_is_refused_and_changes_nothing(scene, case):
         (pb.PullRequest(fragment_id=7), INVALID),
         (pb.PullRequest(fragment_id=2), PRECONDITION),
         (pb.PullRequest(fragment_id=0, encoding=9), INVALID),
+        (pb.PullRequest(fragment_id=0, island_id="intruder", delta_encoding=9), INVALID),
     ],
-    ids=["unknown fragment", "unseeded fragment", "unknown encoding"],
+    ids=["unknown fragment", "unseeded fragment", "unknown encoding", "unknown delta encoding"],
 )
 def test_hostile_pull_is_refused(scene, request_, code):
     before = snapshot(scene)
