@@ -61,11 +61,12 @@ class Backoff:
 
 @dataclass(frozen=True)
 class Held:
-    """Float32 values an island holds of a fragment, as a shard served them, and their CRC-32."""
+    """Float32 values an island holds of a fragment and their digest (`values_digest`); `version` is None
+    when the island does not know it (its initial values, which may be what the first island seeded)."""
 
-    version: pb.FragmentVersion
+    version: pb.FragmentVersion | None
     values: Sequence[torch.Tensor]
-    crc32: int
+    digest: int
 
 
 @dataclass(frozen=True)
@@ -212,8 +213,8 @@ class SyncerClient:
         self, fragment_id: int, *, have: pb.FragmentVersion | None, held: Held | None, encoding: int
     ) -> Pulled | None:
         """Like `pull`, but the shard may answer with the difference, in `encoding`, from the `held` values
-        (which must be what a pull of this client returned) to the newest; either way the newest values come
-        back. With `held` None the values come in full and the shard notes them as this island's."""
+        (what a pull of this client returned, or values of unknown version that may be the newest) to the
+        newest; either way the newest values come back. With `held` None they come in full."""
         if not self.island_id:
             raise ValueError("a compressed pull needs the client's island id")
         request = pb.PullRequest(
@@ -221,8 +222,10 @@ class SyncerClient:
             island_id=self.island_id, delta_encoding=encoding,
         )
         if held is not None:
-            request.held.version.CopyFrom(held.version)
-            request.held.crc32 = held.crc32
+            request.held.SetInParent()
+            request.held.digest = held.digest
+            if held.version is not None:
+                request.held.version.CopyFrom(held.version)
         return self._retrying("Pull", lambda: self._pull_attempt(request, held))
 
     def _pull_attempt(self, request: pb.PullRequest, held: Held | None) -> Pulled | None:
@@ -235,7 +238,7 @@ class SyncerClient:
         named = [(p.name, t) for p, t in tensors]
         if not header.HasField("delta_base"):
             return Pulled(header.version, named, wire_bytes, delta=False)
-        if held is None or header.delta_base != held.version:
+        if held is None or header.delta_base != (held.version or pb.FragmentVersion()):
             raise wire.WireError(
                 grpc.StatusCode.INTERNAL, f"fragment {request.fragment_id}: a difference to values this island does not hold"
             )

@@ -8,12 +8,12 @@ island's reference: the next difference starts from it, which carries each pull'
 the next one (error feedback) instead of letting errors pile up over many pulls.
 
 The pure arithmetic lives here, shared by the client and the server so that the two cannot drift apart;
-a CRC-32 of the held values guards the agreement at run time (a mismatch makes the shard send full values).
+a digest of the held values guards the agreement at run time (a mismatch makes the shard send full values).
 """
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -21,14 +21,15 @@ import torch
 from diloco.encoding import decode
 
 
-def values_crc32(values: Sequence[torch.Tensor]) -> int:
-    """zlib CRC-32 of float32 tensors' bytes, tensor after tensor: how an island names the values it holds."""
-    crc = 0
+def values_digest(values: Sequence[torch.Tensor]) -> int:
+    """A 64-bit BLAKE2b digest of float32 tensors' bytes, tensor after tensor: how an island names the
+    values it holds (strong enough that values that differ are never taken for each other)."""
+    digest = hashlib.blake2b(digest_size=8)
     for value in values:
         if value.dtype != torch.float32:
             raise ValueError(f"held values must be float32, got {value.dtype}")
-        crc = zlib.crc32(value.detach().cpu().contiguous().reshape(-1).numpy(), crc)
-    return crc
+        digest.update(value.detach().cpu().contiguous().reshape(-1).numpy())
+    return int.from_bytes(digest.digest(), "little")
 
 
 def apply_delta(held: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) -> list[torch.Tensor]:

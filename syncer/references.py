@@ -16,12 +16,12 @@ import torch
 
 @dataclass(frozen=True)
 class Reference:
-    """Float32 values an island holds at (incarnation, version), named by their CRC-32."""
+    """Float32 values an island holds at (incarnation, version), named by their digest."""
 
     incarnation: int
     version: int
     values: tuple[torch.Tensor, ...]
-    crc32: int
+    digest: int
 
     @property
     def nbytes(self) -> int:
@@ -39,10 +39,10 @@ class References:
         self._entries: OrderedDict[tuple[str, int], Reference] = OrderedDict()
         self._bytes = 0
 
-    def match(self, island: str, fragment: int, incarnation: int, version: int, crc32: int) -> Reference | None:
+    def match(self, island: str, fragment: int, incarnation: int, version: int, digest: int) -> Reference | None:
         """The island's reference if it is exactly what the island says it holds, else None."""
         ref = self._entries.get((island, fragment))
-        if ref is None or (ref.incarnation, ref.version, ref.crc32) != (incarnation, version, crc32):
+        if ref is None or (ref.incarnation, ref.version, ref.digest) != (incarnation, version, digest):
             return None
         return ref
 

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from diloco import wire
 from diloco.auth import TokenInterceptor
-from diloco.compressed_pull import held_after, values_crc32
+from diloco.compressed_pull import held_after, values_digest
 from diloco.config import TrainingConfig
 from diloco.v1 import syncer_pb2 as pb
 from diloco.syncer import checkpoint
@@ -245,7 +245,7 @@ class SyncerServer:
         ref = self._full_references.get(index)
         if ref is None or (ref.incarnation, ref.version) != (self.state.incarnation, frag.version):
             values = tuple(v.clone() for v in frag.values)
-            ref = Reference(self.state.incarnation, frag.version, values, values_crc32(values))
+            ref = Reference(self.state.incarnation, frag.version, values, values_digest(values))
             self._full_references[index] = ref
         return ref
 
@@ -254,13 +254,16 @@ class SyncerServer:
         self._references.record(island, index, self.full_reference(index))
 
     def held_reference(self, request: pb.PullRequest) -> Reference | None:
-        """What the island holds, when it asks for a difference and the shard knows exactly those values; the
-        caller holds the lock."""
+        """What the island holds, when it asks for a difference and the shard knows exactly those values: what
+        it last served the island, or (version unknown) the newest values themselves; the caller holds the lock."""
         if not (request.HasField("held") and request.delta_encoding and request.island_id):
             return None
         held = request.held
+        if not held.HasField("version"):
+            newest = self.full_reference(request.fragment_id)
+            return newest if newest.digest == held.digest else None
         return self._references.match(
-            request.island_id, request.fragment_id, held.version.incarnation, held.version.version, held.crc32
+            request.island_id, request.fragment_id, held.version.incarnation, held.version.version, held.digest
         )
 
     def delta_reply(
@@ -275,7 +278,7 @@ class SyncerServer:
         for payload, spec in zip(payloads, frag.specs):
             payload.dtype = spec.dtype
         values = tuple(held_after(held.values, blobs, encoding, block_size))
-        ref = Reference(self.state.incarnation, version, values, values_crc32(values))
+        ref = Reference(self.state.incarnation, version, values, values_digest(values))
         with self._cond:
             self._references.record(request.island_id, request.fragment_id, ref)
         messages = wire.fragment_messages(

@@ -40,6 +40,7 @@ from diloco.worker.sync import (
     Outcome,
     SyncRequest,
     fragment_values,
+    held_values,
     local_snapshot,
     pull_values,
 )
@@ -246,7 +247,10 @@ class Learner:
                 log.info("seeded fragment", extra={"fragment": p, "accepted": seeded.accepted})
         sequence = time.time_ns()
         for f in self._fragments:
-            pulled = pull_values(self._clients[f.shard], f.plan.index, None, None, self._pull_encoding)
+            # Islands start from the same initial values as the one that seeded: then the shard need not
+            # send them again, only the (compressed) difference to its newest.
+            mine = held_values(None, local_snapshot(f.params)) if self._pull_encoding is not None else None
+            pulled = pull_values(self._clients[f.shard], f.plan.index, None, mine, self._pull_encoding)
             if pulled is None:
                 raise RuntimeError(f"fragment {f.plan.index}: a pull without a version came back empty")
             version = pulled.version

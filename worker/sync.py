@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from diloco.client import Held, Pulled, SyncerClient
-from diloco.compressed_pull import values_crc32
+from diloco.compressed_pull import values_digest
 from diloco.encoding import encoded_nbytes
 from diloco.v1 import syncer_pb2 as pb
 from diloco.worker.stats import StatsRecorder
@@ -198,8 +198,7 @@ class FragmentSync:
         """The island's base, named for a compressed pull."""
         if self.pull_encoding is None:
             return None
-        r = self.request
-        return Held(r.base_version, r.base, values_crc32(r.base))
+        return held_values(self.request.base_version, self.request.base)
 
     def _adopt(self, outcome: Outcome, pulled: Pulled) -> SyncResult:
         values = fragment_values(self.request.fragment, self.request.names, pulled.tensors)
@@ -216,6 +215,11 @@ class FragmentSync:
             extra=self._fields(call=call, code=error.code().name, detail=error.details()),
         )
         return SyncResult(Outcome.FAILED)
+
+
+def held_values(version: pb.FragmentVersion | None, values: Sequence[torch.Tensor]) -> Held:
+    """Float32 values named for a compressed pull; `version` None when unknown (an island's initial values)."""
+    return Held(version, values, values_digest(values))
 
 
 def pull_values(

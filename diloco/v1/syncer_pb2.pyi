@@ -158,12 +158,12 @@ class PullRequest(_message.Message):
     def __init__(self, fragment_id: _Optional[int] = ..., have: _Optional[_Union[FragmentVersion, _Mapping]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., island_id: _Optional[str] = ..., held: _Optional[_Union[HeldValues, _Mapping]] = ..., delta_encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
 
 class HeldValues(_message.Message):
-    __slots__ = ("version", "crc32")
+    __slots__ = ("version", "digest")
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     version: FragmentVersion
-    crc32: int
-    def __init__(self, version: _Optional[_Union[FragmentVersion, _Mapping]] = ..., crc32: _Optional[int] = ...) -> None: ...
+    digest: int
+    def __init__(self, version: _Optional[_Union[FragmentVersion, _Mapping]] = ..., digest: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diloco import wire
-from diloco.compressed_pull import apply_delta, held_after, values_crc32
+from diloco.compressed_pull import apply_delta, held_after, values_digest
 from diloco.encoding import error_bound
 from diloco.v1 import syncer_pb2 as pb
 
@@ -31,16 +31,16 @@ def _through_the_wire(differences, encoding, block_size):
 class TestChecksum:
     def test_names_the_exact_float32_bytes_in_order(self):
         values = _random(0)
-        crc = values_crc32(values)
-        assert values_crc32([v.clone() for v in values]) == crc
-        assert values_crc32(list(reversed(values))) != crc
+        crc = values_digest(values)
+        assert values_digest([v.clone() for v in values]) == crc
+        assert values_digest(list(reversed(values))) != crc
         flipped = [v.clone() for v in values]
         flipped[0].view(-1).view(torch.int32)[5] ^= 1  # one bit of one value
-        assert values_crc32(flipped) != crc
+        assert values_digest(flipped) != crc
 
     def test_refuses_values_that_are_not_float32(self):
         with pytest.raises(ValueError, match="float32"):
-            values_crc32([torch.zeros(3, dtype=torch.float64)])
+            values_digest([torch.zeros(3, dtype=torch.float64)])
 
 
 class TestAgreement:
@@ -53,7 +53,7 @@ class TestAgreement:
         island = apply_delta(held, decoded)
         shard = held_after(held, blobs, encoding, 32)
         assert all(torch.equal(a, b) for a, b in zip(island, shard))
-        assert values_crc32(island) == values_crc32(shard)
+        assert values_digest(island) == values_digest(shard)
         for got, want, d in zip(island, new, differences):
             assert torch.all((got - want).abs() <= error_bound(d, encoding, 32) + want.abs() * 2.0**-23)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from diloco.client import Held
-from diloco.compressed_pull import values_crc32
+from diloco.compressed_pull import values_digest
 from diloco.encoding import encoded_nbytes, error_bound
 from diloco.v1 import syncer_pb2 as pb
 from diloco.v1 import syncer_pb2_grpc
@@ -27,7 +27,7 @@ BLOCK = 32
 
 def _held(pulled) -> Held:
     values = [t for _, t in pulled.tensors]
-    return Held(pulled.version, values, values_crc32(values))
+    return Held(pulled.version, values, values_digest(values))
 
 
 def _merge_once(pusher, fragment: int, version: pb.FragmentVersion, seed: int) -> pb.FragmentVersion:
@@ -73,8 +73,26 @@ def test_after_one_full_pull_each_version_comes_as_an_int4_difference_within_one
             assert torch.all((g - t).abs() <= bound), "more than one quantisation step off"
         held = _held(pulled)
     # The shard recorded exactly what the island holds: its record's checksum is the island's.
-    ref = server._references.match("island", 0, held.version.incarnation, held.version.version, held.crc32)
+    ref = server._references.match("island", 0, held.version.incarnation, held.version.version, held.digest)
     assert ref is not None and all(torch.equal(a, b) for a, b in zip(ref.values, held.values))
+
+
+def test_initial_values_equal_to_the_newest_come_back_as_a_difference_others_in_full(shard):
+    """An island starting from the values the seeder seeded does not know their version; the shard compares
+    them with its newest values and sends only a (zero) difference. Other initial values get full values."""
+    _, island, pusher, observer = shard
+    seeded = _true_values(observer, 0)
+    same = island.pull_delta(0, have=None, held=Held(None, seeded, values_digest(seeded)), encoding=pb.INT4)
+    assert same.delta and same.wire_bytes < sum(4 * t.numel() for t in seeded) / 6
+    assert all(torch.equal(g, t) for (_, g), t in zip(same.tensors, seeded))
+    other = [t + 1.0 for t in seeded]
+    full = pusher.pull_delta(0, have=None, held=Held(None, other, values_digest(other)), encoding=pb.INT4)
+    assert not full.delta and all(torch.equal(g, t) for (_, g), t in zip(full.tensors, seeded))
+    # either way the shard now knows what each holds: the next version is a difference for both
+    version = _merge_once(pusher, 0, same.version, seed=9)
+    for client, pulled in ((island, same), (pusher, full)):
+        again = client.pull_delta(0, have=pulled.version, held=_held(pulled), encoding=pb.INT4)
+        assert again.delta and again.version == version
 
 
 def test_an_island_that_is_current_gets_nothing(shard):
@@ -91,9 +109,9 @@ def test_values_the_shard_did_not_serve_this_island_get_full_values(shard, lie):
     held = _held(first)
     version = _merge_once(pusher, 0, first.version, seed=1)
     if lie == "checksum":
-        held = Held(held.version, held.values, held.crc32 ^ 1)
+        held = Held(held.version, held.values, held.digest ^ 1)
     elif lie == "version":
-        held = Held(version, held.values, held.crc32)
+        held = Held(version, held.values, held.digest)
         version = _merge_once(pusher, 0, version, seed=2)
     else:
         island = make_client(server.port, "stranger")
@@ -111,7 +129,7 @@ def test_a_caller_that_did_not_ask_for_differences_never_gets_one(shard):
     server, _, pusher, _ = shard
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     stub = syncer_pb2_grpc.SyncerStub(channel)
-    held = pb.HeldValues(version=pb.FragmentVersion(incarnation=server.state.incarnation, version=0), crc32=0)
+    held = pb.HeldValues(version=pb.FragmentVersion(incarnation=server.state.incarnation, version=0), digest=0)
     request = pb.PullRequest(fragment_id=0, island_id="island", held=held)  # no delta encoding
     chunks = list(stub.Pull(request, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=30))
     assert not chunks[0].header.HasField("delta_base")
