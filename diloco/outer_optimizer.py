@@ -27,8 +27,15 @@ def outer_step(
     lr: float,
     momentum_coef: float,
     nesterov: bool = True,
+    share: float = 1.0,
 ) -> None:
-    """Apply one outer step in place: buf ← μ·buf + g; θ ← θ − lr·(g + μ·buf if nesterov else buf)."""
+    """Apply one outer step in place: buf ← μ·buf + g; θ ← θ − lr·(g + μ·buf if nesterov else buf).
+
+    `share` in (0, 1] is the part of a full round (every live island's delta) this step stands for. A
+    partial step is the full one spread out in time: g is scaled by it, so is momentum's push, and momentum
+    decays by μ**share, so that M steps of share 1/M act like one full step: buf ← μ^s·buf + s·g;
+    θ ← θ − lr·(s·g + s·μ·buf). Without that, islands merged one at a time (K = 1, out of phase) take M
+    full-momentum outer steps per round with delayed deltas, and the global model diverges."""
     if not len(params) == len(momentum) == len(outer_grad):
         raise ValueError(
             f"got {len(params)} params, {len(momentum)} momentum buffers and {len(outer_grad)} outer gradients"
@@ -37,6 +44,8 @@ def outer_step(
         raise ValueError(f"lr must be positive, got {lr}")
     if not 0 <= momentum_coef < 1:
         raise ValueError(f"momentum_coef must be in [0, 1), got {momentum_coef}")
+    if not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1], got {share}")
     for i, (param, buf, grad) in enumerate(zip(params, momentum, outer_grad)):
         if not param.shape == buf.shape == grad.shape:
             raise ValueError(
@@ -45,6 +54,10 @@ def outer_step(
             )
     with torch.no_grad():
         for param, buf, grad in zip(params, momentum, outer_grad):
-            buf.mul_(momentum_coef).add_(grad)
-            step = torch.add(grad, buf, alpha=momentum_coef) if nesterov else buf
+            scaled = grad if share == 1 else grad * share
+            buf.mul_(momentum_coef**share).add_(scaled)
+            if nesterov:
+                step = torch.add(scaled, buf, alpha=momentum_coef * share)
+            else:
+                step = buf if share == 1 else buf * share
             param.add_(step, alpha=-lr)

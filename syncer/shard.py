@@ -274,6 +274,15 @@ class ShardState:
         ends = [f.quorum_since + self.config.grace_seconds for f in self.fragments.values() if f.quorum_since]
         return min(ends, default=None)
 
+    def merge_share(self, contributors: int, now: float) -> float:
+        """The share of the live islands' work a merge of `contributors` islands stands for (the outer
+        step's `share`). When islands drift out of phase (after restarts, or at different speeds) with K
+        below M, each island's delta is merged on its own, so a round of M islands makes M outer steps:
+        taken whole, the outer learning rate and Nesterov momentum act M times per round on deltas up to M
+        merges stale, and the global model diverges. As shares, a round moves the fragment about as far as
+        one merge of all M islands would."""
+        return contributors / max(contributors, len(self.live_islands(now)))
+
     def merge(self, index: int, now: float) -> MergeRecord:
         """Merges the pending contributions into the fragment with the outer optimizer; bumps its version."""
         frag = self.seeded_fragment(index)
@@ -290,7 +299,7 @@ class ShardState:
         )
         outer = self.config.outer
         outer_step(frag.values, frag.momentum, outer_grad, lr=outer.lr, momentum_coef=outer.momentum,
-                   nesterov=outer.nesterov)
+                   nesterov=outer.nesterov, share=self.merge_share(len(pending), now))
         frag.version += 1
         frag.merged_keys |= {p.key for p in pending}
         oldest_useful = frag.version - self.config.max_staleness

@@ -85,3 +85,36 @@ def test_errors_leave_state_untouched():
         outer_step(params, momentum, [torch.ones(2), torch.ones(3)], lr=0.0, momentum_coef=0.9)
     with pytest.raises(ValueError, match="momentum_coef"):
         outer_step(params, momentum, [torch.ones(2), torch.ones(3)], lr=0.7, momentum_coef=1.0)
+
+
+def test_hand_computed_partial_step():
+    # share 0.5: buf <- 0.9**0.5 * 0 + 0.5 * 0.2 = 0.1; step = 0.1 + 0.5 * 0.9 * 0.1 = 0.145; theta = 1 - 0.7 * 0.145
+    params, momentum = [torch.tensor([1.0], dtype=torch.float64)], [torch.zeros(1, dtype=torch.float64)]
+    outer_step(params, momentum, [torch.tensor([0.2], dtype=torch.float64)], lr=0.7, momentum_coef=0.9, share=0.5)
+    assert momentum[0].item() == pytest.approx(0.1, abs=1e-12)
+    assert params[0].item() == pytest.approx(1.0 - 0.7 * 0.145, abs=1e-12)
+
+
+@pytest.mark.parametrize("islands", [2, 4, 8])
+def test_partial_steps_of_a_round_move_as_far_as_one_full_step(islands):
+    """M merges of one island each (share 1/M) against one merge of all M, under the same steady outer
+    gradient: once momentum has settled, a round moves the parameters equally far either way."""
+    full, partial = [torch.zeros(1, dtype=torch.float64)], [torch.zeros(1, dtype=torch.float64)]
+    full_buf, partial_buf = init_momentum(full), init_momentum(partial)
+    grad = [torch.ones(1, dtype=torch.float64)]
+    for _ in range(200):
+        outer_step(full, full_buf, grad, lr=0.7, momentum_coef=0.9)
+        for _ in range(islands):
+            outer_step(partial, partial_buf, grad, lr=0.7, momentum_coef=0.9, share=1 / islands)
+    before = (full[0].item(), partial[0].item())
+    outer_step(full, full_buf, grad, lr=0.7, momentum_coef=0.9)
+    for _ in range(islands):
+        outer_step(partial, partial_buf, grad, lr=0.7, momentum_coef=0.9, share=1 / islands)
+    full_round, partial_round = full[0].item() - before[0], partial[0].item() - before[1]
+    assert partial_round == pytest.approx(full_round, rel=0.05)
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_share_outside_0_1_is_refused(share):
+    with pytest.raises(ValueError, match="share"):
+        outer_step([torch.zeros(1)], [torch.zeros(1)], [torch.ones(1)], lr=0.7, momentum_coef=0.9, share=share)

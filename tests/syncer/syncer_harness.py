@@ -53,7 +53,9 @@ def random_values(seed: int, scale: float = 1.0) -> list[tuple[str, torch.Tensor
 
 class ReferenceFragment:
     """The outer optimizer written out by hand (Nesterov SGD, zero initial momentum), independent of the
-    code under test: θ ← θ − lr·(g + μ·buf) after buf ← μ·buf + g, g the token-weighted mean of the deltas."""
+    code under test: θ ← θ − lr·(g + μ·buf) after buf ← μ·buf + g, g the token-weighted mean of the deltas.
+    A merge of k of the `live` islands is a share s = k/live of a round: buf ← μ^s·buf + s·g and
+    θ ← θ − lr·(s·g + s·μ·buf)."""
 
     def __init__(self, config: TrainingConfig, values: list[tuple[str, torch.Tensor]]) -> None:
         self.lr = config.outer.lr
@@ -61,12 +63,13 @@ class ReferenceFragment:
         self.theta = [v.clone().double() for _, v in values]
         self.buf = [torch.zeros_like(t) for t in self.theta]
 
-    def merge(self, contributions: list[tuple[list[tuple[str, torch.Tensor]], int]]) -> None:
+    def merge(self, contributions: list[tuple[list[tuple[str, torch.Tensor]], int]], live: int | None = None) -> None:
         total = sum(tokens for _, tokens in contributions)
+        share = len(contributions) / (live or len(contributions))
         for j in range(len(self.theta)):
             g = sum(delta[j][1].double() * tokens for delta, tokens in contributions) / total
-            self.buf[j] = self.mu * self.buf[j] + g
-            self.theta[j] = self.theta[j] - self.lr * (g + self.mu * self.buf[j])
+            self.buf[j] = self.mu**share * self.buf[j] + share * g
+            self.theta[j] = self.theta[j] - self.lr * (share * g + share * self.mu * self.buf[j])
 
     def assert_matches(self, pulled: list[tuple[str, torch.Tensor]], atol: float = 1e-5) -> None:
         assert [name for name, _ in pulled] == list(SHAPES)

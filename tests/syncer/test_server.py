@@ -120,13 +120,13 @@ class TestQuorumAndGrace:
         db_decoded = [(n, decode(encode(t, pb.INT8, config.block_size), t.shape, pb.INT8, config.block_size))
                       for n, t in db]
         reference = ReferenceFragment(config, seeded[0])
-        reference.merge([(da, 100), (db_decoded, 300)])
+        reference.merge([(da, 100), (db_decoded, 300)], live=3)  # c is live: the merge is 2/3 of a round
         version, values = islands["c"].pull(0)
         assert version.version == 1
         reference.assert_matches(values)
-        # By hand for one element, the formula of the brief: seed − lr·(g + μ·g).
-        g = (da[0][1][0, 0] * 100 + db_decoded[0][1][0, 0] * 300) / 400
-        expected = seeded[0][0][1][0, 0] - config.outer.lr * (g + config.outer.momentum * g)
+        # By hand for one element, the formula of the brief with the share s = 2/3: seed − lr·s·(g + μ·s·g).
+        g, s = (da[0][1][0, 0] * 100 + db_decoded[0][1][0, 0] * 300) / 400, 2 / 3
+        expected = seeded[0][0][1][0, 0] - config.outer.lr * s * (g + config.outer.momentum * s * g)
         assert values[0][1][0, 0].item() == pytest.approx(expected.item(), abs=1e-5)
 
         untouched = islands["c"].pull(1)

@@ -168,7 +168,9 @@ class TestStalenessAndIdempotency:
         lr, mu = shard.config.outer.lr, shard.config.outer.momentum
         after_first = outer_lr_first_step(1.0, shard.config)
         grad = (4.0 * 100 * 0.5 + 1.0 * 100) / (100 * 0.5 + 100)
-        expected = after_first - lr * (grad + mu * (mu * 1.0 + grad))
+        share = 2 / 3  # island a is live and not in this merge: it stands for two thirds of a round
+        momentum = mu**share * 1.0 + share * grad
+        expected = after_first - lr * (share * grad + share * mu * momentum)
         assert torch.allclose(shard.fragments[0].values[0], torch.full((2,), expected))
 
     def test_base_ahead_or_from_another_incarnation_asks_for_a_pull(self):
@@ -232,3 +234,54 @@ class TestCheckpointState:
         shard = make_shard()
         with pytest.raises(ValueError, match="shard 0 of 1"):
             ShardState.from_state_dict(shard.config, 0, 2, shard.to_state_dict(clean=True), 1)
+
+
+class TestIslandsOutOfPhase:
+    """Islands that drift out of phase (restarts, mixed speeds) with K = 1 are merged one at a time. Each
+    island here runs H SGD steps on a noisy quadratic, pushes its delta, and mixes the merged values in with
+    α = 0.5, like a learner; only the phase of the islands' schedules differs between the two runs."""
+
+    @staticmethod
+    def train(out_of_phase: bool, islands: int = 4, rounds: int = 60, h: int = 10) -> tuple[float, float]:
+        """The quadratic's loss at the global values before and after training."""
+        torch.manual_seed(0)
+        curvature, optimum = torch.linspace(0.2, 2.0, 32), torch.randn(32)
+        spec = (TensorSpec("w", (32,), pb.FLOAT32),)
+        config = TrainingConfig(fragments=1, inner_steps=h, overlap_steps=0, quorum=1, grace_seconds=0.0,
+                                mix_alpha=0.5, max_staleness=2 * islands)
+        shard = ShardState(config, shard_index=0, num_shards=1, incarnation=INCARNATION)
+        shard.seed(0, spec, [torch.zeros(32)])
+        local = [torch.zeros(32) for _ in range(islands)]
+        base = [(torch.zeros(32), 0) for _ in range(islands)]
+        for i in range(islands):
+            shard.touch(f"island-{i}", 0.0)
+        for step in range(1, rounds * h + 1):
+            due = [i for i in range(islands) if (step + (i * h // islands if out_of_phase else 0)) % h == 0]
+            for i in range(islands):
+                local[i] -= 0.05 * (curvature * (local[i] - optimum) + 0.3 * torch.randn(32))
+            for i in due:
+                key = PushKey(f"island-{i}", INCARNATION, base[i][1], step)
+                shard.submit(key, 0, spec, [base[i][0] - local[i]], 100, h, float(step))
+            for p in shard.poll(float(step)):
+                shard.merge(p, float(step))
+            fragment = shard.fragments[0]
+            for i in due:
+                local[i] = torch.lerp(fragment.values[0], local[i], 0.5)
+                base[i] = (fragment.values[0].clone(), fragment.version)
+        def loss(values: torch.Tensor) -> float:
+            return 0.5 * float((curvature * (values - optimum) ** 2).sum())
+
+        return loss(torch.zeros(32)), loss(shard.fragments[0].values[0])
+
+    def test_one_at_a_time_merges_converge_like_merges_of_everyone(self):
+        (start, in_phase), (_, out_of_phase) = self.train(False), self.train(True)
+        assert in_phase < start / 100
+        assert out_of_phase < start / 100, (out_of_phase, in_phase, start)
+
+    def test_a_merge_is_the_share_of_the_live_islands_it_holds(self):
+        shard = make_shard(quorum=1, grace_seconds=0.0)
+        for island in "abcd":
+            shard.touch(island, 0.0)
+        assert shard.merge_share(1, 1.0) == 0.25
+        assert shard.merge_share(4, 1.0) == 1.0
+        assert shard.merge_share(1, 1.0 + shard.config.island_timeout_seconds + 1) == 1.0, "dead islands count not"
