@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test unit protos bench-syncer bench-simulator syncer clean
+.PHONY: run test unit protos bench-syncer bench-simulator syncer images clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ bench-simulator: $(STAMP)  ## diloco simulate's goodput predictions vs diloco ru
 
 syncer: $(STAMP)  ## one syncer shard on loopback, token "dev", checkpoints in ./out/syncer
 	DILOCO_TOKEN=dev $(BIN)/diloco-syncer --host 127.0.0.1 --port 50051 --metrics-port 9090 --checkpoint-dir out/syncer
+
+images:  ## the base, operator and trainer images, built offline with the local Docker engine (deploy/README.md)
+	deploy/images/build.sh
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
