@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from diloco.failures import random_trace, save_trace, worker_target
-from diloco.predict_run import REFERENCE_LABEL, Check, check
+from diloco.predict_run import Check, check
 
 
 def run_compare(args: argparse.Namespace, run_dir: Path) -> None:
@@ -69,10 +69,6 @@ def plot(result: Check, path: Path) -> None:
     for x, p in zip(xs, preds):
         ax.errorbar([x - width / 2], [p.measured.goodput], yerr=[result.tolerance], color="black", capsize=4,
                     linewidth=1)
-    if result.reference_sync is not None:
-        x = [p.mode for p in preds].index("sync-diloco")
-        ax.plot([x + width / 2], [result.reference_sync], "x", color="black", markersize=9, mew=2,
-                label=REFERENCE_LABEL)
     ax.set_xticks(list(xs), [f"{p.mode}\n({p.label.split(' (')[0]})" for p in preds], fontsize=8)
     ax.set_ylabel("goodput")
     ax.set_ylim(0, 1)

@@ -133,6 +133,21 @@ def fragments_due(step: int, inner_steps: int, num_fragments: int) -> list[int]:
     ]
 
 
+def resume_step(versions: Sequence[int], inner_steps: int, num_fragments: int) -> int:
+    """The inner step an island joining a synchronous (K = M) job resumes at: the last due step of any
+    fragment whose merge is already done, so that its next due fragment is the one the other islands are
+    waiting on at the barrier (and never one they have not reached yet, which would deadlock it).
+
+    `versions[p]` counts fragment p's merges; fragment p's k-th due step is k·H − offset_p (k ≥ 1).
+    """
+    if len(versions) != num_fragments:
+        raise ValueError(f"expected {num_fragments} fragment versions, got {len(versions)}")
+    return max(
+        0,
+        *(version * inner_steps - fragment_offset(p, inner_steps, num_fragments) for p, version in enumerate(versions)),
+    )
+
+
 def shard_of(fragment: int, num_shards: int) -> int:
     """Index of the syncer shard that owns `fragment` (round-robin)."""
     if num_shards < 1:

@@ -96,10 +96,20 @@ class JobResult:
     started_at: float
     finished_at: float
     syncer_bytes: float = 0.0
+    merges: float = 0.0  # merges applied by the syncers, all fragments
+    merged_contributions: float = 0.0  # island contributions those merges took in (summed over merges)
     global_eval_loss: float | None = None
     kills: int = 0
     timed_out: bool = False
     worker_starts: dict[str, int] = field(default_factory=dict)
+
+
+# The syncer counters a run sums over its shards, as regular expressions over their Prometheus text.
+_SYNCER_COUNTERS = {
+    "bytes": r"^diloco_syncer_(?:received|sent)_bytes_total ([0-9.e+]+)$",
+    "merges": r"^diloco_syncer_merge_contributors_count ([0-9.e+]+)$",
+    "contributions": r"^diloco_syncer_merge_contributors_sum ([0-9.e+]+)$",
+}
 
 
 class _CounterTracker:
@@ -131,7 +141,9 @@ class LocalJob:
             for i in range(plan.islands)
             for r in range(plan.ranks)
         }
-        self._bytes = [_CounterTracker() for _ in range(plan.shards)]
+        self._counters = {
+            (shard, name): _CounterTracker() for shard in range(plan.shards) for name in _SYNCER_COUNTERS
+        }
 
     def _base_env(self) -> dict[str, str]:
         threads = str(self.plan.threads)
@@ -187,17 +199,18 @@ class LocalJob:
             proc.kill()
             proc.restart_at = now + downtime
 
-    def _scrape_bytes(self) -> None:
+    def _scrape_syncers(self) -> None:
         for shard, port in enumerate(self.metrics_ports[: len(self.syncers)]):
             try:
                 text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
             except OSError:
                 continue
-            total = sum(
-                float(m.group(1))
-                for m in re.finditer(r"^diloco_syncer_(?:received|sent)_bytes_total ([0-9.e+]+)$", text, re.M)
-            )
-            self._bytes[shard].observe(total)
+            for name, pattern in _SYNCER_COUNTERS.items():
+                total = sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+                self._counters[shard, name].observe(total)
+
+    def _counter(self, name: str) -> float:
+        return sum(tracker.total for (_, counter), tracker in self._counters.items() if counter == name)
 
     def run(self, on_tick: Callable[[], None] = lambda: None) -> JobResult:
         """Runs the job to completion (or the plan's timeout), replaying the failure trace."""
@@ -228,12 +241,12 @@ class LocalJob:
                     result.kills += 1
                 self._supervise(now, logs)
                 if now >= next_scrape:
-                    self._scrape_bytes()
+                    self._scrape_syncers()
                     next_scrape = now + 1.0
                 on_tick()
                 time.sleep(POLL_SECONDS)
             result.finished_at = time.time()
-            self._scrape_bytes()
+            self._scrape_syncers()
             if self.syncers:
                 result.global_eval_loss = self._evaluate_global()
         finally:
@@ -246,7 +259,9 @@ class LocalJob:
                         proc.proc.wait(30)
                     except subprocess.TimeoutExpired:
                         proc.kill()
-        result.syncer_bytes = sum(t.total for t in self._bytes)
+        result.syncer_bytes = self._counter("bytes")
+        result.merges = self._counter("merges")
+        result.merged_contributions = self._counter("contributions")
         result.worker_starts = {name: w.starts for name, w in self.workers.items()}
         return result
 

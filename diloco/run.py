@@ -35,6 +35,8 @@ class ModeSummary:
     kills: int
     comm_bytes: float
     comm_bytes_per_token: float
+    merges: int  # merges applied by the syncers (0 for ddp)
+    islands_per_merge: float  # mean island contributions per merge: M for a barrier, fewer when decoupled
     timed_out: bool
 
 
@@ -69,6 +71,13 @@ class _ProgressReader:
                     elif event["event"] == "eval":
                         self.loss = event["loss"]
         return sum(self.steps.values())
+
+
+def mode_config(mode: str, config: TrainingConfig, islands: int) -> TrainingConfig:
+    """The configuration a mode trains with. `sync-diloco` is a barrier across all islands at every outer
+    step: K = M, so a shard merges a fragment only once every island alive has pushed it (each island
+    blocks on that merge), where decoupled DiLoCo merges with the K it is given and never blocks."""
+    return config.model_copy(update={"quorum": islands}) if mode == "sync-diloco" else config
 
 
 def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, JobResult]:
@@ -111,6 +120,8 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         kills=result.kills,
         comm_bytes=comm,
         comm_bytes_per_token=comm / acct.tokens_trained if acct.tokens_trained else math.nan,
+        merges=round(result.merges),
+        islands_per_merge=result.merged_contributions / result.merges if result.merges else math.nan,
         timed_out=result.timed_out,
     )
     return summary, acct, result
@@ -131,11 +142,12 @@ def _parameters(preset: str) -> int:
 def print_summary(summaries: list[ModeSummary]) -> None:
     print()
     header = f"{'mode':>12} {'wall s':>7} {'eval loss':>9} {'goodput':>8} {'tokens':>10} {'kills':>5} " \
-             f"{'restarts':>8} {'comm B/token':>12}"
+             f"{'restarts':>8} {'comm B/token':>12} {'merges':>6} {'islands/merge':>13}"
     print(header)
     for s in summaries:
         print(f"{s.mode:>12} {s.wall_seconds:>7.1f} {s.final_loss:>9.3f} {s.goodput:>8.2f} {s.tokens_trained:>10} "
-              f"{s.kills:>5} {s.restarts:>8} {s.comm_bytes_per_token:>12.1f}"
+              f"{s.kills:>5} {s.restarts:>8} {s.comm_bytes_per_token:>12.1f} {s.merges:>6} "
+              f"{s.islands_per_merge:>13.2f}"
               + ("  (timed out)" if s.timed_out else ""))
     by_mode = {s.mode: s for s in summaries}
     if "diloco" in by_mode and len(by_mode) > 1:
@@ -216,9 +228,9 @@ def run(args: argparse.Namespace) -> int:
     summaries, accounts = [], []
     for mode in modes:
         plan = RunPlan(
-            mode=mode, config=config, out=args.out / mode, islands=args.islands, ranks=args.ranks,
-            shards=args.shards, steps=args.steps, batch_size=args.batch_size, preset=args.preset, data=args.data,
-            seed=args.seed, eval_every=args.eval_every, slowdowns=slowdowns, trace=tuple(trace),
+            mode=mode, config=mode_config(mode, config, args.islands), out=args.out / mode, islands=args.islands,
+            ranks=args.ranks, shards=args.shards, steps=args.steps, batch_size=args.batch_size, preset=args.preset,
+            data=args.data, seed=args.seed, eval_every=args.eval_every, slowdowns=slowdowns, trace=tuple(trace),
             threads=args.threads, timeout=args.timeout,
         )
         summary, acct, _ = run_mode(plan, quiet=args.quiet)

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco.client import Backoff, SyncerClient
 from diloco.config import TrainingConfig
-from diloco.fragments import Fragment, fragments_due, plan_fragments, shard_of
+from diloco.fragments import Fragment, fragments_due, plan_fragments, resume_step, shard_of
 from diloco.settings import env_default, load_token, load_training_config
 from diloco.v1 import syncer_pb2 as pb
 from diloco.worker.island import Island
@@ -63,6 +63,7 @@ class RoundReport:
     fragment: int
     began_at_step: int
     outcome: Outcome
+    version: int | None = None  # the global version adopted, when the outcome adopts one
 
 
 @dataclass
@@ -215,6 +216,8 @@ class Learner:
         for f in self._fragments:
             self.island.broadcast_tensors(f.params)
             self._stats.set_version(f.plan.index, Version(*versions[f.plan.index].tolist()))
+        if self.synchronous:
+            self._step = resume_step(versions[:, 1].tolist(), self.config.inner_steps, self.config.fragments)
         self._started = True
         log.info(
             "learner started",
@@ -245,6 +248,8 @@ class Learner:
                 f = self._fragments[p]
                 seeded = client.seed(p, list(zip(f.plan.names, local_snapshot(f.params))))
                 log.info("seeded fragment", extra={"fragment": p, "accepted": seeded.accepted})
+        if self.synchronous:
+            self._await_islands()
         sequence = time.time_ns()
         for f in self._fragments:
             # Islands start from the same initial values as the one that seeded: then the shard need not
@@ -260,6 +265,20 @@ class Learner:
                     param.copy_(value)
             f.base, f.base_version, f.sequence = values, version, sequence
             self._stats.add(bytes_pulled=pulled.wire_bytes)
+
+    def _await_islands(self) -> None:
+        """The synchronous baseline's first barrier: every shard hears from `quorum` islands (K = M) before
+        anyone trains, since a shard caps the quorum by the islands it has heard from and would otherwise
+        merge the first pushes without the islands still starting up. Gives up after `sync_timeout`."""
+        deadline = time.monotonic() + self.sync_timeout
+        for client in self._clients:
+            while len(client.status().live_islands) < self.config.quorum and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+    @property
+    def inner_step(self) -> int:
+        """Inner steps this island has taken; a synchronous island starts at the job's current step."""
+        return self._step
 
     def step(self, tokens: int = 0) -> None:
         """One inner step: the optimizer's step and zero_grad, then the sync work of this step, which never
@@ -383,7 +402,8 @@ class Learner:
             outcome = Outcome(code)
             f.mixable_at = None
             if self.on_round is not None:
-                self.on_round(RoundReport(fragment=index, began_at_step=f.began_at, outcome=outcome))
+                self.on_round(RoundReport(fragment=index, began_at_step=f.began_at, outcome=outcome,
+                                          version=version if outcome.adopts else None))
             if outcome.adopts:
                 self._mix(f, Version(incarnation, version))
             elif self.island.is_leader:

@@ -14,6 +14,7 @@ import torch
 
 from diloco.logs import setup_logging
 from diloco.settings import env_default, load_token, load_training_config
+from diloco.worker.metrics import serve_metrics
 from diloco.worker.trainer import MODES, Trainer, TrainerSettings
 
 log = logging.getLogger("diloco.worker")
@@ -42,6 +43,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress-file", default=env("PROGRESS_FILE"), help="append JSON progress events here")
     p.add_argument("--checkpoint-dir", default=env("CHECKPOINT_DIR"), help="ddp mode: checkpoints for restarts")
     p.add_argument("--checkpoint-every", type=int, default=int(env("CHECKPOINT_EVERY", "50")))
+    p.add_argument("--metrics-port", type=int, default=int(env("METRICS_PORT", "0")),
+                   help="serve Prometheus metrics on this port (0: none)")
     p.add_argument("--log-level", default=None)
     return p.parse_args(argv)
 
@@ -67,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         raise SystemExit(f"diloco-worker: {error}") from None
     trainer = Trainer(settings, config, island=args.island or "ddp", syncers=syncers, token=token)
+    if args.metrics_port:
+        serve_metrics(trainer.snapshot, args.metrics_port)
     try:
         loss = trainer.run()
     finally:

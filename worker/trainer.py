@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -24,6 +25,7 @@ from diloco.config import InnerOptimizerConfig, TrainingConfig
 from diloco.worker.data import BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
 from diloco.worker.learner import Learner, RoundReport
+from diloco.worker.metrics import WorkerSnapshot
 from diloco.worker.model import GPT, build_model, resolve_preset
 
 log = logging.getLogger("diloco.worker")
@@ -158,9 +160,24 @@ class Trainer:
                 on_round=self._on_round,
             )
         self.step = 0
+        self.tokens = 0
+        self.loss = math.nan
+        self.eval_loss = math.nan
+        self.last_sync_unix = 0.0
+
+    def snapshot(self) -> WorkerSnapshot:
+        """What this rank has done so far, for its metrics endpoint (read from another thread)."""
+        return WorkerSnapshot(
+            island=self.island_id, rank=self.ranks.rank, mode=self.settings.mode, step=self.step,
+            tokens=self.tokens, loss=self.loss, eval_loss=self.eval_loss, last_sync_unix=self.last_sync_unix,
+            learner=self.learner.stats if self.learner is not None else None,
+        )
 
     def _on_round(self, report: RoundReport) -> None:
-        self.progress("round", fragment=report.fragment, began_at=report.began_at_step, outcome=report.outcome.name)
+        if report.outcome.adopts:
+            self.last_sync_unix = time.time()
+        self.progress("round", fragment=report.fragment, began_at=report.began_at_step, outcome=report.outcome.name,
+                      version=report.version)
 
     def _checkpoint_path(self) -> Path | None:
         folder = self.settings.checkpoint_dir
@@ -192,10 +209,13 @@ class Trainer:
         s = self.settings
         if self.learner is not None:
             self.learner.start()
+            self.step = self.learner.inner_step
         else:
             self._resume()
             self.ranks.broadcast_tensors(list(self.model.parameters()))
-        self.progress("start", step=self.step, world=self.ranks.size)
+        versions = self.learner.stats.versions if self.learner is not None else {}
+        self.progress("start", step=self.step, world=self.ranks.size,
+                      versions=[versions[p].version for p in sorted(versions)])
         tokens_per_step = s.batch_size * self.context
         self.model.train()
         while self.step < s.steps:
@@ -215,14 +235,17 @@ class Trainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad()
             self.step += 1
+            self.tokens += tokens_per_step
+            self.loss = loss.item()
             if s.slowdown > 1.0:
                 time.sleep((s.slowdown - 1.0) * (time.perf_counter() - started))
-            self.progress("step", step=self.step, loss=loss.item(), tokens=tokens_per_step,
+            self.progress("step", step=self.step, loss=self.loss, tokens=tokens_per_step,
                           seconds=time.perf_counter() - started, sync_seconds=self._blocked_seconds() - blocked_before)
             if self.learner is None and self.step % s.checkpoint_every == 0:
                 self._save()
             if self.step % s.eval_every == 0 and self.ranks.is_leader:
-                self.progress("eval", step=self.step, loss=self.evaluate())
+                self.eval_loss = self.evaluate()
+                self.progress("eval", step=self.step, loss=self.eval_loss)
         if self.learner is not None:
             self.learner.flush(s.flush_seconds)
         else:

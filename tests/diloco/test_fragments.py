@@ -6,6 +6,7 @@ from diloco.fragments import (
     Fragment,
     fragment_offset,
     fragments_due,
+    resume_step,
     owned_fragments,
     plan_fragments,
     shard_of,
@@ -152,6 +153,21 @@ def test_plan_errors(shapes, p, match):
 def test_offsets():
     assert [fragment_offset(p, 100, 4) for p in range(4)] == [0, 25, 50, 75]
     assert [fragment_offset(p, 10, 3) for p in range(3)] == [0, 3, 6]
+
+
+@pytest.mark.parametrize(("h", "p"), [(1, 1), (8, 1), (8, 2), (8, 4), (12, 3), (10, 3), (7, 4)])
+def test_a_rejoining_island_resumes_at_the_last_merged_due_step(h, p):
+    """In a lockstep job that has merged every due step up to `step`, the versions alone give back the last
+    due step, so the rejoining island's next due fragments are exactly those the others wait on."""
+    for step in range(0, 4 * h):
+        versions = [sum(p_ in fragments_due(s, h, p) for s in range(1, step + 1)) for p_ in range(p)]
+        last_due = max((s for s in range(1, step + 1) if fragments_due(s, h, p)), default=0)
+        assert resume_step(versions, h, p) == last_due
+
+
+def test_resume_step_needs_every_fragment_version():
+    with pytest.raises(ValueError, match="expected 2 fragment versions"):
+        resume_step([1], 10, 2)
 
 
 @pytest.mark.parametrize(("h", "p"), [(1, 1), (8, 1), (8, 2), (8, 4), (8, 8), (12, 3), (10, 3), (7, 4)])

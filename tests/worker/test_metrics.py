@@ -1,0 +1,84 @@
+"""`diloco-worker` serves Prometheus metrics while it trains: a real worker process against a real shard,
+scraped over HTTP the way the operator scrapes it (with the operator's own probe for the loss)."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from support import wait_until
+
+from diloco.launcher import free_port
+from diloco.operator.probes import trainer_loss
+from learner_harness import TOKEN, make_config
+
+pytestmark = pytest.mark.process
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of the endpoint, by name plus its `outcome`/`fragment` label when it has one."""
+    try:
+        text = urllib.request.urlopen(url, timeout=2).read().decode()
+    except OSError:
+        return {}
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            extra = s.labels.get("outcome") or s.labels.get("fragment")
+            samples[f"{s.name}{{{extra}}}" if extra else s.name] = s.value
+    return samples
+
+
+def test_a_training_worker_serves_its_progress_on_the_metrics_port(start_shards, tmp_path):
+    config = make_config(encoding="int4")
+    shards = start_shards(config)
+    config_file = tmp_path / "config.json"
+    config_file.write_text(config.to_json())
+    port = free_port()
+    command = [sys.executable, "-m", "diloco.worker.main", "--island", "island-7", "--syncers", shards.targets[0],
+               "--config", str(config_file), "--steps", "100000", "--batch-size", "4", "--eval-every", "5",
+               "--threads", "1", "--device", "cpu"]
+    env = {**os.environ, "DILOCO_TOKEN": TOKEN, "DILOCO_METRICS_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    worker = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        first = wait_until(lambda: (m := scrape(url)) and m["diloco_worker_step"] >= 1 and m, timeout=120)
+        later = wait_until(
+            lambda: (m := scrape(url)) and m["diloco_worker_syncs_total{merged}"] >= 2 and m["diloco_worker_step"]
+            >= first["diloco_worker_step"] + 8 and m, timeout=120,
+        )
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        _, stderr = worker.communicate(timeout=30)
+    assert math.isfinite(first["diloco_worker_loss"]) and first["diloco_worker_loss"] > 0
+    assert later["diloco_worker_tokens_total"] > first["diloco_worker_tokens_total"]
+    assert later["diloco_worker_pushes_total"] >= 2 and later["diloco_worker_pushed_bytes_total"] > 0
+    assert later["diloco_worker_pulled_bytes_total"] > 0
+    assert later["diloco_worker_last_sync_timestamp_seconds"] > 0
+    assert later["diloco_worker_fragment_version{0}"] >= 1 or later["diloco_worker_fragment_version{1}"] >= 1
+    assert math.isfinite(later["diloco_worker_eval_loss"])
+    assert "diloco_worker_blocked_seconds_total" in later
+
+
+def test_the_operator_reads_the_loss_a_worker_serves(start_shards, tmp_path):
+    """The operator's probe parses the same endpoint: the contract between diloco-worker and the operator."""
+    config = make_config()
+    shards = start_shards(config)
+    config_file = tmp_path / "config.json"
+    config_file.write_text(config.to_json())
+    port = free_port()
+    command = [sys.executable, "-m", "diloco.worker.main", "--island", "island-0", "--syncers", shards.targets[0],
+               "--config", str(config_file), "--steps", "100000", "--batch-size", "4", "--threads", "1",
+               "--device", "cpu", "--metrics-port", str(port)]
+    worker = subprocess.Popen(command, env={**os.environ, "DILOCO_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        loss = wait_until(lambda: trainer_loss(f"http://127.0.0.1:{port}/metrics", 2.0) or None, timeout=120)
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(30)
+    assert 0 < loss < 2 * math.log(256)
