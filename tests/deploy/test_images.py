@@ -47,7 +47,12 @@ def copied_sources(dockerfile: str) -> list[str]:
 def test_images_build_from_the_named_base_and_run_as_uid_10001(name):
     text = (ROOT / "deploy" / name).read_text()
     assert re.search(r"^ARG PYTHON_IMAGE=", text, re.M)
-    assert all(line.split()[1] == "${PYTHON_IMAGE}" for line in text.splitlines() if line.startswith("FROM"))
+    stages = ["${PYTHON_IMAGE}"]
+    for line in text.splitlines():
+        if line.startswith("FROM"):
+            words = line.split()
+            assert words[1] in stages, f"{name}: {line} starts from neither the base nor an earlier stage"
+            stages += words[3:4]
     assert re.search(r"^USER 10001:10001$", text, re.M)
     assert not re.search(r"^# *syntax=", text, re.M), "a syntax directive makes BuildKit pull a frontend image"
 
