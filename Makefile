@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test unit protos bench-syncer bench-simulator syncer images clean
+.PHONY: run test unit protos bench-syncer bench-comm bench-simulator syncer images clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ protos: $(STAMP)  ## regenerate the gRPC stubs from protos/
 
 bench-syncer: $(STAMP)  ## merge-and-serve throughput of one shard vs raw loopback
 	$(BIN)/python bench/syncer_throughput.py
+
+bench-comm: $(STAMP)  ## communication bytes per token, DiLoCo with int4 at the default H vs ddp, same machine
+	$(BIN)/python bench/comm_bytes.py
 
 bench-simulator: $(STAMP)  ## diloco simulate's goodput predictions vs diloco run --compare on one failure trace (~5 min)
 	$(BIN)/python bench/simulate_vs_run.py
