@@ -122,6 +122,23 @@ if ! cached kwok "$KWOK_VERSION"; then
     mod=$(new_module kwok "sigs.k8s.io/kwok@$KWOK_VERSION")
     build kwok "$KWOK_VERSION" "$mod" sigs.k8s.io/kwok/cmd/kwok "" --version
 fi
+# KWOK's own Stage configs, which the kwok binary no longer embeds: nodes that come up Ready and heartbeat
+# through a Lease, pods that become Running and Ready with an IP from their node's podCIDR, Job pods that
+# complete, deleted pods removed at once. Taken from the same release, next to the binary.
+KWOK_STAGES=(node/fast/node-initialize node/heartbeat-with-lease/node-heartbeat-with-lease
+             pod/fast/pod-ready pod/fast/pod-complete pod/fast/pod-delete)
+stages=$CACHE/kwok-stages.yaml-$KWOK_VERSION
+if [[ -s $stages/kwok-stages.yaml ]]; then
+    log "[build] kwok-stages.yaml $KWOK_VERSION ... cached"
+else
+    src=$(go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | jq -er .Dir)/kustomize/stage
+    mkdir "$WORK/out-kwok-stages"
+    for stage in "${KWOK_STAGES[@]}"; do
+        { echo "---"; cat "$src/$stage.yaml"; } >>"$WORK/out-kwok-stages/kwok-stages.yaml"
+    done
+    mv -T "$WORK/out-kwok-stages" "$stages" 2>/dev/null || [[ -s $stages/kwok-stages.yaml ]]
+    log "[build] kwok-stages.yaml $KWOK_VERSION ... done"
+fi
 if ! cached helm "$HELM_VERSION"; then
     mod=$(new_module helm "helm.sh/helm/v4@$HELM_VERSION")
     build helm "$HELM_VERSION" "$mod" helm.sh/helm/v4/cmd/helm \
@@ -137,7 +154,7 @@ entries=(
     "etcd $ETCD_VERSION"
     "kube-apiserver $K8S_VERSION" "kube-controller-manager $K8S_VERSION"
     "kube-scheduler $K8S_VERSION" "kubectl $K8S_VERSION"
-    "kwok $KWOK_VERSION" "helm $HELM_VERSION" "kind $KIND_VERSION"
+    "kwok $KWOK_VERSION" "kwok-stages.yaml $KWOK_VERSION" "helm $HELM_VERSION" "kind $KIND_VERSION"
 )
 bin=$CACHE/bin-$(printf '%s\n' "${entries[@]}" | sha256sum | cut -c1-12)
 if [[ ! -d $bin ]]; then

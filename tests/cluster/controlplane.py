@@ -1,31 +1,55 @@
-"""A real control plane for the operator's API-server tests: etcd and kube-apiserver (RBAC on, static
-admin token, service-account tokens signed by a key of our own) from the binaries tests/cluster/build.sh
-caches, plus kubectl. No controllers, scheduler or nodes: objects are stored and validated, nothing runs.
+"""etcd and kube-apiserver on loopback from the binaries tests/cluster/build.sh caches: the one place that knows
+how to start them. RBAC and the default admission chain are on, clients authenticate with static bearer
+tokens (one per control-plane identity, see TOKENS), and service-account tokens are signed by a key made
+here. On its own this is a store that validates objects and runs nothing; cluster.py adds the controllers,
+the scheduler and KWOK's nodes on top.
+
+Every process runs in its own session (process group) so that stopping kills everything it forked.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
+import signal
 import socket
 import ssl
 import subprocess
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+BUILD_SCRIPT = Path(__file__).resolve().parent / "build.sh"
 ADMIN_TOKEN = "admin-token"
+TOKENS = {
+    # token: (user, groups); the user names are those the API server's bootstrap RBAC policy grants to.
+    ADMIN_TOKEN: ("admin", "system:masters"),
+    "kube-controller-manager-token": ("system:kube-controller-manager", ""),
+    "kube-scheduler-token": ("system:kube-scheduler", ""),
+    # KWOK stands in for every kubelet and the node lifecycle: it writes node and pod status everywhere.
+    "kwok-token": ("kwok", "system:masters"),
+}
 BINARIES = ("etcd", "kube-apiserver", "kubectl")
+SERVICE_CIDR = "10.96.0.0/16"
 
 
-def binaries_dir() -> Path | None:
-    """$DILOCO_CLUSTER_BIN, else the newest cached directory of symlinks that has every binary."""
+def pinned_version(name: str) -> str:
+    """A version pinned in build.sh (e.g. `K8S_VERSION`), read from the script so it is written once."""
+    match = re.search(rf"^{name}=(\S+)", BUILD_SCRIPT.read_text(), re.MULTILINE)
+    if match is None:
+        raise LookupError(f"{name} is not set in {BUILD_SCRIPT}")
+    return match.group(1)
+
+
+def binaries_dir(binaries: tuple[str, ...] = BINARIES) -> Path | None:
+    """$DILOCO_CLUSTER_BIN, else the newest cached directory of symlinks that has every one of `binaries`."""
     named = os.environ.get("DILOCO_CLUSTER_BIN")
     cache = os.environ.get("DILOCO_CLUSTER_CACHE", os.path.expanduser("~/.cache/diloco-cluster"))
     candidates = [named] if named else sorted(glob.glob(f"{cache}/bin-*"), key=os.path.getmtime, reverse=True)
     for candidate in candidates:
-        if candidate and all(os.access(Path(candidate, b), os.X_OK) for b in BINARIES):
+        if candidate and all(os.access(Path(candidate, b), os.X_OK) for b in binaries):
             return Path(candidate)
     return None
 
@@ -36,13 +60,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kubeconfig(server: str, token: str) -> str:
+def kubeconfig(server: str, token: str, ca: Path) -> str:
+    """A kubeconfig that trusts the API server's certificate (`ca`: its self-signed bundle) and sends `token`."""
     return (
         "apiVersion: v1\nkind: Config\n"
-        f"clusters: [{{name: t, cluster: {{server: '{server}', insecure-skip-tls-verify: true}}}}]\n"
+        f"clusters: [{{name: t, cluster: {{server: '{server}', certificate-authority: '{ca}'}}}}]\n"
         f"users: [{{name: u, user: {{token: '{token}'}}}}]\n"
         "contexts: [{name: t, context: {cluster: t, user: u}}]\ncurrent-context: t\n"
     )
+
+
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A process in a new session, its output appended to `log`."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env)
+
+
+def stop_group(process: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM to the process's whole group, SIGKILL to it after `grace` s; returns once the leader is reaped
+    and no member of the group is left."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+        if not group_alive(process.pid):
+            break
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(10)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @dataclass
@@ -51,32 +112,45 @@ class ControlPlane:
     workdir: Path
     server: str
     admin_kubeconfig: Path
-    processes: list[subprocess.Popen]
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def ca(self) -> Path:
+        """The CA of the API server's self-signed serving certificate (what pods get as ca.crt)."""
+        return self.workdir / "ca.crt"
+
+    @property
+    def kubeconfig(self) -> Path:
+        """The admin kubeconfig (cluster-admin through `system:masters`)."""
+        return self.admin_kubeconfig
 
     def kubectl(self, *args: str, stdin: str | None = None, kubeconfig: Path | None = None,
-                check: bool = True) -> subprocess.CompletedProcess:
+                check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         result = subprocess.run(
             [str(self.bin / "kubectl"), "--kubeconfig", str(kubeconfig or self.admin_kubeconfig), *args],
-            input=stdin, capture_output=True, text=True, timeout=60,
+            input=stdin, capture_output=True, text=True, timeout=timeout,
         )
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")
         return result
 
-    def service_account_kubeconfig(self, namespace: str, name: str) -> Path:
-        token = self.kubectl("-n", namespace, "create", "token", name, "--duration", "2h").stdout.strip()
-        path = self.workdir / f"kubeconfig-{namespace}-{name}"
-        path.write_text(kubeconfig(self.server, token))
+    def token_kubeconfig(self, token: str, name: str) -> Path:
+        path = self.workdir / f"kubeconfig-{name}"
+        path.write_text(kubeconfig(self.server, token, self.ca))
         return path
 
+    def service_account_kubeconfig(self, namespace: str, name: str) -> Path:
+        token = self.kubectl("-n", namespace, "create", "token", name, "--duration", "2h").stdout.strip()
+        return self.token_kubeconfig(token, f"{namespace}-{name}")
+
     def stop(self) -> None:
+        """Stops every process, last started first, and their process groups with them."""
         for process in reversed(self.processes):
-            process.terminate()
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
+            stop_group(process)
+
+    def leftovers(self) -> list[int]:
+        """Process groups of this control plane that still have a live member (empty after `stop`)."""
+        return [p.pid for p in self.processes if group_alive(p.pid)]
 
 
 def _ready(server: str) -> bool:
@@ -88,45 +162,50 @@ def _ready(server: str) -> bool:
         return False
 
 
-def start(bin_dir: Path, workdir: Path, timeout: float = 120.0) -> ControlPlane:
+def start_control_plane(bin_dir: Path, workdir: Path, timeout: float = 120.0) -> ControlPlane:
     """Starts etcd and kube-apiserver in `workdir` and waits until the API server is ready."""
     subprocess.run(["openssl", "genrsa", "-out", str(workdir / "sa.key"), "2048"], check=True, capture_output=True)
     subprocess.run(["openssl", "rsa", "-in", str(workdir / "sa.key"), "-pubout", "-out", str(workdir / "sa.pub")],
                    check=True, capture_output=True)
-    (workdir / "tokens.csv").write_text(f'{ADMIN_TOKEN},admin,admin,"system:masters"\n')
+    (workdir / "tokens.csv").write_text(
+        "".join(f'{token},{user},{user},"{groups}"\n' for token, (user, groups) in TOKENS.items())
+    )
     client, peer, secure = free_port(), free_port(), free_port()
     logs = workdir / "logs"
-    logs.mkdir()
-    processes = [
-        subprocess.Popen(
-            [str(bin_dir / "etcd"), "--name", "t", "--data-dir", str(workdir / "etcd"),
-             "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls",
-             f"http://127.0.0.1:{client}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"t=http://127.0.0.1:{peer}", "--log-level", "error"],
-            stdout=open(logs / "etcd.log", "w"), stderr=subprocess.STDOUT,
-        )
-    ]
-    processes.append(
-        subprocess.Popen(
-            [str(bin_dir / "kube-apiserver"), "--etcd-servers", f"http://127.0.0.1:{client}",
-             "--secure-port", str(secure), "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
-             "--endpoint-reconciler-type", "none", "--cert-dir", str(workdir / "certs"),
-             "--token-auth-file", str(workdir / "tokens.csv"), "--authorization-mode", "RBAC",
-             "--service-account-issuer", "https://kubernetes.default.svc",
-             "--service-account-key-file", str(workdir / "sa.pub"),
-             "--service-account-signing-key-file", str(workdir / "sa.key"),
-             "--service-cluster-ip-range", "10.96.0.0/16"],
-            stdout=open(logs / "kube-apiserver.log", "w"), stderr=subprocess.STDOUT,
-        )
-    )
+    logs.mkdir(exist_ok=True)
     server = f"https://127.0.0.1:{secure}"
-    plane = ControlPlane(bin_dir, workdir, server, workdir / "kubeconfig-admin", processes)
-    plane.admin_kubeconfig.write_text(kubeconfig(server, ADMIN_TOKEN))
+    plane = ControlPlane(bin_dir, workdir, server, workdir / "kubeconfig-admin")
+    plane.admin_kubeconfig.write_text(kubeconfig(server, ADMIN_TOKEN, plane.ca))
+    plane.processes.append(spawn(
+        [str(bin_dir / "etcd"), "--name", "t", "--data-dir", str(workdir / "etcd"),
+         "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls",
+         f"http://127.0.0.1:{client}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"t=http://127.0.0.1:{peer}", "--log-level", "error"],
+        logs / "etcd.log",
+    ))
+    plane.processes.append(spawn(
+        [str(bin_dir / "kube-apiserver"), "--etcd-servers", f"http://127.0.0.1:{client}",
+         "--secure-port", str(secure), "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
+         # The `kubernetes` Service would point at 127.0.0.1, which Endpoints refuse: leave it without any.
+         "--endpoint-reconciler-type", "none", "--cert-dir", str(workdir / "certs"),
+         "--token-auth-file", str(workdir / "tokens.csv"), "--authorization-mode", "Node,RBAC",
+         # The default admission chain (NamespaceLifecycle, ServiceAccount, PodSecurity, quotas, webhooks,
+         # ...) plus NodeRestriction, and ExtendedResourceToleration as GKE runs it (GPU pods tolerate GPU taints).
+         "--enable-admission-plugins", "NodeRestriction,ExtendedResourceToleration",
+         "--service-account-issuer", "https://kubernetes.default.svc",
+         "--service-account-key-file", str(workdir / "sa.pub"),
+         "--service-account-signing-key-file", str(workdir / "sa.key"),
+         "--service-cluster-ip-range", SERVICE_CIDR],
+        logs / "kube-apiserver.log",
+    ))
     deadline = time.monotonic() + timeout
     while not _ready(server):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in plane.processes):
             plane.stop()
             raise RuntimeError(f"the API server did not become ready; logs in {logs}")
         time.sleep(0.5)
+    # The API server writes its serving certificate followed by the CA that signed it.
+    bundle = (workdir / "certs" / "apiserver.crt").read_text()
+    plane.ca.write_text("-----BEGIN CERTIFICATE-----" + bundle.split("-----BEGIN CERTIFICATE-----")[-1])
     return plane

@@ -4,7 +4,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from apiserver_harness import ControlPlane, binaries_dir, start
+from cluster.controlplane import ControlPlane, binaries_dir, start_control_plane
 from support import missing_binary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,7 +16,7 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
     bin_dir = binaries_dir()
     if bin_dir is None:
         missing_binary("no cached kube-apiserver/etcd/kubectl (run tests/cluster/build.sh)")
-    plane = start(bin_dir, tmp_path_factory.mktemp("control-plane"))
+    plane = start_control_plane(bin_dir, tmp_path_factory.mktemp("control-plane"))
     try:
         plane.kubectl("apply", "--server-side", "-f", str(ROOT / "deploy" / "crd.yaml"),
                       "-f", str(ROOT / "deploy" / "peering-crds.yaml"))

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import subprocess
-import sys
 import time
-import urllib.request
 from functools import partial
 from pathlib import Path
 
 import pytest
 import yaml
-from apiserver_harness import free_port
 from kubernetes import config as kube_config
+from operator_harness import OperatorProcess, install
 
 from diloco.operator.kube import ApiError, Kube
 
@@ -137,46 +133,9 @@ def test_kube_never_takes_over_fields_someone_else_set(control_plane, kube):
 # --- the operator --------------------------------------------------------------------------------
 
 
-class Operator:
-    """`diloco-operator` as a subprocess with the ServiceAccount's credentials."""
-
-    def __init__(self, kubeconfig: Path, log: Path):
-        self.kubeconfig, self.log, self.process = kubeconfig, log, None
-        self.metrics_port = free_port()
-
-    def start(self):
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "POD_NAMESPACE": "diloco-system",
-               "PYTHONWARNINGS": "ignore", "DILOCO_LOG_LEVEL": "INFO"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "diloco.operator.main", "--all-namespaces", f"--resync-seconds={RESYNC}",
-             f"--metrics-port={self.metrics_port}", f"--liveness-port={free_port()}", "--probe-timeout=0.5"],
-            env=env, stdout=open(self.log, "a"), stderr=subprocess.STDOUT,
-        )
-        wait_until(lambda: self.metric("diloco_operator_reconciles_total") is not None, timeout=60)
-
-    def stop(self):
-        self.process.terminate()
-        self.process.wait(30)
-
-    def metric(self, name):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as reply:
-                text = reply.read().decode()
-        except OSError:
-            return None
-        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
-        return sum(values)
-
-
 @pytest.fixture(scope="module")
 def operator(control_plane, tmp_path_factory):
-    namespace(control_plane, "diloco-system")
-    control_plane.kubectl("apply", "-f", str(ROOT / "deploy" / "rbac.yaml"))
-    peering = [d for d in yaml.safe_load_all((ROOT / "deploy" / "operator.yaml").read_text())
-               if d["kind"] == "ClusterKopfPeering"]
-    control_plane.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(peering))
-    kubeconfig = control_plane.service_account_kubeconfig("diloco-system", "diloco-operator")
-    running = Operator(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log")
+    running = OperatorProcess(install(control_plane), tmp_path_factory.mktemp("operator") / "operator.log", RESYNC)
     running.start()
     yield running
     running.stop()
@@ -261,6 +220,6 @@ def test_a_restarted_operator_changes_nothing(control_plane, kube, operator):
     wait_until(lambda: (kube.get("DiLoCoJob", ns, "steady").get("status") or {}).get("phase") == "Pending")
     operator.stop()
     operator.start()
-    wait_until(lambda: operator.metric('diloco_operator_reconciles_total{result="ok",trigger="timer"}') >= 5)
+    wait_until(lambda: operator.metric('diloco_operator_reconciles_total{trigger="timer",result="ok"}') >= 5)
     assert operator.metric("diloco_operator_applied_objects_total") == 0
     assert operator.metric("diloco_operator_deleted_objects_total") == 0
