@@ -45,6 +45,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=int(env("CHECKPOINT_EVERY", "50")))
     p.add_argument("--metrics-port", type=int, default=int(env("METRICS_PORT", "0")),
                    help="serve Prometheus metrics on this port (0: none)")
+    p.add_argument("--metrics-host", default=env("METRICS_HOST", "0.0.0.0"), help="address the metrics server binds")
     p.add_argument("--log-level", default=None)
     return p.parse_args(argv)
 
@@ -71,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"diloco-worker: {error}") from None
     trainer = Trainer(settings, config, island=args.island or "ddp", syncers=syncers, token=token)
     if args.metrics_port:
-        serve_metrics(trainer.snapshot, args.metrics_port)
+        serve_metrics(trainer.snapshot, args.metrics_port, args.metrics_host)
     try:
         loss = trainer.run()
     finally:

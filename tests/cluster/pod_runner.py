@@ -1,0 +1,447 @@
+"""The test cluster's stand-in for a kubelet and container runtime, for this project's images only: every pod
+bound to a node with a container whose image is one of IMAGES (by repository name, any registry or tag) has
+that container's command and args run as a local process from this checkout's virtualenv, as the image
+would run them. What the pod spec says is honoured (podspec.py): the environment (env, ConfigMap and Secret
+references, downward API, envFrom), ConfigMap, Secret, emptyDir and PersistentVolumeClaim volumes (files
+under the runner's directory, container paths rewritten to them), the pod's hostname and an /etc/hosts in
+which the job's Service names and the pods of headless Services resolve to the pods' loopback addresses.
+Each process gets its own mount and UTS namespaces for the last two (`unshare`).
+
+Processes that know a bind-address setting get the pod's address through it (BIND_ENV), since every pod
+shares this machine's network stack: two syncer shards both listening on 0.0.0.0:50051 would collide.
+
+A pod being deleted has its processes sent SIGTERM, and SIGKILL (to the whole process group) once it is gone
+or its grace period (at most MAX_GRACE seconds) has passed. A process that exits is reported as the kubelet
+does (container not ready, then restarted after a back-off with restartCount incremented and lastState
+holding the exit code, 128+N for a signal), so the operator's failure accounting sees it. Pods asking for
+accelerators (nvidia.com/gpu ...) are left to KWOK alone: nothing here can run them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from cluster.controlplane import group_alive
+from cluster.podspec import (
+    Unresolvable,
+    accelerator_requests,
+    container_command,
+    loopback,
+    own_names,
+    projected_files,
+    render_hosts,
+    resolve_env,
+    rewrite_paths,
+    secret_data,
+    service_names,
+)
+
+log = logging.getLogger("tests.cluster.pod_runner")
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGES = {
+    "diloco-trainer": ROOT / "deploy" / "Dockerfile.trainer",
+    "diloco-operator": ROOT / "deploy" / "Dockerfile.operator",
+}
+"""Repository name -> Dockerfile of the images this project builds (the examples' spec.image, the chart's
+image.repository); the Dockerfile's ENTRYPOINT and CMD stand in for the image's."""
+BIND_ENV = {"diloco-syncer": "DILOCO_SYNCER_HOST", "diloco-worker": "DILOCO_METRICS_HOST"}
+MAX_GRACE = 10.0
+RUN_DIRS = ("/run/", "/var/run/")
+"""Mounts under /run are bind-mounted at their real path over a private /run (the service-account token at
+/var/run/secrets/kubernetes.io/serviceaccount, read from there by every Kubernetes client); every other
+mount path is rewritten to the volume's local directory in the container's env, command and args."""
+
+
+def dockerfile_exec(dockerfile: Path) -> tuple[list[str], list[str]]:
+    """The (ENTRYPOINT, CMD) of a Dockerfile's last stage, each in its JSON (exec) form."""
+    found: dict[str, list[str]] = {"ENTRYPOINT": [], "CMD": []}
+    for line in dockerfile.read_text().splitlines():
+        word, _, rest = line.partition(" ")
+        if word.upper() == "FROM":
+            found = {"ENTRYPOINT": [], "CMD": []}
+        elif word.upper() in found:
+            found[word.upper()] = json.loads(rest)
+    return found["ENTRYPOINT"], found["CMD"]
+
+
+def image_name(image: str) -> str:
+    """`registry.example.com/team/diloco-trainer:1.0@sha256:..` -> `diloco-trainer`."""
+    return image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0]
+
+
+def in_pod_network(command: Sequence[str], hosts: Path, hostname: str | None = None,
+                   run_mounts: Mapping[str, str] | None = None) -> list[str]:
+    """`command` wrapped to run with `hosts` as its /etc/hosts, `hostname` as its host name and
+    `run_mounts` (path under /run -> local directory) bind-mounted over a private /run, in mount and UTS
+    namespaces of its own; through a user namespace when not root."""
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    steps = [f"mount --bind {shlex.quote(str(hosts))} /etc/hosts"]
+    if hostname:
+        steps.append(f"hostname {shlex.quote(hostname)}")
+    if run_mounts:
+        steps.append("mount -t tmpfs tmpfs /run")
+        for target, source in run_mounts.items():
+            steps += [f"mkdir -p {shlex.quote(target)}", f"mount --bind {shlex.quote(source)} {shlex.quote(target)}"]
+    script = " && ".join([*steps, 'exec "$@"'])
+    return ["unshare", *user, "--mount", "--uts", "--propagation", "private", "--", "/bin/sh", "-c", script,
+            "pod", *command]
+
+
+def write_in_place(path: Path, text: str) -> None:
+    """Rewrites a file keeping its inode, so bind mounts of it see the new content."""
+    if path.exists() and path.read_text() == text:
+        return
+    with open(path, "a+") as f:
+        f.seek(0)
+        f.truncate()
+        f.write(text)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Container:
+    """One container of one pod: its current process, and its restarts so far."""
+
+    namespace: str
+    pod: str
+    uid: str
+    name: str
+    directory: Path
+    process: subprocess.Popen | None = None
+    started_at: str = ""
+    restarts: int = 0
+    last_exit: dict[str, Any] | None = None
+    restart_at: float = 0.0
+    terminating_since: float | None = None
+    config_error: str | None = None
+    finished: bool = False
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / f"{self.name}.log"
+
+
+@dataclass
+class PodRunner:
+    """Runs in a thread: `start`, then `stop` (which kills every process it started)."""
+
+    api: client.ApiClient
+    workdir: Path
+    images: Mapping[str, Path] = field(default_factory=lambda: dict(IMAGES))
+    bin_dir: Path = field(default_factory=lambda: Path(sys.executable).parent)
+    interval: float = 0.5
+    backoff: tuple[float, float] = (1.0, 10.0)
+    containers: dict[tuple[str, str], Container] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.core = client.CoreV1Api(self.api)
+        self.discovery = client.DiscoveryV1Api(self.api)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="pod-runner", daemon=True)
+
+    # --- the public face -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        with self._lock:
+            for container in self.containers.values():
+                self._kill(container)
+
+    def processes(self, namespace: str, pod: str | None = None) -> list[subprocess.Popen]:
+        """The live processes of a pod's containers (of every pod in `namespace` when `pod` is None)."""
+        with self._lock:
+            return [c.process for c in self.containers.values()
+                    if c.namespace == namespace and pod in (None, c.pod) and c.process and c.process.poll() is None]
+
+    def kill(self, namespace: str, pod: str, sig: int = signal.SIGKILL) -> int:
+        """Sends `sig` to the process groups of a pod's containers, as an OOM kill or a crash would end them;
+        returns how many were signalled."""
+        signalled = 0
+        for process in self.processes(namespace, pod):
+            os.killpg(process.pid, sig)
+            signalled += 1
+        return signalled
+
+    def logs(self, namespace: str, pod: str) -> str:
+        """Everything the pod's containers wrote (every incarnation), for failure messages."""
+        with self._lock:
+            paths = [c.log_path for c in self.containers.values() if (c.namespace, c.pod) == (namespace, pod)]
+        return "".join(p.read_text(errors="replace") for p in paths if p.exists())
+
+    def leftovers(self) -> list[int]:
+        """Process groups started here that still have a live member (empty after `stop`)."""
+        with self._lock:
+            return [c.process.pid for c in self.containers.values() if c.process and group_alive(c.process.pid)]
+
+    # --- the loop -------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                with self._lock:
+                    self.pass_once()
+            except (ApiException, OSError) as error:
+                log.warning("pod runner pass failed: %s", error)
+
+    def _list(self, call: Any) -> list[dict[str, Any]]:
+        return json.loads(call(_preload_content=False).data)["items"]
+
+    def runnable(self, pod: Mapping[str, Any]) -> bool:
+        spec, status = pod["spec"], pod.get("status") or {}
+        return bool(
+            spec.get("nodeName") and status.get("podIP") and status.get("phase") == "Running"
+            and any(image_name(c["image"]) in self.images for c in spec["containers"])
+            and not accelerator_requests(pod)
+        )
+
+    def pass_once(self) -> None:
+        """One look at every pod: processes of pods gone are killed first (their ports and addresses freed for
+        their successors), then every runnable container converges to running."""
+        pods = [p for p in self._list(self.core.list_pod_for_all_namespaces) if self.runnable(p)]
+        entries = service_names(self._list(self.discovery.list_endpoint_slice_for_all_namespaces))
+        live = {(p["metadata"]["uid"], c["name"]) for p in pods for c in p["spec"]["containers"]}
+        for key, container in list(self.containers.items()):
+            if key not in live:
+                self._kill(container)
+                if not (container.process and group_alive(container.process.pid)):
+                    del self.containers[key]
+        for pod in pods:
+            meta = pod["metadata"]
+            directory = self.workdir / f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
+            directory.mkdir(parents=True, exist_ok=True)
+            own = (loopback(pod["status"]["podIP"]), own_names(pod))
+            write_in_place(directory / "hosts", render_hosts(entries, own, meta["namespace"]))
+            for spec in pod["spec"]["containers"]:
+                if image_name(spec["image"]) not in self.images:
+                    continue
+                container = self.containers.setdefault(
+                    (meta["uid"], spec["name"]),
+                    Container(meta["namespace"], meta["name"], meta["uid"], spec["name"], directory))
+                if meta.get("deletionTimestamp"):
+                    self._terminate(container, pod)
+                else:
+                    self._converge(container, pod, spec)
+
+    # --- one container ----------------------------------------------------------------------------------
+
+    def _converge(self, container: Container, pod: dict[str, Any], spec: Mapping[str, Any]) -> None:
+        process = container.process
+        if process is not None and process.poll() is None:
+            return
+        if process is not None and container.last_exit is None:
+            self._exited(container, pod, process.returncode)
+            return
+        if container.finished or time.monotonic() < container.restart_at:
+            return
+        try:
+            command, env, cwd = self._prepare(container, pod, spec)
+        except Unresolvable as error:
+            if container.config_error != str(error):
+                container.config_error = str(error)
+                self._patch(pod, container, {"waiting": {"reason": "CreateContainerConfigError",
+                                                         "message": str(error)}}, ready=False)
+            return
+        container.config_error = None
+        if process is not None:
+            container.restarts += 1
+        with open(container.log_path, "ab") as out:
+            container.process = subprocess.Popen(
+                command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        container.started_at = _now()
+        log.info("started %s/%s %s", container.namespace, container.pod, container.name)
+        if process is not None:
+            self._patch(pod, container, {"running": {"startedAt": container.started_at}}, ready=True)
+            container.last_exit = None
+
+    def _exited(self, container: Container, pod: dict[str, Any], code: int) -> None:
+        exit_code = code if code >= 0 else 128 - code
+        container.last_exit = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
+                               "startedAt": container.started_at, "finishedAt": _now()}
+        log.info("%s/%s %s exited with %d", container.namespace, container.pod, container.name, exit_code)
+        policy = pod["spec"].get("restartPolicy", "Always")
+        if policy == "Never" or (policy == "OnFailure" and exit_code == 0):
+            container.finished = True
+            self._patch(pod, container, {"terminated": container.last_exit}, ready=False,
+                        phase="Succeeded" if exit_code == 0 else "Failed")
+            return
+        base, cap = self.backoff
+        container.restart_at = time.monotonic() + min(cap, base * 2 ** container.restarts)
+        self._patch(pod, container, {"waiting": {"reason": "CrashLoopBackOff"}}, ready=False)
+
+    def _prepare(self, container: Container, pod: Mapping[str, Any],
+                 spec: Mapping[str, Any]) -> tuple[list[str], dict[str, str], Path]:
+        """Command (wrapped by in_pod_network), environment and working directory of the next incarnation;
+        volumes materialized."""
+        namespace = pod["metadata"]["namespace"]
+
+        def lookup(kind: str, name: str) -> dict[str, str] | None:
+            try:
+                if kind == "ConfigMap":
+                    return dict(self.core.read_namespaced_config_map(name, namespace).data or {})
+                return secret_data(self.api.sanitize_for_serialization(
+                    self.core.read_namespaced_secret(name, namespace)))
+            except ApiException as error:
+                if error.status == 404:
+                    return None
+                raise
+
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes") or ()}
+        mounts: dict[str, str] = {}
+        run_mounts: dict[str, str] = {}
+        for mount in spec.get("volumeMounts") or ():
+            if mount.get("subPath") or mount.get("subPathExpr"):
+                raise Unresolvable(f"volume mount {mount['name']}: subPath is not supported by the pod runner")
+            local = str(self._volume(container, pod, volumes[mount["name"]], lookup))
+            path = mount["mountPath"]
+            if path.startswith(RUN_DIRS):
+                run_mounts["/run/" + path.split("/run/", 1)[1]] = local
+            else:
+                mounts[path] = local
+        env = resolve_env(pod, spec, lookup)
+        env = {name: rewrite_paths(value, mounts) for name, value in env.items()}
+        command = container_command(spec, *dockerfile_exec(self.images[image_name(spec["image"])]))
+        command = [rewrite_paths(part, mounts) for part in command]
+        if not command:
+            raise Unresolvable("neither the container nor the image's Dockerfile says what to run")
+        bind = BIND_ENV.get(Path(command[0]).name)
+        if bind:
+            env.setdefault(bind, loopback(pod["status"]["podIP"]))
+        server = urllib.parse.urlsplit(self.api.configuration.host)
+        base = {
+            "PATH": f"{self.bin_dir}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(container.directory),
+            "HOSTNAME": pod["metadata"]["name"],
+            "LANG": "C.UTF-8",
+            "PYTHONUNBUFFERED": "1",
+            # What every pod gets for the `kubernetes` Service; here the API server itself stands behind it.
+            "KUBERNETES_SERVICE_HOST": server.hostname,
+            "KUBERNETES_SERVICE_PORT": str(server.port or 443),
+        }
+        if "/tmp" in mounts:
+            base["TMPDIR"] = mounts["/tmp"]
+        wrapped = in_pod_network(command, container.directory / "hosts", pod["metadata"]["name"], run_mounts)
+        return wrapped, base | env, container.directory
+
+    def _token(self, pod: Mapping[str, Any], source: Mapping[str, Any]) -> str:
+        """A token of the pod's service account bound to the pod, as the kubelet requests it."""
+        meta = pod["metadata"]
+        spec: dict[str, Any] = {
+            "expirationSeconds": int(source.get("expirationSeconds", 3600)),
+            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]},
+        }
+        if source.get("audience"):
+            spec["audiences"] = [source["audience"]]
+        reply = self.core.create_namespaced_service_account_token(
+            pod["spec"].get("serviceAccountName") or "default", meta["namespace"], {"spec": spec})
+        return reply.status.token
+
+    def _volume(self, container: Container, pod: Mapping[str, Any], volume: Mapping[str, Any],
+                lookup: Any) -> Path:
+        """The local directory that stands for `volume` (ConfigMap, Secret and projected files written anew at
+        every start)."""
+        files = projected_files(volume, pod, lookup, lambda source: self._token(pod, source))
+        if files is not None:
+            directory = container.directory / "volumes" / volume["name"]
+            shutil.rmtree(directory, ignore_errors=True)
+            for path, content in files.items():
+                (directory / path).parent.mkdir(parents=True, exist_ok=True)
+                (directory / path).write_text(content)
+            return directory
+        if "emptyDir" in volume:
+            directory = container.directory / "volumes" / volume["name"]
+            directory.mkdir(parents=True, exist_ok=True)
+            return directory
+        if "persistentVolumeClaim" in volume:
+            claim = self.core.read_namespaced_persistent_volume_claim(
+                volume["persistentVolumeClaim"]["claimName"], container.namespace)
+            if not claim.spec.volume_name:
+                raise Unresolvable(f"claim {claim.metadata.name} is not bound")
+            host_path = self.core.read_persistent_volume(claim.spec.volume_name).spec.host_path
+            if host_path is None:
+                raise Unresolvable(f"volume {claim.spec.volume_name} is not a hostPath volume")
+            Path(host_path.path).mkdir(parents=True, exist_ok=True)
+            return Path(host_path.path)
+        raise Unresolvable(f"volume {volume['name']}: {sorted(set(volume) - {'name'})} is not supported")
+
+    def _terminate(self, container: Container, pod: Mapping[str, Any]) -> None:
+        process = container.process
+        if process is None or process.poll() is not None:
+            return
+        if container.terminating_since is None:
+            container.terminating_since = time.monotonic()
+            os.killpg(process.pid, signal.SIGTERM)
+        grace = min(MAX_GRACE, float(pod["spec"].get("terminationGracePeriodSeconds", 30)))
+        if time.monotonic() - container.terminating_since > grace:
+            self._kill(container)
+
+    def _kill(self, container: Container) -> None:
+        process = container.process
+        if process is None:
+            return
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            log.warning("%s/%s did not die on SIGKILL", container.namespace, container.pod)
+
+    def _patch(self, pod: Mapping[str, Any], container: Container, state: dict[str, Any], ready: bool,
+               phase: str | None = None) -> None:
+        """The kubelet's status update for `container` (other containers' statuses kept as they are)."""
+        now = _now()
+        current = {s["name"]: s for s in (pod.get("status") or {}).get("containerStatuses") or ()}
+        statuses = []
+        for spec in pod["spec"]["containers"]:
+            status = dict(current.get(spec["name"]) or {"name": spec["name"], "image": spec["image"], "imageID": ""})
+            if spec["name"] == container.name:
+                status |= {"ready": ready, "started": "running" in state, "restartCount": container.restarts,
+                           "state": state}
+                if container.last_exit is not None:
+                    status["lastState"] = {"terminated": container.last_exit}
+            statuses.append(status)
+        flag = "True" if ready else "False"
+        body: dict[str, Any] = {"status": {
+            "containerStatuses": statuses,
+            "conditions": [{"type": kind, "status": flag, "lastTransitionTime": now}
+                           for kind in ("Ready", "ContainersReady")],
+        }}
+        if phase:
+            body["status"]["phase"] = phase
+        try:
+            self.core.patch_namespaced_pod_status(container.pod, container.namespace, body)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+

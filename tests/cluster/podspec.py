@@ -1,0 +1,230 @@
+"""What a kubelet would make of a pod, computed without I/O so it can be tested alone: the environment of a
+container (env with $(VAR) expansion, ConfigMap and Secret references, the downward API, envFrom), the files
+of its ConfigMap and Secret volumes, container paths rewritten to where volumes live on this machine, and
+the /etc/hosts a pod sees. pod_runner.py does the I/O.
+
+The pod network: KWOK gives pods IPs in nodes.POD_NETWORK (10.244.0.0/16), which the API server accepts in
+EndpointSlices; a process of the pod runs on the loopback address with the same low octets
+(10.244.3.7 -> 127.244.3.7), every one of which Linux routes to `lo`. Names of Services and of pods behind
+headless Services resolve to those addresses through the pod's /etc/hosts (cluster DNS has no equivalent
+here), so a Service's port must equal its target port, as it does for every Service this project makes.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from cluster.nodes import POD_NETWORK
+
+CLUSTER_DOMAIN = "cluster.local"
+
+Lookup = Callable[[str, str], Mapping[str, str] | None]
+"""(kind "ConfigMap" or "Secret", name) -> the object's data in the pod's namespace (Secret values decoded),
+or None when it does not exist."""
+
+
+class Unresolvable(Exception):
+    """The container cannot be configured yet (the kubelet's CreateContainerConfigError)."""
+
+
+def loopback(pod_ip: str) -> str:
+    """The loopback address a pod's processes use for the pod IP `pod_ip`."""
+    address = ipaddress.ip_address(pod_ip)
+    if address not in POD_NETWORK:
+        raise ValueError(f"{pod_ip} is not in the pod network {POD_NETWORK}")
+    return str(ipaddress.ip_address((127 << 24) | (int(address) & 0x00FFFFFF)))
+
+
+def secret_data(secret: Mapping[str, Any]) -> dict[str, str]:
+    """A Secret's data (base64 in the API) and stringData, decoded."""
+    data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    return data | dict(secret.get("stringData") or {})
+
+
+_FIELD_LABEL = re.compile(r"metadata\.(labels|annotations)\['(.+)'\]$")
+
+
+def field_value(pod: Mapping[str, Any], path: str) -> str:
+    """A downward-API fieldRef of `pod`; status.podIP is given as the pod's loopback address."""
+    meta, spec, status = pod["metadata"], pod["spec"], pod.get("status") or {}
+    match = _FIELD_LABEL.match(path)
+    if match:
+        return (meta.get(match.group(1)) or {}).get(match.group(2), "")
+    simple = {
+        "metadata.name": meta.get("name"),
+        "metadata.namespace": meta.get("namespace"),
+        "metadata.uid": meta.get("uid"),
+        "spec.nodeName": spec.get("nodeName"),
+        "spec.serviceAccountName": spec.get("serviceAccountName"),
+        "status.hostIP": status.get("hostIP"),
+        "status.podIP": loopback(status["podIP"]) if status.get("podIP") else None,
+    }
+    if path not in simple:
+        raise Unresolvable(f"fieldRef {path} is not supported by the pod runner")
+    if simple[path] is None:
+        raise Unresolvable(f"fieldRef {path} has no value yet")
+    return simple[path]
+
+
+_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand(value: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: defined names are replaced, $$ escapes, anything else stays as is."""
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return _REFERENCE.sub(one, value)
+
+
+def _ref(lookup: Lookup, kind: str, ref: Mapping[str, Any], key: str | None) -> str | dict[str, str] | None:
+    data = lookup(kind, ref["name"])
+    if data is None or (key is not None and key not in data):
+        if ref.get("optional"):
+            return None
+        missing = f"{kind} {ref['name']}" + (f" key {key}" if key is not None and data is not None else "")
+        raise Unresolvable(f"{missing} not found")
+    return data if key is None else data[key]
+
+
+def resolve_env(pod: Mapping[str, Any], container: Mapping[str, Any], lookup: Lookup) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: envFrom first, then env in order, each value
+    expanded against what was defined before it."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom") or ():
+        prefix = source.get("prefix", "")
+        for kind, field in (("ConfigMap", "configMapRef"), ("Secret", "secretRef")):
+            if field in source:
+                env |= {prefix + k: v for k, v in (_ref(lookup, kind, source[field], None) or {}).items()}
+    for item in container.get("env") or ():
+        if "valueFrom" not in item:
+            env[item["name"]] = expand(item.get("value", ""), env)
+            continue
+        source = item["valueFrom"]
+        if "fieldRef" in source:
+            value: str | None = field_value(pod, source["fieldRef"]["fieldPath"])
+        elif "configMapKeyRef" in source:
+            value = _ref(lookup, "ConfigMap", source["configMapKeyRef"], source["configMapKeyRef"]["key"])
+        elif "secretKeyRef" in source:
+            value = _ref(lookup, "Secret", source["secretKeyRef"], source["secretKeyRef"]["key"])
+        else:
+            raise Unresolvable(f"env {item['name']}: {sorted(source)} is not supported by the pod runner")
+        if value is not None:
+            env[item["name"]] = value
+    return env
+
+
+def _object_files(lookup: Lookup, kind: str, source: Mapping[str, Any], name: str) -> dict[str, str]:
+    data = _ref(lookup, kind, {"name": name, "optional": source.get("optional")}, None) or {}
+    items = source.get("items")
+    if not items:
+        return dict(data)
+    return {item["path"]: data[item["key"]] for item in items if item["key"] in data}
+
+
+def projected_files(volume: Mapping[str, Any], pod: Mapping[str, Any], lookup: Lookup,
+                    token: Callable[[Mapping[str, Any]], str]) -> dict[str, str] | None:
+    """relative path -> content of a ConfigMap, Secret or projected volume (None for other kinds of volume);
+    `token` makes a service-account token for a projected serviceAccountToken source (as the admission
+    plugin adds to every pod that mounts its service account's credentials)."""
+    if "configMap" in volume:
+        return _object_files(lookup, "ConfigMap", volume["configMap"], volume["configMap"]["name"])
+    if "secret" in volume:
+        return _object_files(lookup, "Secret", volume["secret"], volume["secret"]["secretName"])
+    if "projected" not in volume:
+        return None
+    files: dict[str, str] = {}
+    for source in volume["projected"].get("sources") or ():
+        if "serviceAccountToken" in source:
+            files[source["serviceAccountToken"]["path"]] = token(source["serviceAccountToken"])
+        elif "configMap" in source:
+            files |= _object_files(lookup, "ConfigMap", source["configMap"], source["configMap"]["name"])
+        elif "secret" in source:
+            files |= _object_files(lookup, "Secret", source["secret"], source["secret"]["name"])
+        elif "downwardAPI" in source:
+            files |= {item["path"]: field_value(pod, item["fieldRef"]["fieldPath"])
+                      for item in source["downwardAPI"].get("items") or ()}
+        else:
+            raise Unresolvable(f"projected source {sorted(source)} is not supported by the pod runner")
+    return files
+
+
+def container_command(container: Mapping[str, Any], entrypoint: Sequence[str], cmd: Sequence[str]) -> list[str]:
+    """What the runtime executes: `command` replaces the image's ENTRYPOINT, `args` its CMD (and a `command`
+    without `args` drops the CMD), as Kubernetes defines it."""
+    if container.get("command"):
+        return [*container["command"], *(container.get("args") or ())]
+    return [*entrypoint, *(container.get("args") if container.get("args") is not None else cmd)]
+
+
+def rewrite_paths(value: str, mounts: Mapping[str, str]) -> str:
+    """`value` with a leading container mount path (or the path itself) replaced by the local directory."""
+    for mount_path in sorted(mounts, key=len, reverse=True):
+        if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
+            return mounts[mount_path] + value[len(mount_path.rstrip("/")):]
+    return value
+
+
+def service_names(slices: Iterable[Mapping[str, Any]]) -> list[tuple[str, list[str], str]]:
+    """(pod IP, DNS names, namespace) for every endpoint of every EndpointSlice: the Service's own names
+    (`svc.ns`, `svc.ns.svc`, `svc.ns.svc.cluster.local`) and, for endpoints with a hostname (pods of a
+    headless Service), `host.svc.ns.svc` and `host.svc.ns.svc.cluster.local`. Endpoints not ready are left
+    out, as cluster DNS does (Services that publish not-ready addresses mark them ready)."""
+    out: list[tuple[str, list[str], str]] = []
+    for item in slices:
+        meta = item["metadata"]
+        service = (meta.get("labels") or {}).get("kubernetes.io/service-name")
+        if not service or item.get("addressType") != "IPv4":
+            continue
+        ns = meta["namespace"]
+        base = f"{service}.{ns}"
+        for endpoint in item.get("endpoints") or ():
+            if (endpoint.get("conditions") or {}).get("ready") is False or not endpoint.get("addresses"):
+                continue
+            names = [base, f"{base}.svc", f"{base}.svc.{CLUSTER_DOMAIN}"]
+            if endpoint.get("hostname"):
+                host = f"{endpoint['hostname']}.{base}.svc"
+                names += [host, f"{host}.{CLUSTER_DOMAIN}"]
+            out.append((endpoint["addresses"][0], names, ns))
+    return out
+
+
+def render_hosts(entries: Iterable[tuple[str, list[str], str]], own: tuple[str, list[str]] | None = None,
+                 namespace: str | None = None) -> str:
+    """An /etc/hosts: localhost, the pod's own names (`own`: loopback address, names), then every Service
+    entry; in `namespace`, Services also answer to their bare name, as through the DNS search path."""
+    lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+    if own is not None:
+        lines.append(f"{own[0]}\t{' '.join(own[1])}")
+    for ip, names, ns in entries:
+        if ns == namespace:
+            names = [names[0].split(".", 1)[0], *names]
+        lines.append(f"{loopback(ip)}\t{' '.join(names)}")
+    return "\n".join(lines) + "\n"
+
+
+def own_names(pod: Mapping[str, Any]) -> list[str]:
+    """The names a pod knows itself by: its hostname, and its FQDN when it sets a subdomain."""
+    meta, spec = pod["metadata"], pod["spec"]
+    hostname = spec.get("hostname") or meta["name"]
+    names = [hostname]
+    if spec.get("subdomain"):
+        fqdn = f"{hostname}.{spec['subdomain']}.{meta['namespace']}.svc"
+        names = [f"{fqdn}.{CLUSTER_DOMAIN}", fqdn, *names]
+    return names
+
+
+def accelerator_requests(pod: Mapping[str, Any]) -> list[str]:
+    """Extended resources such as nvidia.com/gpu that a pod asks for: this machine cannot give them."""
+    found = set()
+    for container in pod["spec"].get("containers") or ():
+        resources = container.get("resources") or {}
+        for kind in ("requests", "limits"):
+            found |= {name for name in resources.get(kind) or {} if "/" in name}
+    return sorted(found)
