@@ -33,6 +33,16 @@ bench-comm: $(STAMP)  ## communication bytes per token, DiLoCo with int4 at the 
 bench-simulator: $(STAMP)  ## diloco simulate's goodput predictions vs diloco run --compare on one failure trace (~5 min)
 	$(BIN)/python bench/simulate_vs_run.py
 
+.PHONY: bench-loss bench-step-time bench-goodput
+bench-loss: $(STAMP)  ## held-out loss at equal tokens: decoupled DiLoCo vs ddp and sync-diloco, 4 islands (~5 min)
+	$(BIN)/python bench/training.py loss
+
+bench-step-time: $(STAMP)  ## training-step time with syncing on vs off, alternating repeats (~5 min)
+	$(BIN)/python bench/training.py step-time
+
+bench-goodput: $(STAMP)  ## goodput under one failure trace: decoupled vs sync-diloco vs ddp (~5 min)
+	$(BIN)/python bench/training.py goodput
+
 syncer: $(STAMP)  ## one syncer shard on loopback, token "dev", checkpoints in ./out/syncer
 	DILOCO_TOKEN=dev $(BIN)/diloco-syncer --host 127.0.0.1 --port 50051 --metrics-port 9090 --checkpoint-dir out/syncer
 

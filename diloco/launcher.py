@@ -30,6 +30,7 @@ TOKEN = "local-run"
 RESTART_DELAY_SECONDS = 1.0
 POLL_SECONDS = 0.1
 EVAL_BATCHES = 8
+SYNCER_START_SECONDS = 180.0  # importing torch and grpc takes minutes on a saturated machine
 
 
 def free_port() -> int:
@@ -221,7 +222,7 @@ class LocalJob:
             syncer.start(logs)
         for port in self.syncer_ports[: len(self.syncers)]:
             with SyncerClient(f"127.0.0.1:{port}", TOKEN) as client:
-                if not client.wait_ready(60):
+                if not client.wait_ready(SYNCER_START_SECONDS):
                     raise RuntimeError(f"syncer on port {port} did not start; see {logs}")
         started = time.time()
         for worker in self.workers.values():

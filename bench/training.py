@@ -1,0 +1,163 @@
+"""Training benchmarks of `diloco run`, each printing ours beside its baseline measured in the same run, and
+their ratio, and writing a PNG under out/bench/. Every mode is launched by `diloco run` itself (the same
+processes, trace and accounting as `diloco run --compare`), so what is measured is what users run.
+
+  loss       held-out loss at equal tokens: decoupled DiLoCo vs `ddp` and `sync-diloco` (4 islands).
+             Target: ours <= 1.03 x the ddp loss.
+  step-time  training-step time of decoupled DiLoCo with syncing on vs off (off: H beyond the run, so no
+             fragment ever falls due), in alternating repeats so a change of machine load hits both.
+             Target: time(off) / time(on) >= 0.95.
+  goodput    goodput under one seeded failure trace (kill -9 of workers, restart after a delay) for
+             decoupled DiLoCo vs `sync-diloco` (a K = M barrier) vs `ddp` (restart from checkpoint).
+             Targets: ours >= 0.85 and >= 2 x each synchronous baseline.
+
+Usage: python bench/training.py {loss,step-time,goodput} [--islands N] [--steps N] ...
+Exit status 1 when a target is missed (the figures are printed either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from diloco.accounting import load_events
+from diloco.cli import main as diloco_main
+
+
+def diloco_run(out: Path, *options: str) -> list[dict]:
+    """`diloco run` with these options; the summaries it wrote, one per mode."""
+    argv = ["run", "--quiet", "--out", str(out), *options]
+    print(f"  diloco {' '.join(argv)}", flush=True)
+    if diloco_main(argv) != 0:
+        raise SystemExit(f"diloco run failed or timed out: see {out}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def shape(args: argparse.Namespace) -> list[str]:
+    return ["--islands", str(args.islands), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+            "--inner-steps", str(args.inner_steps), "--fragments", str(args.fragments), "--seed", str(args.seed)]
+
+
+def bar_chart(path: Path, title: str, ylabel: str, values: dict[str, float], line: tuple[float, str] | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    bars = ax.bar(list(values), list(values.values()), color=["tab:blue", "tab:orange", "tab:green", "tab:red"][: len(values)])
+    ax.bar_label(bars, fmt="%.3f", fontsize=8)
+    if line is not None:
+        ax.axhline(line[0], color="black", linestyle="--", linewidth=1, label=line[1])
+        ax.legend(fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def verdict(passed: bool, what: str) -> bool:
+    print(f"{'PASS' if passed else 'MISS'}: {what}")
+    return passed
+
+
+def bench_loss(args: argparse.Namespace) -> bool:
+    summaries = {s["mode"]: s for s in diloco_run(args.out / "loss", "--compare", "--eval-every", str(args.eval_every),
+                                                  *shape(args))}
+    ours, ddp, sync = summaries["diloco"], summaries["ddp"], summaries["sync-diloco"]
+    print(f"\nheld-out loss after {ours['tokens_trained']} tokens per mode ({args.islands} islands):")
+    for s in (ours, sync, ddp):
+        print(f"  {s['mode']:>11}: {s['final_loss']:.4f}  ({s['tokens_trained']} tokens)")
+    vs_ddp = ours["final_loss"] / ddp["final_loss"]
+    vs_sync = ours["final_loss"] / sync["final_loss"]
+    print(f"eval loss: ours {ours['final_loss']:.4f}, ddp {ddp['final_loss']:.4f}, ratio {vs_ddp:.3f} (target <= 1.03); "
+          f"sync-diloco {sync['final_loss']:.4f}, ratio {vs_sync:.3f}")
+    bar_chart(args.png_dir / "loss_vs_baselines.png", f"held-out loss at equal tokens, {args.islands} islands",
+              "loss (nats/byte)", {s["mode"]: s["final_loss"] for s in (ours, sync, ddp)},
+              (1.03 * ddp["final_loss"], "1.03 x ddp"))
+    return verdict(vs_ddp <= 1.03, f"ours / ddp = {vs_ddp:.3f} <= 1.03")
+
+
+def step_seconds(out: Path) -> list[float]:
+    """Every training step's wall time in a run (sync work on the training thread included)."""
+    return [e["seconds"] for e in load_events(out / "diloco" / "progress") if e["event"] == "step"]
+
+
+def bench_step_time(args: argparse.Namespace) -> bool:
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for repeat in range(args.repeats):
+        for setting in ("off", "on"):
+            h = args.steps + 1 if setting == "off" else args.inner_steps
+            options = [*shape(args), "--eval-every", str(10**9)]
+            options[options.index("--inner-steps") + 1] = str(h)
+            if setting == "off":
+                options[options.index("--fragments") + 1] = "1"
+            diloco_run(args.out / "step-time" / f"{setting}-{repeat}", *options)
+            times[setting] += step_seconds(args.out / "step-time" / f"{setting}-{repeat}")
+    on, off = statistics.mean(times["on"]), statistics.mean(times["off"])
+    ratio = off / on
+    print(f"\nmean training-step time over {len(times['on'])} steps each ({args.islands} islands, H={args.inner_steps}, "
+          f"P={args.fragments}, {args.repeats} alternating repeats):")
+    print(f"step time: syncing on {on * 1000:.1f} ms, off {off * 1000:.1f} ms, ratio off/on {ratio:.3f} (target >= 0.95); "
+          f"medians {statistics.median(times['on']) * 1000:.1f} / {statistics.median(times['off']) * 1000:.1f} ms")
+    bar_chart(args.png_dir / "step_time.png", "training-step time, syncing on vs off", "mean step time (ms)",
+              {"syncing off": off * 1000, "syncing on": on * 1000})
+    return verdict(ratio >= 0.95, f"off/on = {ratio:.3f} >= 0.95")
+
+
+def bench_goodput(args: argparse.Namespace) -> bool:
+    summaries = {s["mode"]: s for s in diloco_run(
+        args.out / "goodput", "--compare", "--eval-every", str(10**9), "--kill-every", str(args.kill_every),
+        "--restart-after", str(args.restart_after), "--fail-until", str(args.fail_until), *shape(args))}
+    ours, sync, ddp = summaries["diloco"], summaries["sync-diloco"], summaries["ddp"]
+    print(f"\ngoodput on one failure trace ({ours['kills']} kills, restart after {args.restart_after:g} s, "
+          f"{args.islands} islands):")
+    for s in (ours, sync, ddp):
+        print(f"  {s['mode']:>11}: goodput {s['goodput']:.3f}, wall {s['wall_seconds']:.0f} s, eval loss "
+              f"{s['final_loss']:.3f}, restarts {s['restarts']}")
+    print(f"goodput: ours {ours['goodput']:.3f} (target >= 0.85), sync-diloco {sync['goodput']:.3f} "
+          f"(ratio {ours['goodput'] / sync['goodput']:.2f}), ddp {ddp['goodput']:.3f} "
+          f"(ratio {ours['goodput'] / ddp['goodput']:.2f}) (targets >= 2)")
+    bar_chart(args.png_dir / "goodput.png", f"goodput under one failure trace ({ours['kills']} kills)", "goodput",
+              {s["mode"]: s["goodput"] for s in (ours, sync, ddp)}, (0.85, "target 0.85"))
+    met = [verdict(ours["goodput"] >= 0.85, f"ours {ours['goodput']:.3f} >= 0.85"),
+           verdict(ours["goodput"] >= 2 * sync["goodput"], f"ours >= 2 x sync-diloco ({sync['goodput']:.3f})"),
+           verdict(ours["goodput"] >= 2 * ddp["goodput"], f"ours >= 2 x ddp ({ddp['goodput']:.3f})")]
+    return all(met)
+
+
+BENCHES = {"loss": bench_loss, "step-time": bench_step_time, "goodput": bench_goodput}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bench", choices=BENCHES)
+    p.add_argument("--islands", type=int, default=4)
+    p.add_argument("--steps", type=int, default=200, help="inner steps per worker")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--inner-steps", type=int, default=20, help="H")
+    p.add_argument("--fragments", type=int, default=2, help="P")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=2, help="step-time: alternating off/on repeats")
+    p.add_argument("--kill-every", type=float, default=10.0, help="goodput: mean seconds between kill -9s")
+    p.add_argument("--restart-after", type=float, default=3.0, help="goodput: seconds a killed worker stays down")
+    p.add_argument("--fail-until", type=float, default=60.0, help="goodput: kills until this many seconds")
+    p.add_argument("--out", type=Path, default=Path("out/bench/training"), help="the runs")
+    p.add_argument("--png-dir", type=Path, default=Path("out/bench"))
+    args = p.parse_args()
+    started = time.perf_counter()
+    passed = BENCHES[args.bench](args)
+    print(f"({time.perf_counter() - started:.0f} s; runs under {args.out}, plot under {args.png_dir})")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
