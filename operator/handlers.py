@@ -1,12 +1,13 @@
 """The kopf wiring: which events start a reconcile pass, and how its outcome reaches the job (status patch,
-Events) and the metrics. Every trigger runs the same level-based pass; kopf runs one handler at a time
-per job, so passes over a job never overlap.
+Events) and the metrics. Every trigger runs the same level-based pass; kopf runs a job's change handlers
+one at a time but its timer apart from them, so a lock per job keeps passes from overlapping (PassLocks).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,9 +26,15 @@ RESOURCE = (API_GROUP, API_VERSION, PLURAL)
 FINALIZER = f"{API_GROUP}/finalizer"
 
 
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+PEERING_LIFETIME = 60
+"""Seconds a replica's peering record lives without a keep-alive: how long the others wait before taking
+over from a replica that died without saying goodbye (SIGKILL, a lost node)."""
+
+
+def configure(settings: kopf.OperatorSettings, peering_lifetime: int = PEERING_LIFETIME, **_: Any) -> None:
     """Kopf's bookkeeping under the project's own annotation prefix, no CRD or namespace scanning (so the
-    RBAC needs no access to either), and only warnings posted as Events."""
+    RBAC needs no access to either), only warnings posted as Events, and the peering record's lifetime."""
+    settings.peering.lifetime = peering_lifetime
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -37,7 +44,31 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
 
 
-def _handler(reconciler: Reconciler, metrics: OperatorMetrics, trigger: str) -> Callable[..., None]:
+class PassLocks:
+    """One lock per job. Kopf runs a job's timer apart from its change handlers, so without these a timer
+    pass and a create or update pass could run over one job at once, applying the same children twice and
+    posting the same Events twice."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def of(self, uid: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(uid, threading.Lock())
+
+    def forget(self, uid: str) -> None:
+        with self._guard:
+            self._locks.pop(uid, None)
+
+
+def _handler(
+    reconciler: Reconciler, metrics: OperatorMetrics, trigger: str, locks: PassLocks | None = None
+) -> Callable[..., None]:
+    """A pass per call. A timer finding a pass under way skips its turn (the pass under way does the work);
+    a change waits for it, then reconciles what it changed."""
+    locks = locks or PassLocks()
+
     def reconcile_job(
         body: kopf.Body,
         meta: kopf.Meta,
@@ -48,6 +79,30 @@ def _handler(reconciler: Reconciler, metrics: OperatorMetrics, trigger: str) -> 
         uid: str,
         patch: kopf.Patch,
         **_: Any,
+    ) -> None:
+        if meta.get("deletionTimestamp"):
+            # The job is going: the garbage collector removes its children (foreground deletion: before the
+            # job itself), and a pass now would apply them again and post Events into a dying namespace.
+            locks.forget(uid)
+            return
+        lock = locks.of(uid)
+        if not lock.acquire(blocking=trigger != "timer"):
+            metrics.reconciles.labels(trigger, "skipped").inc()
+            return
+        try:
+            _reconcile(body, meta, spec, status, name, namespace, uid, patch)
+        finally:
+            lock.release()
+
+    def _reconcile(
+        body: kopf.Body,
+        meta: kopf.Meta,
+        spec: kopf.Spec,
+        status: kopf.Status,
+        name: str,
+        namespace: str,
+        uid: str,
+        patch: kopf.Patch,
     ) -> None:
         started = time.perf_counter()
         try:
@@ -86,15 +141,23 @@ def _handler(reconciler: Reconciler, metrics: OperatorMetrics, trigger: str) -> 
 
 
 def register(
-    registry: kopf.OperatorRegistry, reconciler: Reconciler, metrics: OperatorMetrics, interval: float
+    registry: kopf.OperatorRegistry,
+    reconciler: Reconciler,
+    metrics: OperatorMetrics,
+    interval: float,
+    peering_lifetime: int = PEERING_LIFETIME,
 ) -> None:
     """Reconcile on resume (operator start), create, spec update, and every `interval` seconds; log in
     with the `kubernetes` client's credentials (in-cluster service account or kubeconfig)."""
+
+    def configure_operator(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure(settings, peering_lifetime)
+
+    locks = PassLocks()
     kopf.on.login(registry=registry)(kopf.login_via_client)
-    kopf.on.startup(registry=registry)(configure)
-    kopf.on.resume(*RESOURCE, id="reconcile-on-resume", registry=registry)(_handler(reconciler, metrics, "resume"))
-    kopf.on.create(*RESOURCE, id="reconcile-on-create", registry=registry)(_handler(reconciler, metrics, "create"))
-    kopf.on.update(*RESOURCE, id="reconcile-on-update", registry=registry)(_handler(reconciler, metrics, "update"))
+    kopf.on.startup(registry=registry)(configure_operator)
+    for trigger, on in (("resume", kopf.on.resume), ("create", kopf.on.create), ("update", kopf.on.update)):
+        on(*RESOURCE, id=f"reconcile-on-{trigger}", registry=registry)(_handler(reconciler, metrics, trigger, locks))
     kopf.timer(*RESOURCE, id="reconcile-on-timer", interval=interval, registry=registry)(
-        _handler(reconciler, metrics, "timer")
+        _handler(reconciler, metrics, "timer", locks)
     )

@@ -9,7 +9,7 @@ taken over, the API server reports the conflict instead.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes import client, config
@@ -41,13 +41,16 @@ class ApiError(Exception):
         self.message = message
 
 
-def load_config() -> client.ApiClient:
-    """In a pod, its service account; elsewhere, the current kubeconfig context."""
+def load_config(connections: int = 8) -> client.ApiClient:
+    """In a pod, its service account; elsewhere, the current kubeconfig context; a pool of `connections`
+    connections, one per call in flight."""
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    return client.ApiClient()
+    configuration = client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize or 1, connections)
+    return client.ApiClient(configuration)
 
 
 def _path(kind: str, namespace: str | None, name: str | None = None) -> str:
@@ -61,16 +64,24 @@ def selector(labels: Mapping[str, str]) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
+METHODS = {"list": "GET", "get": "GET", "apply": "PATCH", "delete": "DELETE"}
+"""HTTP method of each verb the operator uses."""
+RequestObserver = Callable[[str, str, int], None]
+"""Told (verb: list, get, apply or delete; kind; HTTP status) of every call made, e.g. to count them as a metric."""
+
+
 class Kube:
     """Synchronous JSON calls through the `kubernetes` client's connection pool and credentials."""
 
-    def __init__(self, api: client.ApiClient, timeout: float = 30.0) -> None:
+    def __init__(self, api: client.ApiClient, timeout: float = 30.0, observe: RequestObserver | None = None) -> None:
         self.api = api
         self.timeout = timeout
+        self.observe = observe
 
     def _call(
         self,
-        method: str,
+        verb: str,
+        kind: str,
         path: str,
         query: list[tuple[str, str]] | None = None,
         body: Any = None,
@@ -81,10 +92,12 @@ class Kube:
         if content_type:
             headers["Content-Type"] = content_type
         request = self.api.param_serialize(
-            method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
+            METHODS[verb], path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
         )
         response = self.api.call_api(*request, _request_timeout=self.timeout)
         response.read()
+        if self.observe is not None:
+            self.observe(verb, kind, response.status)
         if response.status == 404:
             return None
         payload = json.loads(response.data) if response.data else {}
@@ -94,19 +107,20 @@ class Kube:
 
     def list(self, kind: str, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
         """Every object of `kind` in `namespace` carrying all of `labels`."""
-        reply = self._call("GET", _path(kind, namespace), [("labelSelector", selector(labels))])
+        reply = self._call("list", kind, _path(kind, namespace), [("labelSelector", selector(labels))])
         api_version = RESOURCES[kind][0]
         return [{"apiVersion": api_version, "kind": kind, **item} for item in (reply or {}).get("items", [])]
 
     def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
-        return self._call("GET", _path(kind, namespace, name))
+        return self._call("get", kind, _path(kind, namespace, name))
 
     def apply(self, obj: Mapping[str, Any], force: bool) -> dict[str, Any]:
         """Server-side apply of `obj` (created if missing); `force` takes over fields other managers set."""
         meta = obj["metadata"]
         query = [("fieldManager", MANAGER), ("force", "true" if force else "false")]
         reply = self._call(
-            "PATCH",
+            "apply",
+            obj["kind"],
             _path(obj["kind"], meta.get("namespace"), meta["name"]),
             query,
             body=dict(obj),
@@ -119,7 +133,8 @@ class Kube:
     def delete(self, kind: str, namespace: str | None, name: str) -> None:
         """Deletes in the background (dependents garbage-collected); an object already gone is fine."""
         self._call(
-            "DELETE",
+            "delete",
+            kind,
             _path(kind, namespace, name),
             body={"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"},
             content_type="application/json",

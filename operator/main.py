@@ -17,10 +17,10 @@ import kopf
 
 from diloco.logs import setup_logging
 from diloco.operator.children import OperatorRef
-from diloco.operator.handlers import register
+from diloco.operator.handlers import PEERING_LIFETIME, register
 from diloco.operator.kube import Kube, load_config
 from diloco.operator.metrics import OperatorMetrics
-from diloco.operator.reconcile import Reconciler
+from diloco.operator.reconcile import PARALLEL_CALLS, Reconciler
 
 PEERING_NAME = "diloco-operator"
 
@@ -42,6 +42,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     peering.add_argument("--peering", default=PEERING_NAME, help="kopf peering object shared by the replicas")
     peering.add_argument("--standalone", action="store_true", help="no peering: only ever run one replica")
     p.add_argument("--priority", type=int, default=None, help="peering priority (default: random)")
+    p.add_argument("--peering-lifetime", type=int, default=PEERING_LIFETIME,
+                   help="seconds before the other replicas take over from one that stopped keeping alive "
+                        f"(default {PEERING_LIFETIME})")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     return p.parse_args(argv)
 
@@ -80,12 +83,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.metrics_port:
         metrics.serve(args.metrics_port)
     reconciler = Reconciler(
-        Kube(load_config()),
+        Kube(load_config(PARALLEL_CALLS), observe=metrics.api_request),
         OperatorRef(namespace=pod_namespace) if pod_namespace else None,
         probe_timeout=args.probe_timeout,
     )
     registry = kopf.OperatorRegistry()
-    register(registry, reconciler, metrics, args.resync_seconds)
+    register(registry, reconciler, metrics, args.resync_seconds, args.peering_lifetime)
     kopf.run(
         registry=registry,
         clusterwide=not namespaces,

@@ -18,6 +18,16 @@ class OperatorMetrics:
         self.applied = Counter("diloco_operator_applied_objects", "Children created or patched, by kind",
                                ["kind"], registry=r)
         self.deleted = Counter("diloco_operator_deleted_objects", "Children deleted, by kind", ["kind"], registry=r)
+        self.api_requests = Counter(
+            "diloco_operator_api_requests",
+            "Kubernetes API calls of reconcile passes (kopf's own watches and patches not included), by verb, "
+            "kind and HTTP status",
+            ["verb", "kind", "code"], registry=r,
+        )
+
+    def api_request(self, verb: str, kind: str, status: int) -> None:
+        """A `kube.RequestObserver` counting every call into `api_requests`."""
+        self.api_requests.labels(verb, kind, str(status)).inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

@@ -21,7 +21,8 @@ from diloco.v1 import syncer_pb2 as pb
 from diloco.v1 import syncer_pb2_grpc as pb_grpc
 
 LOSS_METRIC = "diloco_worker_loss"
-MAX_PARALLEL = 16
+MAX_PARALLEL = 128
+"""Probes in flight at once: a pass waits one timeout for up to this many unreachable islands or shards."""
 
 
 def shard_status(shard: int, ready: bool, target: str, token: str, timeout: float) -> ShardObservation:

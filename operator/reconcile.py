@@ -13,6 +13,7 @@ import datetime
 import logging
 import secrets
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,9 @@ from diloco.spec import DiLoCoJobSpec, DiLoCoJobStatus
 
 log = logging.getLogger("diloco.operator")
 
+PARALLEL_CALLS = 8
+"""Applies and deletes in flight at once within a pass (the API client's connection pool holds as many)."""
+WORKLOADS = ("Deployment", "StatefulSet")
 CHILD_KINDS = ("ConfigMap", "Secret", "NetworkPolicy", "PersistentVolumeClaim", "Service", "Deployment", "StatefulSet")
 
 ShardPoller = Callable[[Sequence[str], Sequence[bool], str, float], list[ShardObservation]]
@@ -94,6 +98,12 @@ def in_sync(live: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     return applied_hash(live) == applied_hash(desired) and contains(live, desired)
 
 
+def summarize(keys: Sequence[str], limit: int = 8) -> str:
+    """`kind/name` keys for an Event's message, the first `limit` of them named and the rest counted."""
+    named = ", ".join(keys[:limit])
+    return named if len(keys) <= limit else f"{named} and {len(keys) - limit} more"
+
+
 def _metrics_url(ip: str, port: int) -> str:
     host = f"[{ip}]" if ":" in ip else ip
     return f"http://{host}:{port}/metrics"
@@ -109,12 +119,30 @@ class Reconciler:
         probe_timeout: float = 2.0,
         poll_shards: ShardPoller = shard_statuses,
         scrape_losses: LossScraper = trainer_losses,
+        parallel_calls: int = PARALLEL_CALLS,
     ) -> None:
         self.kube = kube
+        self.parallel_calls = parallel_calls
         self.operator = operator
         self.probe_timeout = probe_timeout
         self.poll_shards = poll_shards
         self.scrape_losses = scrape_losses
+
+    def _each(self, call: Callable[[Any], object], items: Sequence[Any]) -> list[ApiError | None]:
+        """`call` on every item, up to `parallel_calls` at once: each is one API round trip, so a pass over
+        hundreds of islands costs their latency divided by the parallelism. The refusal of each, or None."""
+
+        def attempt(item: Any) -> ApiError | None:
+            try:
+                call(item)
+            except ApiError as error:
+                return error
+            return None
+
+        if len(items) <= 1 or self.parallel_calls <= 1:
+            return [attempt(item) for item in items]
+        with ThreadPoolExecutor(max_workers=min(self.parallel_calls, len(items))) as pool:
+            return list(pool.map(attempt, items))
 
     def _existing(self, job: n.JobRef) -> dict[tuple[str, str], dict[str, Any]]:
         found: dict[tuple[str, str], dict[str, Any]] = {}
@@ -182,29 +210,39 @@ class Reconciler:
         events = list(decision.events)
 
         desired = render_children(job, spec, token, decision.scale, self.operator)
-        applied: list[str] = []
+        stale: list[tuple[dict[str, Any], bool]] = []
         for obj in desired:
             live = existing.get(child_key(obj))
             mine = live is not None and owned_by(live, job.uid)
-            if mine and in_sync(live, obj):
-                continue
-            try:
-                self.kube.apply(obj, force=mine)
-                applied.append("/".join(child_key(obj)))
-            except ApiError as error:
-                log.warning("apply failed", extra={"job": job.name, "object": child_key(obj), "error": str(error)})
-                events.append(Event("Warning", "ApplyFailed", f"{'/'.join(child_key(obj))}: {error.message}"))
+            if not (mine and in_sync(live, obj)):
+                stale.append((obj, mine))
+        # Workloads last, so that their pods find the config, token, volumes and Services already there.
+        waves = [[item for item in stale if (item[0]["kind"] in WORKLOADS) == last] for last in (False, True)]
+        applied: list[str] = []
+        created: list[str] = []
+        for wave in waves:
+            for (obj, _), error in zip(wave, self._each(lambda item: self.kube.apply(item[0], force=item[1]), wave)):
+                if error is None:
+                    applied.append("/".join(child_key(obj)))
+                    if child_key(obj) not in existing:
+                        created.append(applied[-1])
+                else:
+                    log.warning("apply failed", extra={"job": job.name, "object": child_key(obj), "error": str(error)})
+                    events.append(Event("Warning", "ApplyFailed", f"{'/'.join(child_key(obj))}: {error.message}"))
 
         wanted = {child_key(obj) for obj in desired}
+        pruned = [key for key, obj in existing.items() if key not in wanted and owned_by(obj, job.uid)]
         deleted: list[str] = []
-        for key, obj in existing.items():
-            if key not in wanted and owned_by(obj, job.uid):
-                try:
-                    self.kube.delete(key[0], job.namespace, key[1])
-                    deleted.append("/".join(key))
-                except ApiError as error:
-                    events.append(Event("Warning", "DeleteFailed", f"{'/'.join(key)}: {error.message}"))
+        for key, error in zip(pruned, self._each(lambda key: self.kube.delete(key[0], job.namespace, key[1]), pruned)):
+            if error is None:
+                deleted.append("/".join(key))
+            else:
+                events.append(Event("Warning", "DeleteFailed", f"{'/'.join(key)}: {error.message}"))
 
+        updated = [key for key in applied if key not in created]
+        for reason, keys in (("Created", created), ("Updated", updated), ("Deleted", deleted)):
+            if keys:
+                events.append(Event("Normal", reason, f"{reason.lower()} {len(keys)}: {summarize(keys)}"))
         if decision.delete:
             self.kube.delete("DiLoCoJob", job.namespace, job.name)
         return Outcome(

@@ -228,6 +228,14 @@ def decide(
                 phase = Phase.RUNNING
             else:
                 phase = Phase.DEGRADED if start is not None else Phase.PENDING
+        if phase is not previous.phase and phase in (Phase.RUNNING, Phase.DEGRADED) \
+                and previous.phase is not Phase.SUSPENDED:
+            events.append(
+                Event("Normal", "Running", f"phase {previous.phase.value} -> Running: every island and syncer "
+                      "shard is ready") if phase is Phase.RUNNING else
+                Event("Warning", "Degraded", f"phase {previous.phase.value} -> Degraded: "
+                      f"{_degraded_detail(accounts, observed.shards)}")
+            )
         if phase is Phase.SUSPENDED and previous.phase is not Phase.SUSPENDED:
             events.append(Event("Normal", "Suspended", "spec.suspend is true: islands scaled to zero"))
         if previous.phase is Phase.SUSPENDED and phase is not Phase.SUSPENDED:

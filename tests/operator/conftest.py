@@ -4,10 +4,18 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from cluster.cluster import Cluster, MissingBinaries, start_cluster
 from cluster.controlplane import ControlPlane, binaries_dir, start_control_plane
 from support import missing_binary
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def install_crds(plane: ControlPlane) -> None:
+    plane.kubectl("apply", "--server-side", "-f", str(ROOT / "deploy" / "crd.yaml"),
+                  "-f", str(ROOT / "deploy" / "peering-crds.yaml"))
+    plane.kubectl("wait", "--for", "condition=established", "--timeout", "60s",
+                  "crd/dilocojobs.diloco.dev", "crd/clusterkopfpeerings.kopf.dev")
 
 
 @pytest.fixture(scope="session")
@@ -18,10 +26,23 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
         missing_binary("no cached kube-apiserver/etcd/kubectl (run tests/cluster/build.sh)")
     plane = start_control_plane(bin_dir, tmp_path_factory.mktemp("control-plane"))
     try:
-        plane.kubectl("apply", "--server-side", "-f", str(ROOT / "deploy" / "crd.yaml"),
-                      "-f", str(ROOT / "deploy" / "peering-crds.yaml"))
-        plane.kubectl("wait", "--for", "condition=established", "--timeout", "60s",
-                      "crd/dilocojobs.diloco.dev", "crd/clusterkopfpeerings.kopf.dev")
+        install_crds(plane)
         yield plane
     finally:
         plane.stop()
+
+
+@pytest.fixture(scope="session")
+def operator_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A whole cluster (controllers, scheduler, KWOK's default node pools) with the project's CRDs. Not the
+    shared `kwok_cluster`: the e2e suite installs the chart's operator there, which would act on these
+    tests' jobs too and take part in their peering."""
+    try:
+        cluster = start_cluster(tmp_path_factory.mktemp("operator-cluster"))
+    except MissingBinaries as error:
+        missing_binary(str(error))
+    try:
+        install_crds(cluster)
+        yield cluster
+    finally:
+        cluster.stop()

@@ -220,6 +220,6 @@ def test_a_restarted_operator_changes_nothing(control_plane, kube, operator):
     wait_until(lambda: (kube.get("DiLoCoJob", ns, "steady").get("status") or {}).get("phase") == "Pending")
     operator.stop()
     operator.start()
-    wait_until(lambda: operator.metric('diloco_operator_reconciles_total{trigger="timer",result="ok"}') >= 5)
+    wait_until(lambda: operator.metric("diloco_operator_reconciles_total", trigger="timer", result="ok") >= 5)
     assert operator.metric("diloco_operator_applied_objects_total") == 0
     assert operator.metric("diloco_operator_deleted_objects_total") == 0

@@ -2,6 +2,7 @@
 metrics, and which namespaces are watched."""
 
 import argparse
+import threading
 
 import kopf
 import pytest
@@ -75,6 +76,34 @@ def test_a_deleted_job_gets_no_status_patch(monkeypatch):
     assert call(handlers._handler(FakeReconciler(outcome), OperatorMetrics(), "timer"))["patch"] == {}
 
 
+def test_a_job_being_deleted_is_left_to_the_garbage_collector():
+    reconciler, metrics = FakeReconciler(), OperatorMetrics()
+    kwargs = call(handlers._handler(reconciler, metrics, "timer"),
+                  meta={"generation": 3, "deletionTimestamp": "2026-01-01T00:00:00Z"})
+    assert reconciler.calls == [] and kwargs["patch"] == {}
+    assert sample(metrics, "diloco_operator_reconciles_total", trigger="timer", result="ok") == 0
+
+
+def test_a_timer_skips_its_turn_while_a_pass_is_under_way_and_a_change_waits_for_it(monkeypatch):
+    monkeypatch.setattr(kopf, "event", lambda body, **event: None)
+    outcome = Outcome(status={"phase": "Running"}, events=(), applied=(), deleted=(), job_deleted=False)
+    reconciler, metrics, locks = FakeReconciler(outcome), OperatorMetrics(), handlers.PassLocks()
+    under_way = locks.of("u")
+    under_way.acquire()
+    call(handlers._handler(reconciler, metrics, "timer", locks))
+    assert reconciler.calls == []
+    assert sample(metrics, "diloco_operator_reconciles_total", trigger="timer", result="skipped") == 1
+    change = threading.Thread(target=call, args=(handlers._handler(reconciler, metrics, "update", locks),))
+    change.start()
+    change.join(0.2)
+    assert change.is_alive() and reconciler.calls == []
+    under_way.release()
+    change.join(5)
+    assert len(reconciler.calls) == 1
+    call(handlers._handler(reconciler, metrics, "timer", locks), uid="other-job")
+    assert len(reconciler.calls) == 2
+
+
 def test_an_invalid_spec_is_reported_and_not_retried(monkeypatch):
     warned = []
     monkeypatch.setattr(kopf, "warn", lambda body, **event: warned.append(event))
@@ -100,6 +129,9 @@ def test_kopf_settings():
     settings = kopf.OperatorSettings()
     handlers.configure(settings)
     assert settings.persistence.finalizer == "diloco.dev/finalizer" and settings.scanning.disabled
+    assert settings.peering.lifetime == 60
+    handlers.configure(settings, peering_lifetime=7)
+    assert settings.peering.lifetime == 7
 
 
 @pytest.mark.parametrize(
@@ -121,6 +153,7 @@ def test_command_line_defaults_and_exclusions():
     assert (args.resync_seconds, args.metrics_port, args.liveness_port, args.peering) == (10.0, 8000, 8080,
                                                                                           "diloco-operator")
     assert isinstance(args, argparse.Namespace) and args.priority is None and not args.standalone
+    assert args.peering_lifetime == 60 and parse_args(["--peering-lifetime", "5"]).peering_lifetime == 5
     for exclusive in (["-A", "-n", "x"], ["--standalone", "--peering", "p"]):
         with pytest.raises(SystemExit):
             parse_args(exclusive)

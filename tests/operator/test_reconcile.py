@@ -98,6 +98,11 @@ def test_first_pass_creates_every_child_and_a_token(setup):
     assert calls == [(["demo-syncer-0.ml.svc:50051", "demo-syncer-1.ml.svc:50051"], [False, False], token)]
     assert outcome.status["phase"] == "Pending" and outcome.status["islandsReady"] == "0/2"
     assert kube.get("StatefulSet", "ml", "demo-a")["spec"]["replicas"] == 2
+    kinds = [kind for _, kind, *_ in kube.writes]
+    assert max(i for i, k in enumerate(kinds) if k not in ("Deployment", "StatefulSet")) < \
+        min(i for i, k in enumerate(kinds) if k in ("Deployment", "StatefulSet")), "workloads go last"
+    (created,) = [e for e in outcome.events if e.reason == "Created"]
+    assert created.message.startswith("created 13: ConfigMap/demo-config, ") and created.message.endswith(" and 5 more")
 
 
 def test_a_second_pass_changes_nothing_and_keeps_the_token(setup):
@@ -118,6 +123,7 @@ def test_a_spec_change_patches_only_what_it_touches_with_force(setup):
     outcome = reconciler.reconcile(JOB, 2, bigger, None, NOW)
     assert outcome.applied == ("StatefulSet/demo-a",)
     assert kube.writes == [("apply", "StatefulSet", "demo-a", True)]
+    assert [(e.reason, e.message) for e in outcome.events] == [("Updated", "updated 1: StatefulSet/demo-a")]
 
 
 def test_drift_is_corrected_but_server_defaults_are_not_drift(setup):
@@ -154,6 +160,7 @@ def test_a_removed_island_loses_its_children(setup):
     reconciler.reconcile(JOB, 1, SPEC, None, NOW)
     outcome = reconciler.reconcile(JOB, 2, {**SPEC, "islands": [{"name": "a", "replicas": 2}]}, None, NOW)
     assert set(outcome.deleted) == {"StatefulSet/demo-b", "Service/demo-b"}
+    assert [e.reason for e in outcome.events] == ["Deleted"] and "StatefulSet/demo-b" in outcome.events[0].message
     assert kube.get("StatefulSet", "ml", "demo-b") is None and kube.get("StatefulSet", "ml", "demo-a")
 
 

@@ -265,6 +265,9 @@ def test_pending_until_syncers_and_islands_are_ready_then_running():
     assert [(f.fragment, f.version, f.tokens) for f in status.fragments] == [(0, 3, 300), (1, 2, 250)]
     assert (status.outer_step, status.tokens) == (2, 250)
     assert status.islands[0].last_sync == at(10) and status.observed_generation == 1
+    assert first.events == ()
+    assert [(e.type, e.reason, e.message) for e in second.events] == [
+        ("Normal", "Running", "phase Pending -> Running: every island and syncer shard is ready")]
 
 
 def test_an_island_short_of_pods_degrades_the_job_and_says_which():
@@ -275,6 +278,9 @@ def test_an_island_short_of_pods_degrades_the_job_and_says_which():
     assert condition(degraded.status, "Degraded").status == "True"
     assert "island a: 1/2 pods ready" in condition(degraded.status, "Degraded").message
     assert condition(degraded.status, "Ready").status == "False"
+    assert [(e.type, e.reason, e.message) for e in degraded.events][-1] == (
+        "Warning", "Degraded", "phase Running -> Degraded: island a: 1/2 pods ready (re-forming: Failure)")
+    assert "Degraded" not in [e.reason for e in run(spec, [missing], status=degraded.status)[0].events]
 
 
 def test_exhausting_the_restart_budget_fails_the_job_for_good():
