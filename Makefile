@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test unit protos bench-syncer bench-comm bench-simulator syncer images clean
+.PHONY: run test unit e2e e2e-kind cluster-up protos bench-syncer bench-comm bench-simulator syncer images clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,15 @@ test: $(STAMP)  ## every test tier that runs on this machine
 
 unit: $(STAMP)  ## only the pure-logic tests
 	$(BIN)/python -m pytest -m "not process"
+
+e2e: $(STAMP)  ## the end-to-end suite through helm and kubectl on the KWOK test cluster (needs tests/cluster/build.sh)
+	$(BIN)/python -m pytest -m e2e tests/e2e
+
+e2e-kind: $(STAMP)  ## the same suite on a new kind cluster with the images built here (needs Docker and image pulls)
+	tests/e2e/kind.sh
+
+cluster-up: $(STAMP)  ## the KWOK test cluster and its pod runner, by hand: prints a KUBECONFIG, Ctrl-C stops it
+	PYTHONPATH=tests $(BIN)/python -m cluster.up
 
 protos: $(STAMP)  ## regenerate the gRPC stubs from protos/
 	$(BIN)/python protos/generate.py
@@ -42,6 +51,10 @@ bench-step-time: $(STAMP)  ## training-step time with syncing on vs off, alterna
 
 bench-goodput: $(STAMP)  ## goodput under one failure trace: decoupled vs sync-diloco vs ddp (~5 min)
 	$(BIN)/python bench/training.py goodput
+
+.PHONY: bench-operator
+bench-operator: $(STAMP)  ## operator: kubectl apply of 100 islands x 8 pods to children and status current, KWOK cluster
+	$(BIN)/python bench/operator_scale.py
 
 syncer: $(STAMP)  ## one syncer shard on loopback, token "dev", checkpoints in ./out/syncer
 	DILOCO_TOKEN=dev $(BIN)/diloco-syncer --host 127.0.0.1 --port 50051 --metrics-port 9090 --checkpoint-dir out/syncer

@@ -1,0 +1,117 @@
+"""The cluster the e2e suite runs against: any kubeconfig in DILOCO_E2E_KUBECONFIG (a kind cluster with the
+project's images loaded, `make e2e-kind`), else the KWOK test cluster (tests/cluster) with the pod runner
+standing in for kubelets, so the chart's operator Deployment and the job's syncers and workers really run,
+as local processes, from this checkout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from cluster.cluster import Cluster
+from cluster.controlplane import binaries_dir, free_port
+from cluster.pod_runner import PodRunner
+from kubernetes import config as kube_config
+from support import missing_binary
+
+ROOT = Path(__file__).resolve().parents[2]
+OPERATOR_NAMESPACE = "diloco-system"
+
+
+@dataclass
+class Target:
+    """A cluster and what the suite may do to it. `cluster` and `runner` exist only for the KWOK cluster."""
+
+    kubeconfig: Path
+    bin: Path
+    image_tag: str
+    cluster: Cluster | None = None
+    runner: PodRunner | None = None
+
+    def kubectl(self, *args: str, stdin: str | None = None, check: bool = True,
+                timeout: float = 60) -> subprocess.CompletedProcess:
+        return self._run("kubectl", args, stdin, check, timeout)
+
+    def helm(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        return self._run("helm", args, None, True, timeout)
+
+    def _run(self, tool: str, args: tuple[str, ...], stdin: str | None, check: bool,
+             timeout: float) -> subprocess.CompletedProcess:
+        result = subprocess.run([str(self.bin / tool), "--kubeconfig", str(self.kubeconfig), *args], input=stdin,
+                                capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode != 0:
+            raise AssertionError(f"{tool} {' '.join(args)} failed: {result.stderr}")
+        return result
+
+    def crash(self, namespace: str, pod: str) -> None:
+        """Makes the pod's main process die as a crash would: SIGKILL on the KWOK cluster; in a real container
+        (where PID 1 ignores signals it has no handler for) SIGINT, which Python turns into an exit."""
+        if self.runner is not None:
+            assert self.runner.kill(namespace, pod, signal.SIGKILL) == 1
+        else:
+            self.kubectl("-n", namespace, "exec", pod, "--", "python", "-c",
+                         "import os, signal; os.kill(1, signal.SIGINT)")
+
+    def lose_node(self, name: str) -> None:
+        """A spot node preempted: its pods evicted, the Node gone."""
+        if self.cluster is not None:
+            self.cluster.delete_node(name)
+        else:
+            self.kubectl("cordon", name)
+            self.kubectl("taint", "node", name, "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute")
+            self.kubectl("delete", "node", name, timeout=120)
+
+    def restore_node(self, name: str) -> None:
+        """Brings a lost node's pool back to size (on kind, the kubelet re-registers the node by itself)."""
+        if self.cluster is not None:
+            assert self.cluster.add_node(name.rsplit("-", 1)[0]) == name
+
+
+def _external(kubeconfig: Path) -> Target:
+    found = {tool: shutil.which(tool) for tool in ("kubectl", "helm")}
+    cached = binaries_dir(("kubectl", "helm"))
+    if cached is not None:
+        return Target(kubeconfig, cached, os.environ.get("DILOCO_E2E_IMAGE_TAG", "e2e"))
+    if not all(found.values()):
+        missing_binary("kubectl and helm are needed on PATH for DILOCO_E2E_KUBECONFIG")
+    return Target(kubeconfig, Path(found["kubectl"]).parent, os.environ.get("DILOCO_E2E_IMAGE_TAG", "e2e"))
+
+
+@pytest.fixture(scope="session")
+def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    external = os.environ.get("DILOCO_E2E_KUBECONFIG")
+    if external:
+        yield _external(Path(external))
+        return
+    cluster: Cluster = request.getfixturevalue("kwok_cluster")
+    if binaries_dir(("helm",)) is None:
+        missing_binary("no cached helm (run tests/cluster/build.sh)")
+    runner = PodRunner(kube_config.new_client_from_config(str(cluster.kubeconfig)), tmp_path_factory.mktemp("pods"))
+    runner.start()
+    try:
+        yield Target(cluster.kubeconfig, cluster.bin, "dev", cluster, runner)
+    finally:
+        runner.stop()
+    assert not runner.leftovers(), f"pod processes left running: {runner.leftovers()}"
+
+
+@pytest.fixture(scope="session")
+def operator(target: Target) -> Iterator[str]:
+    """`helm install` of charts/diloco; yields the release's namespace. On the KWOK cluster the chart's
+    Deployment runs through the pod runner like any pod (its image is this checkout)."""
+    target.helm("install", "diloco", str(ROOT / "charts" / "diloco"), "--namespace", OPERATOR_NAMESPACE,
+                "--create-namespace", "--wait", "--timeout", "120s",
+                "--set", f"image.tag={target.image_tag}", "--set", "image.pullPolicy=IfNotPresent",
+                "--set", "replicaCount=1", "--set", "resyncSeconds=2",
+                # Pods of the KWOK cluster share this machine's ports: free ones for the operator's listeners.
+                "--set", f"metrics.port={free_port()}", "--set", f"livenessPort={free_port()}")
+    try:
+        yield OPERATOR_NAMESPACE
+    finally:
+        target.helm("uninstall", "diloco", "--namespace", OPERATOR_NAMESPACE, "--wait", "--timeout", "120s")

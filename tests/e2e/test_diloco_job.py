@@ -1,0 +1,194 @@
+"""End to end, through kubectl and helm only: a small variant of deploy/examples/tiny-cpu.yaml (an on-demand
+island and a spot island, few and cheap steps) trains for real, survives the loss of its spot node, a
+crashing trainer and a restarted operator, finishes, and is garbage-collected when deleted.
+
+The tests share one job and run in file order, each a chapter of its life.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import pytest
+import yaml
+
+import support
+
+pytestmark = [pytest.mark.process, pytest.mark.e2e]
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMESPACE = "e2e"
+JOB = "tiny"
+CHILD_KINDS = "configmap,secret,networkpolicy,persistentvolumeclaim,service,deployment,statefulset"
+wait_until = partial(support.wait_until, timeout=120.0, interval=1.0)
+CHEAP = [  # the trainer's knobs (worker/main.py): tiny batches, one thread, no eval, never done on its own
+    {"name": "DILOCO_BATCH_SIZE", "value": "4"},
+    {"name": "DILOCO_THREADS", "value": "1"},
+    {"name": "DILOCO_EVAL_EVERY", "value": "1000000"},
+    {"name": "DILOCO_STEPS", "value": "1000000"},
+]
+
+
+def job_manifest(image_tag: str) -> str:
+    """deploy/examples/tiny-cpu.yaml with one on-demand and one spot island of one pod each, H=10, one shard,
+    and a stop condition far away (test_the_job_finishes brings it near)."""
+    job = yaml.safe_load((ROOT / "deploy" / "examples" / "tiny-cpu.yaml").read_text())
+    job["metadata"] = {"name": JOB}
+    spec = job["spec"]
+    spec["image"] = f"diloco-trainer:{image_tag}"
+    spec["imagePullPolicy"] = "IfNotPresent"
+    spec["training"] |= {"innerSteps": 10, "fragments": 2, "overlapSteps": 1, "graceSeconds": 0.5}
+    small = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}}
+    template = {"spec": {"containers": [{"name": "trainer", "env": CHEAP}]}}
+    spec["islands"] = [
+        {"name": "solo", "replicas": 1, "resources": small, "podTemplate": template},
+        {"name": "spot", "replicas": 1, "spot": True, "nodeSelector": {"cloud.google.com/gke-spot": "true"},
+         "resources": small, "podTemplate": template},
+    ]
+    spec["syncer"] |= {"shards": 1, "resources": small}
+    spec["failurePolicy"] = {"restartBudget": 5, "backoffSeconds": 1}
+    spec["stopCondition"] = {"outerSteps": 100000}
+    return yaml.safe_dump(job)
+
+
+def get(target, kind, name, namespace=NAMESPACE):
+    result = target.kubectl("-n", namespace, "get", kind, name, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def status(target):
+    return (get(target, "dilocojob", JOB) or {}).get("status") or {}
+
+
+def island(target, name):
+    return next((i for i in status(target).get("islands", ()) if i["name"] == name), {})
+
+
+def pods(target, island_name):
+    out = target.kubectl("-n", NAMESPACE, "get", "pods", "-l", f"diloco.dev/job={JOB},diloco.dev/island={island_name}",
+                         "-o", "json").stdout
+    return json.loads(out)["items"]
+
+
+def ready(pod):
+    return not pod["metadata"].get("deletionTimestamp") and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", ()))
+
+
+def children(target):
+    out = target.kubectl("-n", NAMESPACE, "get", CHILD_KINDS, "-l", f"diloco.dev/job={JOB}", "-o", "json").stdout
+    return {(o["kind"], o["metadata"]["name"]): o for o in json.loads(out)["items"]}
+
+
+def progress_beyond(target, outer_step):
+    """Waits until the job's outer step passes `outer_step`; returns the new one."""
+    return wait_until(lambda: (step := status(target).get("outerStep", 0)) > outer_step and step, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def job(target, operator):
+    target.kubectl("create", "namespace", NAMESPACE)
+    target.kubectl("-n", NAMESPACE, "apply", "-f", "-", stdin=job_manifest(target.image_tag))
+    try:
+        yield JOB
+    finally:
+        target.kubectl("delete", "namespace", NAMESPACE, "--wait=true", timeout=180)
+
+
+def test_helm_installs_a_running_operator(target, operator):
+    releases = json.loads(target.helm("list", "--namespace", operator, "-o", "json").stdout)
+    assert [(r["name"], r["status"]) for r in releases] == [("diloco", "deployed")]
+    for crd in ("dilocojobs.diloco.dev", "clusterkopfpeerings.kopf.dev"):
+        target.kubectl("wait", "--for=condition=established", f"crd/{crd}", "--timeout=60s")
+    deployment = get(target, "deployment", "diloco", operator)
+    assert deployment["status"].get("availableReplicas") == 1
+    if target.runner is not None:
+        pod = next(p for p in json.loads(target.kubectl("-n", operator, "get", "pods", "-o", "json").stdout)["items"])
+        wait_until(lambda: target.runner.processes(operator, pod["metadata"]["name"]), timeout=30)
+
+
+def test_the_job_creates_its_children_and_becomes_running(target, job):
+    found = wait_until(lambda: len(c := children(target)) == 10 and c)
+    assert set(found) == {
+        ("ConfigMap", "tiny-config"), ("Secret", "tiny-token"), ("NetworkPolicy", "tiny-syncers"),
+        ("PersistentVolumeClaim", "tiny-syncer-0"), ("Service", "tiny-syncer-0"), ("Deployment", "tiny-syncer-0"),
+        ("Service", "tiny-solo"), ("StatefulSet", "tiny-solo"), ("Service", "tiny-spot"), ("StatefulSet", "tiny-spot"),
+    }
+    uid = get(target, "dilocojob", JOB)["metadata"]["uid"]
+    assert all(o["metadata"]["ownerReferences"][0]["uid"] == uid for o in found.values())
+    wait_until(lambda: status(target).get("phase") == "Running")
+    assert status(target)["islandsReady"] == "2/2"
+    spot_pod = pods(target, "spot")[0]
+    assert spot_pod["spec"]["nodeName"].startswith("cpu-spot") or target.cluster is None
+
+
+def test_training_progress_shows_in_status(target, job):
+    first = wait_until(lambda: (s := status(target)).get("outerStep", 0) > 0 and s, timeout=180)
+    later = wait_until(lambda: (s := status(target))["outerStep"] > first["outerStep"]
+                       and s["tokens"] > first["tokens"] and s, timeout=180)
+    assert all(f["version"] >= later["outerStep"] for f in later["fragments"])
+    assert {i["name"] for i in later["islands"]} == {"solo", "spot"}
+
+
+def test_losing_the_spot_node_reschedules_its_pod_while_the_other_island_trains_on(target, job):
+    before = pods(target, "spot")[0]
+    lost = before["spec"]["nodeName"]
+    step = status(target)["outerStep"]
+    target.lose_node(lost)
+    try:
+        # The on-demand island alone keeps the job moving while the spot island is away.
+        progress_beyond(target, step)
+        after = wait_until(lambda: (p := pods(target, "spot")) and ready(p[0])
+                           and p[0]["metadata"]["uid"] != before["metadata"]["uid"] and p[0], timeout=180)
+        assert after["spec"]["nodeName"] != lost
+        record = wait_until(lambda: (i := island(target, "spot")).get("preemptions", 0) >= 1 and i)
+        assert record["restarts"] == 0, "a preemption is not charged to the restart budget"
+        wait_until(lambda: island(target, "spot").get("ready") == 1 and status(target).get("phase") == "Running")
+    finally:
+        target.restore_node(lost)
+
+
+def test_a_crashing_trainer_is_restarted_and_counted(target, job):
+    assert island(target, "solo")["restarts"] == 0
+    pod = pods(target, "solo")[0]
+    target.crash(NAMESPACE, pod["metadata"]["name"])
+    wait_until(lambda: island(target, "solo").get("restarts") == 1, timeout=180)
+    wait_until(lambda: island(target, "solo").get("ready") == 1 and status(target).get("phase") == "Running",
+               timeout=180)
+    progress_beyond(target, status(target)["outerStep"])
+
+
+def test_a_restarted_operator_changes_nothing(target, job, operator):
+    before = {key: (o["metadata"]["uid"], o["metadata"].get("generation")) for key, o in children(target).items()}
+    workers = {p["metadata"]["uid"] for name in ("solo", "spot") for p in pods(target, name)}
+    target.kubectl("-n", operator, "delete", "pods", "-l", "app.kubernetes.io/name=diloco-operator", "--wait=true")
+    target.kubectl("-n", operator, "rollout", "status", "deployment/diloco", "--timeout=120s")
+    step = status(target)["outerStep"]
+    progress_beyond(target, step)  # status is being written again, by the new operator
+    after = {key: (o["metadata"]["uid"], o["metadata"].get("generation")) for key, o in children(target).items()}
+    assert after == before
+    assert {p["metadata"]["uid"] for name in ("solo", "spot") for p in pods(target, name)} == workers
+
+
+def test_the_job_finishes_when_its_stop_condition_is_reached(target, job):
+    goal = status(target)["outerStep"] + 2
+    target.kubectl("-n", NAMESPACE, "patch", "dilocojob", JOB, "--type", "merge",
+                   "-p", json.dumps({"spec": {"stopCondition": {"outerSteps": goal}}}))
+    wait_until(lambda: status(target).get("phase") == "Succeeded", timeout=180)
+    final = status(target)
+    assert final["outerStep"] >= goal and final["completionTime"]
+    wait_until(lambda: not pods(target, "solo") and not pods(target, "spot"))
+    assert get(target, "statefulset", "tiny-solo")["spec"]["replicas"] == 0
+
+
+def test_deleting_the_job_collects_every_child(target, job):
+    claim = get(target, "persistentvolumeclaim", "tiny-syncer-0")["spec"]["volumeName"]
+    target.kubectl("-n", NAMESPACE, "delete", "dilocojob", JOB, "--wait=true", timeout=120)
+    wait_until(lambda: not children(target))
+    wait_until(lambda: not target.kubectl("-n", NAMESPACE, "get", "pods", "-o", "name").stdout)
+    if target.runner is not None:
+        assert not target.runner.processes(NAMESPACE)
+        # The test cluster's provisioner deletes a released volume, as a cloud's would with reclaimPolicy Delete.
+        wait_until(lambda: target.kubectl("get", "pv", claim, check=False).returncode != 0)
