@@ -26,6 +26,8 @@ from diloco.spec import (
     SyncerStatus,
 )
 
+MAX_DETAIL_PARTS = 8
+"""Islands and shards named in a Degraded message at most: with hundreds of islands, the rest are counted."""
 MAX_GOODPUT_GAP = datetime.timedelta(minutes=2)
 """A longer gap between two observations is the operator being away: it is counted neither way."""
 
@@ -156,6 +158,8 @@ def _degraded_detail(accounts: Sequence[IslandAccount], shards: Sequence[ShardOb
         if a.status.ready < a.status.desired or a.status.reform
     ]
     parts += [f"syncer shard {s.shard} not ready" for s in shards if not s.ready]
+    if len(parts) > MAX_DETAIL_PARTS:
+        parts = [*parts[:MAX_DETAIL_PARTS], f"and {len(parts) - MAX_DETAIL_PARTS} more"]
     return "; ".join(parts)
 
 

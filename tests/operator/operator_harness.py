@@ -25,7 +25,8 @@ SERVICE_ACCOUNT = "diloco-operator"
 def install(plane: ControlPlane) -> Path:
     """The operator's namespace, ServiceAccount and RBAC (deploy/rbac.yaml) and its peering object
     (deploy/operator.yaml); returns a kubeconfig that authenticates as the ServiceAccount."""
-    plane.kubectl("create", "namespace", NAMESPACE)
+    plane.kubectl("apply", "-f", "-", stdin=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace",
+                                                            "metadata": {"name": NAMESPACE}}))
     plane.kubectl("apply", "-f", str(ROOT / "deploy" / "rbac.yaml"))
     peering = [d for d in yaml.safe_load_all((ROOT / "deploy" / "operator.yaml").read_text())
                if d["kind"] == "ClusterKopfPeering"]
@@ -40,12 +41,15 @@ def metric_value(text: str, name: str, **labels: str) -> float:
 
 
 class OperatorProcess:
-    """One replica: `diloco-operator --all-namespaces` with the ServiceAccount's kubeconfig, its log in `log`."""
+    """One replica: `diloco-operator` with the ServiceAccount's kubeconfig, its log in `log`, watching every
+    namespace unless `args` names some."""
 
     def __init__(self, kubeconfig: Path, log: Path, resync: float = 1.0, args: Sequence[str] = ()) -> None:
-        self.kubeconfig, self.log, self.resync, self.args = kubeconfig, log, resync, list(args)
+        self.kubeconfig, self.log, self.resync = kubeconfig, log, resync
+        scoped = any(a in ("-n", "--namespace") or a.startswith("--namespace=") for a in args)
+        self.args = [*([] if scoped else ["--all-namespaces"]), *args]
         self.process: subprocess.Popen | None = None
-        self.metrics_port = free_port()
+        self.metrics_port, self.liveness_port = free_port(), free_port()
 
     def start(self, timeout: float = 60) -> None:
         """Starts the process and returns once it serves metrics."""
@@ -53,8 +57,8 @@ class OperatorProcess:
                "PYTHONWARNINGS": "ignore", "DILOCO_LOG_LEVEL": "INFO"}
         with open(self.log, "a") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "diloco.operator.main", "--all-namespaces", f"--resync-seconds={self.resync}",
-                 f"--metrics-port={self.metrics_port}", f"--liveness-port={free_port()}", "--probe-timeout=0.5",
+                [sys.executable, "-m", "diloco.operator.main", f"--resync-seconds={self.resync}",
+                 f"--metrics-port={self.metrics_port}", f"--liveness-port={self.liveness_port}", "--probe-timeout=0.5",
                  *self.args],
                 env=env, stdout=log, stderr=subprocess.STDOUT,
             )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
+import urllib.request
 from functools import partial
 from pathlib import Path
 
@@ -131,6 +132,28 @@ def test_kube_never_takes_over_fields_someone_else_set(control_plane, kube):
 
 
 # --- the operator --------------------------------------------------------------------------------
+
+
+def test_an_operator_watching_named_namespaces_leaves_the_others_alone_and_answers_its_liveness_probe(
+        control_plane, kube, tmp_path):
+    watched, ignored = namespace(control_plane, "watched"), namespace(control_plane, "ignored")
+    scoped = OperatorProcess(install(control_plane), tmp_path / "operator.log", RESYNC,
+                             ["--namespace", watched, "--standalone"])
+    scoped.start()
+    try:
+        for ns in (watched, ignored):
+            control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("demo"))
+        wait_until(lambda: len(children(kube, watched, "demo")) == 13)
+        with urllib.request.urlopen(f"http://127.0.0.1:{scoped.liveness_port}/healthz", timeout=5) as reply:
+            assert reply.status == 200
+        passes = scoped.metric("diloco_operator_reconciles_total")
+        wait_until(lambda: scoped.metric("diloco_operator_reconciles_total") >= passes + 3)
+        assert children(kube, ignored, "demo") == {} and "status" not in kube.get("DiLoCoJob", ignored, "demo")
+        for ns in (watched, ignored):
+            control_plane.kubectl("-n", ns, "delete", "dj", "demo", "--wait=false")
+        wait_until(lambda: kube.get("DiLoCoJob", watched, "demo") is None)
+    finally:
+        scoped.stop()
 
 
 @pytest.fixture(scope="module")

@@ -283,6 +283,13 @@ def test_an_island_short_of_pods_degrades_the_job_and_says_which():
     assert "Degraded" not in [e.reason for e in run(spec, [missing], status=degraded.status)[0].events]
 
 
+def test_a_degraded_message_names_a_few_islands_and_counts_the_rest():
+    spec = job_spec(islands=[{"name": f"i{k:02d}"} for k in range(20)])
+    (pending,) = run(spec, [Observation(shards=shards((0, 0, 0), (1, 0, 0)))])
+    message = condition(pending.status, "Ready").message
+    assert message.startswith("island i00: 0/1 pods ready; island i01") and message.endswith("; and 12 more")
+
+
 def test_exhausting_the_restart_budget_fails_the_job_for_good():
     spec = job_spec()
     crash = lambda n: Observation(pods={"a": [pod(0, restarts=n), pod(1)], "b": [pod(0, island="b")]},
