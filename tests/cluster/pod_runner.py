@@ -4,11 +4,13 @@ that container's command and args run as a local process from this checkout's vi
 would run them. What the pod spec says is honoured (podspec.py): the environment (env, ConfigMap and Secret
 references, downward API, envFrom), ConfigMap, Secret, emptyDir and PersistentVolumeClaim volumes (files
 under the runner's directory, container paths rewritten to them), the pod's hostname and an /etc/hosts in
-which the job's Service names and the pods of headless Services resolve to the pods' loopback addresses.
-Each process gets its own mount and UTS namespaces for the last two (`unshare`).
+which the job's Service names and the pods of headless Services resolve to their pod IPs. Processes run in
+the pod network (podnet.py), where pod IPs are real and the API server is the `kubernetes` Service's
+ClusterIP, each in mount and UTS namespaces of its own for its hostname and /etc/hosts (`unshare`).
 
-Processes that know a bind-address setting get the pod's address through it (BIND_ENV), since every pod
-shares this machine's network stack: two syncer shards both listening on 0.0.0.0:50051 would collide.
+Pods share the pod network's ports, so processes that know a bind-address setting get their pod's IP through
+it (BIND_ENV): two syncer shards both listening on 0.0.0.0:50051 would collide. For the same reason only one
+multi-pod island at a time can run here (torch.distributed's store listens on every address of MASTER_PORT).
 
 A pod being deleted has its processes sent SIGTERM, and SIGKILL (to the whole process group) once it is gone
 or its grace period (at most MAX_GRACE seconds) has passed. A process that exits is reported as the kubelet
@@ -30,7 +32,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,11 +41,11 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from cluster.controlplane import group_alive
+from cluster.podnet import KUBERNETES_SERVICE, PodNetwork
 from cluster.podspec import (
     Unresolvable,
     accelerator_requests,
     container_command,
-    loopback,
     own_names,
     projected_files,
     render_hosts,
@@ -88,22 +89,20 @@ def image_name(image: str) -> str:
     return image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0]
 
 
-def in_pod_network(command: Sequence[str], hosts: Path, hostname: str | None = None,
-                   run_mounts: Mapping[str, str] | None = None) -> list[str]:
-    """`command` wrapped to run with `hosts` as its /etc/hosts, `hostname` as its host name and
+def in_pod(network: PodNetwork, command: Sequence[str], hosts: Path, hostname: str,
+           run_mounts: Mapping[str, str]) -> list[str]:
+    """`command` wrapped to run in `network` with `hosts` as its /etc/hosts, `hostname` as its host name and
     `run_mounts` (path under /run -> local directory) bind-mounted over a private /run, in mount and UTS
-    namespaces of its own; through a user namespace when not root."""
-    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    namespaces of its own."""
     steps = [f"mount --bind {shlex.quote(str(hosts))} /etc/hosts"]
-    if hostname:
-        steps.append(f"hostname {shlex.quote(hostname)}")
+    steps.append(f"hostname {shlex.quote(hostname)}")
     if run_mounts:
         steps.append("mount -t tmpfs tmpfs /run")
         for target, source in run_mounts.items():
             steps += [f"mkdir -p {shlex.quote(target)}", f"mount --bind {shlex.quote(source)} {shlex.quote(target)}"]
     script = " && ".join([*steps, 'exec "$@"'])
-    return ["unshare", *user, "--mount", "--uts", "--propagation", "private", "--", "/bin/sh", "-c", script,
-            "pod", *command]
+    return network.enter(["unshare", "--mount", "--uts", "--propagation", "private", "--", "/bin/sh", "-c", script,
+                          "pod", *command])
 
 
 def write_in_place(path: Path, text: str) -> None:
@@ -158,6 +157,7 @@ class PodRunner:
     def __post_init__(self) -> None:
         self.core = client.CoreV1Api(self.api)
         self.discovery = client.DiscoveryV1Api(self.api)
+        self.network = PodNetwork(self.workdir / "network", self.api.configuration.host)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="pod-runner", daemon=True)
@@ -166,6 +166,7 @@ class PodRunner:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.network.start()
         self._thread.start()
 
     def stop(self) -> None:
@@ -174,6 +175,7 @@ class PodRunner:
         with self._lock:
             for container in self.containers.values():
                 self._kill(container)
+        self.network.stop()
 
     def processes(self, namespace: str, pod: str | None = None) -> list[subprocess.Popen]:
         """The live processes of a pod's containers (of every pod in `namespace` when `pod` is None)."""
@@ -199,7 +201,8 @@ class PodRunner:
     def leftovers(self) -> list[int]:
         """Process groups started here that still have a live member (empty after `stop`)."""
         with self._lock:
-            return [c.process.pid for c in self.containers.values() if c.process and group_alive(c.process.pid)]
+            pods = [c.process.pid for c in self.containers.values() if c.process and group_alive(c.process.pid)]
+        return pods + self.network.leftovers()
 
     # --- the loop -------------------------------------------------------------------------------------
 
@@ -237,7 +240,7 @@ class PodRunner:
             meta = pod["metadata"]
             directory = self.workdir / f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
             directory.mkdir(parents=True, exist_ok=True)
-            own = (loopback(pod["status"]["podIP"]), own_names(pod))
+            own = (pod["status"]["podIP"], own_names(pod))
             write_in_place(directory / "hosts", render_hosts(entries, own, meta["namespace"]))
             for spec in pod["spec"]["containers"]:
                 if image_name(spec["image"]) not in self.images:
@@ -335,21 +338,20 @@ class PodRunner:
             raise Unresolvable("neither the container nor the image's Dockerfile says what to run")
         bind = BIND_ENV.get(Path(command[0]).name)
         if bind:
-            env.setdefault(bind, loopback(pod["status"]["podIP"]))
-        server = urllib.parse.urlsplit(self.api.configuration.host)
+            env.setdefault(bind, pod["status"]["podIP"])
         base = {
             "PATH": f"{self.bin_dir}:/usr/local/bin:/usr/bin:/bin",
             "HOME": str(container.directory),
             "HOSTNAME": pod["metadata"]["name"],
             "LANG": "C.UTF-8",
             "PYTHONUNBUFFERED": "1",
-            # What every pod gets for the `kubernetes` Service; here the API server itself stands behind it.
-            "KUBERNETES_SERVICE_HOST": server.hostname,
-            "KUBERNETES_SERVICE_PORT": str(server.port or 443),
+            # What every pod gets for the `kubernetes` Service (podnet.py relays it to the API server).
+            "KUBERNETES_SERVICE_HOST": KUBERNETES_SERVICE[0],
+            "KUBERNETES_SERVICE_PORT": str(KUBERNETES_SERVICE[1]),
         }
         if "/tmp" in mounts:
             base["TMPDIR"] = mounts["/tmp"]
-        wrapped = in_pod_network(command, container.directory / "hosts", pod["metadata"]["name"], run_mounts)
+        wrapped = in_pod(self.network, command, container.directory / "hosts", pod["metadata"]["name"], run_mounts)
         return wrapped, base | env, container.directory
 
     def _token(self, pod: Mapping[str, Any], source: Mapping[str, Any]) -> str:

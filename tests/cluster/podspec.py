@@ -1,24 +1,17 @@
 """What a kubelet would make of a pod, computed without I/O so it can be tested alone: the environment of a
 container (env with $(VAR) expansion, ConfigMap and Secret references, the downward API, envFrom), the files
-of its ConfigMap and Secret volumes, container paths rewritten to where volumes live on this machine, and
-the /etc/hosts a pod sees. pod_runner.py does the I/O.
-
-The pod network: KWOK gives pods IPs in nodes.POD_NETWORK (10.244.0.0/16), which the API server accepts in
-EndpointSlices; a process of the pod runs on the loopback address with the same low octets
-(10.244.3.7 -> 127.244.3.7), every one of which Linux routes to `lo`. Names of Services and of pods behind
-headless Services resolve to those addresses through the pod's /etc/hosts (cluster DNS has no equivalent
-here), so a Service's port must equal its target port, as it does for every Service this project makes.
+of its ConfigMap, Secret and projected volumes, container paths rewritten to where volumes live on this
+machine, and the /etc/hosts a pod sees: names of Services and of pods behind headless Services resolve to
+their endpoints' pod IPs (cluster DNS has no equivalent here), so a Service's port must equal its target port,
+as it does for every Service this project makes. pod_runner.py does the I/O; podnet.py makes pod IPs real.
 """
 
 from __future__ import annotations
 
 import base64
-import ipaddress
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
-
-from cluster.nodes import POD_NETWORK
 
 CLUSTER_DOMAIN = "cluster.local"
 
@@ -31,14 +24,6 @@ class Unresolvable(Exception):
     """The container cannot be configured yet (the kubelet's CreateContainerConfigError)."""
 
 
-def loopback(pod_ip: str) -> str:
-    """The loopback address a pod's processes use for the pod IP `pod_ip`."""
-    address = ipaddress.ip_address(pod_ip)
-    if address not in POD_NETWORK:
-        raise ValueError(f"{pod_ip} is not in the pod network {POD_NETWORK}")
-    return str(ipaddress.ip_address((127 << 24) | (int(address) & 0x00FFFFFF)))
-
-
 def secret_data(secret: Mapping[str, Any]) -> dict[str, str]:
     """A Secret's data (base64 in the API) and stringData, decoded."""
     data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
@@ -49,7 +34,7 @@ _FIELD_LABEL = re.compile(r"metadata\.(labels|annotations)\['(.+)'\]$")
 
 
 def field_value(pod: Mapping[str, Any], path: str) -> str:
-    """A downward-API fieldRef of `pod`; status.podIP is given as the pod's loopback address."""
+    """A downward-API fieldRef of `pod`."""
     meta, spec, status = pod["metadata"], pod["spec"], pod.get("status") or {}
     match = _FIELD_LABEL.match(path)
     if match:
@@ -61,7 +46,7 @@ def field_value(pod: Mapping[str, Any], path: str) -> str:
         "spec.nodeName": spec.get("nodeName"),
         "spec.serviceAccountName": spec.get("serviceAccountName"),
         "status.hostIP": status.get("hostIP"),
-        "status.podIP": loopback(status["podIP"]) if status.get("podIP") else None,
+        "status.podIP": status.get("podIP"),
     }
     if path not in simple:
         raise Unresolvable(f"fieldRef {path} is not supported by the pod runner")
@@ -197,7 +182,7 @@ def service_names(slices: Iterable[Mapping[str, Any]]) -> list[tuple[str, list[s
 
 def render_hosts(entries: Iterable[tuple[str, list[str], str]], own: tuple[str, list[str]] | None = None,
                  namespace: str | None = None) -> str:
-    """An /etc/hosts: localhost, the pod's own names (`own`: loopback address, names), then every Service
+    """An /etc/hosts: localhost, the pod's own names (`own`: pod IP, names), then every Service
     entry; in `namespace`, Services also answer to their bare name, as through the DNS search path."""
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
     if own is not None:
@@ -205,7 +190,7 @@ def render_hosts(entries: Iterable[tuple[str, list[str], str]], own: tuple[str, 
     for ip, names, ns in entries:
         if ns == namespace:
             names = [names[0].split(".", 1)[0], *names]
-        lines.append(f"{loopback(ip)}\t{' '.join(names)}")
+        lines.append(f"{ip}\t{' '.join(names)}")
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,6 @@ from cluster.podspec import (
     accelerator_requests,
     container_command,
     expand,
-    loopback,
     own_names,
     projected_files,
     render_hosts,
@@ -37,12 +36,6 @@ def lookup(kind, name):
     return OBJECTS.get((kind, name))
 
 
-def test_pod_ips_map_to_loopback_addresses_with_the_same_low_octets():
-    assert loopback("10.244.3.7") == "127.244.3.7"
-    with pytest.raises(ValueError):
-        loopback("192.168.0.1")
-
-
 def test_env_is_built_from_values_references_and_the_downward_api_in_kubelet_order():
     container = {
         "envFrom": [{"configMapRef": {"name": "cfg"}, "prefix": "CFG_"}],
@@ -58,8 +51,8 @@ def test_env_is_built_from_values_references_and_the_downward_api_in_kubelet_ord
     }
     env = resolve_env(POD, container, lookup)
     assert env == {
-        "CFG_training.json": "{}", "CFG_MODE": "override", "RANK": "0", "POD": "job-a-0", "IP": "127.244.3.7",
-        "TOKEN": "s3cret", "GREETING": "job-a-0 at 127.244.3.7, $(UNSET) and $(POD)",
+        "CFG_training.json": "{}", "CFG_MODE": "override", "RANK": "0", "POD": "job-a-0", "IP": "10.244.3.7",
+        "TOKEN": "s3cret", "GREETING": "job-a-0 at 10.244.3.7, $(UNSET) and $(POD)",
     }
 
 
@@ -94,7 +87,7 @@ def test_configmap_and_secret_volumes_become_files_and_paths_point_at_them():
     assert rewrite_paths("/var/x", mounts) == "/var/x"
 
 
-def test_hosts_resolve_services_and_headless_pods_to_loopback_addresses():
+def test_hosts_resolve_services_and_headless_pods_to_their_pod_ips():
     slices = [
         {"metadata": {"namespace": "ns", "labels": {"kubernetes.io/service-name": "job-syncer-0"}},
          "addressType": "IPv4",
@@ -105,13 +98,13 @@ def test_hosts_resolve_services_and_headless_pods_to_loopback_addresses():
          "endpoints": [{"addresses": ["10.244.1.3"], "hostname": "job-a-0", "conditions": {"ready": True}}]},
     ]
     entries = service_names(slices)
-    hosts = render_hosts(entries, ("127.244.3.7", own_names(POD)), "ns").splitlines()
-    assert "127.244.3.7\tjob-a-0.job-a.ns.svc.cluster.local job-a-0.job-a.ns.svc job-a-0" in hosts
-    assert ("127.244.0.2\tjob-syncer-0 job-syncer-0.ns job-syncer-0.ns.svc job-syncer-0.ns.svc.cluster.local"
+    hosts = render_hosts(entries, ("10.244.3.7", own_names(POD)), "ns").splitlines()
+    assert "10.244.3.7\tjob-a-0.job-a.ns.svc.cluster.local job-a-0.job-a.ns.svc job-a-0" in hosts
+    assert ("10.244.0.2\tjob-syncer-0 job-syncer-0.ns job-syncer-0.ns.svc job-syncer-0.ns.svc.cluster.local"
             in hosts)
-    assert ("127.244.1.3\tjob-a.other job-a.other.svc job-a.other.svc.cluster.local job-a-0.job-a.other.svc "
+    assert ("10.244.1.3\tjob-a.other job-a.other.svc job-a.other.svc.cluster.local job-a-0.job-a.other.svc "
             "job-a-0.job-a.other.svc.cluster.local") in hosts
-    assert not any("127.244.0.9" in line for line in hosts), "a not-ready endpoint is not resolvable"
+    assert not any("10.244.0.9" in line for line in hosts), "a not-ready endpoint is not resolvable"
 
 
 def test_command_and_args_replace_entrypoint_and_cmd_as_kubernetes_defines():
