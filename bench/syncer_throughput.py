@@ -5,6 +5,9 @@ gradient (real client, real encoding) and pulling the merged fragment back whene
 shard's own Prometheus counters give the tensor bytes it took in and served, over the measured window.
 Baseline: the same number of processes streaming raw bytes over loopback TCP into one receiving process,
 which is what the transport could carry on this machine at this moment.
+Ceiling, for reference: the same island processes against a do-nothing Python gRPC server (same options,
+same zero-copy deserializer) that drops every push and answers every pull with a prebuilt fragment: what
+Python gRPC itself carries here, before the shard does any work.
 
 Targets (issue: syncer): at least 1 GB/s per shard and a ratio of at least 0.3.
 Usage: python bench/syncer_throughput.py [--islands 8] [--seconds 10] [--fragment-mib 16] [--plot PNG]
@@ -151,6 +154,100 @@ def _island(index: int, target: str, fragments: int, numel: int, seconds: float,
     done.put(counts)
 
 
+def _sink_server(port: int, numel: int, ready: mp.Event, counters: mp.Array) -> None:
+    """The do-nothing shard: the syncer's gRPC options, service names and deserializers, no state. Pushes are
+    read and dropped; every pull gets the same prebuilt fragment (header + data) under a new version."""
+    import itertools
+    from concurrent import futures
+
+    import grpc
+    import torch
+
+    from diloco import wire
+    from diloco.syncer.server import HEADER_SLACK_BYTES, SERVICE_NAME
+    from diloco.v1 import syncer_pb2 as pb
+
+    payloads, blobs = wire.tensor_payloads([("w", torch.zeros(numel))], pb.FP32, 0)
+    data = list(wire.fragment_messages(0, pb.FragmentVersion(), payloads, blobs))[1:]
+    versions = itertools.count(1)
+    lock = threading.Lock()
+
+    def count(index: int, nbytes: int) -> None:
+        with lock:
+            counters[index] += nbytes
+
+    def join(request, context):
+        return pb.JoinReply(shard_index=0, num_shards=1, owned_fragments=range(request.num_fragments),
+                            max_chunk_bytes=wire.MAX_CHUNK_BYTES)
+
+    def push(parts, context):
+        count(0, sum(len(part) for part in parts if isinstance(part, memoryview)))
+        return pb.PushReply(current=pb.FragmentVersion(version=1))
+
+    def pull(request, context):
+        header = pb.FragmentHeader(fragment_id=request.fragment_id, tensors=payloads,
+                                   version=pb.FragmentVersion(incarnation=1, version=next(versions)))
+        yield pb.FragmentChunk(header=header).SerializeToString()
+        yield from data
+        count(1, sum(len(b) for b in blobs))
+
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=32),
+        options=[("grpc.max_receive_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
+                 ("grpc.max_send_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
+                 ("grpc.so_reuseport", 0)],
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "Join": grpc.unary_unary_rpc_method_handler(join, pb.JoinRequest.FromString,
+                                                    pb.JoinReply.SerializeToString),
+        "PushDelta": grpc.stream_unary_rpc_method_handler(push, wire.parse_push_chunk,
+                                                          pb.PushReply.SerializeToString),
+        "Pull": grpc.unary_stream_rpc_method_handler(pull, pb.PullRequest.FromString, None),
+    }),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    ready.set()
+    server.wait_for_termination()
+
+
+def measure_sink(islands: int, seconds: float, fragments: int, numel: int, encoding_name: str) -> dict:
+    """In and out bytes per second of the do-nothing server under the same island processes."""
+    from diloco.config import Encoding, TrainingConfig
+
+    encoding = Encoding(encoding_name)
+    block_size = TrainingConfig().block_size
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    ready, counters = ctx.Event(), ctx.Array("d", 2)
+    server = ctx.Process(target=_sink_server, args=(port, numel, ready, counters), daemon=True)
+    server.start()
+    if not ready.wait(300):
+        raise RuntimeError("the do-nothing gRPC server did not start")
+    seeded, island_ready, start, done = ctx.Event(), ctx.Queue(), ctx.Event(), ctx.Queue()
+    seeded.set()
+    procs = [
+        ctx.Process(target=_island, args=(i, f"127.0.0.1:{port}", fragments, numel, seconds, encoding.wire,
+                                          block_size, seeded, island_ready, start, done))
+        for i in range(islands)
+    ]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        island_ready.get(timeout=120)
+    before = list(counters)
+    began = time.monotonic()
+    start.set()
+    for _ in procs:
+        done.get(timeout=seconds + 120)
+    elapsed = time.monotonic() - began
+    after = list(counters)
+    for proc in procs:
+        proc.join()
+    server.terminate()
+    received, sent = after[0] - before[0], after[1] - before[1]
+    return {"received_bps": received / elapsed, "sent_bps": sent / elapsed, "total_bps": (received + sent) / elapsed}
+
+
 def _scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     wanted = ("diloco_syncer_received_bytes_total", "diloco_syncer_sent_bytes_total")
@@ -216,16 +313,17 @@ def measure_syncer(islands: int, seconds: float, fragments: int, numel: int, enc
     }
 
 
-def plot(path: Path, raw: float, ours: dict) -> None:
+def plot(path: Path, raw: float, sink: dict, ours: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    bars = {"raw loopback TCP": raw, "syncer in": ours["received_bps"], "syncer out": ours["sent_bps"],
-            "syncer in+out": ours["total_bps"]}
-    ax.barh(list(bars), [v / 1e9 for v in bars.values()], color=["grey", "tab:blue", "tab:blue", "tab:green"])
+    bars = {"raw loopback TCP": raw, "do-nothing gRPC in+out": sink["total_bps"], "syncer in": ours["received_bps"],
+            "syncer out": ours["sent_bps"], "syncer in+out": ours["total_bps"]}
+    ax.barh(list(bars), [v / 1e9 for v in bars.values()],
+            color=["grey", "silver", "tab:blue", "tab:blue", "tab:green"])
     ax.axvline(1.0, color="red", linestyle="--", label="target 1 GB/s")
     ax.set_xlabel("GB/s")
     ax.set_title("One syncer shard vs raw loopback, same run")
@@ -249,6 +347,8 @@ def main() -> int:
 
     print(f"[bench] raw loopback: {args.islands} senders -> 1 receiver, {args.seconds:.0f} s", flush=True)
     raw = measure_raw(args.islands, args.seconds)
+    print(f"[bench] do-nothing gRPC server: {args.islands} islands, same load, {args.seconds:.0f} s", flush=True)
+    sink = measure_sink(args.islands, args.seconds, args.fragments, numel, args.encoding)
     print(f"[bench] syncer: {args.islands} islands, {args.fragments} fragments of {args.fragment_mib:g} MiB, "
           f"{args.encoding}, {args.seconds:.0f} s", flush=True)
     ours = measure_syncer(args.islands, args.seconds, args.fragments, numel, args.encoding)
@@ -256,18 +356,22 @@ def main() -> int:
     print()
     print(f"{'measure':<34}{'value':>14}")
     print(f"{'raw loopback TCP (baseline)':<34}{raw / 1e9:>11.2f} GB/s")
+    print(f"{'do-nothing gRPC server (in+out)':<34}{sink['total_bps'] / 1e9:>11.2f} GB/s")
     print(f"{'syncer received (pushes)':<34}{ours['received_bps'] / 1e9:>11.2f} GB/s")
     print(f"{'syncer sent (pulls)':<34}{ours['sent_bps'] / 1e9:>11.2f} GB/s")
     print(f"{'syncer merge-and-serve (in+out)':<34}{ours['total_bps'] / 1e9:>11.2f} GB/s")
     print(f"{'ratio ours / raw loopback':<34}{ratio:>14.2f}")
+    print(f"{'ratio ours / do-nothing gRPC':<34}{ours['total_bps'] / sink['total_bps']:>14.2f}")
+    print(f"{'ratio do-nothing gRPC / raw':<34}{sink['total_bps'] / raw:>14.2f}")
     print(f"{'merges / pushes / refused':<34}{int(ours['merges']):>6} / {ours['pushes']} / {ours['refused']}")
     print(f"targets: >= 1.00 GB/s ({'met' if ours['total_bps'] >= 1e9 else 'MISSED'}), "
           f"ratio >= 0.30 ({'met' if ratio >= 0.3 else 'MISSED'})")
     if args.plot:
-        plot(args.plot, raw, ours)
+        plot(args.plot, raw, sink, ours)
         print(f"plot: {args.plot}")
     if args.json:
-        args.json.write_text(json.dumps({"raw_bps": raw, "ratio": ratio, **ours}, indent=2))
+        args.json.write_text(json.dumps({"raw_bps": raw, "sink_bps": sink["total_bps"], "ratio": ratio, **ours},
+                                        indent=2))
     return 0
 
 

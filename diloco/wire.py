@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 import grpc
+import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
@@ -231,7 +232,7 @@ def _read_stream(
         )
     # Uninitialised memory: its pages are committed only as data lands, so a header that lies costs nothing.
     buffer = torch.empty(total, dtype=torch.uint8)
-    view = memoryview(buffer.numpy())
+    array = buffer.numpy()
     received = 0
     for part in parts:
         if isinstance(part, (pb.FragmentHeader, pb.PushHeader)):
@@ -245,7 +246,8 @@ def _read_stream(
             )
         if received + len(part) > total:
             raise _invalid(f"trailing bytes: more data than the {total} bytes the header declares")
-        view[received : received + len(part)] = part
+        # numpy copies without holding the GIL (a memoryview copy holds it), so the server's other calls run on.
+        array[received : received + len(part)] = np.frombuffer(part, dtype=np.uint8)
         received += len(part)
     if received != total:
         raise _invalid(f"truncated stream: got {received} of {total} bytes")
