@@ -31,7 +31,7 @@ SECURITY_MIRROR="${SECURITY_MIRROR:-http://deb.debian.org/debian-security}"
 ROOTFS="$(mktemp -d /var/tmp/diloco-base.XXXXXX)"
 cleanup() {
   for fs in proc sys dev/pts dev; do umount "$ROOTFS/$fs" 2>/dev/null || true; done
-  rm -rf --one-file-system "$ROOTFS"
+  rm -rf --one-file-system "$ROOTFS" "$ROOTFS.log"
 }
 trap cleanup EXIT
 
@@ -49,7 +49,9 @@ echo "applying $SUITE-updates and $SUITE-security"
 mount -t proc proc "$ROOTFS/proc"
 chroot "$ROOTFS" /bin/sh -c 'export DEBIAN_FRONTEND=noninteractive
   apt="apt-get -q -o APT::Sandbox::User=root"
-  $apt update >/dev/null && $apt -y --no-install-recommends dist-upgrade >/dev/null && $apt clean'
+  $apt update && $apt -y --no-install-recommends dist-upgrade && $apt clean' >"$ROOTFS.log" 2>&1 \
+  || { tail -30 "$ROOTFS.log" >&2; exit 1; }
+rm -f "$ROOTFS.log"
 umount "$ROOTFS/proc"
 rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/*.bin "$ROOTFS"/var/log/*.log \
   "$ROOTFS"/var/cache/debconf/*-old "$ROOTFS"/tmp/* "$ROOTFS"/root/.cache
