@@ -144,12 +144,15 @@ class Reconciler:
         with ThreadPoolExecutor(max_workers=min(self.parallel_calls, len(items))) as pool:
             return list(pool.map(attempt, items))
 
-    def _existing(self, job: n.JobRef) -> dict[tuple[str, str], dict[str, Any]]:
-        found: dict[tuple[str, str], dict[str, Any]] = {}
-        for kind in CHILD_KINDS:
-            for obj in self.kube.list(kind, job.namespace, n.job_selector(job.name)):
-                found[child_key(obj)] = obj
-        return found
+    def _list(self, job: n.JobRef) -> tuple[dict[tuple[str, str], dict[str, Any]], list[dict[str, Any]]]:
+        """The job's children by key, and its pods: one list call per kind, all in flight at once (a pass
+        over a running job is these calls and nothing else, so their latency is most of its duration)."""
+        kinds = (*CHILD_KINDS, "Pod")
+        with ThreadPoolExecutor(max_workers=max(1, min(self.parallel_calls, len(kinds)))) as pool:
+            listed = dict(zip(kinds, pool.map(lambda kind: self.kube.list(kind, job.namespace,
+                                                                          n.job_selector(job.name)), kinds)))
+        pods = listed.pop("Pod")
+        return {child_key(obj): obj for found in listed.values() for obj in found}, pods
 
     def _observe(
         self,
@@ -157,10 +160,11 @@ class Reconciler:
         spec: DiLoCoJobSpec,
         previous: DiLoCoJobStatus,
         existing: Mapping[tuple[str, str], Mapping[str, Any]],
+        raw_pods: Sequence[Mapping[str, Any]],
         token: str,
     ) -> Observation:
         pods: dict[str, list[PodObservation]] = {island.name: [] for island in spec.islands}
-        for raw in self.kube.list("Pod", job.namespace, n.job_selector(job.name)):
+        for raw in raw_pods:
             pod = observe_pod(raw)
             if pod is not None and pod.island in pods:
                 pods[pod.island].append(pod)
@@ -204,9 +208,9 @@ class Reconciler:
         """Raises pydantic's ValidationError for a spec the models refuse (the caller reports it)."""
         spec = DiLoCoJobSpec.model_validate(dict(raw_spec))
         previous = DiLoCoJobStatus.model_validate(dict(raw_status or {}))
-        existing = self._existing(job)
+        existing, raw_pods = self._list(job)
         token = read_token(existing.get(("Secret", n.token_secret_name(job.name)))) or secrets.token_urlsafe(32)
-        decision = decide(spec, generation, previous, self._observe(job, spec, previous, existing, token), now)
+        decision = decide(spec, generation, previous, self._observe(job, spec, previous, existing, raw_pods, token), now)
         events = list(decision.events)
 
         desired = render_children(job, spec, token, decision.scale, self.operator)
