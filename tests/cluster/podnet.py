@@ -80,6 +80,14 @@ class PodNetwork:
         return ["nsenter", f"--target={holder}", "--net", *user, "--", *command]
 
     def start(self) -> None:
+        """Makes the namespace and the relay; on any failure stops what it started and raises."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         holder = subprocess.Popen(["unshare", *self._user, "--net", "--", "sleep", "infinity"],
                                   start_new_session=True, stdin=subprocess.DEVNULL)
