@@ -131,6 +131,19 @@ def test_kube_never_takes_over_fields_someone_else_set(control_plane, kube):
     assert kube.get("ConfigMap", "api", "theirs")["data"] == {"k": "mine"}
 
 
+def test_every_call_is_told_to_the_observer_with_its_verb_kind_and_status(control_plane):
+    seen = []
+    kube = Kube(kube_config.new_client_from_config(config_file=str(control_plane.admin_kubeconfig)),
+                observe=lambda *call: seen.append(call))
+    namespace(control_plane, "observed")
+    kube.apply({**config_map("seen", {"k": "1"}), "metadata": {"name": "seen", "namespace": "observed"}}, force=False)
+    kube.list("ConfigMap", "observed", {})
+    kube.get("Node", None, "no-such-node")
+    kube.delete("ConfigMap", "observed", "seen")
+    assert seen == [("apply", "ConfigMap", 201), ("list", "ConfigMap", 200), ("get", "Node", 404),
+                    ("delete", "ConfigMap", 200)]
+
+
 # --- the operator --------------------------------------------------------------------------------
 
 

@@ -249,5 +249,5 @@ def test_of_two_replicas_only_one_acts_and_the_other_takes_over_when_it_dies(ope
     operator_cluster.kubectl("-n", ns, "patch", "dj", "shared", "--type", "json",
                              "-p", '[{"op": "add", "path": "/spec/islands/-", "value": {"name": "b"}}]')
     wait_until(lambda: kube.get("StatefulSet", ns, "shared-b") is not None, timeout=PEERING_LIFETIME + 60)
-    assert low.metric("diloco_operator_applied_objects_total") > 0
+    wait_until(lambda: low.metric("diloco_operator_applied_objects_total") > 0)
     wait_until(lambda: status(kube, ns, "shared").get("islandsReady") == "2/2")
