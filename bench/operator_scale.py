@@ -176,6 +176,9 @@ class Bench:
         return (end[1] - start[1]) / done, (end[2] - start[2]) / done
 
     def delete(self, name: str) -> None:
+        """The job first (the operator stands back, the garbage collector takes its children), then its
+        namespace: deleting the namespace alone removes the pods under a live job, which reads as failures."""
+        self.cluster.kubectl("-n", name, "delete", "dj", name, "--wait=true", timeout=300)
         self.cluster.kubectl("delete", "namespace", name, "--wait=true", timeout=300)
 
     def kubectl_baseline(self, islands: int, pods: int, kubeconfig: Path) -> Measure:
