@@ -345,6 +345,7 @@ def main() -> int:
     args = parser.parse_args()
     numel = int(args.fragment_mib * 1024 * 1024 / 4)
 
+    load_before = os.getloadavg()[0]
     print(f"[bench] raw loopback: {args.islands} senders -> 1 receiver, {args.seconds:.0f} s", flush=True)
     raw = measure_raw(args.islands, args.seconds)
     print(f"[bench] do-nothing gRPC server: {args.islands} islands, same load, {args.seconds:.0f} s", flush=True)
@@ -364,6 +365,10 @@ def main() -> int:
     print(f"{'ratio ours / do-nothing gRPC':<34}{ours['total_bps'] / sink['total_bps']:>14.2f}")
     print(f"{'ratio do-nothing gRPC / raw':<34}{sink['total_bps'] / raw:>14.2f}")
     print(f"{'merges / pushes / refused':<34}{int(ours['merges']):>6} / {ours['pushes']} / {ours['refused']}")
+    load_after = os.getloadavg()[0]
+    print(f"load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} cores"
+          + ("  (other processes compete for the cores: the raw baseline suffers most, so read the ratios with"
+             " care and compare with a quiet run)" if max(load_before, load_after) > (os.cpu_count() or 1) else ""))
     print(f"targets: >= 1.00 GB/s ({'met' if ours['total_bps'] >= 1e9 else 'MISSED'}), "
           f"ratio >= 0.30 ({'met' if ratio >= 0.3 else 'MISSED'})")
     if args.plot:
