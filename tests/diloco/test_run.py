@@ -42,7 +42,6 @@ def test_a_short_run_lowers_the_loss_and_faults_do_not_derail_it(tmp_path):
     assert load_trace(out / "trace.json") == trace, "the trace the run replayed is kept beside its results"
 
 
-
 def run_killing(tmp_path, name, mode, island, at_step, *extra):
     """A run in which the first process of `island` gets kill -9 once it has trained `at_step` steps (a
     real SIGKILL, aimed by progress rather than by the clock, so it lands mid-training however loaded the
@@ -57,13 +56,13 @@ def run_killing(tmp_path, name, mode, island, at_step, *extra):
             hits = [e for e in events if e["event"] == "step" and e["island"] == island and e["step"] >= at_step]
             return hits[0]["pid"] if hits else None
 
-        pid = wait_until(reached, timeout=240, interval=0.05)
+        pid = wait_until(reached, timeout=240, interval=0.2)
         os.kill(pid, signal.SIGKILL)
         killed["pid"] = pid
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    summary, out = run(tmp_path, name, "--mode", mode, *extra)
+    summary, _ = run(tmp_path, name, "--mode", mode, *extra)
     thread.join(1)
     assert "pid" in killed, f"{island} never reached step {at_step}"
     return summary, out, killed["pid"]
