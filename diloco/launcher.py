@@ -220,10 +220,15 @@ class LocalJob:
         logs = self.out / "logs"
         for syncer in self.syncers:
             syncer.start(logs)
-        for port in self.syncer_ports[: len(self.syncers)]:
-            with SyncerClient(f"127.0.0.1:{port}", TOKEN) as client:
-                if not client.wait_ready(SYNCER_START_SECONDS):
-                    raise RuntimeError(f"syncer on port {port} did not start; see {logs}")
+        try:
+            for port in self.syncer_ports[: len(self.syncers)]:
+                with SyncerClient(f"127.0.0.1:{port}", TOKEN) as client:
+                    if not client.wait_ready(SYNCER_START_SECONDS):
+                        raise RuntimeError(f"syncer on port {port} did not start; see {logs}")
+        except BaseException:
+            for syncer in self.syncers:  # not left running behind a job that never started
+                syncer.kill()
+            raise
         started = time.time()
         for worker in self.workers.values():
             worker.start(logs)
