@@ -69,17 +69,7 @@ def _handler(
     a change waits for it, then reconciles what it changed."""
     locks = locks or PassLocks()
 
-    def reconcile_job(
-        body: kopf.Body,
-        meta: kopf.Meta,
-        spec: kopf.Spec,
-        status: kopf.Status,
-        name: str,
-        namespace: str,
-        uid: str,
-        patch: kopf.Patch,
-        **_: Any,
-    ) -> None:
+    def reconcile_job(meta: kopf.Meta, uid: str, **kwargs: Any) -> None:
         if meta.get("deletionTimestamp"):
             # The job is going: the garbage collector removes its children (foreground deletion: before the
             # job itself), and a pass now would apply them again and post Events into a dying namespace.
@@ -90,7 +80,7 @@ def _handler(
             metrics.reconciles.labels(trigger, "skipped").inc()
             return
         try:
-            _reconcile(body, meta, spec, status, name, namespace, uid, patch)
+            _reconcile(meta=meta, uid=uid, **kwargs)
         finally:
             lock.release()
 
@@ -103,6 +93,7 @@ def _handler(
         namespace: str,
         uid: str,
         patch: kopf.Patch,
+        **_: Any,
     ) -> None:
         started = time.perf_counter()
         try:
