@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make e2e-kind`: the e2e suite (tests/e2e) on a real kind cluster with the project's images, the path for a
-# machine with Docker and access to image registries (the Dockerfiles start FROM python:3.11-slim, and kind
-# pulls its node image). It cannot run where no image can be pulled; there `make test` runs the same suite on
-# the KWOK test cluster instead.
+# machine with Docker where kind's node image can be pulled (the project's own images are built here without
+# a registry, by deploy/images/build.sh as `make images` does). It cannot run where no image can be pulled;
+# there `make test` runs the same suite on the KWOK test cluster instead.
 #
 # Environment: KIND_CLUSTER (default diloco-e2e), KEEP_CLUSTER=1 to leave the cluster running afterwards.
 set -euo pipefail
@@ -13,8 +13,7 @@ CLUSTER=${KIND_CLUSTER:-diloco-e2e}
 TAG=e2e
 KUBECONFIG_FILE=$(mktemp -t "kubeconfig-$CLUSTER.XXXXXX")
 
-docker build -f deploy/Dockerfile.trainer -t "diloco-trainer:$TAG" .
-docker build -f deploy/Dockerfile.operator -t "diloco-operator:$TAG" .
+TAG=$TAG bash deploy/images/build.sh operator trainer
 "$BIN/kind" create cluster --name "$CLUSTER" --config tests/e2e/kind.yaml --kubeconfig "$KUBECONFIG_FILE" --wait 180s
 if [[ ${KEEP_CLUSTER:-} != 1 ]]; then
     trap '"$BIN/kind" delete cluster --name "$CLUSTER"; rm -f "$KUBECONFIG_FILE"' EXIT
