@@ -27,9 +27,12 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 TOKEN = "bench"
+T = TypeVar("T")
 RAW_CHUNK = 4 * 1024 * 1024
 
 
@@ -210,6 +213,35 @@ def _sink_server(port: int, numel: int, ready: mp.Event, counters: mp.Array) -> 
     server.wait_for_termination()
 
 
+def _drive_islands(target: str, islands: int, fragments: int, numel: int, seconds: float, encoding_wire: int,
+                   block_size: int, read: Callable[[], T], seeded: bool) -> tuple[T, T, float, list[dict]]:
+    """Runs the island processes against `target` for `seconds` once all are connected; `read` gives the
+    server's byte counters just before they start and just after they end. `seeded`: the server needs no
+    seed from the first island."""
+    ctx = mp.get_context("spawn")
+    seeded_event, ready, start, done = ctx.Event(), ctx.Queue(), ctx.Event(), ctx.Queue()
+    if seeded:
+        seeded_event.set()
+    procs = [
+        ctx.Process(target=_island, args=(i, target, fragments, numel, seconds, encoding_wire, block_size,
+                                          seeded_event, ready, start, done))
+        for i in range(islands)
+    ]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        ready.get(timeout=120)
+    before = read()
+    began = time.monotonic()
+    start.set()
+    counts = [done.get(timeout=seconds + 120) for _ in procs]
+    elapsed = time.monotonic() - began
+    after = read()
+    for proc in procs:
+        proc.join()
+    return before, after, elapsed, counts
+
+
 def measure_sink(islands: int, seconds: float, fragments: int, numel: int, encoding_name: str) -> dict:
     """In and out bytes per second of the do-nothing server under the same island processes."""
     from diloco.config import Encoding, TrainingConfig
@@ -223,26 +255,8 @@ def measure_sink(islands: int, seconds: float, fragments: int, numel: int, encod
     server.start()
     if not ready.wait(300):
         raise RuntimeError("the do-nothing gRPC server did not start")
-    seeded, island_ready, start, done = ctx.Event(), ctx.Queue(), ctx.Event(), ctx.Queue()
-    seeded.set()
-    procs = [
-        ctx.Process(target=_island, args=(i, f"127.0.0.1:{port}", fragments, numel, seconds, encoding.wire,
-                                          block_size, seeded, island_ready, start, done))
-        for i in range(islands)
-    ]
-    for proc in procs:
-        proc.start()
-    for _ in procs:
-        island_ready.get(timeout=120)
-    before = list(counters)
-    began = time.monotonic()
-    start.set()
-    for _ in procs:
-        done.get(timeout=seconds + 120)
-    elapsed = time.monotonic() - began
-    after = list(counters)
-    for proc in procs:
-        proc.join()
+    before, after, elapsed, _ = _drive_islands(f"127.0.0.1:{port}", islands, fragments, numel, seconds,
+                                               encoding.wire, block_size, lambda: list(counters), seeded=True)
     server.terminate()
     received, sent = after[0] - before[0], after[1] - before[1]
     return {"received_bps": received / elapsed, "sent_bps": sent / elapsed, "total_bps": (received + sent) / elapsed}
@@ -277,26 +291,10 @@ def measure_syncer(islands: int, seconds: float, fragments: int, numel: int, enc
             env={**os.environ, "DILOCO_TOKEN": TOKEN},
         )
         try:
-            ctx = mp.get_context("spawn")
-            seeded, ready, start, done = ctx.Event(), ctx.Queue(), ctx.Event(), ctx.Queue()
-            target = f"127.0.0.1:{port}"
-            procs = [
-                ctx.Process(target=_island, args=(i, target, fragments, numel, seconds, encoding.wire,
-                                                  config.block_size, seeded, ready, start, done))
-                for i in range(islands)
-            ]
-            for proc in procs:
-                proc.start()
-            for _ in procs:
-                ready.get(timeout=120)
-            before = _scrape(metrics_port)
-            began = time.monotonic()
-            start.set()
-            counts = [done.get(timeout=seconds + 120) for _ in procs]
-            elapsed = time.monotonic() - began
-            after = _scrape(metrics_port)
-            for proc in procs:
-                proc.join()
+            before, after, elapsed, counts = _drive_islands(
+                f"127.0.0.1:{port}", islands, fragments, numel, seconds, encoding.wire, config.block_size,
+                lambda: _scrape(metrics_port), seeded=False,
+            )
         finally:
             syncer.terminate()
             syncer.wait(30)
