@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, TypeVar
@@ -94,13 +95,17 @@ class SyncerClient:
         retry_for: float | None = 300.0,
         backoff: Backoff = Backoff(),
         seed: int | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
-        """`timeout` bounds each attempt; `retry_for` bounds all attempts of one call (None: forever)."""
+        """`timeout` bounds each attempt; `retry_for` bounds all attempts of one call (None: forever); once
+        `stop` is set, a call waiting to retry gives up at once with its last error, so the owner can close
+        without waiting out a backoff against a dead shard."""
         self.target = target
         self.island_id = island_id
         self.timeout = timeout
         self.retry_for = retry_for
         self.backoff = backoff
+        self._stop = stop if stop is not None else threading.Event()
         self._metadata = bearer_metadata(token)
         self._rng = random.Random(seed)
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
@@ -131,12 +136,13 @@ class SyncerClient:
             except grpc.RpcError as error:
                 code = error.code()
                 out_of_time = self.retry_for is not None and time.monotonic() - started > self.retry_for
-                if code not in RETRYABLE or out_of_time:
+                if code not in RETRYABLE or out_of_time or self._stop.is_set():
                     raise
                 delay = self.backoff.delay(attempt, self._rng)
                 log.debug("retrying", extra={"call": what, "target": self.target, "code": code.name,
                                              "attempt": attempt, "delay": delay})
-                time.sleep(delay)
+                if self._stop.wait(delay):
+                    raise
                 attempt += 1
 
     def wait_ready(self, timeout: float) -> bool:

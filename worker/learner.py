@@ -234,7 +234,7 @@ class Learner:
 
     def _connect(self) -> None:
         self._clients = [
-            SyncerClient(target, self._token, island_id=self.island_id, **self._client_options)
+            SyncerClient(target, self._token, island_id=self.island_id, stop=self._stopping, **self._client_options)
             for target in self.syncers
         ]
         for index, client in enumerate(self._clients):

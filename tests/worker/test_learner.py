@@ -204,6 +204,20 @@ def test_a_dead_shard_costs_rounds_not_steps(start_shards, island):
     one.learner.close()
 
 
+def test_closing_beside_a_dead_shard_does_not_wait_out_the_retries(start_shards, island):
+    shards = start_shards(make_config())
+    one = island(shards, seed=1, name="island-a", retry_for=60.0, close_timeout=30.0)
+    one.train(1)
+    shards.stop(0)
+    one.train(1, wait=False)  # step 2's round now retries its push against the dead shard, for up to a minute
+
+    started = time.monotonic()
+    one.learner.close()
+
+    assert time.monotonic() - started < 10.0, "close waited on the push's retries instead of stopping them"
+    assert one.learner.wait_for_syncs(0.0), "a round is still retrying after close"
+
+
 def test_from_env_reads_what_the_operator_injects(start_shards, tmp_path, monkeypatch):
     shards = start_shards(make_config())
     token_file = tmp_path / "token"
