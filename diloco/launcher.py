@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -130,7 +131,9 @@ class LocalJob:
         self.plan = plan
         self.out = plan.out
         for folder in ("progress", "logs", "checkpoints"):
-            (self.out / folder).mkdir(parents=True, exist_ok=True)
+            # A run starts from nothing: a previous run's checkpoints would be resumed and its events counted.
+            shutil.rmtree(self.out / folder, ignore_errors=True)
+            (self.out / folder).mkdir(parents=True)
         self.config_file = self.out / "config.json"
         self.config_file.write_text(plan.config.to_json())
         self.syncer_ports = [free_port() for _ in range(plan.shards)]
