@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from diloco.accounting import Account, account, load_events
-from diloco.config import TrainingConfig
+from diloco.config import Encoding, TrainingConfig
 from diloco.failures import FailureEvent, load_trace, random_trace, save_trace, syncer_target, worker_target
 from diloco.launcher import JobResult, LocalJob, RunPlan
 
@@ -255,12 +255,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--data", help="token or text file (default: the embedded corpus)")
-    p.add_argument("--inner-steps", type=int, default=20, help="H")
-    p.add_argument("--fragments", type=int, default=2, help="P")
-    p.add_argument("--overlap-steps", type=int, default=2, help="tau")
-    p.add_argument("--encoding", default="int4", choices=["fp32", "bf16", "int8", "int4"])
-    p.add_argument("--quorum", type=int, default=1, help="K")
-    p.add_argument("--grace-seconds", type=float, default=1.0)
+    job = TrainingConfig()
+    p.add_argument("--inner-steps", type=int, default=20, help=f"H (a job's default, {job.inner_steps}, is "
+                   "scaled down to suit a run of minutes)")
+    p.add_argument("--fragments", type=int, default=2, help=f"P (a job's default: {job.fragments})")
+    p.add_argument("--overlap-steps", type=int, default=2, help=f"tau (a job's default: {job.overlap_steps})")
+    p.add_argument("--encoding", default=job.encoding.value, choices=[e.value for e in Encoding])
+    p.add_argument("--quorum", type=int, default=job.quorum, help="K")
+    p.add_argument("--grace-seconds", type=float, default=job.grace_seconds,
+                   help="seconds a shard waits for more contributions once the quorum is reached")
     p.add_argument("--slowdown", default="", help="per-island slowdown factors, e.g. 1,1,3,1")
     p.add_argument("--kill-every", type=float, default=0.0, help="mean seconds between kill -9 of a random worker")
     p.add_argument("--restart-after", type=float, default=5.0, help="seconds a killed worker stays down")

@@ -10,7 +10,8 @@ import pytest
 from support import wait_until
 
 from diloco.accounting import load_events
-from diloco.cli import main
+from diloco.cli import build_parser, main
+from diloco.config import TrainingConfig
 from diloco.failures import FailureEvent, load_trace, save_trace
 
 pytestmark = pytest.mark.process
@@ -124,3 +125,9 @@ def test_sync_diloco_is_a_barrier_across_all_islands(tmp_path):
     (rejoined,) = [e for e in island_events(out, "island-1", "start") if e["pid"] != pid]
     assert rejoined["step"] >= 10 and rejoined["step"] % 5 == 0, "resumed at a due step of the job (H=10, P=2)"
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 3.5
+
+
+def test_the_merge_policy_defaults_are_a_jobs_own():
+    """A local run merges as a DiLoCoJob with the same knobs unset would; only the schedule is scaled down."""
+    args, job = build_parser().parse_args(["run"]), TrainingConfig()
+    assert (args.encoding, args.quorum, args.grace_seconds) == (job.encoding.value, job.quorum, job.grace_seconds)
