@@ -50,10 +50,12 @@ def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 class TokenInterceptor(grpc.ServerInterceptor):
     """Refuses every call that does not carry the job's token with UNAUTHENTICATED."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, on_refused: Callable[[str], None] | None = None) -> None:
+        """`on_refused(method)` is told of each refusal, so a server can count calls that never reach it."""
         if not token:
             raise ValueError("the job token must not be empty")
         self._token = token
+        self._on_refused = on_refused
 
     def intercept_service(
         self,
@@ -65,4 +67,6 @@ class TokenInterceptor(grpc.ServerInterceptor):
             return handler
         if token_matches(handler_call_details.invocation_metadata, self._token):
             return handler
+        if self._on_refused is not None:
+            self._on_refused(handler_call_details.method)
         return _denying(handler)

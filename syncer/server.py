@@ -93,7 +93,7 @@ class SyncerServer:
         self._health = health.HealthServicer()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="syncer-rpc"),
-            interceptors=[TokenInterceptor(token)],
+            interceptors=[TokenInterceptor(token, on_refused=self._count_unauthenticated)],
             options=[
                 ("grpc.max_receive_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
                 ("grpc.max_send_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
@@ -285,6 +285,11 @@ class SyncerServer:
             request.fragment_id, _version(ref.incarnation, version), payloads, blobs, delta_base=request.held.version
         )
         return list(messages), sum(len(b) for b in blobs)
+
+    def _count_unauthenticated(self, method: str) -> None:
+        """A wrong or missing token is refused before any handler runs; count it where operators look."""
+        self.metrics.rejected.labels("unauthenticated").inc()
+        log.debug("refused", extra={"reason": "unauthenticated", "detail": method})
 
     def refuse(self, refusal: Refused, context: grpc.ServicerContext) -> None:
         with self._cond:

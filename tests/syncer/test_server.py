@@ -13,6 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from diloco.auth import bearer_metadata
 from diloco.encoding import decode, encode, error_bound
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.v1 import syncer_pb2 as pb
@@ -377,6 +378,9 @@ class TestObservability:
             push(a, 0, base0, [("w", torch.zeros(3))])  # refused: wrong layout
         with pytest.raises(grpc.RpcError):
             push(a, 9, base0, random_values(3))  # refused: unknown fragment
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel, pytest.raises(grpc.RpcError):
+            wrong_token = bearer_metadata("not the job's")
+            syncer_pb2_grpc.SyncerStub(channel).Status(pb.StatusRequest(), metadata=wrong_token, timeout=10)
 
         after = wait_until(lambda: (m := scrape(metrics_port))[("diloco_syncer_live_islands", ())] == 1 and m)
         grew = lambda name, labels=(): after.get((name, labels), 0) - before.get((name, labels), 0)  # noqa: E731
@@ -392,6 +396,7 @@ class TestObservability:
         assert grew("diloco_syncer_push_staleness_sum") == 1
         assert grew("diloco_syncer_rejected_pushes_total", (("reason", "shape"),)) == 1
         assert grew("diloco_syncer_rejected_pushes_total", (("reason", "unknown_fragment"),)) == 1
+        assert grew("diloco_syncer_rejected_pushes_total", (("reason", "unauthenticated"),)) == 1
         assert grew("diloco_syncer_merge_contributors_count") == 2
 
     def test_health_is_served_without_a_token(self, start_server):
