@@ -251,6 +251,12 @@ class SyncerClient:
         values = apply_delta(held.values, [t for _, t in named])
         return Pulled(header.version, [(name, v) for (name, _), v in zip(named, values)], wire_bytes, delta=True)
 
+    def leave(self, timeout: float) -> None:
+        """Tells the shard this island has finished. Tried once: a shard that misses it times the island out
+        of its live set (islandTimeoutSeconds) as it would a dead one."""
+        request = pb.LeaveRequest(island_id=self.island_id)
+        self._stub.Leave(request, timeout=min(timeout, self.timeout), metadata=self._metadata)
+
     def status(self) -> pb.StatusReply:
         return self._retrying(
             "Status", lambda: self._stub.Status(pb.StatusRequest(), timeout=self.timeout, metadata=self._metadata)

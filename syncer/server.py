@@ -332,6 +332,9 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
             "Status": grpc.unary_unary_rpc_method_handler(
                 servicer.Status, pb.StatusRequest.FromString, pb.StatusReply.SerializeToString
             ),
+            "Leave": grpc.unary_unary_rpc_method_handler(
+                servicer.Leave, pb.LeaveRequest.FromString, pb.LeaveReply.SerializeToString
+            ),
         },
     )
 
@@ -352,7 +355,7 @@ class _Servicer:
         except Refused as refusal:
             s.refuse(refusal, context)
         with s._cond:
-            s.state.touch(request.island_id, s.clock())
+            s.state.join(request.island_id, s.clock())
             return pb.JoinReply(
                 shard_index=s.state.shard_index,
                 num_shards=s.state.num_shards,
@@ -457,6 +460,16 @@ class _Servicer:
         s.metrics.pulls.labels("full" if held is None else "delta").inc()
         s.metrics.bytes_out.inc(nbytes)
 
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        s = self.s
+        if not request.island_id:
+            s.refuse(Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "a leave must name its island"), context)
+        with s._cond:
+            s.state.leave(request.island_id)
+            s._cond.notify_all()  # a merge that waited only for this island is due now
+        log.info("island left", extra={"island": request.island_id})
+        return pb.LeaveReply()
+
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         s = self.s
         with s._cond:
@@ -465,6 +478,7 @@ class _Servicer:
                 shard_index=st.shard_index,
                 num_shards=st.num_shards,
                 live_islands=st.live_islands(s.clock()),
+                left_islands=sorted(st.left),
                 rejected_pushes=st.rejected_pushes,
                 fragments=[
                     pb.FragmentStatus(

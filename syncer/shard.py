@@ -111,13 +111,25 @@ class ShardState:
             p: FragmentState(p) for p in owned_fragments(shard_index, num_shards, config.fragments)
         }
         self.islands: dict[str, float] = {}
+        self.left: set[str] = set()
         self.rejected_pushes = 0
 
     # Islands
 
+    def join(self, island: str, now: float) -> None:
+        self.left.discard(island)
+        self.touch(island, now)
+
     def touch(self, island: str, now: float) -> None:
-        if island:
+        """Marks an island live; one that left stays gone until it joins again (a late retry is no return)."""
+        if island and island not in self.left:
             self.islands[island] = now
+
+    def leave(self, island: str) -> None:
+        """An island that finished no longer caps the quorum nor holds a grace window open."""
+        if island:
+            self.islands.pop(island, None)
+            self.left.add(island)
 
     def live_islands(self, now: float) -> list[str]:
         horizon = now - self.config.island_timeout_seconds
@@ -330,6 +342,7 @@ class ShardState:
             "incarnation": self.incarnation,
             "clean": clean,
             "islands": dict(self.islands),
+            "left": sorted(self.left),
             "fragments": {p: _fragment_state(f) for p, f in self.fragments.items()},
         }
 
@@ -357,6 +370,7 @@ class ShardState:
         clean = bool(state["clean"])
         shard = cls(config, shard_index, num_shards, state["incarnation"] if clean else new_incarnation)
         shard.islands = dict(state["islands"])
+        shard.left = set(state.get("left", ()))  # checkpoints from before Leave existed have none
         for p, fragment in state["fragments"].items():
             _restore_fragment(shard.fragment(p), fragment, keep_pushes=clean)
         return shard

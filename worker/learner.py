@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
 
+import grpc
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -272,7 +273,10 @@ class Learner:
         merge the first pushes without the islands still starting up. Gives up after `sync_timeout`."""
         deadline = time.monotonic() + self.sync_timeout
         for client in self._clients:
-            while len(client.status().live_islands) < self.config.quorum and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                status = client.status()
+                if len(status.live_islands) + len(status.left_islands) >= self.config.quorum:
+                    break  # islands that already finished will not come: a restarted island trains on alone
                 time.sleep(0.1)
 
     @property
@@ -332,13 +336,20 @@ class Learner:
         return all(r.join(max(0.0, deadline - time.monotonic())) for r in list(self._rounds.values()))
 
     def close(self) -> None:
-        """Gives running pushes up to `close_timeout` seconds to land, stops polling, closes the channels.
-        Issues no collective, so the ranks of an island may close in any order."""
+        """Gives running pushes up to `close_timeout` seconds to land, stops polling, tells the shards the
+        island has left (so no merge waits for it), closes the channels. Issues no collective, so the ranks of
+        an island may close in any order."""
         if self._closed:
             return
         self._closed = True
         self._stopping.set()
+        deadline = time.monotonic() + self.close_timeout
         self.wait_for_syncs(self.close_timeout)
+        for client in self._clients:
+            try:
+                client.leave(max(0.1, deadline - time.monotonic()))
+            except grpc.RpcError as error:
+                log.debug("leave not delivered", extra={"target": client.target, "code": str(error.code())})
         for client in self._clients:
             client.close()
         log.info("learner closed", extra={"island": self.island_id, "rank": self.island.rank, **asdict(self.stats)})

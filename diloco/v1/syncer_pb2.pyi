@@ -165,6 +165,16 @@ class HeldValues(_message.Message):
     digest: int
     def __init__(self, version: _Optional[_Union[FragmentVersion, _Mapping]] = ..., digest: _Optional[int] = ...) -> None: ...
 
+class LeaveRequest(_message.Message):
+    __slots__ = ("island_id",)
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    def __init__(self, island_id: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -190,15 +200,17 @@ class FragmentStatus(_message.Message):
     def __init__(self, fragment_id: _Optional[int] = ..., seeded: _Optional[bool] = ..., version: _Optional[_Union[FragmentVersion, _Mapping]] = ..., pending: _Optional[int] = ..., last_contributors: _Optional[int] = ..., last_merge_unix: _Optional[float] = ..., max_staleness_seen: _Optional[int] = ..., tokens_merged: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "fragments", "live_islands", "rejected_pushes")
+    __slots__ = ("shard_index", "num_shards", "fragments", "live_islands", "rejected_pushes", "left_islands")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     LIVE_ISLANDS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    LEFT_ISLANDS_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
     live_islands: _containers.RepeatedScalarFieldContainer[str]
     rejected_pushes: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., live_islands: _Optional[_Iterable[str]] = ..., rejected_pushes: _Optional[int] = ...) -> None: ...
+    left_islands: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., live_islands: _Optional[_Iterable[str]] = ..., rejected_pushes: _Optional[int] = ..., left_islands: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -59,6 +59,11 @@ class SyncerStub:
                 request_serializer=diloco_dot_v1_dot_syncer__pb2.StatusRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_syncer__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/diloco.v1.Syncer/Leave',
+                request_serializer=diloco_dot_v1_dot_syncer__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_syncer__pb2.LeaveReply.FromString,
+                _registered_method=True)
 
 
 class SyncerServicer:
@@ -99,6 +104,14 @@ class SyncerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """Says an island has finished: it stops counting as live at once, so no quorum or grace window waits for it,
+        and only its next Join makes it live again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SyncerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +139,11 @@ def add_SyncerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=diloco_dot_v1_dot_syncer__pb2.StatusRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_syncer__pb2.StatusReply.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=diloco_dot_v1_dot_syncer__pb2.LeaveRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_syncer__pb2.LeaveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +281,33 @@ class Syncer:
             '/diloco.v1.Syncer/Status',
             diloco_dot_v1_dot_syncer__pb2.StatusRequest.SerializeToString,
             diloco_dot_v1_dot_syncer__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Syncer/Leave',
+            diloco_dot_v1_dot_syncer__pb2.LeaveRequest.SerializeToString,
+            diloco_dot_v1_dot_syncer__pb2.LeaveReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -398,7 +398,12 @@ CALLS = {
     "Pull": lambda s, md: list(s.stub.Pull(pb.PullRequest(fragment_id=0, island_id="intruder"), metadata=md,
                                            timeout=30)),
     "Status": lambda s, md: s.stub.Status(pb.StatusRequest(), metadata=md, timeout=30),
+    "Leave": lambda s, md: s.stub.Leave(pb.LeaveRequest(island_id="intruder"), metadata=md, timeout=30),
 }
+
+
+def test_the_credential_checks_cover_every_call_of_the_service():
+    assert set(CALLS) == set(pb.DESCRIPTOR.services_by_name["Syncer"].methods_by_name)
 
 
 @pytest.mark.parametrize("rpc", list(CALLS))
@@ -411,6 +416,14 @@ def test_every_call_needs_the_token(scene, rpc):
         assert "intruder" not in after.live_islands
         assert_unchanged(before, after)  # fragment 2 is still unseeded, nothing pending was added
     CALLS[rpc](scene, AUTH)  # the same call with the token goes through
+
+
+def test_a_leave_without_an_island_is_invalid(scene):
+    before = snapshot(scene)
+    error = refused(lambda: scene.stub.Leave(pb.LeaveRequest(), metadata=AUTH, timeout=30))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert_unchanged(before, snapshot(scene))
+    assert not scene.observer.status().left_islands
 
 
 # A client that gives up halfway

@@ -155,6 +155,29 @@ class TestQuorumAndGrace:
         assert (status.version.version, status.last_contributors, status.pending, status.tokens_merged) == (1, 2, 0, 30)
         assert set(islands["a"].status().live_islands) == {"a", "b", "c"}
 
+    def test_an_island_that_leaves_is_waited_for_no_longer(self, start_server, clients):
+        clock = HeldClock()
+        server = start_server(config_for(quorum=3, grace_seconds=0.5), clock=clock)
+        islands = joined(server.port, "abc", 2)
+        clients.append(islands)
+        base = islands["a"].pull(0)[0]
+
+        clock.hold()  # no grace window or island timeout can end now: only c's leave can release the merge
+        push(islands["a"], 0, base, random_values(1, 0.1), tokens=10)
+        push(islands["b"], 0, base, random_values(2, 0.1), tokens=20)
+        time.sleep(0.3)
+        assert fragment_status(islands["a"], 0).pending == 2, "K = 3 and c is live: the merge waits for c"
+
+        islands["c"].leave(timeout=10)
+        wait_until(lambda: fragment_status(islands["a"], 0).version.version >= 1, timeout=10)
+        assert fragment_status(islands["a"], 0).last_contributors == 2
+        status = islands["a"].status()
+        assert (list(status.live_islands), list(status.left_islands)) == (["a", "b"], ["c"])
+
+        islands["c"].join(2)  # a restarted c counts again
+        status = islands["a"].status()
+        assert (list(status.live_islands), list(status.left_islands)) == (["a", "b", "c"], [])
+
 
 class TestIdempotency:
     def test_duplicate_while_pending_counts_once(self, start_server, clients):

@@ -89,6 +89,25 @@ class TestQuorumAndGrace:
         assert shard.poll(20.0) == [0]
 
 
+    def test_an_island_that_left_holds_nothing_back(self):
+        shard = make_shard(quorum=3, grace_seconds=60.0, island_timeout_seconds=1000.0)
+        for island in "abc":
+            shard.touch(island, 0.0)
+        shard.leave("c")
+        push(shard, "a", 1.0)
+        push(shard, "b", 1.0)
+        assert shard.live_islands(1.0) == ["a", "b"] and shard.effective_quorum(1.0) == 2
+        assert shard.poll(1.0) == [0], "everyone still live reported: no grace window for the island that left"
+
+    def test_an_island_that_left_is_live_again_only_when_it_joins(self):
+        shard = make_shard(quorum=1, island_timeout_seconds=1000.0)
+        shard.join("a", 0.0)
+        shard.leave("a")
+        push(shard, "a", 1.0)  # a retry that landed after the leave still counts as a contribution
+        assert shard.live_islands(1.0) == [] and shard.left == {"a"}
+        shard.join("a", 2.0)
+        assert shard.live_islands(2.0) == ["a"] and shard.left == set()
+
     def test_no_live_island_is_not_everyone_reporting(self):
         shard = make_shard(quorum=1, grace_seconds=5.0, island_timeout_seconds=10.0)
         push(shard, "a", 0.0)
@@ -218,6 +237,13 @@ class TestCheckpointState:
             resumed = ShardState.from_state_dict(shard.config, 0, 1, shard.to_state_dict(clean=clean), 99)
             assert resumed.live_islands(1.0) == ["a", "b"]
             assert resumed.effective_quorum(1.0) == 2, "the quorum cap does not fall to one after a restart"
+
+    def test_resume_remembers_which_islands_left(self):
+        shard = make_shard()
+        shard.join("a", 0.0)
+        shard.leave("a")
+        resumed = ShardState.from_state_dict(shard.config, 0, 1, shard.to_state_dict(clean=True), 99)
+        assert resumed.left == {"a"} and resumed.live_islands(1.0) == []
 
     def test_unclean_resume_takes_a_new_incarnation_and_drops_pending(self):
         shard = make_shard()

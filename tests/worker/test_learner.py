@@ -3,6 +3,7 @@ islands and refused pushes."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -153,6 +154,32 @@ def test_a_slow_island_does_not_hold_back_merges(start_shards, island):
     assert fast_stats.syncs_merged >= 16, fast_stats
     status = shards.status(0)
     assert all(status[p][1] >= 10 for p in (0, 1)), status
+
+
+def test_an_island_that_finished_holds_back_no_merge(start_shards, island):
+    """K = M = 2: once b has closed, a's rounds merge on their own instead of waiting for b to time out."""
+    shards = start_shards(make_config(quorum=2))
+    a = island(shards, seed=1, name="a")
+    b = island(shards, seed=2, name="b")
+    b.learner.close()
+    with shards.client(0) as observer:
+        status = observer.status()
+    assert (list(status.live_islands), list(status.left_islands)) == (["a"], ["b"])
+
+    a.train(4)  # both fragments fall due (H=4, P=2); each round is answered before the next step
+    assert {p: version for p, (_, version, _) in shards.status(0).items()} == {0: 1, 1: 1}
+    assert a.learner.stats.syncs_abandoned == 0, a.learner.stats
+
+
+def test_a_synchronous_island_does_not_wait_at_the_start_for_islands_that_finished(start_shards, island):
+    """A sync-DiLoCo island restarted after the others left starts at once rather than after sync_timeout."""
+    shards = start_shards(make_config(quorum=2))
+    island(shards, seed=2, name="b").learner.close()
+    late = island(shards, seed=1, name="a", start=False, synchronous=True, sync_timeout=600.0)
+    starting = threading.Thread(target=late.learner.start, daemon=True)
+    starting.start()
+    starting.join(timeout=60)
+    assert not starting.is_alive(), "the start barrier waited for an island that had left"
 
 
 def test_a_refused_push_rebases_on_fresh_values(start_shards, island):
