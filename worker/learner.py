@@ -350,7 +350,6 @@ class Learner:
                 client.leave(max(0.1, deadline - time.monotonic()))
             except grpc.RpcError as error:
                 log.debug("leave not delivered", extra={"target": client.target, "code": str(error.code())})
-        for client in self._clients:
             client.close()
         log.info("learner closed", extra={"island": self.island_id, "rank": self.island.rank, **asdict(self.stats)})
 

@@ -88,7 +88,6 @@ class TestQuorumAndGrace:
         assert shard.effective_quorum(20.0) == 1, "b and c have not been heard from for 20 s"
         assert shard.poll(20.0) == [0]
 
-
     def test_an_island_that_left_holds_nothing_back(self):
         shard = make_shard(quorum=3, grace_seconds=60.0, island_timeout_seconds=1000.0)
         for island in "abc":
@@ -107,6 +106,7 @@ class TestQuorumAndGrace:
         assert shard.live_islands(1.0) == [] and shard.left == {"a"}
         shard.join("a", 2.0)
         assert shard.live_islands(2.0) == ["a"] and shard.left == set()
+
 
     def test_no_live_island_is_not_everyone_reporting(self):
         shard = make_shard(quorum=1, grace_seconds=5.0, island_timeout_seconds=10.0)
