@@ -1,6 +1,6 @@
 """Communication bytes per token: decoupled DiLoCo vs data-parallel (`ddp`), measured side by side.
 
-Every mode runs with `diloco run`'s own machinery (`diloco.run.run_mode`): M single-worker islands and one
+Every mode runs with `diloco run`'s own machinery (`diloco.local.run.run_mode`): M single-worker islands and one
 syncer shard as processes on loopback, the tiny preset, and the job defaults of `TrainingConfig` (H=100,
 P=4, τ=5, int4 outer gradients, so "int4 at the default H").
 
@@ -10,7 +10,7 @@ P=4, τ=5, int4 outer gradients, so "int4 at the default H").
 - baseline: `ddp`, the same M workers all-reducing float32 gradients every step. Its bytes per token do not
   depend on the run's length, so it runs for fewer steps.
 
-Bytes are counted per worker link, in and out, the convention of `diloco.run.ddp_comm_bytes` (ring
+Bytes are counted per worker link, in and out, the convention of `diloco.local.run.ddp_comm_bytes` (ring
 all-reduce: every worker sends and receives 2(M−1)/M of the gradients each step). For DiLoCo that is what
 the syncer counts: tensor bytes received in pushes and seeds plus bytes sent in pulls. A second, independent
 measure runs each mode in a private network namespace (`unshare -rn`, when the kernel allows it) and reads
@@ -57,10 +57,10 @@ def loopback_bytes() -> int:
 
 def child(args: argparse.Namespace) -> None:
     """Runs one mode (in the namespace the parent made) and prints its figures as one JSON line."""
-    from diloco.accounting import load_events
-    from diloco.config import TrainingConfig
-    from diloco.launcher import RunPlan
-    from diloco.run import run_mode
+    from diloco.local.goodput import load_events
+    from diloco.core.config import TrainingConfig
+    from diloco.local.launcher import RunPlan
+    from diloco.local.run import run_mode
 
     before = loopback_bytes() if args.netns else 0
     plan = RunPlan(

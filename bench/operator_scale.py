@@ -44,7 +44,7 @@ from operator_harness import NAMESPACE, SERVICE_ACCOUNT, OperatorProcess, instal
 from diloco.operator import naming  # noqa: E402
 from diloco.operator.children import Scale, render_children  # noqa: E402
 from diloco.operator.kube import Kube  # noqa: E402
-from diloco.spec import DiLoCoJobSpec  # noqa: E402
+from diloco.api.job import DiLoCoJobSpec  # noqa: E402
 
 OUT = ROOT / "out" / "bench"
 PODS_PER_NODE = 110

@@ -3,10 +3,10 @@
 1. Makes a failure trace (worker kills as a Poisson process, a fixed seed) and runs
    `diloco run --compare --trace` on it: decoupled DiLoCo, its synchronous baseline and data-parallel, as
    real processes on loopback, each measuring its own goodput.
-2. Reads the run back (`diloco.predict_run`): this machine's step time per island, start-up time at launch
+2. Reads the run back (`diloco.sim.predict_run`): this machine's step time per island, start-up time at launch
    and after a kill, merge latency, wind-down and how long each worker slot was allocated, from the workers'
    progress events; then feeds those, the run's H, P, tau, K, grace, island timeout and checkpoint interval,
-   and the same trace (islands as learners of one chip each) to `diloco.failure_sim.simulate`. The mapping
+   and the same trace (islands as learners of one chip each) to `diloco.sim.engine.simulate`. The mapping
    is in docs/simulator.md, "Checked against `diloco run`".
 3. Prints measured and predicted goodput side by side, writes simulate_vs_run.json and simulate_vs_run.png.
 
@@ -32,8 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from diloco.failures import random_trace, save_trace, worker_target
-from diloco.predict_run import Check, check
+from diloco.local.failure_trace import random_trace, save_trace, worker_target
+from diloco.sim.predict_run import Check, check
 
 
 def run_compare(args: argparse.Namespace, run_dir: Path) -> None:

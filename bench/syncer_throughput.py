@@ -108,9 +108,9 @@ def _island(index: int, target: str, fragments: int, numel: int, seconds: float,
     import torch
 
     from diloco import wire
-    from diloco.auth import bearer_metadata
-    from diloco.client import CHANNEL_OPTIONS, SyncerClient, _method
-    from diloco.v1 import syncer_pb2 as pb
+    from diloco.transport.auth import bearer_metadata
+    from diloco.transport.client import CHANNEL_OPTIONS, SyncerClient, _method
+    from diloco.transport.v1 import syncer_pb2 as pb
 
     island = f"island-{index}"
     client = SyncerClient(target, TOKEN, island_id=island, retry_for=60)
@@ -168,7 +168,7 @@ def _sink_server(port: int, numel: int, ready: mp.Event, counters: mp.Array) -> 
 
     from diloco import wire
     from diloco.syncer.server import HEADER_SLACK_BYTES, SERVICE_NAME
-    from diloco.v1 import syncer_pb2 as pb
+    from diloco.transport.v1 import syncer_pb2 as pb
 
     payloads, blobs = wire.tensor_payloads([("w", torch.zeros(numel))], pb.FP32, 0)
     data = list(wire.fragment_messages(0, pb.FragmentVersion(), payloads, blobs))[1:]
@@ -244,7 +244,7 @@ def _drive_islands(target: str, islands: int, fragments: int, numel: int, second
 
 def measure_sink(islands: int, seconds: float, fragments: int, numel: int, encoding_name: str) -> dict:
     """In and out bytes per second of the do-nothing server under the same island processes."""
-    from diloco.config import Encoding, TrainingConfig
+    from diloco.core.config import Encoding, TrainingConfig
 
     encoding = Encoding(encoding_name)
     block_size = TrainingConfig().block_size
@@ -274,7 +274,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def measure_syncer(islands: int, seconds: float, fragments: int, numel: int, encoding_name: str) -> dict:
-    from diloco.config import Encoding, TrainingConfig
+    from diloco.core.config import Encoding, TrainingConfig
 
     encoding = Encoding(encoding_name)
     config = TrainingConfig(

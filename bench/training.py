@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from diloco.accounting import load_events
+from diloco.local.goodput import load_events
 from diloco.cli import main as diloco_main
 
 

@@ -9,9 +9,9 @@ import sys
 from typing import Sequence
 
 SUBCOMMANDS = (
-    "diloco.run",
-    "diloco.status",
-    "diloco.simulate",
+    "diloco.local.run",
+    "diloco.shard_status",
+    "diloco.sim.simulate",
 )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from diloco.config import TrainingConfig
+from diloco.core.config import TrainingConfig
 
 
 def env_default(name: str, default: str | None = None) -> str | None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from diloco.operator import naming as n
 from diloco.operator.events import Event
-from diloco.spec import IslandSpec, IslandStatus, PodRecord, Reform
+from diloco.api.job import IslandSpec, IslandStatus, PodRecord, Reform
 
 _ORDINAL_SUFFIX = re.compile(r"-(\d+)$")
 

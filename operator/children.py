@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from diloco.spec import DiLoCoJobSpec, IslandSpec, ResourceRequirements, Toleration, validate_job_name
+from diloco.api.job import DiLoCoJobSpec, IslandSpec, ResourceRequirements, Toleration, validate_job_name
 from diloco.operator import naming as n
 from diloco.operator.overrides import merge
 

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.naming import JobRef
 from diloco.operator.reconcile import Reconciler
-from diloco.spec import API_GROUP, API_VERSION, PLURAL
+from diloco.api.job import API_GROUP, API_VERSION, PLURAL
 
 log = logging.getLogger("diloco.operator")
 

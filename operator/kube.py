@@ -15,7 +15,7 @@ from typing import Any
 from kubernetes import client, config
 
 from diloco.operator.naming import MANAGER
-from diloco.spec import API_GROUP, API_VERSION, PLURAL
+from diloco.api.job import API_GROUP, API_VERSION, PLURAL
 
 RESOURCES: dict[str, tuple[str, str, bool]] = {
     "ConfigMap": ("v1", "configmaps", True),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diloco.spec import API_GROUP, API_VERSION, KIND
+from diloco.api.job import API_GROUP, API_VERSION, KIND
 
 MANAGER = "diloco-operator"
 """Server-side-apply field manager, and the `app.kubernetes.io/managed-by` label value."""

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from diloco.auth import bearer_metadata
+from diloco.transport.auth import bearer_metadata
 from diloco.operator.status import FragmentReport, ShardObservation
-from diloco.v1 import syncer_pb2 as pb
-from diloco.v1 import syncer_pb2_grpc as pb_grpc
+from diloco.transport.v1 import syncer_pb2 as pb
+from diloco.transport.v1 import syncer_pb2_grpc as pb_grpc
 
 LOSS_METRIC = "diloco_worker_loss"
 MAX_PARALLEL = 128

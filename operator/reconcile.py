@@ -26,7 +26,7 @@ from diloco.operator.events import Event
 from diloco.operator.kube import ApiError, Kube
 from diloco.operator.probes import shard_statuses, trainer_losses
 from diloco.operator.status import Observation, ShardObservation, decide
-from diloco.spec import DiLoCoJobSpec, DiLoCoJobStatus
+from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus
 
 log = logging.getLogger("diloco.operator")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from diloco.operator.accounting import IslandAccount, NodeState, PodObservation, account_island
 from diloco.operator.children import Scale
 from diloco.operator.events import Event
-from diloco.spec import (
+from diloco.api.job import (
     Condition,
     DiLoCoJobSpec,
     DiLoCoJobStatus,

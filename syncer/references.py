@@ -1,5 +1,5 @@
 """What a shard last served each island of each fragment, so that the island's next pull can be a
-difference against it (see `diloco.compressed_pull`). No I/O and no lock: the server holds its own.
+difference against it (see `diloco.core.compressed_pull`). No I/O and no lock: the server holds its own.
 
 Memory is bounded: the least recently served references are dropped beyond `max_bytes`, and an island
 whose reference is gone (or does not match what it says it holds) simply gets full values. References are

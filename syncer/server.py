@@ -3,7 +3,7 @@
 Data is read and decoded outside the state lock; only validation, submission, merges and snapshots hold
 it. Encoded fragment values are cached per version and encoding, so many islands pulling the same merge
 cost one encoding. An island that says which values it holds gets the difference to the newest in the
-job's encoding when the shard knows those values (`diloco.compressed_pull`), and full values otherwise.
+job's encoding when the shard knows those values (`diloco.core.compressed_pull`), and full values otherwise.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from diloco import wire
-from diloco.auth import TokenInterceptor
-from diloco.compressed_pull import held_after, values_digest
-from diloco.config import TrainingConfig
-from diloco.v1 import syncer_pb2 as pb
+from diloco.transport import wire
+from diloco.transport.auth import TokenInterceptor
+from diloco.core.compressed_pull import held_after, values_digest
+from diloco.core.config import TrainingConfig
+from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.references import Reference, References

@@ -14,10 +14,10 @@ from typing import Any, Sequence
 import grpc
 import torch
 
-from diloco.config import TrainingConfig
-from diloco.fragments import owned_fragments
-from diloco.merge import Contribution, is_too_stale, merge_deltas
-from diloco.outer_optimizer import init_momentum, outer_step
+from diloco.core.config import TrainingConfig
+from diloco.core.fragments import owned_fragments
+from diloco.core.merge import Contribution, is_too_stale, merge_deltas
+from diloco.core.outer_optimizer import init_momentum, outer_step
 
 CHECKPOINT_FORMAT = 1
 

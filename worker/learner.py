@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco.client import Backoff, SyncerClient
-from diloco.config import TrainingConfig
-from diloco.fragments import Fragment, fragments_due, plan_fragments, resume_step, shard_of
+from diloco.transport.client import Backoff, SyncerClient
+from diloco.core.config import TrainingConfig
+from diloco.core.fragments import Fragment, fragments_due, plan_fragments, resume_step, shard_of
 from diloco.settings import env_default, load_token, load_training_config
-from diloco.v1 import syncer_pb2 as pb
+from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.island import Island
 from diloco.worker.stats import LearnerStats, StatsRecorder, Version
 from diloco.worker.sync import (

@@ -4,7 +4,7 @@ A round pushes the outer gradient Δ = base − local, then polls for the merge 
 shard refuses with FAILED_PRECONDITION (a base that is stale, from an older incarnation, or ahead of the
 shard) turns into a fresh pull, so the island re-bases instead of stalling. Every other failure ends the
 round: the learner drops it and trains on, and the next due step pushes again. With a pull encoding, pulls
-are compressed: the shard sends the difference from the island's base (`diloco.compressed_pull`).
+are compressed: the shard sends the difference from the island's base (`diloco.core.compressed_pull`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from diloco.client import Held, Pulled, SyncerClient
-from diloco.compressed_pull import values_digest
-from diloco.encoding import encoded_nbytes
-from diloco.v1 import syncer_pb2 as pb
+from diloco.transport.client import Held, Pulled, SyncerClient
+from diloco.core.compressed_pull import values_digest
+from diloco.core.encoding import encoded_nbytes
+from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.stats import StatsRecorder
 
 log = logging.getLogger("diloco.worker")

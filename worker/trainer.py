@@ -21,7 +21,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from diloco.config import InnerOptimizerConfig, TrainingConfig
+from diloco.core.config import InnerOptimizerConfig, TrainingConfig
 from diloco.worker.data import BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
 from diloco.worker.learner import Learner, RoundReport

@@ -56,7 +56,7 @@ if [[ " ${images[*]} " == *" trainer "* ]]; then
     "$DOCKER" run --rm --network host -e PORT="$port" -e METRICS_PORT="$metrics_port" "$trainer" python -c '
 import os, urllib.request, grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from diloco.v1 import syncer_pb2, syncer_pb2_grpc
+from diloco.transport.v1 import syncer_pb2, syncer_pb2_grpc
 channel = grpc.insecure_channel("127.0.0.1:" + os.environ["PORT"])
 grpc.channel_ready_future(channel).result(timeout=60)
 health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)

@@ -11,9 +11,9 @@ import pytest
 import yaml
 from kubernetes.client import models as k8s
 
-from diloco import spec as model
-from diloco.config import TrainingConfig
-from diloco.spec import DiLoCoJob
+from diloco.api import job as model
+from diloco.core.config import TrainingConfig
+from diloco.api.job import DiLoCoJob
 
 ROOT = Path(__file__).resolve().parents[2]
 _loader = importlib.util.spec_from_file_location("render", ROOT / "deploy" / "render.py")

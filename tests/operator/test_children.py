@@ -7,7 +7,7 @@ import json
 import pytest
 from kubernetes.client import models as k8s
 
-from diloco.config import TrainingConfig
+from diloco.core.config import TrainingConfig
 from diloco.operator import naming as n
 from diloco.operator.children import (
     SPOT_TOLERATIONS,
@@ -17,7 +17,7 @@ from diloco.operator.children import (
     render_children,
 )
 from diloco.operator.overrides import merge
-from diloco.spec import DiLoCoJobSpec
+from diloco.api.job import DiLoCoJobSpec
 
 JOB = n.JobRef(name="demo", namespace="ml", uid="0b7c6c1e-uid")
 MODELS = {

@@ -13,7 +13,7 @@ from diloco.operator.events import Event
 from diloco.operator.main import parse_args, watched_namespaces
 from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.reconcile import Outcome
-from diloco.spec import DiLoCoJobSpec
+from diloco.api.job import DiLoCoJobSpec
 
 
 class FakeReconciler:

@@ -12,7 +12,7 @@ from diloco.operator.children import OperatorRef
 from diloco.operator.kube import ApiError
 from diloco.operator.reconcile import Reconciler, contains, read_token, status_patch
 from diloco.operator.status import FragmentReport, ShardObservation
-from diloco.spec import DiLoCoJobStatus
+from diloco.api.job import DiLoCoJobStatus
 
 JOB = n.JobRef(name="demo", namespace="ml", uid="job-uid")
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)

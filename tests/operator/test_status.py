@@ -23,7 +23,7 @@ from diloco.operator.status import (
     stop_reached,
     ttl_expires_at,
 )
-from diloco.spec import (
+from diloco.api.job import (
     DiLoCoJobSpec,
     DiLoCoJobStatus,
     FragmentProgress,

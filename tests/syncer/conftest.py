@@ -13,8 +13,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from diloco.config import TrainingConfig
-from diloco.fragments import owned_fragments
+from diloco.core.config import TrainingConfig
+from diloco.core.fragments import owned_fragments
 from diloco.syncer.server import SyncerServer
 from syncer_harness import (  # noqa: F401  (re-exported: the helpers used to live here)
     SHAPES,

@@ -9,8 +9,8 @@ from typing import Callable
 import pytest
 import torch
 
-from diloco.client import Backoff, SyncerClient
-from diloco.config import TrainingConfig
+from diloco.transport.client import Backoff, SyncerClient
+from diloco.core.config import TrainingConfig
 from support import wait_until  # noqa: F401  (re-exported to the syncer tests)
 
 TOKEN = "test-token"

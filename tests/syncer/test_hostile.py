@@ -16,11 +16,11 @@ import grpc
 import pytest
 import torch
 
-from diloco import wire
-from diloco.client import SyncerClient
+from diloco.transport import wire
+from diloco.transport.client import SyncerClient
 from diloco.syncer.server import SyncerServer
-from diloco.v1 import syncer_pb2 as pb
-from diloco.v1 import syncer_pb2_grpc
+from diloco.transport.v1 import syncer_pb2 as pb
+from diloco.transport.v1 import syncer_pb2_grpc
 from syncer_harness import (
     TOKEN,
     ReferenceFragment,

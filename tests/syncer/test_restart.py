@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from diloco.syncer import checkpoint
-from diloco.v1 import syncer_pb2 as pb
+from diloco.transport.v1 import syncer_pb2 as pb
 from syncer_harness import (
     SHAPES,
     ReferenceFragment,

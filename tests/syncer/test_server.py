@@ -13,11 +13,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from diloco.auth import bearer_metadata
-from diloco.encoding import decode, encode, error_bound
+from diloco.transport.auth import bearer_metadata
+from diloco.core.encoding import decode, encode, error_bound
 from diloco.syncer.metrics import SyncerMetrics
-from diloco.v1 import syncer_pb2 as pb
-from diloco.v1 import syncer_pb2_grpc
+from diloco.transport.v1 import syncer_pb2 as pb
+from diloco.transport.v1 import syncer_pb2_grpc
 
 from syncer_harness import (
     SHAPES,

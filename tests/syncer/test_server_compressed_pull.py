@@ -12,11 +12,11 @@ import grpc
 import pytest
 import torch
 
-from diloco.client import Held
-from diloco.compressed_pull import values_digest
-from diloco.encoding import encoded_nbytes, error_bound
-from diloco.v1 import syncer_pb2 as pb
-from diloco.v1 import syncer_pb2_grpc
+from diloco.transport.client import Held
+from diloco.core.compressed_pull import values_digest
+from diloco.core.encoding import encoded_nbytes, error_bound
+from diloco.transport.v1 import syncer_pb2 as pb
+from diloco.transport.v1 import syncer_pb2_grpc
 
 from syncer_harness import TOKEN, config_for, make_client, random_values, wait_until
 

@@ -4,9 +4,9 @@ import grpc
 import pytest
 import torch
 
-from diloco.config import TrainingConfig
+from diloco.core.config import TrainingConfig
 from diloco.syncer.shard import PushKey, Refused, ShardState, TensorSpec
-from diloco.v1 import syncer_pb2 as pb
+from diloco.transport.v1 import syncer_pb2 as pb
 
 SPECS = (TensorSpec("w", (2,), pb.FLOAT32), TensorSpec("b", (1,), pb.FLOAT32))
 INCARNATION = 7

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from diloco.client import SyncerClient
-from diloco.config import TrainingConfig
+from diloco.transport.client import SyncerClient
+from diloco.core.config import TrainingConfig
 from diloco.syncer.server import SyncerServer
 from diloco.worker.learner import Learner
 from learner_harness import FAST_BACKOFF, TOKEN, SingleIsland

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco.config import TrainingConfig
+from diloco.core.config import TrainingConfig
 from diloco.worker.learner import Learner
 from learner_harness import BATCH, FAST_BACKOFF, TOKEN, flat_params, tiny_model
 

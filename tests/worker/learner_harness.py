@@ -7,8 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from diloco.client import Backoff
-from diloco.config import TrainingConfig
+from diloco.transport.client import Backoff
+from diloco.core.config import TrainingConfig
 from diloco.worker.learner import Learner
 
 TOKEN = "worker-test-token"

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import wait_until
 
-from diloco.launcher import free_port
+from diloco.local.launcher import free_port
 from diloco.operator.probes import trainer_loss
 from learner_harness import TOKEN, make_config
 

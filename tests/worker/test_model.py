@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from diloco.fragments import plan_fragments
+from diloco.core.fragments import plan_fragments
 from diloco.worker.data import BatchSampler, load_tokens
 from diloco.worker.model import PRESETS, GPT, ModelPreset, build_model, resolve_preset
 

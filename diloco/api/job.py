@@ -1,0 +1,495 @@
+"""The `DiLoCoJob` resource: its spec and status, the single source of truth for the CRD, the operator and
+the examples.
+
+`deploy/render.py` derives the CRD's OpenAPI schema from these models, so every description, default and
+bound written here is what the API server documents and enforces. Rules that span fields are written twice,
+side by side: as a pydantic validator (so `DiLoCoJobSpec.model_validate` refuses what the API server would)
+and as a CEL rule (`x-kubernetes-validations`) in the model's JSON-schema extras. Both messages name the
+field with its full path in the manifest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from diloco.core.config import CamelModel, TrainingConfig
+
+API_GROUP = "diloco.dev"
+API_VERSION = "v1alpha1"
+KIND = "DiLoCoJob"
+PLURAL = "dilocojobs"
+SINGULAR = "dilocojob"
+SHORT_NAMES = ("dj",)
+CATEGORIES = ("diloco",)
+
+# Children are named `<job>-<island>` (a StatefulSet: its pods carry `controller-revision-hash=<name>-<10
+# chars>`, a label value of at most 63 characters, so the name stays within 52) and `<job>-syncer-<i>` (a
+# Service, a DNS-1035 label). These caps keep every derived name legal.
+JOB_NAME_MAX = 30
+ISLAND_NAME_MAX = 21
+DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+RESERVED_ISLAND_NAME = r"^syncer-[0-9]+$"
+MAX_ISLANDS = 512
+MAX_SHARDS = 64
+QUANTITY = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+QUALIFIED_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+JOB_NAME_RULE = {
+    "rule": f"size(self.metadata.name) <= {JOB_NAME_MAX} && self.metadata.name.matches('{DNS_LABEL}')",
+    "message": f"metadata.name must be a DNS-1035 label of at most {JOB_NAME_MAX} characters (lower-case "
+    "letters, digits and '-', starting with a letter): it prefixes the names of the job's Services and "
+    "StatefulSets",
+    "fieldPath": ".metadata.name",
+}
+
+
+MSG_BUILTIN_OR_COMMAND = (
+    "spec.trainer.model and spec.trainer.data configure the built-in trainer and cannot be set together with "
+    "spec.trainer.command"
+)
+MSG_RESERVED_ISLAND = (
+    "spec.islands[].name must not have the form syncer-<n>: <job>-syncer-<n> names the syncer shard Services"
+)
+MSG_SYNCER_PORTS = "spec.syncer.port and spec.syncer.metricsPort must differ"
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """One `x-kubernetes-validations` entry; `field_path` points the API server's error at the field."""
+    entry = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+def validate_job_name(name: str) -> str:
+    """The same check as the CRD's root CEL rule, for code that builds children without the API server."""
+    if len(name) > JOB_NAME_MAX or not re.match(DNS_LABEL, name):
+        raise ValueError(JOB_NAME_RULE["message"] + f", got {name!r}")
+    return name
+
+
+Quantity = Annotated[
+    int | Annotated[str, Field(pattern=QUANTITY)],
+    Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
+]
+"""A Kubernetes resource quantity: an integer or a string such as `500m`, `16Gi`."""
+
+FreeForm = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
+"""An object passed through to Kubernetes as written (validated by the API server when it is applied)."""
+
+
+class ModelSize(str, enum.Enum):
+    """Presets of the built-in GPT-style trainer (see `diloco.worker.model.PRESETS`)."""
+
+    TINY = "tiny"
+    SMALL = "small"
+    MEDIUM = "medium"
+    LARGE = "large"
+
+
+class Toleration(CamelModel):
+    """A Kubernetes toleration, as in a pod spec."""
+
+    key: str | None = Field(None, description="Taint key the toleration applies to; empty with Exists: all.")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="Exists or Equal (default Equal).")
+    value: str | None = Field(None, description="Taint value to match with the Equal operator.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to match; empty: all effects."
+    )
+    toleration_seconds: int | None = Field(
+        None, ge=0, description="With NoExecute: seconds the pod stays bound after the taint appears."
+    )
+
+
+class ResourceRequirements(CamelModel):
+    """Requests and limits of a container, as in a pod spec."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="Minimum resources, e.g. cpu: 4.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources, e.g. memory: 64Gi.")
+
+
+class TrainerSpec(CamelModel):
+    """What each island pod runs: the built-in `diloco-worker` (a model preset and a data source) or a
+    command of your own that uses `diloco.worker.Learner.from_env`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!has(self.command) || (!has(self.model) && !has(self.data))", MSG_BUILTIN_OR_COMMAND)
+            ]
+        }
+    )
+
+    model: ModelSize | None = Field(
+        None, description="Built-in trainer: model preset (tiny, small, medium, large); tiny when unset."
+    )
+    data: str | None = Field(
+        None,
+        min_length=1,
+        description="Built-in trainer: token source inside the container ('stdlib' for the embedded corpus, a "
+        ".bin/.npy token file, or a text file); stdlib when unset.",
+    )
+    command: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Custom trainer: the container command, replacing diloco-worker. It receives the same "
+        "DILOCO_* and rendezvous environment.",
+    )
+    args: list[str] = Field(default_factory=list, description="Arguments appended to the trainer command.")
+    rendezvous_port: int = Field(
+        29500, ge=1, le=65535, description="Port of torch.distributed rendezvous on each island's rank-0 pod."
+    )
+    metrics_port: int = Field(9090, ge=1, le=65535, description="Port of the trainer's Prometheus metrics.")
+
+    @model_validator(mode="after")
+    def _builtin_or_custom(self) -> TrainerSpec:
+        if self.command is not None and (self.model is not None or self.data is not None):
+            raise ValueError(MSG_BUILTIN_OR_COMMAND)
+        return self
+
+
+class IslandSpec(CamelModel):
+    """A learner: a StatefulSet of pods training one model replica with ordinary data parallelism, pushing
+    fragment deltas to the syncers on its own schedule. Islands with different pod templates (node pools,
+    accelerator generations, images) mix freely in one job."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(f"!self.name.matches('{RESERVED_ISLAND_NAME}')", MSG_RESERVED_ISLAND, ".name")
+            ]
+        }
+    )
+
+    name: str = Field(
+        max_length=ISLAND_NAME_MAX,
+        pattern=DNS_LABEL,
+        description=f"Island name, unique in the job: a DNS-1035 label of at most {ISLAND_NAME_MAX} "
+        "characters. The island's StatefulSet and headless Service are named <job>-<name>.",
+    )
+    replicas: int = Field(
+        1, ge=1, le=4096, description="Pods in the island; they form one torch.distributed world."
+    )
+    accelerators_per_pod: int = Field(
+        0, ge=0, le=64, description="Accelerators each pod requests (0: CPU only)."
+    )
+    accelerator_resource: str = Field(
+        "nvidia.com/gpu",
+        pattern=QUALIFIED_NAME,
+        description="Extended resource name of the accelerator, e.g. nvidia.com/gpu, amd.com/gpu, google.com/tpu.",
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods require.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations added to the pods.")
+    affinity: FreeForm | None = Field(None, description="Pod affinity, as in a pod spec.")
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Trainer container resources; the accelerators are added to requests and limits.",
+    )
+    spot: bool = Field(
+        False,
+        description="The island runs on spot/preemptible capacity: its pods tolerate the usual spot taints "
+        "(GKE, AKS, EKS/Karpenter). Preemptions never count against the restart budget, spot or not.",
+    )
+    priority_class_name: str | None = Field(None, description="PriorityClass of the island's pods.")
+    pod_template: FreeForm | None = Field(
+        None,
+        description="A PodTemplateSpec fragment merged last into the generated template (RFC 7386 merge patch, "
+        "except that lists of objects with a name, such as containers, env and volumes, merge item by "
+        "name). The trainer container is named 'trainer'.",
+    )
+
+
+class CheckpointStorage(CamelModel):
+    """The PersistentVolumeClaim each syncer shard keeps its fragments, momentum and versions in."""
+
+    size: Quantity = Field("1Gi", description="Requested size of each shard's volume.")
+    storage_class_name: str | None = Field(None, description="StorageClass of the volumes; cluster default when unset.")
+    interval_seconds: float = Field(30.0, gt=0, description="Seconds between two checkpoints of a shard.")
+
+
+class SyncerSpec(CamelModel):
+    """The CPU-only shards that merge fragment deltas; shard i owns fragments p with p mod shards = i."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.port != self.metricsPort", MSG_SYNCER_PORTS, ".metricsPort")
+            ]
+        }
+    )
+
+    shards: int = Field(
+        1, ge=1, le=MAX_SHARDS, description="Syncer shards; at most spec.training.fragments. Immutable."
+    )
+    image: str | None = Field(None, min_length=1, description="Syncer image; spec.image when unset.")
+    port: int = Field(50051, ge=1, le=65535, description="gRPC port of every shard.")
+    metrics_port: int = Field(9090, ge=1, le=65535, description="Prometheus port of every shard.")
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements, description="Resources of each shard's container."
+    )
+    checkpoint: CheckpointStorage = Field(
+        default_factory=CheckpointStorage, description="Per-shard checkpoint volume."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the shard pods require.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of the shard pods.")
+    priority_class_name: str | None = Field(None, description="PriorityClass of the shard pods.")
+    pod_template: FreeForm | None = Field(
+        None,
+        description="A PodTemplateSpec fragment merged into each shard's template, as for islands; the "
+        "container is named 'syncer'.",
+    )
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> SyncerSpec:
+        if self.port == self.metrics_port:
+            raise ValueError(MSG_SYNCER_PORTS)
+        return self
+
+
+class FailurePolicy(CamelModel):
+    """When failures end the job. A failure re-forms the island (all its pods restart together, so every
+    rank rejoins the rendezvous); a preemption re-forms it too but is never counted."""
+
+    restart_budget: int = Field(
+        10,
+        ge=0,
+        description="Failures (container restarts, failed or lost pods, not preemptions) an island may have; "
+        "one more fails the job.",
+    )
+    backoff_seconds: int = Field(
+        10, ge=0, le=3600, description="Seconds an island stays at zero pods after a failure before it re-forms."
+    )
+
+
+class StopCondition(CamelModel):
+    """The job succeeds as soon as either bound is reached by every fragment; with neither, it trains until
+    deleted or suspended."""
+
+    outer_steps: int | None = Field(None, ge=1, description="Outer steps (merges) every fragment must reach.")
+    tokens: int | None = Field(None, ge=1, description="Tokens every fragment's merges must account for.")
+
+
+def _spec_rules() -> list[dict[str, str]]:
+    return [
+        cel(
+            "self.training.quorum <= size(self.islands)",
+            "spec.training.quorum must not exceed the number of islands in spec.islands",
+            ".training.quorum",
+        ),
+        cel(
+            "self.training.fragments <= self.training.innerSteps",
+            "spec.training.fragments (P) must not exceed spec.training.innerSteps (H)",
+            ".training.fragments",
+        ),
+        cel(
+            "self.training.fragments > self.training.innerSteps || "
+            "self.training.overlapSteps < self.training.innerSteps / self.training.fragments",
+            "spec.training.overlapSteps (tau) must be less than spec.training.innerSteps / spec.training.fragments",
+            ".training.overlapSteps",
+        ),
+        cel(
+            "self.syncer.shards <= self.training.fragments",
+            "spec.syncer.shards must not exceed spec.training.fragments: a shard owns fragments p with "
+            "p mod shards = its index",
+            ".syncer.shards",
+        ),
+        cel(
+            "self.training.fragments == oldSelf.training.fragments",
+            "spec.training.fragments is immutable: the syncers' state is cut into that many fragments",
+            ".training.fragments",
+        ),
+        cel(
+            "self.syncer.shards == oldSelf.syncer.shards",
+            "spec.syncer.shards is immutable: fragments are assigned to shards by their number",
+            ".syncer.shards",
+        ),
+    ]
+
+
+class DiLoCoJobSpec(CamelModel):
+    """A Decoupled DiLoCo training job: islands of accelerators that train apart and merge model fragments
+    through sharded syncers."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _spec_rules()})
+
+    image: str = Field(min_length=1, description="Image with diloco-worker and diloco-syncer (deploy/Dockerfile.trainer).")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Pull policy of every container of the job."
+    )
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="What the island pods run.")
+    training: TrainingConfig = Field(
+        default_factory=TrainingConfig,
+        description="DiLoCo knobs shared by every island and shard: H, P, tau, alpha, encoding, quorum K, grace, "
+        "staleness and both optimizers.",
+    )
+    islands: list[IslandSpec] = Field(
+        min_length=1,
+        max_length=MAX_ISLANDS,
+        description="The learners; names are unique.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    syncer: SyncerSpec = Field(default_factory=SyncerSpec, description="The syncer shards.")
+    failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description="Restart budget and backoff.")
+    stop_condition: StopCondition = Field(default_factory=StopCondition, description="When the job succeeds.")
+    suspend: bool = Field(
+        False, description="Scale every island to zero, keeping the syncers and their state; false resumes."
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Delete the job (and its children) this long after it succeeded or failed."
+    )
+
+    @field_validator("islands")
+    @classmethod
+    def _unique_island_names(cls, islands: list[IslandSpec]) -> list[IslandSpec]:
+        seen: set[str] = set()
+        for island in islands:
+            if island.name in seen:
+                raise ValueError(f"spec.islands[].name must be unique: {island.name!r} appears twice")
+            seen.add(island.name)
+            if re.match(RESERVED_ISLAND_NAME, island.name):
+                raise ValueError(MSG_RESERVED_ISLAND)
+        return islands
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> DiLoCoJobSpec:
+        if self.training.quorum > len(self.islands):
+            raise ValueError(
+                f"spec.training.quorum (K={self.training.quorum}) must not exceed the number of islands in "
+                f"spec.islands ({len(self.islands)})"
+            )
+        if self.syncer.shards > self.training.fragments:
+            raise ValueError(
+                f"spec.syncer.shards ({self.syncer.shards}) must not exceed spec.training.fragments "
+                f"({self.training.fragments}): a shard owns fragments p with p mod shards = its index"
+            )
+        return self
+
+    @property
+    def syncer_image(self) -> str:
+        return self.syncer.image or self.image
+
+
+class Phase(str, enum.Enum):
+    """Pending: not trained yet. Running: every island and shard ready. Degraded: training goes on without
+    some island pods or a shard. Suspended, Succeeded and Failed as named; the last two are final."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    DEGRADED = "Degraded"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+    @property
+    def finished(self) -> bool:
+        return self in (Phase.SUCCEEDED, Phase.FAILED)
+
+
+class Condition(CamelModel):
+    """A status condition, as `metav1.Condition`."""
+
+    type: str = Field(description="Ready, Degraded, Suspended, Complete or Failed.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason for the last transition.")
+    message: str = Field("", description="Human-readable detail.")
+    last_transition_time: datetime.datetime = Field(description="When status last changed.")
+    observed_generation: int | None = Field(None, description="metadata.generation the condition was set for.")
+
+
+class PodRecord(CamelModel):
+    """The last observation of one island pod, kept so that a failure is counted once, even across
+    operator restarts, and a vanished pod can be judged by what it was."""
+
+    ordinal: int = Field(ge=0, description="StatefulSet ordinal (the pod's rank).")
+    uid: str = Field(description="Pod UID.")
+    restarts: int = Field(0, ge=0, description="Sum of the pod's container restart counts.")
+    node: str | None = Field(None, description="Node the pod ran on.")
+    disrupted: bool = Field(False, description="The pod carried the DisruptionTarget condition.")
+    failed: bool = Field(False, description="The pod was seen in phase Failed (already counted).")
+
+
+class Reform(CamelModel):
+    """An island being re-formed: held at zero pods until every pod is gone and `holdUntil` has passed."""
+
+    reason: Literal["Failure", "Preemption", "Update"] = Field(description="Why the island re-forms.")
+    since: datetime.datetime = Field(description="When the re-form began.")
+    hold_until: datetime.datetime = Field(description="Earliest time the pods come back.")
+
+
+class IslandStatus(CamelModel):
+    """One island as last observed."""
+
+    name: str = Field(description="Island name.")
+    desired: int = Field(0, ge=0, description="Pods the island should have now (0 when stopped).")
+    ready: int = Field(0, ge=0, description="Pods ready.")
+    restarts: int = Field(0, ge=0, description="Failures counted against spec.failurePolicy.restartBudget.")
+    preemptions: int = Field(0, ge=0, description="Pods preempted or lost with their node (not counted).")
+    last_sync: datetime.datetime | None = Field(None, description="Last time a syncer shard reported the island live.")
+    loss: float | None = Field(None, description="Training loss last reported by the island's rank-0 pod.")
+    reform: Reform | None = Field(None, description="Set while the island is being re-formed.")
+    pods: list[PodRecord] = Field(default_factory=list, description="Accounting record of the island's pods.")
+
+
+class SyncerStatus(CamelModel):
+    """Readiness of the syncer shards."""
+
+    shards: int = Field(0, ge=0, description="Shards the job has.")
+    ready: int = Field(0, ge=0, description="Shards whose Deployment reports a ready pod.")
+    reachable: int = Field(0, ge=0, description="Shards that answered the last Status call.")
+
+
+class FragmentProgress(CamelModel):
+    """A fragment's progress as its shard last reported it."""
+
+    fragment: int = Field(ge=0, description="Fragment index.")
+    shard: int = Field(ge=0, description="Owning shard.")
+    version: int = Field(0, ge=0, description="Outer steps (merges) applied to the fragment.")
+    tokens: int = Field(0, ge=0, description="Tokens behind the merged contributions.")
+    last_merge: datetime.datetime | None = Field(None, description="Time of the last merge.")
+
+
+class DiLoCoJobStatus(CamelModel):
+    """What the operator observed and decided; every field is recomputed from the cluster on each pass."""
+
+    phase: Phase = Field(Phase.PENDING, description="Pending, Running, Degraded, Suspended, Succeeded or Failed.")
+    observed_generation: int | None = Field(None, description="metadata.generation of the last reconcile.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Degraded, Suspended, Complete, Failed.")
+    islands_ready: str = Field("0/0", description="Islands with every pod ready / islands that should run.")
+    islands: list[IslandStatus] = Field(default_factory=list, description="Per-island counts.")
+    syncer: SyncerStatus = Field(default_factory=SyncerStatus, description="Syncer readiness.")
+    fragments: list[FragmentProgress] = Field(default_factory=list, description="Per-fragment progress.")
+    outer_step: int = Field(0, ge=0, description="Outer steps every fragment has reached (the minimum).")
+    tokens: int = Field(0, ge=0, description="Tokens every fragment's merges account for (the minimum).")
+    loss: float | None = Field(None, description="Mean of the islands' last reported training losses.")
+    goodput: float | None = Field(
+        None, ge=0, le=1, description="Ready island pod-seconds / desired island pod-seconds while training."
+    )
+    ready_pod_seconds: float = Field(0.0, ge=0, description="Accumulated ready island pod-seconds.")
+    desired_pod_seconds: float = Field(0.0, ge=0, description="Accumulated desired island pod-seconds.")
+    last_observed: datetime.datetime | None = Field(None, description="Time of the last observation.")
+    start_time: datetime.datetime | None = Field(None, description="When training first had a ready island and shards.")
+    completion_time: datetime.datetime | None = Field(None, description="When the job succeeded or failed.")
+
+
+class DiLoCoJob(CamelModel):
+    """A whole manifest, for code and tests that read one (the API server's own metadata is not modelled)."""
+
+    api_version: Literal["diloco.dev/v1alpha1"]
+    kind: Literal["DiLoCoJob"]
+    metadata: dict[str, Any]
+    spec: DiLoCoJobSpec
+    status: DiLoCoJobStatus | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _name(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        if "name" in metadata:
+            validate_job_name(metadata["name"])
+        return metadata

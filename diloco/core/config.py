@@ -1,0 +1,146 @@
+"""The DiLoCo training configuration: one validated model shared by the CLI, the workers, the syncer and the CRD.
+
+The same model is embedded in the `DiLoCoJob` spec, so field names serialise in camelCase (the Kubernetes
+convention) while Python code uses snake_case; every field carries a description that becomes the CRD's
+documentation, and every bound is enforced here so a bad value is refused with the field's name whichever
+way it arrives (manifest, JSON file, command line).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from diloco.transport.v1 import syncer_pb2 as pb
+
+
+class CamelModel(BaseModel):
+    """Immutable model that reads and writes camelCase keys, accepts snake_case too, and refuses unknown keys."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class Encoding(str, enum.Enum):
+    """How an outer gradient is encoded on the wire (INT8 and INT4 carry one float32 scale per block)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @property
+    def wire(self) -> int:
+        """The `diloco.v1.Encoding` protobuf value of this encoding."""
+        return _WIRE_ENCODINGS[self]
+
+
+_WIRE_ENCODINGS = {
+    Encoding.FP32: pb.FP32,
+    Encoding.BF16: pb.BF16,
+    Encoding.INT8: pb.INT8,
+    Encoding.INT4: pb.INT4,
+}
+
+
+class InnerOptimizerConfig(CamelModel):
+    """AdamW run by every island between syncs."""
+
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate of the inner AdamW optimizer.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay of the inner AdamW optimizer.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay, in [0, 1).")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW second-moment decay, in [0, 1).")
+    warmup_steps: int = Field(0, ge=0, description="Inner steps of linear learning-rate warmup (0 = none).")
+    grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clipping threshold (0 = no clipping).")
+
+
+class OuterOptimizerConfig(CamelModel):
+    """SGD with (Nesterov) momentum applied by the syncer to the merged outer gradients."""
+
+    lr: float = Field(0.7, gt=0, description="Outer learning rate applied to the merged outer gradient.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum coefficient, in [0, 1).")
+    nesterov: bool = Field(True, description="Use Nesterov momentum (as in DiLoCo) rather than heavy-ball.")
+
+
+class TrainingConfig(CamelModel):
+    """The DiLoCo knobs: sync schedule (H, P, tau, alpha), wire encoding, merge policy and both optimizers."""
+
+    inner_steps: int = Field(100, ge=1, description="H: inner steps between two syncs of the same fragment.")
+    fragments: int = Field(
+        4, ge=1, description="P: fragments the model is cut into; their syncs are staggered by H/P inner steps."
+    )
+    overlap_steps: int = Field(
+        5,
+        ge=0,
+        description="tau: inner steps a fragment keeps training after its delta is sent before the merged "
+        "values are mixed in. Must be below innerSteps / fragments.",
+    )
+    mix_alpha: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="alpha: on receipt, fragment = alpha * local + (1 - alpha) * merged global; 0 takes the "
+        "global values as they are.",
+    )
+    encoding: Encoding = Field(Encoding.INT4, description="Wire encoding of outer gradients: fp32, bf16, int8 or int4.")
+    block_size: int = Field(
+        128,
+        ge=2,
+        multiple_of=2,
+        description="Elements per scale block for int8/int4 encodings; must be even (int4 packs pairs).",
+    )
+    quorum: int = Field(
+        1, ge=1, description="K: contributions a syncer shard waits for before merging (capped by live islands)."
+    )
+    grace_seconds: float = Field(
+        2.0, ge=0, description="Seconds a shard waits for more contributions once the quorum is reached."
+    )
+    max_staleness: int = Field(
+        4, ge=0, description="Contributions based on a fragment version older than this many merges are refused."
+    )
+    staleness_decay: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="A contribution's merge weight is multiplied by stalenessDecay ** staleness; 1 = no decay.",
+    )
+    radial_directional: bool = Field(
+        False,
+        description="Merge with radial-directional averaging (mean norm times mean direction) instead of a "
+        "plain weighted mean.",
+    )
+    island_timeout_seconds: float = Field(
+        60.0, gt=0, description="An island unseen for longer than this no longer counts towards the quorum cap."
+    )
+    inner: InnerOptimizerConfig = Field(
+        default_factory=InnerOptimizerConfig, description="Inner (per-island) AdamW optimizer."
+    )
+    outer: OuterOptimizerConfig = Field(
+        default_factory=OuterOptimizerConfig, description="Outer (syncer) Nesterov SGD optimizer."
+    )
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> TrainingConfig:
+        if self.fragments > self.inner_steps:
+            raise ValueError(
+                f"fragments (P={self.fragments}) must not exceed innerSteps (H={self.inner_steps}): fragment "
+                "syncs are staggered by H/P inner steps, which must be at least one step"
+            )
+        spacing = self.inner_steps // self.fragments
+        if self.overlap_steps >= spacing:
+            raise ValueError(
+                f"overlapSteps (tau={self.overlap_steps}) must be less than innerSteps // fragments "
+                f"({self.inner_steps} // {self.fragments} = {spacing}): a fragment's merged values must be mixed "
+                "in before the next fragment's sync is due, so at most one fragment is in flight at a time"
+            )
+        return self
+
+    def to_json(self) -> str:
+        """Serialise with camelCase keys, the form the operator writes and `from_json` reads."""
+        return self.model_dump_json(by_alias=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainingConfig:
+        """Parse and validate a JSON document (camelCase or snake_case keys)."""
+        return cls.model_validate_json(text)

@@ -1,0 +1,315 @@
+"""A DiLoCo job on one machine: syncer shards and island workers as processes on loopback, supervised the
+way Kubernetes would (a dead worker or shard is replaced), with failures injected from a trace.
+
+Islands re-form when one of their ranks dies (its siblings are stopped and all restart together), and
+other islands never notice. The data-parallel baseline has one world: any death stops every worker, and
+all restart from the last checkpoint, as a non-elastic job does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from diloco.core.config import TrainingConfig
+from diloco.local.failure_trace import FailureEvent, syncer_target, worker_target
+
+log = logging.getLogger("diloco.local.launcher")
+
+TOKEN = "local-run"
+RESTART_DELAY_SECONDS = 1.0
+POLL_SECONDS = 0.1
+EVAL_BATCHES = 8
+SYNCER_START_SECONDS = 180.0  # importing torch and grpc takes minutes on a saturated machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    mode: str
+    config: TrainingConfig
+    out: Path
+    islands: int = 4
+    ranks: int = 1
+    shards: int = 1
+    steps: int = 300
+    batch_size: int = 16
+    preset: str = "tiny"
+    data: str | None = None
+    seed: int = 0
+    eval_every: int = 50
+    slowdowns: tuple[float, ...] = ()
+    trace: tuple[FailureEvent, ...] = ()
+    threads: int = 1
+    timeout: float = 3600.0
+
+    def island_name(self, index: int) -> str:
+        return f"island-{index}"
+
+    def slowdown(self, index: int) -> float:
+        return self.slowdowns[index] if index < len(self.slowdowns) else 1.0
+
+
+@dataclass
+class _Proc:
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    restart_at: float | None = None
+    done: bool = False
+    starts: int = 0
+
+    def start(self, log_dir: Path) -> None:
+        log_file = open(log_dir / f"{self.name.replace(':', '-').replace('/', '-')}.log", "ab")
+        self.proc = subprocess.Popen(self.command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT)
+        log_file.close()
+        self.restart_at = None
+        self.starts += 1
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+
+@dataclass
+class JobResult:
+    started_at: float
+    finished_at: float
+    syncer_bytes: float = 0.0
+    merges: float = 0.0  # merges applied by the syncers, all fragments
+    merged_contributions: float = 0.0  # island contributions those merges took in (summed over merges)
+    global_eval_loss: float | None = None
+    kills: int = 0
+    timed_out: bool = False
+    worker_starts: dict[str, int] = field(default_factory=dict)
+
+
+# The syncer counters a run sums over its shards, as regular expressions over their Prometheus text.
+_SYNCER_COUNTERS = {
+    "bytes": r"^diloco_syncer_(?:received|sent)_bytes_total ([0-9.e+]+)$",
+    "merges": r"^diloco_syncer_merge_contributors_count ([0-9.e+]+)$",
+    "contributions": r"^diloco_syncer_merge_contributors_sum ([0-9.e+]+)$",
+}
+
+
+class _CounterTracker:
+    """Sums a Prometheus counter across restarts of the process exposing it (a restart resets it)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._last = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += value - self._last if value >= self._last else value
+        self._last = value
+
+
+class LocalJob:
+    def __init__(self, plan: RunPlan) -> None:
+        self.plan = plan
+        self.out = plan.out
+        for folder in ("progress", "logs", "checkpoints"):
+            # A run starts from nothing: a previous run's checkpoints would be resumed and its events counted.
+            shutil.rmtree(self.out / folder, ignore_errors=True)
+            (self.out / folder).mkdir(parents=True)
+        self.config_file = self.out / "config.json"
+        self.config_file.write_text(plan.config.to_json())
+        self.syncer_ports = [free_port() for _ in range(plan.shards)]
+        self.metrics_ports = [free_port() for _ in range(plan.shards)]
+        self.island_ports = [free_port() for _ in range(plan.islands)]
+        self.syncers = [] if plan.mode == "ddp" else [self._syncer(i) for i in range(plan.shards)]
+        self.workers = {
+            worker_target(plan.island_name(i), r): self._worker(i, r)
+            for i in range(plan.islands)
+            for r in range(plan.ranks)
+        }
+        self._counters = {
+            (shard, name): _CounterTracker() for shard in range(plan.shards) for name in _SYNCER_COUNTERS
+        }
+
+    def _base_env(self) -> dict[str, str]:
+        threads = str(self.plan.threads)
+        return {**os.environ, "DILOCO_TOKEN": TOKEN, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                "DILOCO_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+
+    def _syncer(self, shard: int) -> _Proc:
+        command = [
+            sys.executable, "-m", "diloco.syncer.main", "--host", "127.0.0.1",
+            "--port", str(self.syncer_ports[shard]), "--shard-index", str(shard),
+            "--num-shards", str(self.plan.shards), "--config", str(self.config_file),
+            "--checkpoint-dir", str(self.out / "checkpoints" / "syncer"), "--checkpoint-interval", "2",
+            "--metrics-port", str(self.metrics_ports[shard]),
+        ]
+        return _Proc(syncer_target(shard), command, self._base_env())
+
+    def _worker(self, island: int, rank: int) -> _Proc:
+        p = self.plan
+        name = p.island_name(island)
+        ddp = p.mode == "ddp"
+        env = {
+            **self._base_env(),
+            "RANK": str(island * p.ranks + rank if ddp else rank),
+            "WORLD_SIZE": str(p.islands * p.ranks if ddp else p.ranks),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.island_ports[0] if ddp else self.island_ports[island]),
+        }
+        command = [
+            sys.executable, "-m", "diloco.worker.main", "--mode", p.mode, "--island", name,
+            "--syncers", ",".join(f"127.0.0.1:{port}" for port in self.syncer_ports),
+            "--config", str(self.config_file), "--model", p.preset, "--steps", str(p.steps),
+            "--batch-size", str(p.batch_size), "--eval-every", str(p.eval_every), "--seed", str(p.seed),
+            "--slowdown", str(p.slowdown(island)), "--threads", str(p.threads), "--device", "cpu",
+            "--progress-file", str(self.out / "progress" / f"{name}-rank{rank}.jsonl"),
+            "--checkpoint-dir", str(self.out / "checkpoints" / "ddp"),
+        ]
+        if p.data:
+            command += ["--data", p.data]
+        return _Proc(worker_target(name, rank), command, env)
+
+    def _island_of(self, target: str) -> list[_Proc]:
+        """The processes that fail together with `target`: its island, or everyone in data-parallel."""
+        if self.plan.mode == "ddp":
+            return list(self.workers.values())
+        island = target.rsplit("/", 1)[0]
+        return [proc for name, proc in self.workers.items() if name.rsplit("/", 1)[0] == island]
+
+    def _fail(self, target: str, downtime: float, now: float) -> None:
+        victims = [s for s in self.syncers if s.name == target] or self._island_of(target)
+        for proc in victims:
+            if proc.done:
+                continue
+            proc.kill()
+            proc.restart_at = now + downtime
+
+    def _scrape_syncers(self) -> None:
+        for shard, port in enumerate(self.metrics_ports[: len(self.syncers)]):
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            except OSError:
+                continue
+            for name, pattern in _SYNCER_COUNTERS.items():
+                total = sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+                self._counters[shard, name].observe(total)
+
+    def _counter(self, name: str) -> float:
+        return sum(tracker.total for (_, counter), tracker in self._counters.items() if counter == name)
+
+    def run(self, on_tick: Callable[[], None] = lambda: None) -> JobResult:
+        """Runs the job to completion (or the plan's timeout), replaying the failure trace."""
+        from diloco.transport.client import SyncerClient
+
+        logs = self.out / "logs"
+        for syncer in self.syncers:
+            syncer.start(logs)
+        try:
+            for port in self.syncer_ports[: len(self.syncers)]:
+                with SyncerClient(f"127.0.0.1:{port}", TOKEN) as client:
+                    if not client.wait_ready(SYNCER_START_SECONDS):
+                        raise RuntimeError(f"syncer on port {port} did not start; see {logs}")
+        except BaseException:
+            for syncer in self.syncers:  # not left running behind a job that never started
+                syncer.kill()
+            raise
+        started = time.time()
+        for worker in self.workers.values():
+            worker.start(logs)
+        trace = sorted(self.plan.trace)
+        result = JobResult(started_at=started, finished_at=started)
+        next_scrape = 0.0
+        try:
+            while not all(w.done for w in self.workers.values()):
+                now = time.time()
+                if now - started > self.plan.timeout:
+                    result.timed_out = True
+                    break
+                while trace and trace[0].at <= now - started:
+                    event = trace.pop(0)
+                    self._fail(event.target, event.downtime, now)
+                    result.kills += 1
+                self._supervise(now, logs)
+                if now >= next_scrape:
+                    self._scrape_syncers()
+                    next_scrape = now + 1.0
+                on_tick()
+                time.sleep(POLL_SECONDS)
+            result.finished_at = time.time()
+            self._scrape_syncers()
+            if self.syncers:
+                result.global_eval_loss = self._evaluate_global()
+        finally:
+            for proc in [*self.workers.values(), *self.syncers]:
+                if proc.alive:
+                    proc.proc.send_signal(signal.SIGTERM)
+            for proc in [*self.workers.values(), *self.syncers]:
+                if proc.proc is not None:
+                    try:
+                        proc.proc.wait(30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+        result.syncer_bytes = self._counter("bytes")
+        result.merges = self._counter("merges")
+        result.merged_contributions = self._counter("contributions")
+        result.worker_starts = {name: w.starts for name, w in self.workers.items()}
+        return result
+
+    def _supervise(self, now: float, logs: Path) -> None:
+        for proc in self.syncers:
+            if proc.restart_at is not None and now >= proc.restart_at:
+                proc.start(logs)
+            elif proc.restart_at is None and not proc.alive:
+                proc.restart_at = now + RESTART_DELAY_SECONDS
+        for name, proc in self.workers.items():
+            if proc.done:
+                continue
+            if proc.restart_at is not None:
+                if now >= proc.restart_at:
+                    proc.start(logs)
+                continue
+            code = proc.proc.poll() if proc.proc is not None else None
+            if code == 0:
+                proc.done = True
+            elif code is not None:
+                log.info("worker exited; its island re-forms", extra={"worker": name, "code": code})
+                self._fail(name, RESTART_DELAY_SECONDS, now)
+
+    def _evaluate_global(self) -> float:
+        """The held-out loss of the global model: the syncers' fragments loaded into a fresh model."""
+        import torch
+
+        from diloco.transport.client import SyncerClient
+        from diloco.worker.data import evaluate, load_tokens, split_holdout
+        from diloco.worker.model import build_model
+
+        model = build_model(self.plan.preset, self.plan.seed)
+        params = dict(model.named_parameters())
+        for port in self.syncer_ports:
+            with SyncerClient(f"127.0.0.1:{port}", TOKEN, retry_for=30) as client:
+                for p in client.join(self.plan.config.fragments).owned_fragments:
+                    _, named = client.pull(p)
+                    with torch.no_grad():
+                        for name, value in named:
+                            params[name].copy_(value)
+        _, heldout = split_holdout(load_tokens(self.plan.data))
+        return evaluate(model, heldout, model.preset.context, self.plan.batch_size, EVAL_BATCHES)

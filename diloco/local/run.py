@@ -1,0 +1,279 @@
+"""`diloco run`: the embedded default. Trains the tiny GPT preset on the embedded corpus with syncer shards
+and several islands as processes on loopback, shows progress, prints a summary and writes a loss-curve
+PNG. Options make islands slower (mixed hardware), inject failures, and run the baselines (`ddp`:
+all-reduce every step; `sync-diloco`: a barrier at every sync) on the same machine and failure trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from diloco.local.goodput import Account, account, load_events
+from diloco.core.config import Encoding, TrainingConfig
+from diloco.local.failure_trace import FailureEvent, load_trace, random_trace, save_trace, syncer_target, worker_target
+from diloco.local.launcher import JobResult, LocalJob, RunPlan
+
+MODES = ("diloco", "sync-diloco", "ddp")
+
+
+@dataclass(frozen=True)
+class ModeSummary:
+    mode: str
+    started_at: float  # unix time the workers were first launched: the trace's time zero
+    wall_seconds: float
+    final_loss: float
+    goodput: float
+    tokens_trained: int
+    restarts: int
+    kills: int
+    comm_bytes: float
+    comm_bytes_per_token: float
+    merges: int  # merges applied by the syncers (0 for ddp)
+    islands_per_merge: float  # mean island contributions per merge: M for a barrier, fewer when decoupled
+    timed_out: bool
+
+
+def ddp_comm_bytes(parameters: int, workers: int, steps_executed_per_worker: float) -> float:
+    """Bytes a ring all-reduce of float32 gradients moves, sent and received, over every worker and step."""
+    if workers < 2:
+        return 0.0
+    per_step = 2 * 2 * (workers - 1) / workers * parameters * 4
+    return per_step * steps_executed_per_worker * workers
+
+
+class _ProgressReader:
+    """Follows the progress files for the bar: the latest step of each worker slot, and the latest loss."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.offsets: dict[Path, int] = {}
+        self.steps: dict[str, int] = {}
+        self.loss = math.nan
+
+    def poll(self) -> int:
+        for path in self.folder.glob("*.jsonl"):
+            with open(path) as f:
+                f.seek(self.offsets.get(path, 0))
+                for line in f:
+                    if not line.endswith("\n"):
+                        break
+                    self.offsets[path] = self.offsets.get(path, 0) + len(line.encode())
+                    event = json.loads(line)
+                    if event["event"] == "step":
+                        self.steps[path.name] = event["step"]
+                    elif event["event"] == "eval":
+                        self.loss = event["loss"]
+        return sum(self.steps.values())
+
+
+def mode_config(mode: str, config: TrainingConfig, islands: int) -> TrainingConfig:
+    """The configuration a mode trains with. `sync-diloco` is a barrier across all islands at every outer
+    step: K = M, so a shard merges a fragment only once every island alive has pushed it (each island
+    blocks on that merge), where decoupled DiLoCo merges with the K it is given and never blocks."""
+    return config.model_copy(update={"quorum": islands}) if mode == "sync-diloco" else config
+
+
+def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, JobResult]:
+    job = LocalJob(plan)
+    reader = _ProgressReader(plan.out / "progress")
+    total = plan.islands * plan.ranks * plan.steps
+    with tqdm(total=total, desc=f"{plan.mode:>11}", unit="step", disable=quiet, mininterval=1.0) as bar:
+
+        def tick() -> None:
+            done = reader.poll()
+            bar.update(max(0, done - bar.n))
+            bar.set_postfix(loss=f"{reader.loss:.3f}", refresh=False)
+
+        result = job.run(on_tick=tick)
+    events = load_events(plan.out / "progress")
+    workers = plan.islands * plan.ranks
+    acct = account(
+        events,
+        mode=plan.mode,
+        slots=workers,
+        fragments=plan.config.fragments,
+        started_at=result.started_at,
+        tokens_per_eval_step=workers * plan.batch_size * _context(plan.preset),
+    )
+    if plan.mode == "ddp":
+        finals = [e["loss"] for e in events if e["event"] == "done"]
+        final = finals[-1] if finals else math.nan
+        comm = ddp_comm_bytes(_parameters(plan.preset), workers, acct.steps_executed / workers)
+    else:
+        final = result.global_eval_loss if result.global_eval_loss is not None else math.nan
+        comm = result.syncer_bytes
+    summary = ModeSummary(
+        mode=plan.mode,
+        started_at=result.started_at,
+        wall_seconds=result.finished_at - result.started_at,
+        final_loss=final,
+        goodput=acct.goodput,
+        tokens_trained=acct.tokens_trained,
+        restarts=sum(result.worker_starts.values()) - workers,
+        kills=result.kills,
+        comm_bytes=comm,
+        comm_bytes_per_token=comm / acct.tokens_trained if acct.tokens_trained else math.nan,
+        merges=round(result.merges),
+        islands_per_merge=result.merged_contributions / result.merges if result.merges else math.nan,
+        timed_out=result.timed_out,
+    )
+    return summary, acct, result
+
+
+def _context(preset: str) -> int:
+    from diloco.worker.model import resolve_preset
+
+    return resolve_preset(preset).context
+
+
+def _parameters(preset: str) -> int:
+    from diloco.worker.model import build_model
+
+    return build_model(preset, 0, device="meta").num_parameters()
+
+
+def print_summary(summaries: list[ModeSummary]) -> None:
+    print()
+    header = f"{'mode':>12} {'wall s':>7} {'eval loss':>9} {'goodput':>8} {'tokens':>10} {'kills':>5} " \
+             f"{'restarts':>8} {'comm B/token':>12} {'merges':>6} {'islands/merge':>13}"
+    print(header)
+    for s in summaries:
+        print(f"{s.mode:>12} {s.wall_seconds:>7.1f} {s.final_loss:>9.3f} {s.goodput:>8.2f} {s.tokens_trained:>10} "
+              f"{s.kills:>5} {s.restarts:>8} {s.comm_bytes_per_token:>12.1f} {s.merges:>6} "
+              f"{s.islands_per_merge:>13.2f}"
+              + ("  (timed out)" if s.timed_out else ""))
+    by_mode = {s.mode: s for s in summaries}
+    if "diloco" in by_mode and len(by_mode) > 1:
+        ours = by_mode["diloco"]
+        print()
+        for other in summaries:
+            if other.mode == "diloco":
+                continue
+            comm = other.comm_bytes_per_token / ours.comm_bytes_per_token if ours.comm_bytes_per_token else math.nan
+            good = ours.goodput / other.goodput if other.goodput else math.inf
+            print(f"diloco vs {other.mode}: eval loss ratio {ours.final_loss / other.final_loss:.3f}, "
+                  f"goodput ratio {good:.2f}, communication {comm:.0f}x less per token")
+
+
+def plot_curves(path: Path, accounts: list[Account], summaries: list[ModeSummary]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for acct, summary in zip(accounts, summaries):
+        if acct.eval_curve:
+            xs, ys = zip(*acct.eval_curve)
+            line, = ax.plot(xs, ys, marker="o", markersize=3, label=f"{acct.mode} (during training)")
+            if math.isfinite(summary.final_loss):
+                ax.scatter([xs[-1]], [summary.final_loss], color=line.get_color(), marker="*", s=120, zorder=3,
+                           label=f"{acct.mode} final model: {summary.final_loss:.3f}")
+    ax.set_xlabel("tokens trained (all workers)")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_title("diloco run: held-out loss")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_trace(args: argparse.Namespace, workers: list[str]) -> list[FailureEvent]:
+    """The given trace, checked against this job's processes, or a random one made from the options."""
+    if args.trace:
+        trace = load_trace(args.trace)
+        processes = set(workers) | {syncer_target(shard) for shard in range(args.shards)}
+        for event in trace:
+            if event.target not in processes:
+                raise ValueError(
+                    f"{args.trace}: {event.target} (at {event.at:g} s) is not a process of this job; a run "
+                    f"replays worker:island-<i>/<rank> and syncer:<shard> targets "
+                    f"({args.islands} islands x {args.ranks} ranks, {args.shards} shard(s))"
+                )
+        return trace
+    syncer_kills = [(float(at), 0) for at in args.kill_syncer_at]
+    return random_trace(
+        seed=args.seed, duration=args.fail_until, mean_interval=args.kill_every, workers=workers,
+        downtime=args.restart_after, syncer_kills=syncer_kills,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = TrainingConfig(
+        inner_steps=args.inner_steps, fragments=args.fragments, overlap_steps=args.overlap_steps,
+        encoding=args.encoding, quorum=args.quorum, grace_seconds=args.grace_seconds,
+    )
+    slowdowns = tuple(float(x) for x in args.slowdown.split(",")) if args.slowdown else ()
+    workers = [worker_target(f"island-{i}", r) for i in range(args.islands) for r in range(args.ranks)]
+    try:
+        trace = build_trace(args, workers)
+    except (OSError, ValueError) as error:
+        print(f"diloco run: {error}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_trace(args.out / "trace.json", trace)
+    modes = [args.mode] + ([m for m in MODES if m != args.mode] if args.compare else [])
+    print(f"diloco run: {args.islands} islands x {args.ranks} ranks, {args.shards} syncer shard(s), "
+          f"{args.steps} steps of the {args.preset} preset; H={config.inner_steps} P={config.fragments} "
+          f"tau={config.overlap_steps} {config.encoding.value}; {len(trace)} injected failures; out: {args.out}")
+    summaries, accounts = [], []
+    for mode in modes:
+        plan = RunPlan(
+            mode=mode, config=mode_config(mode, config, args.islands), out=args.out / mode, islands=args.islands,
+            ranks=args.ranks, shards=args.shards, steps=args.steps, batch_size=args.batch_size, preset=args.preset,
+            data=args.data, seed=args.seed, eval_every=args.eval_every, slowdowns=slowdowns, trace=tuple(trace),
+            threads=args.threads, timeout=args.timeout,
+        )
+        summary, acct, _ = run_mode(plan, quiet=args.quiet)
+        summaries.append(summary)
+        accounts.append(acct)
+    print_summary(summaries)
+    plot_curves(args.out / "loss.png", accounts, summaries)
+    (args.out / "summary.json").write_text(json.dumps([asdict(s) for s in summaries], indent=1))
+    print(f"\nloss curve: {args.out / 'loss.png'}   summary: {args.out / 'summary.json'}")
+    return 0 if not any(s.timed_out for s in summaries) else 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("run", help="train on this machine: syncers and islands as local processes",
+                              description=__doc__)
+    p.add_argument("--mode", choices=MODES, default="diloco")
+    p.add_argument("--compare", action="store_true", help="also run the other modes on the same failure trace")
+    p.add_argument("--islands", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=1, help="workers per island (gloo data parallelism inside)")
+    p.add_argument("--shards", type=int, default=1, help="syncer shards")
+    p.add_argument("--steps", type=int, default=200, help="inner steps per worker")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--data", help="token or text file (default: the embedded corpus)")
+    job = TrainingConfig()
+    p.add_argument("--inner-steps", type=int, default=20, help=f"H (a job's default, {job.inner_steps}, is "
+                   "scaled down to suit a run of minutes)")
+    p.add_argument("--fragments", type=int, default=2, help=f"P (a job's default: {job.fragments})")
+    p.add_argument("--overlap-steps", type=int, default=2, help=f"tau (a job's default: {job.overlap_steps})")
+    p.add_argument("--encoding", default=job.encoding.value, choices=[e.value for e in Encoding])
+    p.add_argument("--quorum", type=int, default=job.quorum, help="K")
+    p.add_argument("--grace-seconds", type=float, default=job.grace_seconds,
+                   help="seconds a shard waits for more contributions once the quorum is reached")
+    p.add_argument("--slowdown", default="", help="per-island slowdown factors, e.g. 1,1,3,1")
+    p.add_argument("--kill-every", type=float, default=0.0, help="mean seconds between kill -9 of a random worker")
+    p.add_argument("--restart-after", type=float, default=5.0, help="seconds a killed worker stays down")
+    p.add_argument("--fail-until", type=float, default=60.0, help="inject worker kills until this many seconds")
+    p.add_argument("--kill-syncer-at", type=float, nargs="*", default=[], help="kill -9 shard 0 at these seconds")
+    p.add_argument("--trace", type=Path, help="a failure trace JSON file (overrides the random one)")
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
+    p.add_argument("--timeout", type=float, default=1800.0, help="give up a mode after this many seconds")
+    p.add_argument("--out", type=Path, default=Path("out/run"))
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)

@@ -1,0 +1,295 @@
+"""The failure simulator's prediction of a `diloco run`, from what that run measured about this machine.
+
+`diloco run --compare --trace FILE` trains decoupled DiLoCo, its synchronous baseline and data-parallel on
+the same failure trace and measures each one's goodput. This module reads such a run back, measures the
+machine's parameters from the workers' progress events (step time, start-up time after a launch and after
+a restart, how long each worker slot was allocated), feeds them and the same trace to
+`diloco.sim.engine.simulate`, and sets each measured goodput beside its prediction. The mapping, and why
+each run mode maps to the simulator configuration it does, is in docs/simulator.md ("Checked against
+`diloco run`"); `bench/simulate_vs_run.py` runs it end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+from diloco.local.goodput import account, load_events
+from diloco.core.config import TrainingConfig
+from diloco.sim.engine import Policy, SimConfig, simulate
+from diloco.local.failure_trace import FailureEvent, load_trace
+
+MODES = ("diloco", "sync-diloco", "ddp")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One mode of the run: its goodput, and the machine's parameters as that mode saw them."""
+
+    mode: str
+    goodput: float
+    slots: int
+    horizon_s: float  # mean seconds a worker slot was allocated: the period the goodput is over
+    wind_down_s: float  # median seconds from a slot's last step to its end (final pushes, evaluation)
+    step_s: float  # median compute seconds of a step (time blocked on a sync left out)
+    island_step_s: tuple[float, ...]  # the same per island, island-0 first (cores are shared: it varies)
+    startup_s: float  # median seconds from the job's launch to a worker's first step
+    restart_s: float  # median seconds from a relaunch after a kill to the first step (start-up if none seen)
+    relaunches: int  # relaunched processes that reached a step (what `restart_s` is measured on)
+    kills: int
+    sync_latency_s: float  # median over barriers of the shortest wait there: a merge reaching its learners
+    blocking_syncs: int  # barriers (steps at which islands blocked on a sync)
+    first_slot_end_s: float  # when the first worker slot finished its steps (seconds after launch)
+    late_kills: int  # kills at or after that: they find a finished slot, and fall outside the mapping
+
+    @property
+    def training_s(self) -> float:
+        """The part of a slot's allocation the simulator models: from launch to the last step."""
+        return max(self.horizon_s - self.wind_down_s, 1e-9)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A run mode's measured goodput beside the simulator's, and the configuration that gave it."""
+
+    mode: str
+    policy: Policy
+    label: str
+    measured: Measured
+    predicted: float
+    config: SimConfig
+
+    @property
+    def error(self) -> float:
+        return self.predicted - self.measured.goodput
+
+
+def _median(values: Sequence[float], default: float) -> float:
+    return statistics.median(values) if values else default
+
+
+def measure(
+    run_dir: Path, mode: str, summary: dict, trace: Sequence[FailureEvent], islands: int, ranks: int,
+    config: TrainingConfig,
+) -> Measured:
+    """The parameters of `mode` from `run_dir/<mode>/progress/*.jsonl`, the run's summary and its trace."""
+    events = load_events(Path(run_dir) / mode / "progress")
+    started = summary["started_at"]
+    slots = islands * ranks
+    acct = account(events, mode=mode, slots=slots, fragments=config.fragments, started_at=started,
+                   tokens_per_eval_step=0)
+    steps = [e for e in events if e["event"] == "step"]
+    compute = [max(0.0, e["seconds"] - e.get("sync_seconds", 0.0)) for e in steps]
+    per_island: dict[str, list[float]] = defaultdict(list)
+    for e, seconds in zip(steps, compute):
+        per_island[e["island"]].append(seconds)
+    step = _median(compute, math.nan)
+    # At a barrier every island blocks at the same step; the last to arrive waits least, and only for the
+    # merge to reach it (merging, its polling, the pull): that shortest wait per barrier is the latency.
+    barriers: dict[int, list[float]] = defaultdict(list)
+    for e in steps:
+        if e.get("sync_seconds", 0.0) > 0.0:
+            barriers[e["step"]].append(e["sync_seconds"])
+    latencies = [min(waits) for waits in barriers.values()]
+
+    # A process's launch: the job's start, or when the trace last killed its island (data-parallel: anyone)
+    # before its first step, plus that kill's downtime. Start-up is the time from launch to its first step.
+    first_step: dict[int, dict] = {}
+    for e in steps:
+        if e["pid"] not in first_step or e["t"] < first_step[e["pid"]]["t"]:
+            first_step[e["pid"]] = e
+    initial, relaunch = [], []
+    for e in first_step.values():
+        began = e["t"] - e["seconds"] - started
+        hits = [k for k in trace if k.kind == "worker" and k.at < began
+                and (mode == "ddp" or k.island == e["island"])]
+        if hits:
+            last = max(hits, key=lambda k: k.at)
+            relaunch.append(began - (last.at + last.downtime))
+        else:
+            initial.append(began)
+    # A process killed before its first step measures nothing: each kind of start stands in for the other.
+    startup = _median(initial, _median(relaunch, math.nan))
+    # Wind-down: from a worker's last step to its `done` event, which ends its slot's allocation.
+    last_step: dict[int, float] = {}
+    for e in steps:
+        last_step[e["pid"]] = max(last_step.get(e["pid"], e["t"]), e["t"])
+    wind_down = [e["t"] - last_step[e["pid"]] for e in events if e["event"] == "done" and e["pid"] in last_step]
+    ends: dict[tuple[str, int], float] = {}
+    for e in events:
+        ends[e["island"], e["rank"]] = max(ends.get((e["island"], e["rank"]), 0.0), e["t"] - started)
+    first_end = min(ends.values(), default=0.0)
+    return Measured(
+        mode=mode,
+        goodput=summary["goodput"],
+        slots=slots,
+        horizon_s=acct.allocated_seconds / slots,
+        wind_down_s=_median(wind_down, 0.0),
+        step_s=step,
+        island_step_s=tuple(_median(per_island[f"island-{i}"], step) for i in range(islands)),
+        startup_s=startup,
+        restart_s=_median(relaunch, startup),
+        relaunches=len(relaunch),
+        kills=summary["kills"],
+        sync_latency_s=_median(latencies, 0.0),
+        blocking_syncs=len(latencies),
+        first_slot_end_s=first_end,
+        late_kills=sum(1 for k in trace if k.kind == "worker" and k.at >= first_end),
+    )
+
+
+def sim_config(
+    m: Measured, config: TrainingConfig, islands: int, trace: Sequence[FailureEvent], sync_latency_s: float
+) -> SimConfig:
+    """This machine as the simulator sees it: each island a learner of one chip; start-up, each island's
+    step time, horizon and merge latency as measured; every failure strikes, even a process that is still
+    starting (as `diloco run`'s supervisor does); the run's H, P, K, grace and island timeout, and the
+    built-in trainer's data-parallel checkpoint interval. Policies and τ are set per mode by `predict`."""
+    from diloco.worker.trainer import TrainerSettings  # imports torch: only when predicting
+
+    return SimConfig(
+        chips=islands,
+        learners=islands,
+        horizon_hours=m.training_s / 3600,
+        step_seconds=m.island_step_s,
+        startup_s=m.startup_s,
+        reform_s=m.restart_s,
+        restart_s=m.restart_s,
+        interrupt_recovery=True,
+        checkpoint_steps=TrainerSettings().checkpoint_every,
+        sync_steps=config.inner_steps,
+        fragments=config.fragments,
+        overlap_steps=config.overlap_steps,
+        quorum=min(config.quorum, islands),
+        grace_s=config.grace_seconds,
+        sync_latency_s=sync_latency_s,
+        island_timeout_s=config.island_timeout_seconds,
+        trace=tuple(e for e in trace if e.kind == "worker"),
+    )
+
+
+# How each run mode maps onto the simulator: (policy, tau, label). The decoupled worker never waits for a
+# merge (a late reply is mixed at the first step it is in), which the engine spells tau = H; the run's
+# synchronous baseline is a barrier across all islands at every sync (K = M), the engine's SYNC_DILOCO.
+MAPPING = {
+    "diloco": (Policy.DECOUPLED_DILOCO, "H", "Decoupled DiLoCo (never waits: tau = H)"),
+    "sync-diloco": (Policy.SYNC_DILOCO, None, "synchronous DiLoCo (K = M barrier)"),
+    "ddp": (Policy.DP, None, "non-elastic data-parallel (the trainer's checkpoints)"),
+}
+
+
+def _goodput(m: Measured, config: SimConfig, policy: Policy) -> float:
+    """The simulator's goodput over the training time, as a share of the whole allocation (the wind-down
+    after the last step is allocated time without steps)."""
+    return simulate(config)[policy].goodput * m.training_s / m.horizon_s
+
+
+def predict(m: Measured, base: SimConfig) -> Prediction:
+    policy, tau, label = MAPPING[m.mode]
+    overlap = base.sync_steps if tau == "H" else base.overlap_steps if tau is None else tau
+    config = replace(base, policies=(policy,), overlap_steps=overlap)
+    return Prediction(m.mode, policy, label, m, _goodput(m, config, policy), config)
+
+
+@dataclass(frozen=True)
+class Check:
+    run_dir: Path
+    predictions: tuple[Prediction, ...]
+    tolerance: float
+
+    def by_mode(self) -> dict[str, Prediction]:
+        return {p.mode: p for p in self.predictions}
+
+    @property
+    def measured_order(self) -> list[str]:
+        return [p.mode for p in sorted(self.predictions, key=lambda p: -p.measured.goodput)]
+
+    @property
+    def predicted_order(self) -> list[str]:
+        return [p.mode for p in sorted(self.predictions, key=lambda p: -p.predicted)]
+
+    @property
+    def within_tolerance(self) -> bool:
+        return all(abs(p.error) <= self.tolerance for p in self.predictions)
+
+    @property
+    def passed(self) -> bool:
+        return self.within_tolerance and self.measured_order == self.predicted_order
+
+    @property
+    def late_kills(self) -> int:
+        """Kills after some slot of some mode had finished: the horizon mapping assumes there are none."""
+        return max((p.measured.late_kills for p in self.predictions), default=0)
+
+    def table(self) -> str:
+        lines = [f"{'run mode':<12} {'simulator policy':<52} {'measured':>8} {'predicted':>9} {'error':>7}"]
+        for p in self.predictions:
+            lines.append(f"{p.mode:<12} {p.label:<52} {p.measured.goodput:>8.3f} {p.predicted:>9.3f} "
+                         f"{p.error:>+7.3f}")
+        return "\n".join(lines)
+
+    def parameters(self) -> str:
+        lines = [f"{'run mode':<12} {'step s':>7} {'start-up s':>10} {'restart s':>9} {'relaunches':>10} "
+                 f"{'kills':>5} {'horizon s':>9} {'wind-down s':>11} {'merge latency s':>15}"]
+        for p in self.predictions:
+            m = p.measured
+            latency = f"{m.sync_latency_s:.2f} ({m.blocking_syncs})" if m.blocking_syncs else "-"
+            lines.append(f"{m.mode:<12} {m.step_s:>7.3f} {m.startup_s:>10.2f} {m.restart_s:>9.2f} "
+                         f"{m.relaunches:>10} {m.kills:>5} {m.horizon_s:>9.1f} {m.wind_down_s:>11.2f} {latency:>15}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "run": str(self.run_dir),
+            "tolerance": self.tolerance,
+            "within_tolerance": self.within_tolerance,
+            "measured_order": self.measured_order,
+            "predicted_order": self.predicted_order,
+            "passed": self.passed,
+            "late_kills": self.late_kills,
+            "modes": [
+                {
+                    "mode": p.mode,
+                    "simulator_policy": p.policy.value,
+                    "simulator_label": p.label,
+                    "measured_goodput": p.measured.goodput,
+                    "predicted_goodput": p.predicted,
+                    "error": p.error,
+                    "measured": asdict(p.measured),
+                    "simulator_config": {k: v for k, v in asdict(p.config).items() if k != "trace"}
+                    | {"policies": [p.policy.value]},
+                }
+                for p in self.predictions
+            ],
+        }
+
+
+def check(run_dir: Path, tolerance: float) -> Check:
+    """Reads a finished `diloco run --compare` from `run_dir` and predicts every mode it ran."""
+    run_dir = Path(run_dir)
+    summaries = {s["mode"]: s for s in json.loads((run_dir / "summary.json").read_text())}
+    trace = load_trace(run_dir / "trace.json")
+    modes = [mode for mode in MODES if mode in summaries]
+    config = TrainingConfig.from_json((run_dir / modes[0] / "config.json").read_text())
+    islands, ranks = _shape(run_dir / modes[0] / "progress")
+    measured = {mode: measure(run_dir, mode, summaries[mode], trace, islands, ranks, config) for mode in modes}
+    # Only the blocking baseline waits on merges, so only it shows their latency; it is the same syncer for all.
+    latency = measured["sync-diloco"].sync_latency_s if "sync-diloco" in measured else 0.0
+    predictions = [predict(m, sim_config(m, config, islands, trace, latency)) for m in measured.values()]
+    return Check(run_dir, tuple(predictions), tolerance)
+
+
+def _shape(progress: Path) -> tuple[int, int]:
+    """Islands and ranks per island, from the progress files' names (`island-<i>-rank<r>.jsonl`)."""
+    ranks: dict[str, set[str]] = defaultdict(set)
+    for path in progress.glob("*.jsonl"):
+        island, _, rank = path.stem.rpartition("-rank")
+        ranks[island].add(rank)
+    if not ranks:
+        raise ValueError(f"{progress}: no progress files")
+    return len(ranks), max(len(r) for r in ranks.values())

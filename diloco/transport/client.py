@@ -1,0 +1,263 @@
+"""The island's side of the wire: calls to one syncer shard with the job's token, a deadline on every call,
+and retries with jittered exponential backoff, so a restarting shard or a flaky link never stops training.
+
+Every call is safe to repeat: pushes are idempotent by (island, fragment, base, sequence), seeds are
+first-wins, pulls and status read only. A retried stream is rebuilt from bytes encoded once. `pull_delta`
+asks for the difference to the values the island holds (see `diloco.core.compressed_pull`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence, TypeVar
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from diloco.transport import wire
+from diloco.transport.auth import bearer_metadata
+from diloco.core.compressed_pull import apply_delta
+from diloco.transport.v1 import syncer_pb2 as pb
+from diloco.transport.v1 import syncer_pb2_grpc as pb_grpc
+
+log = logging.getLogger("diloco.transport.client")
+
+T = TypeVar("T")
+
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.INTERNAL,
+    }
+)
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", wire.MAX_CHUNK_BYTES + 1024 * 1024),
+    ("grpc.max_send_message_length", wire.MAX_CHUNK_BYTES + 1024 * 1024),
+    ("grpc.enable_retries", 0),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with full jitter, so islands retrying a restarted shard do not stampede it."""
+
+    initial: float = 0.1
+    maximum: float = 5.0
+    multiplier: float = 2.0
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        return rng.uniform(0.0, min(self.maximum, self.initial * self.multiplier**attempt))
+
+
+@dataclass(frozen=True)
+class Held:
+    """Float32 values an island holds of a fragment and their digest (`values_digest`); `version` is None
+    when the island does not know it (its initial values, which may be what the first island seeded)."""
+
+    version: pb.FragmentVersion | None
+    values: Sequence[torch.Tensor]
+    digest: int
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A fragment's newest values, however they travelled: `delta` when as a difference to held values."""
+
+    version: pb.FragmentVersion
+    tensors: list[tuple[str, torch.Tensor]]
+    wire_bytes: int
+    delta: bool
+
+
+def _method(name: str) -> str:
+    return f"/{pb.DESCRIPTOR.services_by_name['Syncer'].full_name}/{name}"
+
+
+class SyncerClient:
+    def __init__(
+        self,
+        target: str,
+        token: str,
+        *,
+        island_id: str = "",
+        timeout: float = 120.0,
+        retry_for: float | None = 300.0,
+        backoff: Backoff = Backoff(),
+        seed: int | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        """`timeout` bounds each attempt; `retry_for` bounds all attempts of one call (None: forever); once
+        `stop` is set, a call waiting to retry gives up at once with its last error, so the owner can close
+        without waiting out a backoff against a dead shard."""
+        self.target = target
+        self.island_id = island_id
+        self.timeout = timeout
+        self.retry_for = retry_for
+        self.backoff = backoff
+        self._stop = stop if stop is not None else threading.Event()
+        self._metadata = bearer_metadata(token)
+        self._rng = random.Random(seed)
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.SyncerStub(self._channel)
+        # The tensor-carrying calls skip message objects: serialized chunks out, zero-copy views in.
+        self._seed = self._channel.stream_unary(_method("Seed"), None, pb.SeedReply.FromString)
+        self._push = self._channel.stream_unary(_method("PushDelta"), None, pb.PushReply.FromString)
+        self._pull = self._channel.unary_stream(
+            _method("Pull"), pb.PullRequest.SerializeToString, wire.parse_fragment_chunk
+        )
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> SyncerClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _retrying(self, what: str, attempt_call: Callable[[], T]) -> T:
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                return attempt_call()
+            except grpc.RpcError as error:
+                code = error.code()
+                out_of_time = self.retry_for is not None and time.monotonic() - started > self.retry_for
+                if code not in RETRYABLE or out_of_time or self._stop.is_set():
+                    raise
+                delay = self.backoff.delay(attempt, self._rng)
+                log.debug("retrying", extra={"call": what, "target": self.target, "code": code.name,
+                                             "attempt": attempt, "delay": delay})
+                if self._stop.wait(delay):
+                    raise
+                attempt += 1
+
+    def wait_ready(self, timeout: float) -> bool:
+        """True once the shard's health service answers SERVING, within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+        return False
+
+    def join(self, num_fragments: int) -> pb.JoinReply:
+        request = pb.JoinRequest(island_id=self.island_id, num_fragments=num_fragments)
+        return self._retrying(
+            "Join", lambda: self._stub.Join(request, timeout=self.timeout, metadata=self._metadata)
+        )
+
+    def seed(self, fragment_id: int, named: Sequence[tuple[str, torch.Tensor]]) -> pb.SeedReply:
+        payloads, blobs = wire.tensor_payloads(named, pb.FP32, 0)
+        unset = pb.FragmentVersion()
+        return self._retrying(
+            "Seed",
+            lambda: self._seed(
+                wire.fragment_messages(fragment_id, unset, payloads, blobs),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            ),
+        )
+
+    def push(
+        self,
+        fragment_id: int,
+        *,
+        base: pb.FragmentVersion,
+        tokens: int,
+        inner_steps: int,
+        sequence: int,
+        delta: Sequence[tuple[str, torch.Tensor]],
+        encoding: int,
+        block_size: int,
+    ) -> pb.PushReply:
+        """Streams one outer gradient; encoded once, re-sent whole on a retry, counted once by the shard."""
+        payloads, blobs = wire.tensor_payloads(delta, encoding, block_size)
+        header = pb.PushHeader(
+            island_id=self.island_id,
+            fragment_id=fragment_id,
+            base=base,
+            tokens=tokens,
+            inner_steps=inner_steps,
+            sequence=sequence,
+        )
+        return self._retrying(
+            "PushDelta",
+            lambda: self._push(
+                wire.push_messages(header, payloads, blobs), timeout=self.timeout, metadata=self._metadata
+            ),
+        )
+
+    def pull(
+        self, fragment_id: int, have: pb.FragmentVersion | None = None, encoding: int = pb.FP32
+    ) -> tuple[pb.FragmentVersion, list[tuple[str, torch.Tensor]]] | None:
+        """The fragment's newest values, or None when `have` is already the newest."""
+        request = pb.PullRequest(
+            fragment_id=fragment_id, have=have or pb.FragmentVersion(), encoding=encoding, island_id=self.island_id
+        )
+        pulled = self._retrying("Pull", lambda: self._pull_attempt(request, None))
+        return None if pulled is None else (pulled.version, pulled.tensors)
+
+    def pull_delta(
+        self, fragment_id: int, *, have: pb.FragmentVersion | None, held: Held | None, encoding: int
+    ) -> Pulled | None:
+        """Like `pull`, but the shard may answer with the difference, in `encoding`, from the `held` values
+        (what a pull of this client returned, or values of unknown version that may be the newest) to the
+        newest; either way the newest values come back. With `held` None they come in full."""
+        if not self.island_id:
+            raise ValueError("a compressed pull needs the client's island id")
+        request = pb.PullRequest(
+            fragment_id=fragment_id, have=have or pb.FragmentVersion(), encoding=pb.FP32,
+            island_id=self.island_id, delta_encoding=encoding,
+        )
+        if held is not None:
+            request.held.SetInParent()
+            request.held.digest = held.digest
+            if held.version is not None:
+                request.held.version.CopyFrom(held.version)
+        return self._retrying("Pull", lambda: self._pull_attempt(request, held))
+
+    def _pull_attempt(self, request: pb.PullRequest, held: Held | None) -> Pulled | None:
+        chunks: Iterator[wire.Part] = self._pull(request, timeout=self.timeout, metadata=self._metadata)
+        first = next(chunks, None)
+        if first is None:
+            return None
+        header, tensors = wire.read_fragment_stream(itertools.chain([first], chunks))
+        wire_bytes = sum(p.byte_length for p, _ in tensors)
+        named = [(p.name, t) for p, t in tensors]
+        if not header.HasField("delta_base"):
+            return Pulled(header.version, named, wire_bytes, delta=False)
+        if held is None or header.delta_base != (held.version or pb.FragmentVersion()):
+            raise wire.WireError(
+                grpc.StatusCode.INTERNAL, f"fragment {request.fragment_id}: a difference to values this island does not hold"
+            )
+        values = apply_delta(held.values, [t for _, t in named])
+        return Pulled(header.version, [(name, v) for (name, _), v in zip(named, values)], wire_bytes, delta=True)
+
+    def leave(self, timeout: float) -> None:
+        """Tells the shard this island has finished. Tried once: a shard that misses it times the island out
+        of its live set (islandTimeoutSeconds) as it would a dead one."""
+        request = pb.LeaveRequest(island_id=self.island_id)
+        self._stub.Leave(request, timeout=min(timeout, self.timeout), metadata=self._metadata)
+
+    def status(self) -> pb.StatusReply:
+        return self._retrying(
+            "Status", lambda: self._stub.Status(pb.StatusRequest(), timeout=self.timeout, metadata=self._metadata)
+        )

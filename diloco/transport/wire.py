@@ -1,0 +1,278 @@
+"""Tensors to and from the chunked gRPC streams of the Syncer contract, with no channels or servers.
+
+gRPC caps message sizes, so a fragment travels as one header (names, shapes, dtypes, encodings, byte
+lengths) followed by data messages of at most `MAX_CHUNK_BYTES`. Both the worker (pushing deltas, seeding)
+and the syncer (serving pulls, receiving pushes and seeds) build and read streams here, so the two sides
+cannot drift apart. Readers treat the peer as untrusted: every declared length is checked against what the
+encoding implies before data is buffered, and every refusal is a `WireError` carrying the gRPC status code
+that the contract prescribes.
+"""
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
+
+import grpc
+import numpy as np
+import torch
+from google.protobuf.message import DecodeError
+
+from diloco.core.encoding import EncodingError, decode, encode, encoded_nbytes
+from diloco.transport.v1 import syncer_pb2 as pb
+
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
+
+_DTYPES = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16}
+_QUANTISED = (pb.INT8, pb.INT4)
+
+_DATA_TAG = b"\x12"  # field 2 (`data`), length-delimited: the same in PushChunk and FragmentChunk
+
+_Header = pb.FragmentHeader | pb.PushHeader
+_Chunk = TypeVar("_Chunk", pb.FragmentChunk, pb.PushChunk)
+
+
+class _Undecodable:
+    """What a deserializer returns for bytes that are no chunk message, so the reader (not gRPC, which
+    would answer INTERNAL) refuses the call with INVALID_ARGUMENT."""
+
+
+Part = pb.FragmentHeader | pb.PushHeader | memoryview | _Undecodable
+_PARTS = (pb.FragmentHeader, pb.PushHeader, memoryview, _Undecodable)
+
+
+class WireError(Exception):
+    """A malformed or oversize stream, with the status code the server aborts the call with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> WireError:
+    return WireError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def tensor_payloads(
+    named: Sequence[tuple[str, torch.Tensor]], encoding: int, block_size: int
+) -> tuple[list[pb.TensorPayload], list[bytes]]:
+    """Describe and encode tensors for a header: one TensorPayload and one byte string per tensor, in order."""
+    payload_block = block_size if encoding in _QUANTISED else 0
+    payloads, blobs = [], []
+    for name, tensor in named:
+        if tensor.dtype not in _DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}; the wire carries float32, bfloat16 or float16")
+        blob = encode(tensor, encoding, block_size)
+        payloads.append(
+            pb.TensorPayload(
+                name=name,
+                shape=list(tensor.shape),
+                dtype=_DTYPES[tensor.dtype],
+                encoding=encoding,
+                block_size=payload_block,
+                byte_length=len(blob),
+            )
+        )
+        blobs.append(blob)
+    return payloads, blobs
+
+
+def _pieces(blobs: Iterable[bytes], max_chunk: int) -> Iterator[list[memoryview]]:
+    """The concatenation of `blobs` as runs of views adding up to at most `max_chunk` bytes each."""
+    if max_chunk <= 0:
+        raise ValueError(f"max_chunk must be positive, got {max_chunk}")
+    parts: list[memoryview] = []
+    size = 0
+    for blob in blobs:
+        view = memoryview(blob)
+        offset = 0
+        while offset < len(view):
+            take = min(max_chunk - size, len(view) - offset)
+            parts.append(view[offset : offset + take])
+            size += take
+            offset += take
+            if size == max_chunk:
+                yield parts
+                parts, size = [], 0
+    if size:
+        yield parts
+
+
+def split(blobs: Iterable[bytes], max_chunk: int = MAX_CHUNK_BYTES) -> Iterator[bytes]:
+    """The concatenation of `blobs` in pieces of at most `max_chunk` bytes; pieces may span blob boundaries."""
+    for parts in _pieces(blobs, max_chunk):
+        yield b"".join(parts)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _messages(chunk_type: type[_Chunk], header: _Header, blobs: Sequence[bytes], max_chunk: int) -> Iterator[bytes]:
+    """Serialized chunk messages. A data message is written straight from the encoded bytes (tag, length,
+    payload: exactly what protobuf would write), sparing the copies that building message objects costs."""
+    yield chunk_type(header=header).SerializeToString()
+    for parts in _pieces(blobs, max_chunk):
+        size = sum(len(p) for p in parts)
+        yield b"".join((_DATA_TAG, _varint(size), *parts))
+
+
+def fragment_messages(
+    fragment_id: int,
+    version: pb.FragmentVersion,
+    payloads: Sequence[pb.TensorPayload],
+    blobs: Sequence[bytes],
+    max_chunk: int = MAX_CHUNK_BYTES,
+    delta_base: pb.FragmentVersion | None = None,
+) -> Iterator[bytes]:
+    """The serialized FragmentChunk messages of a Seed request or a Pull reply: a header, then the data.
+
+    Takes bytes encoded once by `tensor_payloads`, so a retried call or many pulls of one version re-send
+    them without encoding again. With `delta_base`, the tensors are differences to the values of that version.
+    """
+    header = pb.FragmentHeader(fragment_id=fragment_id, version=version, tensors=payloads, delta_base=delta_base)
+    return _messages(pb.FragmentChunk, header, blobs, max_chunk)
+
+
+def push_messages(
+    header: pb.PushHeader,
+    payloads: Sequence[pb.TensorPayload],
+    blobs: Sequence[bytes],
+    max_chunk: int = MAX_CHUNK_BYTES,
+) -> Iterator[bytes]:
+    """The serialized PushChunk messages of a PushDelta request: `header` with its tensors, then the data."""
+    filled = pb.PushHeader()
+    filled.CopyFrom(header)
+    del filled.tensors[:]
+    filled.tensors.extend(payloads)
+    return _messages(pb.PushChunk, filled, blobs, max_chunk)
+
+
+def _parser(chunk_type: type[_Chunk]) -> Callable[[bytes], "Part"]:
+    def parse(raw: bytes) -> Part:
+        if raw[:1] == _DATA_TAG:
+            size, offset = _read_varint(raw, 1)
+            if offset + size == len(raw):
+                return memoryview(raw)[offset:]
+        try:
+            chunk = chunk_type.FromString(raw)
+        except DecodeError:
+            return _Undecodable()
+        return _part(chunk)
+
+    return parse
+
+
+def _read_varint(raw: bytes, offset: int) -> tuple[int, int]:
+    """A protobuf varint at `offset` and the offset after it; (-1, offset) if it runs off the end."""
+    value = shift = 0
+    for index in range(offset, min(len(raw), offset + 10)):
+        value |= (raw[index] & 0x7F) << shift
+        if raw[index] < 0x80:
+            return value, index + 1
+        shift += 7
+    return -1, offset
+
+
+def _part(chunk: _Chunk) -> "Part":
+    kind = chunk.WhichOneof("part")
+    if kind == "header":
+        return chunk.header
+    if kind == "data":
+        return memoryview(chunk.data)
+    return _Undecodable()
+
+
+parse_fragment_chunk = _parser(pb.FragmentChunk)
+parse_fragment_chunk.__doc__ = "gRPC deserializer of FragmentChunk: a data message becomes a view, not a copy."
+parse_push_chunk = _parser(pb.PushChunk)
+parse_push_chunk.__doc__ = "gRPC deserializer of PushChunk: a data message becomes a view, not a copy."
+
+
+def _declared_total(payloads: Iterable[pb.TensorPayload]) -> int:
+    """Check every payload description and return the stream size they add up to."""
+    total = 0
+    for p in payloads:
+        if any(d < 0 for d in p.shape):
+            raise _invalid(f"tensor {p.name!r}: negative dimension in shape {list(p.shape)}")
+        if p.dtype not in _DTYPES.values():
+            raise _invalid(f"tensor {p.name!r}: unknown dtype {p.dtype}")
+        try:
+            expected = encoded_nbytes(math.prod(p.shape), p.encoding, p.block_size)
+        except EncodingError as e:
+            raise _invalid(f"tensor {p.name!r}: {e}") from None
+        if p.byte_length != expected:
+            raise _invalid(
+                f"tensor {p.name!r}: byte_length {p.byte_length} does not match the {expected} bytes"
+                " its shape and encoding imply"
+            )
+        total += expected
+    return total
+
+
+def _read_stream(
+    items: Iterable["Part | _Chunk"], max_chunk: int, max_total_bytes: int | None
+) -> tuple[_Header, list[tuple[pb.TensorPayload, torch.Tensor]]]:
+    parts = (item if isinstance(item, _PARTS) else _part(item) for item in items)
+    header = next(parts, None)
+    if header is None:
+        raise _invalid("empty stream: expected a header")
+    if not isinstance(header, (pb.FragmentHeader, pb.PushHeader)):
+        raise _invalid("first message is not a header")
+    total = _declared_total(header.tensors)
+    if max_total_bytes is not None and total > max_total_bytes:
+        raise WireError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"header declares {total} bytes, more than the limit of {max_total_bytes}",
+        )
+    # Uninitialised memory: its pages are committed only as data lands, so a header that lies costs nothing.
+    buffer = torch.empty(total, dtype=torch.uint8)
+    array = buffer.numpy()
+    received = 0
+    for part in parts:
+        if isinstance(part, (pb.FragmentHeader, pb.PushHeader)):
+            raise _invalid("header after the first message")
+        if isinstance(part, _Undecodable):
+            raise _invalid("message with neither header nor data, or not a chunk message at all")
+        if len(part) > max_chunk:
+            raise WireError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"data message of {len(part)} bytes exceeds the chunk limit of {max_chunk}",
+            )
+        if received + len(part) > total:
+            raise _invalid(f"trailing bytes: more data than the {total} bytes the header declares")
+        # numpy copies without holding the GIL (a memoryview copy holds it), so the server's other calls run on.
+        array[received : received + len(part)] = np.frombuffer(part, dtype=np.uint8)
+        received += len(part)
+    if received != total:
+        raise _invalid(f"truncated stream: got {received} of {total} bytes")
+    tensors = []
+    offset = 0
+    for p in header.tensors:
+        try:
+            values = decode(buffer[offset : offset + p.byte_length], p.shape, p.encoding, p.block_size)
+        except EncodingError as e:
+            raise _invalid(f"tensor {p.name!r}: {e}") from None
+        tensors.append((p, values))
+        offset += p.byte_length
+    return header, tensors
+
+
+def read_fragment_stream(
+    chunks: Iterable["Part | pb.FragmentChunk"], *, max_chunk: int = MAX_CHUNK_BYTES, max_total_bytes: int | None = None
+) -> tuple[pb.FragmentHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
+    """Read a Seed request or Pull reply (messages, or parts from `parse_fragment_chunk`) into its header
+    and float32 tensors; raises WireError if malformed."""
+    return _read_stream(chunks, max_chunk, max_total_bytes)
+
+
+def read_push_stream(
+    chunks: Iterable["Part | pb.PushChunk"], *, max_chunk: int = MAX_CHUNK_BYTES, max_total_bytes: int | None = None
+) -> tuple[pb.PushHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
+    """Read a PushDelta request into its header and float32 tensors; raises WireError if malformed."""
+    return _read_stream(chunks, max_chunk, max_total_bytes)

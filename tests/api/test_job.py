@@ -1,0 +1,166 @@
+"""The DiLoCoJob spec model: defaults, camelCase, and refusals that name the offending field."""
+
+import pytest
+from pydantic import ValidationError
+
+from diloco.core.config import Encoding, TrainingConfig
+from diloco.api.job import (
+    DiLoCoJob,
+    DiLoCoJobSpec,
+    DiLoCoJobStatus,
+    IslandSpec,
+    ModelSize,
+    Phase,
+    validate_job_name,
+)
+
+
+def minimal(**overrides):
+    return {"image": "registry.example/diloco:1", "islands": [{"name": "a"}], **overrides}
+
+
+def refusal(data) -> str:
+    """Every error of validating `data`, as 'loc: message' lines."""
+    with pytest.raises(ValidationError) as caught:
+        DiLoCoJobSpec.model_validate(data)
+    return "\n".join(".".join(str(p) for p in e["loc"]) + ": " + e["msg"] for e in caught.value.errors())
+
+
+def test_defaults_are_those_documented():
+    spec = DiLoCoJobSpec.model_validate(minimal())
+    assert spec.training == TrainingConfig()
+    assert spec.image_pull_policy == "IfNotPresent"
+    assert spec.trainer.model is None and spec.trainer.data is None and spec.trainer.command is None
+    assert (spec.trainer.rendezvous_port, spec.trainer.metrics_port) == (29500, 9090)
+    island = spec.islands[0]
+    assert (island.replicas, island.accelerators_per_pod, island.accelerator_resource) == (1, 0, "nvidia.com/gpu")
+    assert island.spot is False and island.pod_template is None
+    assert (spec.syncer.shards, spec.syncer.port, spec.syncer.metrics_port) == (1, 50051, 9090)
+    assert spec.syncer.checkpoint.size == "1Gi" and spec.syncer.checkpoint.interval_seconds == 30
+    assert (spec.failure_policy.restart_budget, spec.failure_policy.backoff_seconds) == (10, 10)
+    assert spec.stop_condition.outer_steps is None and spec.stop_condition.tokens is None
+    assert spec.suspend is False and spec.ttl_seconds_after_finished is None
+    assert spec.syncer_image == spec.image
+
+
+def test_camel_case_manifest_with_every_section():
+    spec = DiLoCoJobSpec.model_validate(
+        minimal(
+            imagePullPolicy="Always",
+            trainer={"model": "small", "data": "/data/tokens.bin", "args": ["--batch-size", "32"]},
+            training={"innerSteps": 50, "fragments": 2, "overlapSteps": 3, "quorum": 2, "encoding": "int8"},
+            islands=[
+                {"name": "h100", "replicas": 4, "acceleratorsPerPod": 8, "spot": True,
+                 "nodeSelector": {"pool": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                 "resources": {"limits": {"memory": "512Gi", "cpu": 64}}, "priorityClassName": "training",
+                 "podTemplate": {"spec": {"hostNetwork": True}}},
+                {"name": "a100", "replicas": 2, "acceleratorResource": "nvidia.com/gpu"},
+            ],
+            syncer={"shards": 2, "image": "registry.example/syncer:1",
+                    "checkpoint": {"size": "50Gi", "storageClassName": "fast"}},
+            failurePolicy={"restartBudget": 3, "backoffSeconds": 30},
+            stopCondition={"outerSteps": 1000},
+            ttlSecondsAfterFinished=3600,
+        )
+    )
+    assert spec.trainer.model is ModelSize.SMALL
+    assert spec.training.encoding is Encoding.INT8 and spec.training.quorum == 2
+    assert [i.name for i in spec.islands] == ["h100", "a100"]
+    assert spec.islands[0].resources.limits == {"memory": "512Gi", "cpu": 64}
+    assert spec.islands[0].tolerations[0].operator == "Exists"
+    assert spec.syncer_image == "registry.example/syncer:1"
+    assert spec.stop_condition.outer_steps == 1000
+    dumped = spec.model_dump(by_alias=True, exclude_none=True)
+    assert DiLoCoJobSpec.model_validate(dumped) == spec
+    assert "acceleratorsPerPod" in dumped["islands"][0] and "ttlSecondsAfterFinished" in dumped
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"islands": []}, "islands"),
+        ({"islands": [{"name": "A_b"}]}, "islands.0.name"),
+        ({"islands": [{"name": "x" * 22}]}, "islands.0.name"),
+        ({"islands": [{"name": "1st"}]}, "islands.0.name"),
+        ({"islands": [{"name": "a", "replicas": 0}]}, "islands.0.replicas"),
+        ({"islands": [{"name": "a", "acceleratorsPerPod": -1}]}, "islands.0.acceleratorsPerPod"),
+        ({"islands": [{"name": "a", "acceleratorResource": "not a resource"}]}, "islands.0.acceleratorResource"),
+        ({"islands": [{"name": "a", "resources": {"limits": {"memory": "lots"}}}]}, "islands.0.resources.limits.memory"),
+        ({"islands": [{"name": "a", "tolerations": [{"operator": "Maybe"}]}]}, "islands.0.tolerations.0.operator"),
+        ({"islands": [{"name": "a", "replica": 2}]}, "islands.0.replica"),
+        ({"image": ""}, "image"),
+        ({"imagePullPolicy": "Sometimes"}, "imagePullPolicy"),
+        ({"trainer": {"model": "huge"}}, "trainer.model"),
+        ({"training": {"mixAlpha": 1.5}}, "training.mixAlpha"),
+        ({"training": {"encoding": "int2"}}, "training.encoding"),
+        ({"syncer": {"shards": 0}}, "syncer.shards"),
+        ({"syncer": {"port": 70000}}, "syncer.port"),
+        ({"failurePolicy": {"restartBudget": -1}}, "failurePolicy.restartBudget"),
+        ({"stopCondition": {"outerSteps": 0}}, "stopCondition.outerSteps"),
+        ({"ttlSecondsAfterFinished": -5}, "ttlSecondsAfterFinished"),
+    ],
+)
+def test_field_bounds_are_refused_at_the_field(change, named):
+    lines = refusal(minimal(**change)).splitlines()
+    assert any(line.startswith(named + ":") or line.startswith(named + ".") for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"islands": [{"name": "a"}, {"name": "a"}]}, "spec.islands[].name must be unique"),
+        ({"islands": [{"name": "syncer-0"}]}, "spec.islands[].name must not have the form syncer-<n>"),
+        ({"training": {"quorum": 2}}, "spec.training.quorum (K=2) must not exceed the number of islands"),
+        ({"training": {"fragments": 4}, "syncer": {"shards": 5}}, "spec.syncer.shards (5) must not exceed"),
+        ({"training": {"innerSteps": 2, "fragments": 3, "overlapSteps": 0}}, "fragments (P=3) must not exceed"),
+        ({"training": {"innerSteps": 8, "fragments": 4, "overlapSteps": 2}}, "overlapSteps (tau=2) must be less"),
+        ({"trainer": {"command": ["python", "train.py"], "model": "tiny"}}, "spec.trainer.model and spec.trainer.data"),
+        ({"trainer": {"command": ["python"], "data": "/x"}}, "cannot be set together with spec.trainer.command"),
+        ({"syncer": {"port": 9090}}, "spec.syncer.port and spec.syncer.metricsPort must differ"),
+    ],
+)
+def test_cross_field_rules_name_the_fields(change, message):
+    assert message in refusal(minimal(**change))
+
+
+def test_a_custom_command_replaces_the_builtin_trainer():
+    spec = DiLoCoJobSpec.model_validate(minimal(trainer={"command": ["python", "-m", "mytrain"]}))
+    assert spec.trainer.command == ["python", "-m", "mytrain"] and spec.trainer.model is None
+
+
+def test_quorum_may_equal_the_number_of_islands():
+    spec = DiLoCoJobSpec.model_validate(minimal(islands=[{"name": "a"}, {"name": "b"}], training={"quorum": 2}))
+    assert spec.training.quorum == 2
+
+
+def test_island_names_near_the_reserved_form_are_fine():
+    for name in ("syncer", "syncers-0", "my-syncer-1", "syncer-a"):
+        assert IslandSpec(name=name).name == name
+
+
+@pytest.mark.parametrize("name", ["job", "a", "j-1", "x" * 30])
+def test_job_names_that_fit(name):
+    assert validate_job_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["Job", "1job", "job-", "job.x", "x" * 31])
+def test_job_names_refused_with_the_field_named(name):
+    with pytest.raises(ValueError, match="metadata.name must be a DNS-1035 label of at most 30"):
+        validate_job_name(name)
+
+
+def test_whole_manifest_and_status():
+    job = DiLoCoJob.model_validate(
+        {"apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob", "metadata": {"name": "demo"}, "spec": minimal(),
+         "status": {"phase": "Running", "islandsReady": "1/1", "outerStep": 3}}
+    )
+    assert job.status.phase is Phase.RUNNING and job.status.outer_step == 3
+    with pytest.raises(ValidationError, match="metadata.name"):
+        DiLoCoJob.model_validate({"apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob",
+                                  "metadata": {"name": "Demo"}, "spec": minimal()})
+
+
+def test_status_defaults_and_final_phases():
+    status = DiLoCoJobStatus()
+    assert status.phase is Phase.PENDING and status.islands_ready == "0/0" and status.goodput is None
+    assert {p for p in Phase if p.finished} == {Phase.SUCCEEDED, Phase.FAILED}

@@ -1,0 +1,97 @@
+"""Specification of compressed pulls' arithmetic: the island and the shard agree bit for bit on what the
+island holds, and feeding each pull's error into the next keeps the island within one quantisation step of
+the shard's values however many versions go by."""
+
+import pytest
+import torch
+
+from diloco.transport import wire
+from diloco.core.compressed_pull import apply_delta, held_after, values_digest
+from diloco.core.encoding import error_bound
+from diloco.transport.v1 import syncer_pb2 as pb
+
+SHAPES = [(64, 33), (7,), ()]
+
+
+def _random(seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) * scale for shape in SHAPES]
+
+
+def _through_the_wire(differences, encoding, block_size):
+    """What an island decodes from a Pull reply carrying `differences`: the real wire path."""
+    payloads, blobs = wire.tensor_payloads([(str(i), d) for i, d in enumerate(differences)], encoding, block_size)
+    messages = wire.fragment_messages(0, pb.FragmentVersion(version=1), payloads, blobs, max_chunk=1000,
+                                      delta_base=pb.FragmentVersion(version=0))
+    header, tensors = wire.read_fragment_stream(wire.parse_fragment_chunk(m) for m in messages)
+    assert header.HasField("delta_base") and header.delta_base.version == 0
+    return blobs, [t for _, t in tensors]
+
+
+class TestChecksum:
+    def test_names_the_exact_float32_bytes_in_order(self):
+        values = _random(0)
+        crc = values_digest(values)
+        assert values_digest([v.clone() for v in values]) == crc
+        assert values_digest(list(reversed(values))) != crc
+        flipped = [v.clone() for v in values]
+        flipped[0].view(-1).view(torch.int32)[5] ^= 1  # one bit of one value
+        assert values_digest(flipped) != crc
+
+    def test_refuses_values_that_are_not_float32(self):
+        with pytest.raises(ValueError, match="float32"):
+            values_digest([torch.zeros(3, dtype=torch.float64)])
+
+
+class TestAgreement:
+    @pytest.mark.parametrize("encoding", [pb.FP32, pb.BF16, pb.INT8, pb.INT4])
+    def test_island_and_shard_compute_the_same_values_bit_for_bit(self, encoding):
+        held = _random(1)
+        new = [h + d for h, d in zip(held, _random(2, 0.01))]
+        differences = [n - h for n, h in zip(new, held)]
+        blobs, decoded = _through_the_wire(differences, encoding, 32)
+        island = apply_delta(held, decoded)
+        shard = held_after(held, blobs, encoding, 32)
+        assert all(torch.equal(a, b) for a, b in zip(island, shard))
+        assert values_digest(island) == values_digest(shard)
+        for got, want, d in zip(island, new, differences):
+            assert torch.all((got - want).abs() <= error_bound(d, encoding, 32) + want.abs() * 2.0**-23)
+
+    def test_apply_refuses_a_difference_of_another_layout(self):
+        held = _random(1)
+        with pytest.raises(ValueError, match="shape"):
+            apply_delta(held, [torch.zeros(3), *held[1:]])
+        with pytest.raises(ValueError, match="tensors"):
+            apply_delta(held, held[:2])
+
+    def test_apply_leaves_the_held_values_untouched(self):
+        held = _random(1)
+        before = [h.clone() for h in held]
+        apply_delta(held, _random(2))
+        assert all(torch.equal(a, b) for a, b in zip(held, before))
+
+
+def test_error_feedback_keeps_the_island_within_one_step_of_the_shard_over_many_versions():
+    """θ drifts for 300 versions; the island only ever receives int4 differences. Its error stays within
+    the bound of the last difference, whereas applying int4 updates without feedback drifts away."""
+    block = 32
+    theta = _random(3)
+    held = [t.clone() for t in theta]
+    naive = [t.clone() for t in theta]
+    worst_ratio, naive_error = 0.0, 0.0
+    for version in range(300):
+        update = _random(1000 + version, 0.01)
+        previous = theta
+        theta = [t + u for t, u in zip(theta, update)]
+        differences = [t - h for t, h in zip(theta, held)]
+        blobs, _ = _through_the_wire(differences, pb.INT4, block)
+        held = held_after(held, blobs, pb.INT4, block)
+        for t, h, d in zip(theta, held, differences):
+            bound = error_bound(d, pb.INT4, block) + t.abs() * 2.0**-23  # and the rounding of the sum
+            worst_ratio = max(worst_ratio, float(((t - h).abs() / bound).max()))
+        naive_blobs, _ = _through_the_wire([t - p for t, p in zip(theta, previous)], pb.INT4, block)
+        naive = held_after(naive, naive_blobs, pb.INT4, block)
+        naive_error = max(float((t - n).abs().max()) for t, n in zip(theta, naive))
+    assert worst_ratio <= 1.0
+    final_error = max(float((t - h).abs().max()) for t, h in zip(theta, held))
+    assert naive_error > 5 * final_error, (naive_error, final_error)

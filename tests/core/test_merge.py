@@ -1,0 +1,138 @@
+import math
+
+import pytest
+import torch
+
+from diloco.core.merge import (
+    Contribution,
+    contribution_weights,
+    is_too_stale,
+    merge_deltas,
+    radial_directional_mean,
+    weighted_mean,
+)
+
+
+def t(*values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def c(island, delta, tokens=1, staleness=0):
+    return Contribution(island=island, delta=delta, tokens=tokens, staleness=staleness)
+
+
+def test_token_weighting_one_to_three():
+    contributions = [c("a", [t(4.0, 0.0), t(8.0)], tokens=100), c("b", [t(0.0, 4.0), t(-8.0)], tokens=300)]
+    assert contribution_weights(contributions, 1.0) == [0.25, 0.75]
+    merged = merge_deltas(contributions)
+    # 0.25 * [4, 0] + 0.75 * [0, 4] = [1, 3]; 0.25 * 8 + 0.75 * -8 = -4
+    assert torch.equal(merged[0], t(1.0, 3.0))
+    assert torch.equal(merged[1], t(-4.0))
+
+
+def test_staleness_decay():
+    contributions = [c("fresh", [t(1.0)], tokens=10, staleness=0), c("old", [t(0.0)], tokens=10, staleness=2)]
+    # raw weights 10 and 10 * 0.5**2 = 2.5 -> 0.8 and 0.2
+    assert contribution_weights(contributions, 0.5) == pytest.approx([0.8, 0.2])
+    assert merge_deltas(contributions, staleness_decay=0.5)[0].item() == pytest.approx(0.8)
+    assert contribution_weights(contributions, 1.0) == [0.5, 0.5]
+
+
+def test_zero_tokens():
+    assert contribution_weights([c("a", [], tokens=0), c("b", [], tokens=0)], 1.0) == [0.5, 0.5]
+    assert contribution_weights([c("a", [], tokens=0), c("b", [], tokens=5)], 1.0) == [0.0, 1.0]
+
+
+def test_weight_errors():
+    with pytest.raises(ValueError, match="empty"):
+        contribution_weights([], 1.0)
+    with pytest.raises(ValueError, match="staleness_decay"):
+        contribution_weights([c("a", [])], 0.0)
+    with pytest.raises(ValueError, match="negative tokens"):
+        contribution_weights([c("a", [], tokens=-1)], 1.0)
+    with pytest.raises(ValueError, match="negative staleness"):
+        contribution_weights([c("a", [], staleness=-1)], 1.0)
+
+
+def test_radial_opposite_unit_deltas_cancel():
+    merged = radial_directional_mean([[t(1.0, 0.0)], [t(-1.0, 0.0)]], [0.5, 0.5])
+    assert torch.equal(merged[0], t(0.0, 0.0))
+
+
+def test_radial_orthogonal_equal_norms_keep_the_norm():
+    merged = radial_directional_mean([[t(1.0, 0.0)], [t(0.0, 1.0)]], [0.5, 0.5])[0]
+    # mean norm 1 along the diagonal: [1/sqrt(2), 1/sqrt(2)]; a plain mean would give [0.5, 0.5]
+    assert torch.allclose(merged, t(1 / math.sqrt(2), 1 / math.sqrt(2)))
+    assert torch.linalg.vector_norm(merged).item() == pytest.approx(1.0)
+    plain = weighted_mean([[t(1.0, 0.0)], [t(0.0, 1.0)]], [0.5, 0.5])[0]
+    assert torch.equal(plain, t(0.5, 0.5))
+
+
+def test_radial_zero_delta_adds_norm_zero_and_no_direction():
+    merged = radial_directional_mean([[t(0.0, 0.0)], [t(2.0, 0.0)]], [0.5, 0.5])
+    # mean norm 0.5 * 0 + 0.5 * 2 = 1, direction [1, 0]
+    assert torch.allclose(merged[0], t(1.0, 0.0))
+    assert torch.equal(radial_directional_mean([[t(0.0, 0.0)], [t(0.0, 0.0)]], [0.5, 0.5])[0], t(0.0, 0.0))
+
+
+def test_radial_equals_plain_mean_for_parallel_deltas():
+    deltas = [[t(1.0, 2.0), t(3.0)], [t(3.0, 6.0), t(1.0)]]
+    weights = [0.25, 0.75]
+    for radial, plain in zip(radial_directional_mean(deltas, weights), weighted_mean(deltas, weights)):
+        assert torch.allclose(radial, plain)
+
+
+def test_radial_is_per_tensor_and_selected_by_merge_deltas():
+    contributions = [c("a", [t(1.0, 0.0), t(2.0)]), c("b", [t(0.0, 1.0), t(-2.0)])]
+    merged = merge_deltas(contributions, radial_directional=True)
+    assert torch.allclose(merged[0], t(1 / math.sqrt(2), 1 / math.sqrt(2)))
+    assert torch.equal(merged[1], t(0.0))
+
+
+@pytest.mark.parametrize("radial", [False, True])
+def test_inputs_not_mutated_and_result_not_aliased(radial):
+    gen = torch.Generator().manual_seed(0)
+    deltas = [[torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen)] for _ in range(3)]
+    copies = [[x.clone() for x in d] for d in deltas]
+    contributions = [c(str(i), d, tokens=i + 1, staleness=i) for i, d in enumerate(deltas)]
+    merged = merge_deltas(contributions, staleness_decay=0.9, radial_directional=radial)
+    for d, copy in zip(deltas, copies):
+        assert all(torch.equal(x, y) for x, y in zip(d, copy))
+    single = merge_deltas(contributions[:1], radial_directional=radial)
+    single[0].add_(1.0)
+    assert torch.equal(deltas[0][0], copies[0][0])
+    assert all(m.dtype == torch.float32 for m in merged)
+
+
+def test_weighted_mean_matches_reference_on_random_tensors():
+    gen = torch.Generator().manual_seed(1)
+    deltas = [[torch.randn(64, 32, generator=gen)] for _ in range(4)]
+    weights = [0.1, 0.2, 0.3, 0.4]
+    expected = sum(w * d[0] for w, d in zip(weights, deltas))
+    assert torch.allclose(weighted_mean(deltas, weights)[0], expected, atol=1e-6)
+
+
+def test_shape_and_count_mismatch_errors():
+    with pytest.raises(ValueError, match="tensors"):
+        merge_deltas([c("a", [t(1.0), t(2.0)]), c("b", [t(1.0)])])
+    with pytest.raises(ValueError, match="shape"):
+        merge_deltas([c("a", [t(1.0, 2.0)]), c("b", [t(1.0)])])
+    with pytest.raises(ValueError, match="shape"):
+        merge_deltas([c("a", [t(1.0, 2.0)]), c("b", [t(1.0, 2.0).reshape(2, 1)])], radial_directional=True)
+    with pytest.raises(ValueError, match="weights"):
+        weighted_mean([[t(1.0)]], [0.5, 0.5])
+    with pytest.raises(ValueError, match="empty"):
+        weighted_mean([], [])
+    with pytest.raises(ValueError, match="dtype"):
+        weighted_mean([[torch.tensor([1])]], [1.0])
+
+
+def test_is_too_stale():
+    assert not is_too_stale(0, 0)
+    assert is_too_stale(1, 0)
+    assert not is_too_stale(4, 4)
+    assert is_too_stale(5, 4)
+    with pytest.raises(ValueError):
+        is_too_stale(-1, 4)
+    with pytest.raises(ValueError):
+        is_too_stale(0, -1)

@@ -1,0 +1,133 @@
+"""`diloco run` end to end: real syncer and worker processes on loopback, real kill -9 of workers."""
+
+import json
+import math
+import os
+import signal
+import threading
+
+import pytest
+from support import wait_until
+
+from diloco.local.goodput import load_events
+from diloco.cli import build_parser, main
+from diloco.core.config import TrainingConfig
+from diloco.local.failure_trace import FailureEvent, load_trace, save_trace
+
+pytestmark = pytest.mark.process
+
+INITIAL_LOSS = math.log(256)  # an untrained byte-level model
+
+
+def run(tmp_path, name, *extra):
+    out = tmp_path / name
+    args = ["run", "--islands", "2", "--steps", "40", "--inner-steps", "10", "--eval-every", "20", "--quiet",
+            "--out", str(out), *extra]
+    assert main(args) == 0
+    return json.loads((out / "summary.json").read_text()), out
+
+
+def test_a_short_run_lowers_the_loss_and_faults_do_not_derail_it(tmp_path):
+    (clean,), out = run(tmp_path, "clean")
+    assert clean["final_loss"] < 3.5 < INITIAL_LOSS, "40 steps of 2 islands reach well below ln(256)"
+    assert clean["kills"] == 0 and clean["restarts"] == 0
+    assert 0.3 < clean["goodput"] <= 1.0
+    assert (out / "loss.png").stat().st_size > 0
+
+    trace = [FailureEvent(3.0, "worker:island-0/0", 1.0), FailureEvent(6.0, "worker:island-1/0", 1.0)]
+    save_trace(tmp_path / "trace.json", trace)
+    (faulty,), out = run(tmp_path, "faulty", "--trace", str(tmp_path / "trace.json"))
+    assert faulty["kills"] == 2 and faulty["restarts"] == 2, "both workers were killed with SIGKILL and replaced"
+    assert math.isfinite(faulty["final_loss"])
+    assert faulty["final_loss"] < clean["final_loss"] + 0.5, "kills cost some steps, not the run"
+    assert load_trace(out / "trace.json") == trace, "the trace the run replayed is kept beside its results"
+
+
+def run_killing(tmp_path, name, mode, island, at_step, *extra):
+    """A run in which the first process of `island` gets kill -9 once it has trained `at_step` steps (a
+    real SIGKILL, aimed by progress rather than by the clock, so it lands mid-training however loaded the
+    machine is); the launcher sees it die and restarts the island. Returns the summary, the run folder and
+    the killed pid."""
+    out = tmp_path / name
+    killed = {}
+
+    def killer():
+        def reached():
+            events = load_events(out / mode / "progress")
+            hits = [e for e in events if e["event"] == "step" and e["island"] == island and e["step"] >= at_step]
+            return hits[0]["pid"] if hits else None
+
+        pid = wait_until(reached, timeout=240, interval=0.2)
+        os.kill(pid, signal.SIGKILL)
+        killed["pid"] = pid
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    summary, _ = run(tmp_path, name, "--mode", mode, *extra)
+    thread.join(1)
+    assert "pid" in killed, f"{island} never reached step {at_step}"
+    return summary, out, killed["pid"]
+
+
+def island_events(out, island, event):
+    return [e for e in load_events(out / "progress") if e["event"] == event and e["island"] == island]
+
+
+def step_rate(out, island):
+    """Steps per second of an island's rank 0 over its training, from its progress events."""
+    steps = island_events(out, island, "step")
+    return (len(steps) - 1) / (steps[-1]["t"] - steps[0]["t"])
+
+
+def test_a_restarted_island_rejoins_with_the_current_fragments(tmp_path):
+    """island-1 is killed at step 15 of 40: its replacement's first pull returns the global versions of
+    that moment (at least those island-0 had already mixed in), not the initial ones, and it trains on from
+    the trained model rather than from scratch."""
+    (summary,), out, pid = run_killing(tmp_path, "rejoin", "diloco", "island-1", 15, "--eval-every", "5")
+    out = out / "diloco"
+    restarted = [e for e in island_events(out, "island-1", "start") if e["pid"] != pid]
+    assert len(restarted) == 1 and summary["restarts"] == 1
+    rejoined = restarted[0]
+    adopted = {}
+    for e in island_events(out, "island-0", "round"):
+        if e["t"] < rejoined["t"] and e["version"] is not None:
+            adopted[e["fragment"]] = max(adopted.get(e["fragment"], 0), e["version"])
+    assert adopted and all(v > 0 for v in adopted.values()), "island-0 had mixed merged fragments by then"
+    assert all(rejoined["versions"][p] >= v for p, v in adopted.items()), (rejoined["versions"], adopted)
+    first_eval = next(e for e in island_events(out, "island-1", "eval") if e["pid"] == rejoined["pid"])
+    assert first_eval["loss"] < 4.0 < INITIAL_LOSS, "the replacement trains on from the global model"
+    assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 3.5
+
+
+def test_a_slow_island_does_not_slow_the_others(tmp_path):
+    """island-1 four times slower (older hardware): island-0 keeps the pace it has beside a full-speed
+    island-1, and the shards merge its deltas without waiting for island-1's."""
+    (alone,), alone_out = run(tmp_path, "alone")
+    (slow,), slow_out = run(tmp_path, "slow", "--slowdown", "1,4")
+    reference = step_rate(alone_out / "diloco", "island-0")
+    fast = step_rate(slow_out / "diloco", "island-0")
+    assert fast > 0.7 * reference, (fast, reference)
+    assert fast > 2.5 * step_rate(slow_out / "diloco", "island-1"), "island-1 really was slower"
+    assert slow["islands_per_merge"] < 2, "some merges went ahead without the slow island"
+    assert math.isfinite(slow["final_loss"]) and slow["final_loss"] < 3.5
+
+
+def test_sync_diloco_is_a_barrier_across_all_islands(tmp_path):
+    """The synchronous baseline: every merge waits for every island alive (K = M), so a fast island trains
+    at the slow one's pace; killed with kill -9 mid-training, the slow island's replacement resumes the
+    job's fragment schedule at the last merged due step, so the barrier goes on instead of deadlocking."""
+    (summary,), out, pid = run_killing(tmp_path, "barrier", "sync-diloco", "island-1", 12,
+                                       "--slowdown", "1,4", "--timeout", "240")
+    out = out / "sync-diloco"
+    assert not summary["timed_out"] and summary["restarts"] == 1
+    assert summary["merges"] > 0 and summary["islands_per_merge"] == 2, "every merge took in both islands"
+    assert step_rate(out, "island-0") < 2 * step_rate(out, "island-1"), "island-0 was held to island-1's pace"
+    (rejoined,) = [e for e in island_events(out, "island-1", "start") if e["pid"] != pid]
+    assert rejoined["step"] >= 10 and rejoined["step"] % 5 == 0, "resumed at a due step of the job (H=10, P=2)"
+    assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 3.5
+
+
+def test_the_merge_policy_defaults_are_a_jobs_own():
+    """A local run merges as a DiLoCoJob with the same knobs unset would; only the schedule is scaled down."""
+    args, job = build_parser().parse_args(["run"]), TrainingConfig()
+    assert (args.encoding, args.quorum, args.grace_seconds) == (job.encoding.value, job.quorum, job.grace_seconds)
