@@ -57,30 +57,41 @@ def loopback_bytes() -> int:
 
 def child(args: argparse.Namespace) -> None:
     """Runs one mode (in the namespace the parent made) and prints its figures as one JSON line."""
-    from diloco.local.goodput import load_events
     from diloco.core.config import TrainingConfig
+    from diloco.local.goodput import load_events
     from diloco.local.launcher import RunPlan
     from diloco.local.run import run_mode
 
     before = loopback_bytes() if args.netns else 0
     plan = RunPlan(
-        mode=args.mode, config=TrainingConfig(), out=Path(args.out), islands=args.islands, steps=args.steps,
-        batch_size=args.batch_size, seed=args.seed, eval_every=args.steps, timeout=args.timeout,
+        mode=args.mode,
+        config=TrainingConfig(),
+        out=Path(args.out),
+        islands=args.islands,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        eval_every=args.steps,
+        timeout=args.timeout,
     )
-    summary, acct, _ = run_mode(plan, quiet=True)
+    summary, _acct, _ = run_mode(plan, quiet=True)
     wire = loopback_bytes() - before if args.netns else math.nan
     per_link = 2 * wire if args.mode == "ddp" else wire
     done = [e for e in load_events(Path(args.out) / "progress") if e["event"] == "done"]
     rounds = {k: sum(e.get(f"syncs_{k}", 0) for e in done) for k in ("merged", "resynced", "abandoned", "failed")}
-    print(json.dumps({
-        "bytes_per_token": summary.comm_bytes_per_token,
-        "wire_bytes_per_token": per_link / summary.tokens_trained if summary.tokens_trained else math.nan,
-        "tokens": summary.tokens_trained,
-        "loss": summary.final_loss,
-        "wall_seconds": summary.wall_seconds,
-        "timed_out": summary.timed_out,
-        "rounds": rounds,
-    }))
+    print(
+        json.dumps(
+            {
+                "bytes_per_token": summary.comm_bytes_per_token,
+                "wire_bytes_per_token": per_link / summary.tokens_trained if summary.tokens_trained else math.nan,
+                "tokens": summary.tokens_trained,
+                "loss": summary.final_loss,
+                "wall_seconds": summary.wall_seconds,
+                "timed_out": summary.timed_out,
+                "rounds": rounds,
+            }
+        )
+    )
 
 
 def _netns_works() -> bool:
@@ -93,9 +104,23 @@ def _netns_works() -> bool:
 def run_one(args: argparse.Namespace, mode: str, compressed: str, out: Path, netns: bool) -> dict:
     steps = args.ddp_steps if mode == "ddp" else args.steps
     command = [
-        sys.executable, __file__, "--child", "--mode", mode, "--islands", str(args.islands), "--steps", str(steps),
-        "--batch-size", str(args.batch_size), "--seed", str(args.seed), "--out", str(out),
-        "--timeout", str(args.timeout),
+        sys.executable,
+        __file__,
+        "--child",
+        "--mode",
+        mode,
+        "--islands",
+        str(args.islands),
+        "--steps",
+        str(steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--seed",
+        str(args.seed),
+        "--out",
+        str(out),
+        "--timeout",
+        str(args.timeout),
     ] + (["--netns"] if netns else [])
     if netns:
         inner = " ".join(f"'{part}'" for part in command)
@@ -137,8 +162,12 @@ def main() -> int:
     parser.add_argument("--islands", type=int, default=4, help="islands (and ddp workers)")
     parser.add_argument("--steps", type=int, default=300, help="inner steps per island in the DiLoCo runs")
     parser.add_argument("--ddp-steps", type=int, default=30, help="steps of the ddp run")
-    parser.add_argument("--batch-size", type=int, default=4,
-                        help="sequences per step; the ratio does not depend on it (both sides scale with tokens)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=4,
+        help="sequences per step; the ratio does not depend on it (both sides scale with tokens)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--plot", type=Path, default=Path("out/bench/comm_bytes.png"))
@@ -153,32 +182,47 @@ def main() -> int:
 
     netns = _netns_works()
     load = os.getloadavg()
-    print(f"comm_bytes: {args.islands} islands, tiny preset, batch {args.batch_size}, H=100 P=4 tau=5 int4 (TrainingConfig defaults); "
-          f"DiLoCo {args.steps} steps, ddp {args.ddp_steps} steps; loopback measure: "
-          f"{'private netns' if netns else 'unavailable (no unshare -rn)'}; load {load[0]:.1f} on {os.cpu_count()} cores",
-          flush=True)
+    print(
+        f"comm_bytes: {args.islands} islands, tiny preset, batch {args.batch_size}, "
+        "H=100 P=4 tau=5 int4 (TrainingConfig defaults); "
+        f"DiLoCo {args.steps} steps, ddp {args.ddp_steps} steps; loopback measure: "
+        f"{'private netns' if netns else 'unavailable (no unshare -rn)'}; load {load[0]:.1f} on {os.cpu_count()} cores",
+        flush=True,
+    )
     results = {}
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="comm-bytes-") as tmp:
         for name, mode, compressed in RUNS:
             results[name] = run_one(args, mode, compressed, Path(tmp) / name.replace(" ", "-").replace(",", ""), netns)
             r = results[name]
-            print(f"  {name:<20} {r['bytes_per_token']:10.2f} B/token counted, {r['wire_bytes_per_token']:10.2f} on "
-                  f"loopback; {r['tokens']} tokens, eval loss {r['loss']:.3f}, {r['wall_seconds']:.0f} s"
-                  + (f"; rounds {r['rounds']}" if mode != "ddp" else "")
-                  + ("  (timed out)" if r["timed_out"] else ""), flush=True)
+            print(
+                f"  {name:<20} {r['bytes_per_token']:10.2f} B/token counted, {r['wire_bytes_per_token']:10.2f} on "
+                f"loopback; {r['tokens']} tokens, eval loss {r['loss']:.3f}, {r['wall_seconds']:.0f} s"
+                + (f"; rounds {r['rounds']}" if mode != "ddp" else "")
+                + ("  (timed out)" if r["timed_out"] else ""),
+                flush=True,
+            )
     ours, fp32, ddp = (results[name] for name, _, _ in RUNS)
     ratio = ddp["bytes_per_token"] / ours["bytes_per_token"]
     wire_ratio = ddp["wire_bytes_per_token"] / ours["wire_bytes_per_token"]
-    print(f"ours (int4 push + int4 compressed pull): {ours['bytes_per_token']:.2f} B/token; "
-          f"baseline ddp (ring all-reduce, fp32): {ddp['bytes_per_token']:.1f} B/token; "
-          f"ratio {ratio:.0f}x (target >= {TARGET:.0f}x) -> {'MET' if ratio >= TARGET else 'NOT MET'}")
-    print(f"on the loopback wire: ours {ours['wire_bytes_per_token']:.2f}, ddp {ddp['wire_bytes_per_token']:.1f} "
-          f"B/token, ratio {wire_ratio:.0f}x")
-    print(f"float32 pulls instead: {fp32['bytes_per_token']:.2f} B/token (ratio {ddp['bytes_per_token'] / fp32['bytes_per_token']:.0f}x); "
-          f"compressed pulls cut DiLoCo's bytes {fp32['bytes_per_token'] / ours['bytes_per_token']:.1f}x")
-    print(f"held-out loss of the global model: compressed pulls {ours['loss']:.4f}, float32 pulls {fp32['loss']:.4f} "
-          f"(ratio {ours['loss'] / fp32['loss']:.4f}); {time.time() - started:.0f} s in all")
+    print(
+        f"ours (int4 push + int4 compressed pull): {ours['bytes_per_token']:.2f} B/token; "
+        f"baseline ddp (ring all-reduce, fp32): {ddp['bytes_per_token']:.1f} B/token; "
+        f"ratio {ratio:.0f}x (target >= {TARGET:.0f}x) -> {'MET' if ratio >= TARGET else 'NOT MET'}"
+    )
+    print(
+        f"on the loopback wire: ours {ours['wire_bytes_per_token']:.2f}, ddp {ddp['wire_bytes_per_token']:.1f} "
+        f"B/token, ratio {wire_ratio:.0f}x"
+    )
+    print(
+        f"float32 pulls instead: {fp32['bytes_per_token']:.2f} B/token "
+        f"(ratio {ddp['bytes_per_token'] / fp32['bytes_per_token']:.0f}x); "
+        f"compressed pulls cut DiLoCo's bytes {fp32['bytes_per_token'] / ours['bytes_per_token']:.1f}x"
+    )
+    print(
+        f"held-out loss of the global model: compressed pulls {ours['loss']:.4f}, float32 pulls {fp32['loss']:.4f} "
+        f"(ratio {ours['loss'] / fp32['loss']:.4f}); {time.time() - started:.0f} s in all"
+    )
     plot(args.plot, results, ratio)
     print(f"plot: {args.plot}")
     return 0 if ratio >= TARGET and not any(r["timed_out"] for r in results.values()) else 1

@@ -41,10 +41,10 @@ from cluster.nodes import Pool  # noqa: E402
 from kubernetes import config as kube_config  # noqa: E402
 from operator_harness import NAMESPACE, SERVICE_ACCOUNT, OperatorProcess, install, metric_value  # noqa: E402
 
+from diloco.api.job import DiLoCoJobSpec  # noqa: E402
 from diloco.operator import naming  # noqa: E402
 from diloco.operator.children import Scale, render_children  # noqa: E402
 from diloco.operator.kube import Kube  # noqa: E402
-from diloco.api.job import DiLoCoJobSpec  # noqa: E402
 
 OUT = ROOT / "out" / "bench"
 PODS_PER_NODE = 110
@@ -56,17 +56,30 @@ IMAGE = "bench.invalid/diloco-trainer-kwok:bench"
 def flow_schema(name: str, account: str, precedence: int) -> dict[str, Any]:
     """A FlowSchema matching every request of one ServiceAccount, so the API server counts them apart."""
     return {
-        "apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema", "metadata": {"name": name},
+        "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+        "kind": "FlowSchema",
+        "metadata": {"name": name},
         "spec": {
             "matchingPrecedence": precedence,
             "priorityLevelConfiguration": {"name": "workload-high"},
             "distinguisherMethod": {"type": "ByUser"},
-            "rules": [{
-                "subjects": [{"kind": "ServiceAccount", "serviceAccount": {"name": account, "namespace": NAMESPACE}}],
-                "resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "clusterScope": True,
-                                   "namespaces": ["*"]}],
-                "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}],
-            }],
+            "rules": [
+                {
+                    "subjects": [
+                        {"kind": "ServiceAccount", "serviceAccount": {"name": account, "namespace": NAMESPACE}}
+                    ],
+                    "resourceRules": [
+                        {
+                            "verbs": ["*"],
+                            "apiGroups": ["*"],
+                            "resources": ["*"],
+                            "clusterScope": True,
+                            "namespaces": ["*"],
+                        }
+                    ],
+                    "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}],
+                }
+            ],
         },
     }
 
@@ -82,14 +95,17 @@ def job_spec(islands: int, pods: int) -> dict[str, Any]:
         "image": IMAGE,
         "training": {"innerSteps": 20, "fragments": 2, "overlapSteps": 1},
         "syncer": {"shards": 2},
-        "islands": [{"name": f"i{k:03d}", "replicas": pods, "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}
-                    for k in range(islands)],
+        "islands": [
+            {"name": f"i{k:03d}", "replicas": pods, "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}
+            for k in range(islands)
+        ],
     }
 
 
 def manifest(name: str, spec: dict[str, Any]) -> str:
-    return yaml.safe_dump({"apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob",
-                           "metadata": {"name": name}, "spec": spec})
+    return yaml.safe_dump(
+        {"apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob", "metadata": {"name": name}, "spec": spec}
+    )
 
 
 def expected_children(spec: dict[str, Any]) -> int:
@@ -147,28 +163,43 @@ class Bench:
         before = self.operator_calls()
         started = time.monotonic()
         self.cluster.kubectl("-n", name, "apply", "-f", "-", stdin=manifest(name, spec))
-        poll(lambda: status_current(self.kube.get("DiLoCoJob", name, name), islands, pods), 300,
-             f"{name}: status current")
+        poll(
+            lambda: status_current(self.kube.get("DiLoCoJob", name, name), islands, pods),
+            300,
+            f"{name}: status current",
+        )
         poll(lambda: children(self.kube, name, name) == expected_children(spec), 60, f"{name}: every child")
         seconds = time.monotonic() - started
         after = self.operator_calls()
-        return Measure(f"operator\n{islands} island{'s' * (islands > 1)}", seconds, after[0] - before[0],
-                       after[1] - before[1])
+        return Measure(
+            f"operator\n{islands} island{'s' * (islands > 1)}", seconds, after[0] - before[0], after[1] - before[1]
+        )
 
     def all_ready(self, name: str, islands: int, pods: int) -> float:
         """Seconds until the status counts every island ready (every pod scheduled, Running and Ready)."""
         started = time.monotonic()
-        poll(lambda: ((self.kube.get("DiLoCoJob", name, name) or {}).get("status") or {}).get("islandsReady")
-             == f"{islands}/{islands}", 600, f"{name}: every island ready", interval=1.0)
+        poll(
+            lambda: (
+                ((self.kube.get("DiLoCoJob", name, name) or {}).get("status") or {}).get("islandsReady")
+                == f"{islands}/{islands}"
+            ),
+            600,
+            f"{name}: every island ready",
+            interval=1.0,
+        )
         return time.monotonic() - started
 
     def steady_pass(self, passes: int = 2) -> tuple[float, float]:
         """(API calls, seconds) of one timer pass over the running job, averaged over `passes` passes."""
+
         def totals() -> tuple[float, float, float]:
             text = self.operator.metrics() or ""
-            return (metric_value(text, "diloco_operator_reconciles_total", trigger="timer", result="ok"),
-                    metric_value(text, "diloco_operator_api_requests_total"),
-                    metric_value(text, "diloco_operator_reconcile_seconds_sum"))
+            return (
+                metric_value(text, "diloco_operator_reconciles_total", trigger="timer", result="ok"),
+                metric_value(text, "diloco_operator_api_requests_total"),
+                metric_value(text, "diloco_operator_reconcile_seconds_sum"),
+            )
+
         start = totals()
         poll(lambda: totals()[0] >= start[0] + passes, 120, "steady-state passes", interval=0.5)
         end = totals()
@@ -186,18 +217,35 @@ class Bench:
         name = "baseline"
         self.cluster.kubectl("create", "namespace", name)
         spec = DiLoCoJobSpec.model_validate(job_spec(islands, pods))
-        objects = render_children(naming.JobRef(name=name, namespace=name, uid="none"), spec, "token",
-                                  Scale(islands={i.name: i.replicas for i in spec.islands}, syncers=1), None)
+        objects = render_children(
+            naming.JobRef(name=name, namespace=name, uid="none"),
+            spec,
+            "token",
+            Scale(islands={i.name: i.replicas for i in spec.islands}, syncers=1),
+            None,
+        )
         for obj in objects:
             obj["metadata"].pop("ownerReferences", None)
         before = dispatched(self.cluster, "bench-kubectl")
         started = time.monotonic()
-        self.cluster.kubectl("-n", name, "apply", "--server-side", "-f", "-", kubeconfig=kubeconfig,
-                             stdin=yaml.safe_dump_all(objects), timeout=300)
+        self.cluster.kubectl(
+            "-n",
+            name,
+            "apply",
+            "--server-side",
+            "-f",
+            "-",
+            kubeconfig=kubeconfig,
+            stdin=yaml.safe_dump_all(objects),
+            timeout=300,
+        )
         seconds = time.monotonic() - started
         assert children(self.kube, name, name) == len(objects) == expected_children(job_spec(islands, pods))
-        return Measure(f"kubectl apply --server-side\n{islands} islands' objects", seconds,
-                       dispatched(self.cluster, "bench-kubectl") - before)
+        return Measure(
+            f"kubectl apply --server-side\n{islands} islands' objects",
+            seconds,
+            dispatched(self.cluster, "bench-kubectl") - before,
+        )
 
 
 def plot(measures: list[Measure], path: Path) -> None:
@@ -239,16 +287,36 @@ def main() -> None:
         sys.exit(f"operator_scale: {error}")
     operator = None
     try:
-        cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "deploy" / "crd.yaml"),
-                        "-f", str(ROOT / "deploy" / "peering-crds.yaml"))
+        cluster.kubectl(
+            "apply",
+            "--server-side",
+            "-f",
+            str(ROOT / "deploy" / "crd.yaml"),
+            "-f",
+            str(ROOT / "deploy" / "peering-crds.yaml"),
+        )
         cluster.kubectl("wait", "--for", "condition=established", "--timeout", "60s", "crd/dilocojobs.diloco.dev")
         kubeconfig = install(cluster)
         cluster.kubectl("-n", NAMESPACE, "create", "serviceaccount", BASELINE_ACCOUNT)
-        cluster.kubectl("create", "clusterrolebinding", BASELINE_ACCOUNT, "--clusterrole=cluster-admin",
-                        f"--serviceaccount={NAMESPACE}:{BASELINE_ACCOUNT}")
+        cluster.kubectl(
+            "create",
+            "clusterrolebinding",
+            BASELINE_ACCOUNT,
+            "--clusterrole=cluster-admin",
+            f"--serviceaccount={NAMESPACE}:{BASELINE_ACCOUNT}",
+        )
         baseline_kubeconfig = cluster.service_account_kubeconfig(NAMESPACE, BASELINE_ACCOUNT)
-        cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all([
-            flow_schema("bench-operator", SERVICE_ACCOUNT, 500), flow_schema("bench-kubectl", BASELINE_ACCOUNT, 501)]))
+        cluster.kubectl(
+            "apply",
+            "-f",
+            "-",
+            stdin=yaml.safe_dump_all(
+                [
+                    flow_schema("bench-operator", SERVICE_ACCOUNT, 500),
+                    flow_schema("bench-kubectl", BASELINE_ACCOUNT, 501),
+                ]
+            ),
+        )
         operator = OperatorProcess(kubeconfig, workdir / "operator.log", opts.resync_seconds)
         operator.start()
         bench = Bench(cluster, operator)
@@ -288,11 +356,21 @@ def main() -> None:
     ]
     print("\n".join(lines))
     plot([one, many, baseline], OUT / "operator_scale.png")
-    (OUT / "operator_scale.json").write_text(json.dumps({
-        "islands": opts.islands, "pods": opts.pods, "children": objects,
-        "ours": vars(many), "one_island": vars(one), "baseline": vars(baseline),
-        "ready_after_s": ready_after, "steady_pass": {"calls": steady_calls, "seconds": steady_seconds},
-    }, indent=2))
+    (OUT / "operator_scale.json").write_text(
+        json.dumps(
+            {
+                "islands": opts.islands,
+                "pods": opts.pods,
+                "children": objects,
+                "ours": vars(many),
+                "one_island": vars(one),
+                "baseline": vars(baseline),
+                "ready_after_s": ready_after,
+                "steady_pass": {"calls": steady_calls, "seconds": steady_seconds},
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {OUT / 'operator_scale.png'}")
 
 

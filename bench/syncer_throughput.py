@@ -99,8 +99,19 @@ def measure_raw(islands: int, seconds: float) -> float:
 # Ours: a diloco-syncer process and N island processes.
 
 
-def _island(index: int, target: str, fragments: int, numel: int, seconds: float, encoding: int,
-            block_size: int, seeded: mp.Event, ready: mp.Queue, start: mp.Event, done: mp.Queue) -> None:
+def _island(
+    index: int,
+    target: str,
+    fragments: int,
+    numel: int,
+    seconds: float,
+    encoding: int,
+    block_size: int,
+    seeded: mp.Event,
+    ready: mp.Queue,
+    start: mp.Event,
+    done: mp.Queue,
+) -> None:
     """A lean load generator: the delta is encoded and serialized once by the real wire code, each push
     re-sends it under a fresh sequence, and pulled bytes are counted, not decoded, so that on a shared
     machine the CPU goes to the shard, as it would with islands on their own hosts."""
@@ -136,8 +147,15 @@ def _island(index: int, target: str, fragments: int, numel: int, seconds: float,
     while time.monotonic() < deadline:
         for p in range(fragments):
             sequence += 1
-            header = pb.PushHeader(island_id=island, fragment_id=p, base=bases[p], tokens=1000, inner_steps=10,
-                                   sequence=sequence, tensors=payloads)
+            header = pb.PushHeader(
+                island_id=island,
+                fragment_id=p,
+                base=bases[p],
+                tokens=1000,
+                inner_steps=10,
+                sequence=sequence,
+                tensors=payloads,
+            )
             try:
                 push(iter([pb.PushChunk(header=header).SerializeToString(), *data]), metadata=metadata)
                 counts["pushes"] += 1
@@ -145,8 +163,7 @@ def _island(index: int, target: str, fragments: int, numel: int, seconds: float,
                 if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 counts["refused"] += 1
-            reply_parts = iter(pull(pb.PullRequest(fragment_id=p, have=bases[p], island_id=island),
-                                    metadata=metadata))
+            reply_parts = iter(pull(pb.PullRequest(fragment_id=p, have=bases[p], island_id=island), metadata=metadata))
             first = next(reply_parts, None)
             if first is not None:
                 bases[p] = first.version
@@ -180,41 +197,68 @@ def _sink_server(port: int, numel: int, ready: mp.Event, counters: mp.Array) -> 
             counters[index] += nbytes
 
     def join(request, context):
-        return pb.JoinReply(shard_index=0, num_shards=1, owned_fragments=range(request.num_fragments),
-                            max_chunk_bytes=wire.MAX_CHUNK_BYTES)
+        return pb.JoinReply(
+            shard_index=0,
+            num_shards=1,
+            owned_fragments=range(request.num_fragments),
+            max_chunk_bytes=wire.MAX_CHUNK_BYTES,
+        )
 
     def push(parts, context):
         count(0, sum(len(part) for part in parts if isinstance(part, memoryview)))
         return pb.PushReply(current=pb.FragmentVersion(version=1))
 
     def pull(request, context):
-        header = pb.FragmentHeader(fragment_id=request.fragment_id, tensors=payloads,
-                                   version=pb.FragmentVersion(incarnation=1, version=next(versions)))
+        header = pb.FragmentHeader(
+            fragment_id=request.fragment_id,
+            tensors=payloads,
+            version=pb.FragmentVersion(incarnation=1, version=next(versions)),
+        )
         yield pb.FragmentChunk(header=header).SerializeToString()
         yield from data
         count(1, sum(len(b) for b in blobs))
 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=32),
-        options=[("grpc.max_receive_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
-                 ("grpc.max_send_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
-                 ("grpc.so_reuseport", 0)],
+        options=[
+            ("grpc.max_receive_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
+            ("grpc.max_send_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
     )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
-        "Join": grpc.unary_unary_rpc_method_handler(join, pb.JoinRequest.FromString,
-                                                    pb.JoinReply.SerializeToString),
-        "PushDelta": grpc.stream_unary_rpc_method_handler(push, wire.parse_push_chunk,
-                                                          pb.PushReply.SerializeToString),
-        "Pull": grpc.unary_stream_rpc_method_handler(pull, pb.PullRequest.FromString, None),
-    }),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE_NAME,
+                {
+                    "Join": grpc.unary_unary_rpc_method_handler(
+                        join, pb.JoinRequest.FromString, pb.JoinReply.SerializeToString
+                    ),
+                    "PushDelta": grpc.stream_unary_rpc_method_handler(
+                        push, wire.parse_push_chunk, pb.PushReply.SerializeToString
+                    ),
+                    "Pull": grpc.unary_stream_rpc_method_handler(pull, pb.PullRequest.FromString, None),
+                },
+            ),
+        )
+    )
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     ready.set()
     server.wait_for_termination()
 
 
-def _drive_islands(target: str, islands: int, fragments: int, numel: int, seconds: float, encoding_wire: int,
-                   block_size: int, read: Callable[[], T], seeded: bool) -> tuple[T, T, float, list[dict]]:
+def _drive_islands(
+    target: str,
+    islands: int,
+    fragments: int,
+    numel: int,
+    seconds: float,
+    encoding_wire: int,
+    block_size: int,
+    read: Callable[[], T],
+    seeded: bool,
+) -> tuple[T, T, float, list[dict]]:
     """Runs the island processes against `target` for `seconds` once all are connected; `read` gives the
     server's byte counters just before they start and just after they end. `seeded`: the server needs no
     seed from the first island."""
@@ -223,8 +267,10 @@ def _drive_islands(target: str, islands: int, fragments: int, numel: int, second
     if seeded:
         seeded_event.set()
     procs = [
-        ctx.Process(target=_island, args=(i, target, fragments, numel, seconds, encoding_wire, block_size,
-                                          seeded_event, ready, start, done))
+        ctx.Process(
+            target=_island,
+            args=(i, target, fragments, numel, seconds, encoding_wire, block_size, seeded_event, ready, start, done),
+        )
         for i in range(islands)
     ]
     for proc in procs:
@@ -255,8 +301,17 @@ def measure_sink(islands: int, seconds: float, fragments: int, numel: int, encod
     server.start()
     if not ready.wait(300):
         raise RuntimeError("the do-nothing gRPC server did not start")
-    before, after, elapsed, _ = _drive_islands(f"127.0.0.1:{port}", islands, fragments, numel, seconds,
-                                               encoding.wire, block_size, lambda: list(counters), seeded=True)
+    before, after, elapsed, _ = _drive_islands(
+        f"127.0.0.1:{port}",
+        islands,
+        fragments,
+        numel,
+        seconds,
+        encoding.wire,
+        block_size,
+        lambda: list(counters),
+        seeded=True,
+    )
     server.terminate()
     received, sent = after[0] - before[0], after[1] - before[1]
     return {"received_bps": received / elapsed, "sent_bps": sent / elapsed, "total_bps": (received + sent) / elapsed}
@@ -278,7 +333,12 @@ def measure_syncer(islands: int, seconds: float, fragments: int, numel: int, enc
 
     encoding = Encoding(encoding_name)
     config = TrainingConfig(
-        fragments=fragments, inner_steps=100, overlap_steps=1, quorum=1, grace_seconds=0.5, max_staleness=16,
+        fragments=fragments,
+        inner_steps=100,
+        overlap_steps=1,
+        quorum=1,
+        grace_seconds=0.5,
+        max_staleness=16,
         encoding=encoding,
     )
     port, metrics_port = free_port(), free_port()
@@ -286,14 +346,34 @@ def measure_syncer(islands: int, seconds: float, fragments: int, numel: int, enc
         config_file = Path(tmp) / "config.json"
         config_file.write_text(config.to_json())
         syncer = subprocess.Popen(
-            [sys.executable, "-m", "diloco.syncer.main", "--host", "127.0.0.1", "--port", str(port),
-             "--metrics-port", str(metrics_port), "--config", str(config_file), "--log-level", "WARNING"],
+            [
+                sys.executable,
+                "-m",
+                "diloco.syncer.main",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics_port),
+                "--config",
+                str(config_file),
+                "--log-level",
+                "WARNING",
+            ],
             env={**os.environ, "DILOCO_TOKEN": TOKEN},
         )
         try:
             before, after, elapsed, counts = _drive_islands(
-                f"127.0.0.1:{port}", islands, fragments, numel, seconds, encoding.wire, config.block_size,
-                lambda: _scrape(metrics_port), seeded=False,
+                f"127.0.0.1:{port}",
+                islands,
+                fragments,
+                numel,
+                seconds,
+                encoding.wire,
+                config.block_size,
+                lambda: _scrape(metrics_port),
+                seeded=False,
             )
         finally:
             syncer.terminate()
@@ -318,10 +398,14 @@ def plot(path: Path, raw: float, sink: dict, ours: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    bars = {"raw loopback TCP": raw, "do-nothing gRPC in+out": sink["total_bps"], "syncer in": ours["received_bps"],
-            "syncer out": ours["sent_bps"], "syncer in+out": ours["total_bps"]}
-    ax.barh(list(bars), [v / 1e9 for v in bars.values()],
-            color=["grey", "silver", "tab:blue", "tab:blue", "tab:green"])
+    bars = {
+        "raw loopback TCP": raw,
+        "do-nothing gRPC in+out": sink["total_bps"],
+        "syncer in": ours["received_bps"],
+        "syncer out": ours["sent_bps"],
+        "syncer in+out": ours["total_bps"],
+    }
+    ax.barh(list(bars), [v / 1e9 for v in bars.values()], color=["grey", "silver", "tab:blue", "tab:blue", "tab:green"])
     ax.axvline(1.0, color="red", linestyle="--", label="target 1 GB/s")
     ax.set_xlabel("GB/s")
     ax.set_title("One syncer shard vs raw loopback, same run")
@@ -348,8 +432,11 @@ def main() -> int:
     raw = measure_raw(args.islands, args.seconds)
     print(f"[bench] do-nothing gRPC server: {args.islands} islands, same load, {args.seconds:.0f} s", flush=True)
     sink = measure_sink(args.islands, args.seconds, args.fragments, numel, args.encoding)
-    print(f"[bench] syncer: {args.islands} islands, {args.fragments} fragments of {args.fragment_mib:g} MiB, "
-          f"{args.encoding}, {args.seconds:.0f} s", flush=True)
+    print(
+        f"[bench] syncer: {args.islands} islands, {args.fragments} fragments of {args.fragment_mib:g} MiB, "
+        f"{args.encoding}, {args.seconds:.0f} s",
+        flush=True,
+    )
     ours = measure_syncer(args.islands, args.seconds, args.fragments, numel, args.encoding)
     ratio = ours["total_bps"] / raw
     print()
@@ -364,17 +451,26 @@ def main() -> int:
     print(f"{'ratio do-nothing gRPC / raw':<34}{sink['total_bps'] / raw:>14.2f}")
     print(f"{'merges / pushes / refused':<34}{int(ours['merges']):>6} / {ours['pushes']} / {ours['refused']}")
     load_after = os.getloadavg()[0]
-    print(f"load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} cores"
-          + ("  (other processes compete for the cores: the raw baseline suffers most, so read the ratios with"
-             " care and compare with a quiet run)" if max(load_before, load_after) > (os.cpu_count() or 1) else ""))
-    print(f"targets: >= 1.00 GB/s ({'met' if ours['total_bps'] >= 1e9 else 'MISSED'}), "
-          f"ratio >= 0.30 ({'met' if ratio >= 0.3 else 'MISSED'})")
+    print(
+        f"load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} cores"
+        + (
+            "  (other processes compete for the cores: the raw baseline suffers most, so read the ratios with"
+            " care and compare with a quiet run)"
+            if max(load_before, load_after) > (os.cpu_count() or 1)
+            else ""
+        )
+    )
+    print(
+        f"targets: >= 1.00 GB/s ({'met' if ours['total_bps'] >= 1e9 else 'MISSED'}), "
+        f"ratio >= 0.30 ({'met' if ratio >= 0.3 else 'MISSED'})"
+    )
     if args.plot:
         plot(args.plot, raw, sink, ours)
         print(f"plot: {args.plot}")
     if args.json:
-        args.json.write_text(json.dumps({"raw_bps": raw, "sink_bps": sink["total_bps"], "ratio": ratio, **ours},
-                                        indent=2))
+        args.json.write_text(
+            json.dumps({"raw_bps": raw, "sink_bps": sink["total_bps"], "ratio": ratio, **ours}, indent=2)
+        )
     return 0
 
 

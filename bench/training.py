@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from diloco.local.goodput import load_events
 from diloco.cli import main as diloco_main
+from diloco.local.goodput import load_events
 
 
 def diloco_run(out: Path, *options: str) -> list[dict]:
@@ -38,18 +38,34 @@ def diloco_run(out: Path, *options: str) -> list[dict]:
 
 
 def shape(args: argparse.Namespace) -> list[str]:
-    return ["--islands", str(args.islands), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-            "--inner-steps", str(args.inner_steps), "--fragments", str(args.fragments), "--seed", str(args.seed)]
+    return [
+        "--islands",
+        str(args.islands),
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--inner-steps",
+        str(args.inner_steps),
+        "--fragments",
+        str(args.fragments),
+        "--seed",
+        str(args.seed),
+    ]
 
 
-def bar_chart(path: Path, title: str, ylabel: str, values: dict[str, float], line: tuple[float, str] | None = None) -> None:
+def bar_chart(
+    path: Path, title: str, ylabel: str, values: dict[str, float], line: tuple[float, str] | None = None
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    bars = ax.bar(list(values), list(values.values()), color=["tab:blue", "tab:orange", "tab:green", "tab:red"][: len(values)])
+    bars = ax.bar(
+        list(values), list(values.values()), color=["tab:blue", "tab:orange", "tab:green", "tab:red"][: len(values)]
+    )
     ax.bar_label(bars, fmt="%.3f", fontsize=8)
     if line is not None:
         ax.axhline(line[0], color="black", linestyle="--", linewidth=1, label=line[1])
@@ -69,19 +85,27 @@ def verdict(passed: bool, what: str) -> bool:
 
 
 def bench_loss(args: argparse.Namespace) -> bool:
-    summaries = {s["mode"]: s for s in diloco_run(args.out / "loss", "--compare", "--eval-every", str(args.eval_every),
-                                                  *shape(args))}
+    summaries = {
+        s["mode"]: s
+        for s in diloco_run(args.out / "loss", "--compare", "--eval-every", str(args.eval_every), *shape(args))
+    }
     ours, ddp, sync = summaries["diloco"], summaries["ddp"], summaries["sync-diloco"]
     print(f"\nheld-out loss after {ours['tokens_trained']} tokens per mode ({args.islands} islands):")
     for s in (ours, sync, ddp):
         print(f"  {s['mode']:>11}: {s['final_loss']:.4f}  ({s['tokens_trained']} tokens)")
     vs_ddp = ours["final_loss"] / ddp["final_loss"]
     vs_sync = ours["final_loss"] / sync["final_loss"]
-    print(f"eval loss: ours {ours['final_loss']:.4f}, ddp {ddp['final_loss']:.4f}, ratio {vs_ddp:.3f} (target <= 1.03); "
-          f"sync-diloco {sync['final_loss']:.4f}, ratio {vs_sync:.3f}")
-    bar_chart(args.png_dir / "loss_vs_baselines.png", f"held-out loss at equal tokens, {args.islands} islands",
-              "loss (nats/byte)", {s["mode"]: s["final_loss"] for s in (ours, sync, ddp)},
-              (1.03 * ddp["final_loss"], "1.03 x ddp"))
+    print(
+        f"eval loss: ours {ours['final_loss']:.4f}, ddp {ddp['final_loss']:.4f}, ratio {vs_ddp:.3f} (target <= 1.03); "
+        f"sync-diloco {sync['final_loss']:.4f}, ratio {vs_sync:.3f}"
+    )
+    bar_chart(
+        args.png_dir / "loss_vs_baselines.png",
+        f"held-out loss at equal tokens, {args.islands} islands",
+        "loss (nats/byte)",
+        {s["mode"]: s["final_loss"] for s in (ours, sync, ddp)},
+        (1.03 * ddp["final_loss"], "1.03 x ddp"),
+    )
     return verdict(vs_ddp <= 1.03, f"ours / ddp = {vs_ddp:.3f} <= 1.03")
 
 
@@ -103,33 +127,68 @@ def bench_step_time(args: argparse.Namespace) -> bool:
             times[setting] += step_seconds(args.out / "step-time" / f"{setting}-{repeat}")
     on, off = statistics.mean(times["on"]), statistics.mean(times["off"])
     ratio = off / on
-    print(f"\nmean training-step time over {len(times['on'])} steps each ({args.islands} islands, H={args.inner_steps}, "
-          f"P={args.fragments}, {args.repeats} alternating repeats):")
-    print(f"step time: syncing on {on * 1000:.1f} ms, off {off * 1000:.1f} ms, ratio off/on {ratio:.3f} (target >= 0.95); "
-          f"medians {statistics.median(times['on']) * 1000:.1f} / {statistics.median(times['off']) * 1000:.1f} ms")
-    bar_chart(args.png_dir / "step_time.png", "training-step time, syncing on vs off", "mean step time (ms)",
-              {"syncing off": off * 1000, "syncing on": on * 1000})
+    print(
+        f"\nmean training-step time over {len(times['on'])} steps each ({args.islands} islands, H={args.inner_steps}, "
+        f"P={args.fragments}, {args.repeats} alternating repeats):"
+    )
+    print(
+        f"step time: syncing on {on * 1000:.1f} ms, off {off * 1000:.1f} ms, "
+        f"ratio off/on {ratio:.3f} (target >= 0.95); "
+        f"medians {statistics.median(times['on']) * 1000:.1f} / {statistics.median(times['off']) * 1000:.1f} ms"
+    )
+    bar_chart(
+        args.png_dir / "step_time.png",
+        "training-step time, syncing on vs off",
+        "mean step time (ms)",
+        {"syncing off": off * 1000, "syncing on": on * 1000},
+    )
     return verdict(ratio >= 0.95, f"off/on = {ratio:.3f} >= 0.95")
 
 
 def bench_goodput(args: argparse.Namespace) -> bool:
-    summaries = {s["mode"]: s for s in diloco_run(
-        args.out / "goodput", "--compare", "--eval-every", str(10**9), "--kill-every", str(args.kill_every),
-        "--restart-after", str(args.restart_after), "--fail-until", str(args.fail_until), *shape(args))}
+    summaries = {
+        s["mode"]: s
+        for s in diloco_run(
+            args.out / "goodput",
+            "--compare",
+            "--eval-every",
+            str(10**9),
+            "--kill-every",
+            str(args.kill_every),
+            "--restart-after",
+            str(args.restart_after),
+            "--fail-until",
+            str(args.fail_until),
+            *shape(args),
+        )
+    }
     ours, sync, ddp = summaries["diloco"], summaries["sync-diloco"], summaries["ddp"]
-    print(f"\ngoodput on one failure trace ({ours['kills']} kills, restart after {args.restart_after:g} s, "
-          f"{args.islands} islands):")
+    print(
+        f"\ngoodput on one failure trace ({ours['kills']} kills, restart after {args.restart_after:g} s, "
+        f"{args.islands} islands):"
+    )
     for s in (ours, sync, ddp):
-        print(f"  {s['mode']:>11}: goodput {s['goodput']:.3f}, wall {s['wall_seconds']:.0f} s, eval loss "
-              f"{s['final_loss']:.3f}, restarts {s['restarts']}")
-    print(f"goodput: ours {ours['goodput']:.3f} (target >= 0.85), sync-diloco {sync['goodput']:.3f} "
-          f"(ratio {ours['goodput'] / sync['goodput']:.2f}), ddp {ddp['goodput']:.3f} "
-          f"(ratio {ours['goodput'] / ddp['goodput']:.2f}) (targets >= 2)")
-    bar_chart(args.png_dir / "goodput.png", f"goodput under one failure trace ({ours['kills']} kills)", "goodput",
-              {s["mode"]: s["goodput"] for s in (ours, sync, ddp)}, (0.85, "target 0.85"))
-    met = [verdict(ours["goodput"] >= 0.85, f"ours {ours['goodput']:.3f} >= 0.85"),
-           verdict(ours["goodput"] >= 2 * sync["goodput"], f"ours >= 2 x sync-diloco ({sync['goodput']:.3f})"),
-           verdict(ours["goodput"] >= 2 * ddp["goodput"], f"ours >= 2 x ddp ({ddp['goodput']:.3f})")]
+        print(
+            f"  {s['mode']:>11}: goodput {s['goodput']:.3f}, wall {s['wall_seconds']:.0f} s, eval loss "
+            f"{s['final_loss']:.3f}, restarts {s['restarts']}"
+        )
+    print(
+        f"goodput: ours {ours['goodput']:.3f} (target >= 0.85), sync-diloco {sync['goodput']:.3f} "
+        f"(ratio {ours['goodput'] / sync['goodput']:.2f}), ddp {ddp['goodput']:.3f} "
+        f"(ratio {ours['goodput'] / ddp['goodput']:.2f}) (targets >= 2)"
+    )
+    bar_chart(
+        args.png_dir / "goodput.png",
+        f"goodput under one failure trace ({ours['kills']} kills)",
+        "goodput",
+        {s["mode"]: s["goodput"] for s in (ours, sync, ddp)},
+        (0.85, "target 0.85"),
+    )
+    met = [
+        verdict(ours["goodput"] >= 0.85, f"ours {ours['goodput']:.3f} >= 0.85"),
+        verdict(ours["goodput"] >= 2 * sync["goodput"], f"ours >= 2 x sync-diloco ({sync['goodput']:.3f})"),
+        verdict(ours["goodput"] >= 2 * ddp["goodput"], f"ours >= 2 x ddp ({ddp['goodput']:.3f})"),
+    ]
     return all(met)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 SUBCOMMANDS = (
     "diloco.local.run",
@@ -16,7 +16,9 @@ SUBCOMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diloco", description="Decoupled DiLoCo training, on one machine or on Kubernetes.")
+    parser = argparse.ArgumentParser(
+        prog="diloco", description="Decoupled DiLoCo training, on one machine or on Kubernetes."
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in SUBCOMMANDS:
         importlib.import_module(module).register(subparsers)

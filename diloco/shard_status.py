@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from diloco.transport.client import SyncerClient
 from diloco.settings import load_token
+from diloco.transport.client import SyncerClient
 
 
 def render(reply: object, now: float) -> str:

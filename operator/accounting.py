@@ -23,9 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from diloco.api.job import IslandSpec, IslandStatus, PodRecord, Reform
 from diloco.operator import naming as n
 from diloco.operator.events import Event
-from diloco.api.job import IslandSpec, IslandStatus, PodRecord, Reform
 
 _ORDINAL_SUFFIX = re.compile(r"-(\d+)$")
 
@@ -122,11 +122,7 @@ def nodes_to_check(previous: Sequence[PodRecord], pods: Sequence[PodObservation]
     """Nodes whose state decides how a loss is counted: those of vanished or replaced pods not already
     explained, and those of failed pods. Looked up only when needed, never listed."""
     live = {(p.ordinal, p.uid) for p in pods}
-    names = {
-        r.node
-        for r in previous
-        if (r.ordinal, r.uid) not in live and r.node and not r.failed and not r.disrupted
-    }
+    names = {r.node for r in previous if (r.ordinal, r.uid) not in live and r.node and not r.failed and not r.disrupted}
     names |= {p.node for p in pods if p.phase == "Failed" and not p.disrupted and p.node}
     return names
 
@@ -208,19 +204,30 @@ def account_island(
     if active and reform is None:
         if preempted:
             reform = Reform(reason="Preemption", since=now, hold_until=now)
-            events.append(Event("Warning", "IslandPreempted",
-                                f"island {island.name}: pods {sorted(preempted)} preempted or lost with their node; "
-                                "re-forming the island (not counted against the restart budget)"))
+            events.append(
+                Event(
+                    "Warning",
+                    "IslandPreempted",
+                    f"island {island.name}: pods {sorted(preempted)} preempted or lost with their node; "
+                    "re-forming the island (not counted against the restart budget)",
+                )
+            )
         elif charged:
             hold = now + datetime.timedelta(seconds=backoff_seconds)
             reform = Reform(reason="Failure", since=now, hold_until=hold)
-            events.append(Event("Warning", "IslandFailed",
-                                f"island {island.name}: pods {sorted(failures)} failed; restarts "
-                                f"{prev.restarts + charged}; re-forming after {backoff_seconds}s"))
+            events.append(
+                Event(
+                    "Warning",
+                    "IslandFailed",
+                    f"island {island.name}: pods {sorted(failures)} failed; restarts "
+                    f"{prev.restarts + charged}; re-forming after {backoff_seconds}s",
+                )
+            )
         elif update_revision and any(p.revision and p.revision != update_revision for p in pods):
             reform = Reform(reason="Update", since=now, hold_until=now)
-            events.append(Event("Normal", "IslandUpdating",
-                                f"island {island.name}: pod template changed; re-forming the island"))
+            events.append(
+                Event("Normal", "IslandUpdating", f"island {island.name}: pod template changed; re-forming the island")
+            )
     if reform is not None and not pods and now >= reform.hold_until:
         events.append(Event("Normal", "IslandReformed", f"island {island.name}: starting {island.replicas} pods"))
         reform = None

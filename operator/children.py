@@ -168,8 +168,13 @@ def syncer_service(job: n.JobRef, spec: DiLoCoJobSpec, shard: int) -> dict[str, 
                 "type": "ClusterIP",
                 "selector": n.shard_selector(job.name, shard),
                 "ports": [
-                    {"name": "grpc", "port": spec.syncer.port, "targetPort": "grpc", "protocol": "TCP",
-                     "appProtocol": "kubernetes.io/h2c"},
+                    {
+                        "name": "grpc",
+                        "port": spec.syncer.port,
+                        "targetPort": "grpc",
+                        "protocol": "TCP",
+                        "appProtocol": "kubernetes.io/h2c",
+                    },
                     {"name": "metrics", "port": spec.syncer.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
                 ],
             },
@@ -284,8 +289,12 @@ def island_service(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> di
                 "publishNotReadyAddresses": True,
                 "selector": n.island_selector(job.name, island.name),
                 "ports": [
-                    {"name": "rendezvous", "port": spec.trainer.rendezvous_port, "targetPort": "rendezvous",
-                     "protocol": "TCP"},
+                    {
+                        "name": "rendezvous",
+                        "port": spec.trainer.rendezvous_port,
+                        "targetPort": "rendezvous",
+                        "protocol": "TCP",
+                    },
                 ],
             },
         }
@@ -307,7 +316,7 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
         "DILOCO_ACCELERATORS_PER_POD": str(island.accelerators_per_pod),
     }
     if spec.trainer.command is None:
-        values["DILOCO_MODEL"] = (spec.trainer.model.value if spec.trainer.model else DEFAULT_MODEL)
+        values["DILOCO_MODEL"] = spec.trainer.model.value if spec.trainer.model else DEFAULT_MODEL
         values["DILOCO_DATA"] = spec.trainer.data or DEFAULT_DATA
     values |= {
         "WORLD_SIZE": str(island.replicas),

@@ -15,10 +15,10 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
+from diloco.api.job import API_GROUP, API_VERSION, PLURAL
 from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.naming import JobRef
 from diloco.operator.reconcile import Reconciler
-from diloco.api.job import API_GROUP, API_VERSION, PLURAL
 
 log = logging.getLogger("diloco.operator")
 
@@ -123,8 +123,11 @@ def _handler(
             if event.reason in ("ApplyFailed", "DeleteFailed"):
                 metrics.errors.labels(event.reason).inc()
             kopf.event(body, type=event.type, reason=event.reason, message=event.message)
-            log.log(logging.WARNING if event.type == "Warning" else logging.INFO, event.message,
-                    extra={"job": f"{namespace}/{name}", "reason": event.reason})
+            log.log(
+                logging.WARNING if event.type == "Warning" else logging.INFO,
+                event.message,
+                extra={"job": f"{namespace}/{name}", "reason": event.reason},
+            )
         if not outcome.job_deleted:
             patch["status"] = outcome.status
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from kubernetes import client, config
 
-from diloco.operator.naming import MANAGER
 from diloco.api.job import API_GROUP, API_VERSION, PLURAL
+from diloco.operator.naming import MANAGER
 
 RESOURCES: dict[str, tuple[str, str, bool]] = {
     "ConfigMap": ("v1", "configmaps", True),
@@ -92,7 +92,12 @@ class Kube:
         if content_type:
             headers["Content-Type"] = content_type
         request = self.api.param_serialize(
-            METHODS[verb], path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
+            METHODS[verb],
+            path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
         )
         response = self.api.call_api(*request, _request_timeout=self.timeout)
         response.read()

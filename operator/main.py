@@ -26,25 +26,42 @@ PEERING_NAME = "diloco-operator"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="diloco-operator", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="diloco-operator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("--namespace", "-n", action="append", default=[], help="namespace to watch (repeatable)")
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
-    p.add_argument("--resync-seconds", type=float, default=float(os.environ.get("DILOCO_RESYNC_SECONDS", "10")),
-                   help="seconds between two passes over a job (default 10)")
-    p.add_argument("--probe-timeout", type=float, default=2.0,
-                   help="deadline of each syncer Status call and trainer metrics scrape")
-    p.add_argument("--metrics-port", type=int, default=int(os.environ.get("DILOCO_OPERATOR_METRICS_PORT", "8000")),
-                   help="Prometheus port; 0 disables")
+    p.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=float(os.environ.get("DILOCO_RESYNC_SECONDS", "10")),
+        help="seconds between two passes over a job (default 10)",
+    )
+    p.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=2.0,
+        help="deadline of each syncer Status call and trainer metrics scrape",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("DILOCO_OPERATOR_METRICS_PORT", "8000")),
+        help="Prometheus port; 0 disables",
+    )
     p.add_argument("--liveness-port", type=int, default=8080, help="port of /healthz; 0 disables")
     peering = p.add_mutually_exclusive_group()
     peering.add_argument("--peering", default=PEERING_NAME, help="kopf peering object shared by the replicas")
     peering.add_argument("--standalone", action="store_true", help="no peering: only ever run one replica")
     p.add_argument("--priority", type=int, default=None, help="peering priority (default: random)")
-    p.add_argument("--peering-lifetime", type=int, default=PEERING_LIFETIME,
-                   help="seconds before the other replicas take over from one that stopped keeping alive "
-                        f"(default {PEERING_LIFETIME})")
+    p.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=PEERING_LIFETIME,
+        help="seconds before the other replicas take over from one that stopped keeping alive "
+        f"(default {PEERING_LIFETIME})",
+    )
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     return p.parse_args(argv)
 

@@ -9,20 +9,28 @@ class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.reconciles = Counter("diloco_operator_reconciles", "Reconcile passes, by trigger and result",
-                                  ["trigger", "result"], registry=r)
-        self.seconds = Histogram("diloco_operator_reconcile_seconds", "Duration of a reconcile pass",
-                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
-        self.errors = Counter("diloco_operator_errors", "Failed passes and refused API calls, by kind",
-                              ["kind"], registry=r)
-        self.applied = Counter("diloco_operator_applied_objects", "Children created or patched, by kind",
-                               ["kind"], registry=r)
+        self.reconciles = Counter(
+            "diloco_operator_reconciles", "Reconcile passes, by trigger and result", ["trigger", "result"], registry=r
+        )
+        self.seconds = Histogram(
+            "diloco_operator_reconcile_seconds",
+            "Duration of a reconcile pass",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.errors = Counter(
+            "diloco_operator_errors", "Failed passes and refused API calls, by kind", ["kind"], registry=r
+        )
+        self.applied = Counter(
+            "diloco_operator_applied_objects", "Children created or patched, by kind", ["kind"], registry=r
+        )
         self.deleted = Counter("diloco_operator_deleted_objects", "Children deleted, by kind", ["kind"], registry=r)
         self.api_requests = Counter(
             "diloco_operator_api_requests",
             "Kubernetes API calls of reconcile passes (kopf's own watches and patches not included), by verb, "
             "kind and HTTP status",
-            ["verb", "kind", "code"], registry=r,
+            ["verb", "kind", "code"],
+            registry=r,
         )
 
     def api_request(self, verb: str, kind: str, status: int) -> None:

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from diloco.transport.auth import bearer_metadata
 from diloco.operator.status import FragmentReport, ShardObservation
+from diloco.transport.auth import bearer_metadata
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.v1 import syncer_pb2_grpc as pb_grpc
 
@@ -49,9 +49,7 @@ def shard_status(shard: int, ready: bool, target: str, token: str, timeout: floa
     return ShardObservation(shard=shard, ready=True, fragments=fragments, live_islands=frozenset(reply.live_islands))
 
 
-def shard_statuses(
-    targets: Sequence[str], ready: Sequence[bool], token: str, timeout: float
-) -> list[ShardObservation]:
+def shard_statuses(targets: Sequence[str], ready: Sequence[bool], token: str, timeout: float) -> list[ShardObservation]:
     """Every shard's status, polled in parallel so a pass costs one timeout however many shards there are."""
     with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL, len(targets)))) as pool:
         futures = [

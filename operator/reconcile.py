@@ -19,6 +19,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus
 from diloco.operator import naming as n
 from diloco.operator.accounting import PodObservation, nodes_to_check, observe_node, observe_pod
 from diloco.operator.children import OperatorRef, child_key, render_children
@@ -26,7 +27,6 @@ from diloco.operator.events import Event
 from diloco.operator.kube import ApiError, Kube
 from diloco.operator.probes import shard_statuses, trainer_losses
 from diloco.operator.status import Observation, ShardObservation, decide
-from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus
 
 log = logging.getLogger("diloco.operator")
 
@@ -149,8 +149,9 @@ class Reconciler:
         over a running job is these calls and nothing else, so their latency is most of its duration)."""
         kinds = (*CHILD_KINDS, "Pod")
         with ThreadPoolExecutor(max_workers=max(1, min(self.parallel_calls, len(kinds)))) as pool:
-            listed = dict(zip(kinds, pool.map(lambda kind: self.kube.list(kind, job.namespace,
-                                                                          n.job_selector(job.name)), kinds)))
+            listed = dict(
+                zip(kinds, pool.map(lambda kind: self.kube.list(kind, job.namespace, n.job_selector(job.name)), kinds))
+            )
         pods = listed.pop("Pod")
         return {child_key(obj): obj for found in listed.values() for obj in found}, pods
 
@@ -177,12 +178,20 @@ class Reconciler:
         for island in spec.islands:
             sts = existing.get(("StatefulSet", n.island_name(job.name, island.name)))
             status = (sts or {}).get("status") or {}
-            if sts and status.get("updateRevision") and status.get("observedGeneration") == sts["metadata"].get("generation"):
+            if (
+                sts
+                and status.get("updateRevision")
+                and status.get("observedGeneration") == sts["metadata"].get("generation")
+            ):
                 revisions[island.name] = status["updateRevision"]
 
         ready = [
-            int(((existing.get(("Deployment", n.syncer_name(job.name, shard))) or {}).get("status") or {}).get(
-                "readyReplicas", 0)) > 0
+            int(
+                ((existing.get(("Deployment", n.syncer_name(job.name, shard))) or {}).get("status") or {}).get(
+                    "readyReplicas", 0
+                )
+            )
+            > 0
             for shard in range(spec.syncer.shards)
         ]
         targets = [n.syncer_address(job.name, job.namespace, s, spec.syncer.port) for s in range(spec.syncer.shards)]
@@ -210,7 +219,9 @@ class Reconciler:
         previous = DiLoCoJobStatus.model_validate(dict(raw_status or {}))
         existing, raw_pods = self._list(job)
         token = read_token(existing.get(("Secret", n.token_secret_name(job.name)))) or secrets.token_urlsafe(32)
-        decision = decide(spec, generation, previous, self._observe(job, spec, previous, existing, raw_pods, token), now)
+        decision = decide(
+            spec, generation, previous, self._observe(job, spec, previous, existing, raw_pods, token), now
+        )
         events = list(decision.events)
 
         desired = render_children(job, spec, token, decision.scale, self.operator)

@@ -12,9 +12,6 @@ import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from diloco.operator.accounting import IslandAccount, NodeState, PodObservation, account_island
-from diloco.operator.children import Scale
-from diloco.operator.events import Event
 from diloco.api.job import (
     Condition,
     DiLoCoJobSpec,
@@ -25,6 +22,9 @@ from diloco.api.job import (
     StopCondition,
     SyncerStatus,
 )
+from diloco.operator.accounting import IslandAccount, NodeState, PodObservation, account_island
+from diloco.operator.children import Scale
+from diloco.operator.events import Event
 
 MAX_DETAIL_PARTS = 8
 """Islands and shards named in a Degraded message at most: with hundreds of islands, the rest are counted."""
@@ -111,8 +111,14 @@ def set_condition(
     status = "True" if true else "False"
     old = next((c for c in conditions if c.type == kind), None)
     since = old.last_transition_time if old is not None and old.status == status else now
-    new = Condition(type=kind, status=status, reason=reason, message=message, last_transition_time=since,
-                    observed_generation=generation)
+    new = Condition(
+        type=kind,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=since,
+        observed_generation=generation,
+    )
     return [new if c.type == kind else c for c in conditions] if old else [*conditions, new]
 
 
@@ -217,9 +223,14 @@ def decide(
         done = stop_reached(spec.stop_condition, fragments, spec.training.fragments)
         if exhausted:
             phase, completion = Phase.FAILED, now
-            events.append(Event("Warning", failed_reason,
-                                f"islands {exhausted} exceeded failurePolicy.restartBudget "
-                                f"{spec.failure_policy.restart_budget}: the job failed"))
+            events.append(
+                Event(
+                    "Warning",
+                    failed_reason,
+                    f"islands {exhausted} exceeded failurePolicy.restartBudget "
+                    f"{spec.failure_policy.restart_budget}: the job failed",
+                )
+            )
         elif done:
             phase, completion = Phase.SUCCEEDED, now
             events.append(Event("Normal", "StopConditionReached", done))
@@ -232,13 +243,23 @@ def decide(
                 phase = Phase.RUNNING
             else:
                 phase = Phase.DEGRADED if start is not None else Phase.PENDING
-        if phase is not previous.phase and phase in (Phase.RUNNING, Phase.DEGRADED) \
-                and previous.phase is not Phase.SUSPENDED:
+        if (
+            phase is not previous.phase
+            and phase in (Phase.RUNNING, Phase.DEGRADED)
+            and previous.phase is not Phase.SUSPENDED
+        ):
             events.append(
-                Event("Normal", "Running", f"phase {previous.phase.value} -> Running: every island and syncer "
-                      "shard is ready") if phase is Phase.RUNNING else
-                Event("Warning", "Degraded", f"phase {previous.phase.value} -> Degraded: "
-                      f"{_degraded_detail(accounts, observed.shards)}")
+                Event(
+                    "Normal",
+                    "Running",
+                    f"phase {previous.phase.value} -> Running: every island and syncer shard is ready",
+                )
+                if phase is Phase.RUNNING
+                else Event(
+                    "Warning",
+                    "Degraded",
+                    f"phase {previous.phase.value} -> Degraded: {_degraded_detail(accounts, observed.shards)}",
+                )
             )
         if phase is Phase.SUSPENDED and previous.phase is not Phase.SUSPENDED:
             events.append(Event("Normal", "Suspended", "spec.suspend is true: islands scaled to zero"))
@@ -251,13 +272,20 @@ def decide(
     detail = _degraded_detail(accounts, observed.shards)
     conditions = list(previous.conditions)
     for kind, true, reason, message in (
-        ("Ready", phase is Phase.RUNNING, phase.value, "every island and syncer shard is ready"
-         if phase is Phase.RUNNING else detail or f"phase {phase.value}"),
-        ("Degraded", phase is Phase.DEGRADED, "PartiallyReady" if phase is Phase.DEGRADED else phase.value,
-         detail if phase is Phase.DEGRADED else ""),
+        (
+            "Ready",
+            phase is Phase.RUNNING,
+            phase.value,
+            "every island and syncer shard is ready" if phase is Phase.RUNNING else detail or f"phase {phase.value}",
+        ),
+        (
+            "Degraded",
+            phase is Phase.DEGRADED,
+            "PartiallyReady" if phase is Phase.DEGRADED else phase.value,
+            detail if phase is Phase.DEGRADED else "",
+        ),
         ("Suspended", phase is Phase.SUSPENDED, "Suspended" if phase is Phase.SUSPENDED else "NotSuspended", ""),
-        ("Complete", phase is Phase.SUCCEEDED, "StopConditionReached" if phase is Phase.SUCCEEDED else phase.value,
-         ""),
+        ("Complete", phase is Phase.SUCCEEDED, "StopConditionReached" if phase is Phase.SUCCEEDED else phase.value, ""),
         ("Failed", phase is Phase.FAILED, failed_reason if phase is Phase.FAILED else phase.value, ""),
     ):
         conditions = set_condition(conditions, kind, true, reason, message, now, generation)
@@ -287,7 +315,12 @@ def decide(
     expires = ttl_expires_at(status, spec.ttl_seconds_after_finished)
     delete = expires is not None and now >= expires
     if delete:
-        events.append(Event("Normal", "TTLExpired",
-                            f"deleting the job ttlSecondsAfterFinished={spec.ttl_seconds_after_finished}s after "
-                            f"it {phase.value.lower()}"))
+        events.append(
+            Event(
+                "Normal",
+                "TTLExpired",
+                f"deleting the job ttlSecondsAfterFinished={spec.ttl_seconds_after_finished}s after "
+                f"it {phase.value.lower()}",
+            )
+        )
     return Decision(status=status, scale=scale, events=tuple(events), delete=delete)

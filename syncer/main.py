@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from diloco.logs import setup_logging
 from diloco.settings import env_default, load_token, load_training_config
@@ -22,12 +22,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-shards", type=int, default=int(env_default("NUM_SHARDS", "1")))
     p.add_argument("--config", help="training config JSON file (else DILOCO_CONFIG_FILE, DILOCO_CONFIG, defaults)")
     p.add_argument("--token-file", help="file holding the job token (else DILOCO_TOKEN_FILE or DILOCO_TOKEN)")
-    p.add_argument("--checkpoint-dir", default=env_default("CHECKPOINT_DIR"),
-                   help="where checkpoints live; none: state is lost on restart")
-    p.add_argument("--checkpoint-interval", type=float,
-                   default=float(env_default("CHECKPOINT_INTERVAL", "30")), help="seconds between checkpoints")
-    p.add_argument("--metrics-port", type=int, default=int(env_default("METRICS_PORT", "9090")),
-                   help="Prometheus port; 0 disables")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=env_default("CHECKPOINT_DIR"),
+        help="where checkpoints live; none: state is lost on restart",
+    )
+    p.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        default=float(env_default("CHECKPOINT_INTERVAL", "30")),
+        help="seconds between checkpoints",
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=int(env_default("METRICS_PORT", "9090")), help="Prometheus port; 0 disables"
+    )
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     return p.parse_args(argv)
 

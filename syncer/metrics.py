@@ -10,28 +10,34 @@ class SyncerMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.merges = Counter("diloco_syncer_merges", "Merges applied, per fragment", ["fragment"], registry=r)
-        self.version = Gauge("diloco_syncer_fragment_version", "Current version per fragment", ["fragment"],
-                             registry=r)
-        self.contributors = Histogram("diloco_syncer_merge_contributors", "Islands merged per merge",
-                                      buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
-        self.merge_seconds = Histogram("diloco_syncer_merge_seconds", "Time to merge and apply the outer step",
-                                       registry=r)
-        self.bytes_in = Counter("diloco_syncer_received_bytes", "Tensor bytes received in pushes and seeds",
-                                registry=r)
+        self.version = Gauge("diloco_syncer_fragment_version", "Current version per fragment", ["fragment"], registry=r)
+        self.contributors = Histogram(
+            "diloco_syncer_merge_contributors", "Islands merged per merge", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
+        )
+        self.merge_seconds = Histogram(
+            "diloco_syncer_merge_seconds", "Time to merge and apply the outer step", registry=r
+        )
+        self.bytes_in = Counter("diloco_syncer_received_bytes", "Tensor bytes received in pushes and seeds", registry=r)
         self.bytes_out = Counter("diloco_syncer_sent_bytes", "Tensor bytes sent in pulls", registry=r)
-        self.pulls = Counter("diloco_syncer_pulls", "Pulls answered with values: in full, or as the difference "
-                             "to what the island held", ["form"], registry=r)
+        self.pulls = Counter(
+            "diloco_syncer_pulls",
+            "Pulls answered with values: in full, or as the difference to what the island held",
+            ["form"],
+            registry=r,
+        )
         self.pushes = Counter("diloco_syncer_pushes", "Pushes taken (duplicates included)", ["result"], registry=r)
-        self.staleness = Histogram("diloco_syncer_push_staleness", "Versions between a delta's base and current",
-                                   buckets=(0, 1, 2, 3, 4, 6, 8, 16), registry=r)
-        self.rejected = Counter("diloco_syncer_rejected_pushes", "Calls refused, by reason", ["reason"],
-                                registry=r)
-        self.live_islands = Gauge("diloco_syncer_live_islands", "Islands heard from within the timeout",
-                                  registry=r)
-        self.checkpoint_seconds = Histogram("diloco_syncer_checkpoint_seconds", "Time to write a checkpoint",
-                                            registry=r)
-        self.checkpoint_bytes = Gauge("diloco_syncer_checkpoint_bytes", "Size of the last checkpoint",
-                                      registry=r)
+        self.staleness = Histogram(
+            "diloco_syncer_push_staleness",
+            "Versions between a delta's base and current",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16),
+            registry=r,
+        )
+        self.rejected = Counter("diloco_syncer_rejected_pushes", "Calls refused, by reason", ["reason"], registry=r)
+        self.live_islands = Gauge("diloco_syncer_live_islands", "Islands heard from within the timeout", registry=r)
+        self.checkpoint_seconds = Histogram(
+            "diloco_syncer_checkpoint_seconds", "Time to write a checkpoint", registry=r
+        )
+        self.checkpoint_bytes = Gauge("diloco_syncer_checkpoint_bytes", "Size of the last checkpoint", registry=r)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Exposes /metrics on its own port, apart from gRPC."""

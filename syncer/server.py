@@ -13,23 +13,24 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import TypeVar
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from diloco.transport import wire
-from diloco.transport.auth import TokenInterceptor
 from diloco.core.compressed_pull import held_after, values_digest
 from diloco.core.config import TrainingConfig
-from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.references import Reference, References
 from diloco.syncer.shard import PushKey, Refused, ShardState, TensorSpec
+from diloco.transport import wire
+from diloco.transport.auth import TokenInterceptor
+from diloco.transport.v1 import syncer_pb2 as pb
 
 log = logging.getLogger("diloco.syncer")
 
@@ -373,7 +374,7 @@ class _Servicer:
                 frag = s.state.fragment(index)
                 if frag.seeded:
                     return pb.SeedReply(accepted=False, version=_version(s.state.incarnation, frag.version))
-            header, tensors = wire.read_fragment_stream(
+            _header, tensors = wire.read_fragment_stream(
                 itertools.chain([first], request_iterator), max_total_bytes=s.max_fragment_bytes
             )
             specs = _specs(p for p, _ in tensors)
@@ -403,9 +404,7 @@ class _Servicer:
                 s.state.touch(h.island_id, s.clock())
                 limit = s.state.fragments[h.fragment_id].nbytes
             if early is None:
-                _, tensors = wire.read_push_stream(
-                    itertools.chain([h], request_iterator), max_total_bytes=limit
-                )
+                _, tensors = wire.read_push_stream(itertools.chain([h], request_iterator), max_total_bytes=limit)
                 with s._cond:
                     result = s.state.submit(
                         key, h.fragment_id, specs, [t for _, t in tensors], h.tokens, h.inner_steps, s.clock()

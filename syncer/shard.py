@@ -8,8 +8,9 @@ changes the state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 import torch
@@ -107,9 +108,7 @@ class ShardState:
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.incarnation = incarnation
-        self.fragments = {
-            p: FragmentState(p) for p in owned_fragments(shard_index, num_shards, config.fragments)
-        }
+        self.fragments = {p: FragmentState(p) for p in owned_fragments(shard_index, num_shards, config.fragments)}
         self.islands: dict[str, float] = {}
         self.left: set[str] = set()
         self.rejected_pushes = 0
@@ -310,8 +309,15 @@ class ShardState:
             radial_directional=self.config.radial_directional,
         )
         outer = self.config.outer
-        outer_step(frag.values, frag.momentum, outer_grad, lr=outer.lr, momentum_coef=outer.momentum,
-                   nesterov=outer.nesterov, share=self.merge_share(len(pending), now))
+        outer_step(
+            frag.values,
+            frag.momentum,
+            outer_grad,
+            lr=outer.lr,
+            momentum_coef=outer.momentum,
+            nesterov=outer.nesterov,
+            share=self.merge_share(len(pending), now),
+        )
         frag.version += 1
         frag.merged_keys |= {p.key for p in pending}
         oldest_useful = frag.version - self.config.max_staleness

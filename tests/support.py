@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 import pytest
 

@@ -72,8 +72,7 @@ def load_tokens(source: str | None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> to
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(
-            f"data source {source!r} is not a file (expected {STDLIB_SOURCE!r}, a .bin/.npy token file "
-            "or a text file)"
+            f"data source {source!r} is not a file (expected {STDLIB_SOURCE!r}, a .bin/.npy token file or a text file)"
         )
     suffix = path.suffix.lower()
     if suffix == ".bin":

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco.transport.client import Backoff, SyncerClient
 from diloco.core.config import TrainingConfig
 from diloco.core.fragments import Fragment, fragments_due, plan_fragments, resume_step, shard_of
 from diloco.settings import env_default, load_token, load_training_config
+from diloco.transport.client import Backoff, SyncerClient
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.island import Island
 from diloco.worker.stats import LearnerStats, StatsRecorder, Version
@@ -141,8 +141,7 @@ class Learner:
         params = {name: p for name, p in named_model.named_parameters() if p.requires_grad}
         plan = plan_fragments([(name, tuple(p.shape)) for name, p in params.items()], config.fragments)
         self._fragments = [
-            _FragmentState(f, [params[name] for name in f.names], shard_of(f.index, len(self.syncers)))
-            for f in plan
+            _FragmentState(f, [params[name] for name in f.names], shard_of(f.index, len(self.syncers))) for f in plan
         ]
         self._clients: list[SyncerClient] = []
         self._rounds: dict[int, FragmentSync] = {}
@@ -412,8 +411,14 @@ class Learner:
             outcome = Outcome(code)
             f.mixable_at = None
             if self.on_round is not None:
-                self.on_round(RoundReport(fragment=index, began_at_step=f.began_at, outcome=outcome,
-                                          version=version if outcome.adopts else None))
+                self.on_round(
+                    RoundReport(
+                        fragment=index,
+                        began_at_step=f.began_at,
+                        outcome=outcome,
+                        version=version if outcome.adopts else None,
+                    )
+                )
             if outcome.adopts:
                 self._mix(f, Version(incarnation, version))
             elif self.island.is_leader:

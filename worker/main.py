@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -23,8 +23,12 @@ log = logging.getLogger("diloco.worker")
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     env = env_default
     p = argparse.ArgumentParser(prog="diloco-worker", description=__doc__)
-    p.add_argument("--mode", choices=MODES, default=env("MODE", "diloco"),
-                   help="diloco (default), sync-diloco (a barrier at every sync) or ddp (all-reduce every step)")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default=env("MODE", "diloco"),
+        help="diloco (default), sync-diloco (a barrier at every sync) or ddp (all-reduce every step)",
+    )
     p.add_argument("--island", default=env("ISLAND"), help="this island's id (DILOCO_ISLAND)")
     p.add_argument("--syncers", default=env("SYNCERS", ""), help="comma-separated shard addresses, in index order")
     p.add_argument("--config", help="training config JSON file (else DILOCO_CONFIG_FILE, DILOCO_CONFIG, defaults)")
@@ -36,15 +40,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=int(env("STEPS", "300")), help="inner steps to train")
     p.add_argument("--eval-every", type=int, default=int(env("EVAL_EVERY", "50")))
     p.add_argument("--seed", type=int, default=int(env("SEED", "0")))
-    p.add_argument("--slowdown", type=float, default=float(env("SLOWDOWN", "1")),
-                   help="run this many times slower, standing in for older hardware")
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=float(env("SLOWDOWN", "1")),
+        help="run this many times slower, standing in for older hardware",
+    )
     p.add_argument("--threads", type=int, default=int(env("THREADS", "0")) or None, help="torch CPU threads")
     p.add_argument("--device", default=env("DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
     p.add_argument("--progress-file", default=env("PROGRESS_FILE"), help="append JSON progress events here")
     p.add_argument("--checkpoint-dir", default=env("CHECKPOINT_DIR"), help="ddp mode: checkpoints for restarts")
     p.add_argument("--checkpoint-every", type=int, default=int(env("CHECKPOINT_EVERY", "50")))
-    p.add_argument("--metrics-port", type=int, default=int(env("METRICS_PORT", "0")),
-                   help="serve Prometheus metrics on this port (0: none)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env("METRICS_PORT", "0")),
+        help="serve Prometheus metrics on this port (0: none)",
+    )
     p.add_argument("--metrics-host", default=env("METRICS_HOST", "0.0.0.0"), help="address the metrics server binds")
     p.add_argument("--log-level", default=None)
     return p.parse_args(argv)
@@ -56,9 +68,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     syncers = [t.strip() for t in args.syncers.split(",") if t.strip()]
     try:
         settings = TrainerSettings(
-            mode=args.mode, preset=args.model, data=args.data, max_data_bytes=args.max_data_bytes,
-            batch_size=args.batch_size, steps=args.steps, eval_every=args.eval_every, seed=args.seed,
-            slowdown=args.slowdown, threads=args.threads, device=args.device,
+            mode=args.mode,
+            preset=args.model,
+            data=args.data,
+            max_data_bytes=args.max_data_bytes,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            eval_every=args.eval_every,
+            seed=args.seed,
+            slowdown=args.slowdown,
+            threads=args.threads,
+            device=args.device,
             progress_file=Path(args.progress_file) if args.progress_file else None,
             checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
             checkpoint_every=args.checkpoint_every,

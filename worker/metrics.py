@@ -63,24 +63,34 @@ class WorkerCollector(Collector):
             yield gauge("diloco_worker_eval_loss", "Latest held-out loss of this rank", s.eval_loss)
         yield gauge("diloco_worker_step", "Inner step this rank has reached (a restart resumes its job's)", s.step)
         yield counter("diloco_worker_tokens", "Tokens trained on by this process", s.tokens)
-        yield gauge("diloco_worker_last_sync_timestamp_seconds",
-                    "Unix time a sync last brought global values (0: none yet)", s.last_sync_unix)
+        yield gauge(
+            "diloco_worker_last_sync_timestamp_seconds",
+            "Unix time a sync last brought global values (0: none yet)",
+            s.last_sync_unix,
+        )
         learner = s.learner
         if learner is None:
             return
         yield counter("diloco_worker_pushes", "Fragment deltas pushed to syncer shards", learner.syncs_pushed)
         yield counter("diloco_worker_pushed_bytes", "Encoded bytes of the deltas pushed", learner.bytes_pushed)
         yield counter("diloco_worker_pulled_bytes", "Bytes of global fragment values pulled", learner.bytes_pulled)
-        yield counter("diloco_worker_blocked_seconds", "Seconds the training thread spent on sync work",
-                      learner.blocked_seconds)
-        syncs = CounterMetricFamily("diloco_worker_syncs", "Fragment rounds by how they ended",
-                                    labels=[*labels, "outcome"])
-        for outcome, value in (("merged", learner.syncs_merged), ("resynced", learner.syncs_resynced),
-                               ("abandoned", learner.syncs_abandoned), ("failed", learner.syncs_failed)):
+        yield counter(
+            "diloco_worker_blocked_seconds", "Seconds the training thread spent on sync work", learner.blocked_seconds
+        )
+        syncs = CounterMetricFamily(
+            "diloco_worker_syncs", "Fragment rounds by how they ended", labels=[*labels, "outcome"]
+        )
+        for outcome, value in (
+            ("merged", learner.syncs_merged),
+            ("resynced", learner.syncs_resynced),
+            ("abandoned", learner.syncs_abandoned),
+            ("failed", learner.syncs_failed),
+        ):
             syncs.add_metric([*ident, outcome], value)
         yield syncs
-        versions = GaugeMetricFamily("diloco_worker_fragment_version", "Global fragment version last adopted",
-                                     labels=[*labels, "fragment"])
+        versions = GaugeMetricFamily(
+            "diloco_worker_fragment_version", "Global fragment version last adopted", labels=[*labels, "fragment"]
+        )
         for fragment, version in sorted(learner.versions.items()):
             versions.add_metric([*ident, str(fragment)], version.version)
         yield versions

@@ -39,9 +39,7 @@ class ModelPreset:
             if value < 1:
                 raise ValueError(f"preset {self.name!r}: {field_name} must be positive, got {value}")
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"preset {self.name!r}: d_model {self.d_model} is not divisible by n_heads {self.n_heads}"
-            )
+            raise ValueError(f"preset {self.name!r}: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"preset {self.name!r}: dropout must be in [0, 1), got {self.dropout}")
 
@@ -78,9 +76,7 @@ class CausalSelfAttention(nn.Module):
         batch, time, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
         q, k, v = (t.view(batch, time, self.n_heads, width // self.n_heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(batch, time, width)
         return self.resid_drop(self.proj(y))
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from diloco.transport.client import Held, Pulled, SyncerClient
 from diloco.core.compressed_pull import values_digest
 from diloco.core.encoding import encoded_nbytes
+from diloco.transport.client import Held, Pulled, SyncerClient
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.stats import StatsRecorder
 
@@ -95,9 +95,7 @@ class FragmentSync:
         self._stopping = stopping
         self._stats = stats
         self._result: SyncResult | None = None
-        self._thread = threading.Thread(
-            target=self._run, name=f"diloco-sync-{request.fragment}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"diloco-sync-{request.fragment}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -149,8 +147,12 @@ class FragmentSync:
         log.debug(
             "pushed",
             extra=self._fields(
-                base=r.base_version.version, sequence=r.sequence, tokens=r.tokens, bytes=nbytes,
-                staleness=reply.staleness, duplicate=reply.duplicate,
+                base=r.base_version.version,
+                sequence=r.sequence,
+                tokens=r.tokens,
+                bytes=nbytes,
+                staleness=reply.staleness,
+                duplicate=reply.duplicate,
             ),
         )
         # Wait for a version newer than the one the push was taken at: that merge includes this delta, so
@@ -203,8 +205,12 @@ class FragmentSync:
     def _adopt(self, outcome: Outcome, pulled: Pulled) -> SyncResult:
         values = fragment_values(self.request.fragment, self.request.names, pulled.tensors)
         self._stats.add(bytes_pulled=pulled.wire_bytes)
-        log.debug("pulled", extra=self._fields(outcome=outcome.name, version=pulled.version.version,
-                                               delta=pulled.delta, bytes=pulled.wire_bytes))
+        log.debug(
+            "pulled",
+            extra=self._fields(
+                outcome=outcome.name, version=pulled.version.version, delta=pulled.delta, bytes=pulled.wire_bytes
+            ),
+        )
         return SyncResult(outcome, pulled.version, values)
 
     def _failed(self, call: str, error: grpc.RpcError) -> SyncResult:

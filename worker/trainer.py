@@ -133,7 +133,9 @@ class Trainer:
         self.context = preset.context
         tokens = load_tokens(settings.data, settings.max_data_bytes)
         if int(tokens.max()) >= preset.vocab_size:
-            raise ValueError(f"token id {int(tokens.max())} is outside the {preset.name} vocabulary ({preset.vocab_size})")
+            raise ValueError(
+                f"token id {int(tokens.max())} is outside the {preset.name} vocabulary ({preset.vocab_size})"
+            )
         self.train_tokens, self.heldout = split_holdout(tokens)
         self.model: GPT = build_model(preset, settings.seed, device=self.device)
         self.optimizer = inner_optimizer(self.model, config.inner)
@@ -168,16 +170,27 @@ class Trainer:
     def snapshot(self) -> WorkerSnapshot:
         """What this rank has done so far, for its metrics endpoint (read from another thread)."""
         return WorkerSnapshot(
-            island=self.island_id, rank=self.ranks.rank, mode=self.settings.mode, step=self.step,
-            tokens=self.tokens, loss=self.loss, eval_loss=self.eval_loss, last_sync_unix=self.last_sync_unix,
+            island=self.island_id,
+            rank=self.ranks.rank,
+            mode=self.settings.mode,
+            step=self.step,
+            tokens=self.tokens,
+            loss=self.loss,
+            eval_loss=self.eval_loss,
+            last_sync_unix=self.last_sync_unix,
             learner=self.learner.stats if self.learner is not None else None,
         )
 
     def _on_round(self, report: RoundReport) -> None:
         if report.outcome.adopts:
             self.last_sync_unix = time.time()
-        self.progress("round", fragment=report.fragment, began_at=report.began_at_step, outcome=report.outcome.name,
-                      version=report.version)
+        self.progress(
+            "round",
+            fragment=report.fragment,
+            began_at=report.began_at_step,
+            outcome=report.outcome.name,
+            version=report.version,
+        )
 
     def _checkpoint_path(self) -> Path | None:
         folder = self.settings.checkpoint_dir
@@ -214,8 +227,9 @@ class Trainer:
             self._resume()
             self.ranks.broadcast_tensors(list(self.model.parameters()))
         versions = self.learner.stats.versions if self.learner is not None else {}
-        self.progress("start", step=self.step, world=self.ranks.size,
-                      versions=[versions[p].version for p in sorted(versions)])
+        self.progress(
+            "start", step=self.step, world=self.ranks.size, versions=[versions[p].version for p in sorted(versions)]
+        )
         tokens_per_step = s.batch_size * self.context
         self.model.train()
         while self.step < s.steps:
@@ -239,8 +253,14 @@ class Trainer:
             self.loss = loss.item()
             if s.slowdown > 1.0:
                 time.sleep((s.slowdown - 1.0) * (time.perf_counter() - started))
-            self.progress("step", step=self.step, loss=self.loss, tokens=tokens_per_step,
-                          seconds=time.perf_counter() - started, sync_seconds=self._blocked_seconds() - blocked_before)
+            self.progress(
+                "step",
+                step=self.step,
+                loss=self.loss,
+                tokens=tokens_per_step,
+                seconds=time.perf_counter() - started,
+                sync_seconds=self._blocked_seconds() - blocked_before,
+            )
             if self.learner is None and self.step % s.checkpoint_every == 0:
                 self._save()
             if self.step % s.eval_every == 0 and self.ranks.is_leader:

@@ -39,7 +39,9 @@ MAX_SHARDS = 64
 QUANTITY = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
-QUALIFIED_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+QUALIFIED_NAME = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
 
 JOB_NAME_RULE = {
     "rule": f"size(self.metadata.name) <= {JOB_NAME_MAX} && self.metadata.name.matches('{DNS_LABEL}')",
@@ -174,12 +176,8 @@ class IslandSpec(CamelModel):
         description=f"Island name, unique in the job: a DNS-1035 label of at most {ISLAND_NAME_MAX} "
         "characters. The island's StatefulSet and headless Service are named <job>-<name>.",
     )
-    replicas: int = Field(
-        1, ge=1, le=4096, description="Pods in the island; they form one torch.distributed world."
-    )
-    accelerators_per_pod: int = Field(
-        0, ge=0, le=64, description="Accelerators each pod requests (0: CPU only)."
-    )
+    replicas: int = Field(1, ge=1, le=4096, description="Pods in the island; they form one torch.distributed world.")
+    accelerators_per_pod: int = Field(0, ge=0, le=64, description="Accelerators each pod requests (0: CPU only).")
     accelerator_resource: str = Field(
         "nvidia.com/gpu",
         pattern=QUALIFIED_NAME,
@@ -219,9 +217,7 @@ class SyncerSpec(CamelModel):
 
     model_config = ConfigDict(
         json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("self.port != self.metricsPort", MSG_SYNCER_PORTS, ".metricsPort")
-            ]
+            "x-kubernetes-validations": [cel("self.port != self.metricsPort", MSG_SYNCER_PORTS, ".metricsPort")]
         }
     )
 
@@ -234,9 +230,7 @@ class SyncerSpec(CamelModel):
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Resources of each shard's container."
     )
-    checkpoint: CheckpointStorage = Field(
-        default_factory=CheckpointStorage, description="Per-shard checkpoint volume."
-    )
+    checkpoint: CheckpointStorage = Field(default_factory=CheckpointStorage, description="Per-shard checkpoint volume.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the shard pods require.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of the shard pods.")
     priority_class_name: str | None = Field(None, description="PriorityClass of the shard pods.")
@@ -319,7 +313,9 @@ class DiLoCoJobSpec(CamelModel):
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _spec_rules()})
 
-    image: str = Field(min_length=1, description="Image with diloco-worker and diloco-syncer (deploy/Dockerfile.trainer).")
+    image: str = Field(
+        min_length=1, description="Image with diloco-worker and diloco-syncer (deploy/Dockerfile.trainer)."
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Pull policy of every container of the job."
     )
@@ -460,7 +456,9 @@ class DiLoCoJobStatus(CamelModel):
 
     phase: Phase = Field(Phase.PENDING, description="Pending, Running, Degraded, Suspended, Succeeded or Failed.")
     observed_generation: int | None = Field(None, description="metadata.generation of the last reconcile.")
-    conditions: list[Condition] = Field(default_factory=list, description="Ready, Degraded, Suspended, Complete, Failed.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Degraded, Suspended, Complete, Failed."
+    )
     islands_ready: str = Field("0/0", description="Islands with every pod ready / islands that should run.")
     islands: list[IslandStatus] = Field(default_factory=list, description="Per-island counts.")
     syncer: SyncerStatus = Field(default_factory=SyncerStatus, description="Syncer readiness.")

@@ -127,9 +127,7 @@ def fragments_due(step: int, inner_steps: int, num_fragments: int) -> list[int]:
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
     return [
-        p
-        for p in range(num_fragments)
-        if (step + fragment_offset(p, inner_steps, num_fragments)) % inner_steps == 0
+        p for p in range(num_fragments) if (step + fragment_offset(p, inner_steps, num_fragments)) % inner_steps == 0
     ]
 
 

@@ -59,8 +59,7 @@ def _check_deltas(deltas: Sequence[Sequence[Tensor]], weights: Sequence[float]) 
         for j, (tensor, reference) in enumerate(zip(delta, first)):
             if tensor.shape != reference.shape:
                 raise ValueError(
-                    f"tensor {j} of delta {i} has shape {tuple(tensor.shape)}, "
-                    f"delta 0 has {tuple(reference.shape)}"
+                    f"tensor {j} of delta {i} has shape {tuple(tensor.shape)}, delta 0 has {tuple(reference.shape)}"
                 )
             if not tensor.is_floating_point():
                 raise ValueError(f"tensor {j} of delta {i} has non-floating dtype {tensor.dtype}")

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 KINDS = ("worker", "syncer", "learner", "chip")
 _FORMS = "worker:<island>/<rank>, syncer:<shard>, learner:<index> or chip:<index>"

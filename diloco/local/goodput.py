@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 
 def load_events(folder: Path) -> list[dict]:
@@ -45,7 +45,6 @@ class Account:
     @property
     def goodput(self) -> float:
         return self.useful_seconds / self.allocated_seconds if self.allocated_seconds else 0.0
-
 
 
 def _slot(event: dict) -> tuple[str, int]:

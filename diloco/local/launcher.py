@@ -18,9 +18,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from diloco.core.config import TrainingConfig
 from diloco.local.failure_trace import FailureEvent, syncer_target, worker_target
@@ -145,22 +145,40 @@ class LocalJob:
             for i in range(plan.islands)
             for r in range(plan.ranks)
         }
-        self._counters = {
-            (shard, name): _CounterTracker() for shard in range(plan.shards) for name in _SYNCER_COUNTERS
-        }
+        self._counters = {(shard, name): _CounterTracker() for shard in range(plan.shards) for name in _SYNCER_COUNTERS}
 
     def _base_env(self) -> dict[str, str]:
         threads = str(self.plan.threads)
-        return {**os.environ, "DILOCO_TOKEN": TOKEN, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                "DILOCO_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+        return {
+            **os.environ,
+            "DILOCO_TOKEN": TOKEN,
+            "OMP_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+            "DILOCO_LOG_LEVEL": "WARNING",
+            "PYTHONUNBUFFERED": "1",
+        }
 
     def _syncer(self, shard: int) -> _Proc:
         command = [
-            sys.executable, "-m", "diloco.syncer.main", "--host", "127.0.0.1",
-            "--port", str(self.syncer_ports[shard]), "--shard-index", str(shard),
-            "--num-shards", str(self.plan.shards), "--config", str(self.config_file),
-            "--checkpoint-dir", str(self.out / "checkpoints" / "syncer"), "--checkpoint-interval", "2",
-            "--metrics-port", str(self.metrics_ports[shard]),
+            sys.executable,
+            "-m",
+            "diloco.syncer.main",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.syncer_ports[shard]),
+            "--shard-index",
+            str(shard),
+            "--num-shards",
+            str(self.plan.shards),
+            "--config",
+            str(self.config_file),
+            "--checkpoint-dir",
+            str(self.out / "checkpoints" / "syncer"),
+            "--checkpoint-interval",
+            "2",
+            "--metrics-port",
+            str(self.metrics_ports[shard]),
         ]
         return _Proc(syncer_target(shard), command, self._base_env())
 
@@ -176,13 +194,37 @@ class LocalJob:
             "MASTER_PORT": str(self.island_ports[0] if ddp else self.island_ports[island]),
         }
         command = [
-            sys.executable, "-m", "diloco.worker.main", "--mode", p.mode, "--island", name,
-            "--syncers", ",".join(f"127.0.0.1:{port}" for port in self.syncer_ports),
-            "--config", str(self.config_file), "--model", p.preset, "--steps", str(p.steps),
-            "--batch-size", str(p.batch_size), "--eval-every", str(p.eval_every), "--seed", str(p.seed),
-            "--slowdown", str(p.slowdown(island)), "--threads", str(p.threads), "--device", "cpu",
-            "--progress-file", str(self.out / "progress" / f"{name}-rank{rank}.jsonl"),
-            "--checkpoint-dir", str(self.out / "checkpoints" / "ddp"),
+            sys.executable,
+            "-m",
+            "diloco.worker.main",
+            "--mode",
+            p.mode,
+            "--island",
+            name,
+            "--syncers",
+            ",".join(f"127.0.0.1:{port}" for port in self.syncer_ports),
+            "--config",
+            str(self.config_file),
+            "--model",
+            p.preset,
+            "--steps",
+            str(p.steps),
+            "--batch-size",
+            str(p.batch_size),
+            "--eval-every",
+            str(p.eval_every),
+            "--seed",
+            str(p.seed),
+            "--slowdown",
+            str(p.slowdown(island)),
+            "--threads",
+            str(p.threads),
+            "--device",
+            "cpu",
+            "--progress-file",
+            str(self.out / "progress" / f"{name}-rank{rank}.jsonl"),
+            "--checkpoint-dir",
+            str(self.out / "checkpoints" / "ddp"),
         ]
         if p.data:
             command += ["--data", p.data]

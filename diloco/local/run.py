@@ -15,9 +15,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from diloco.local.goodput import Account, account, load_events
 from diloco.core.config import Encoding, TrainingConfig
 from diloco.local.failure_trace import FailureEvent, load_trace, random_trace, save_trace, syncer_target, worker_target
+from diloco.local.goodput import Account, account, load_events
 from diloco.local.launcher import JobResult, LocalJob, RunPlan
 
 MODES = ("diloco", "sync-diloco", "ddp")
@@ -141,14 +141,17 @@ def _parameters(preset: str) -> int:
 
 def print_summary(summaries: list[ModeSummary]) -> None:
     print()
-    header = f"{'mode':>12} {'wall s':>7} {'eval loss':>9} {'goodput':>8} {'tokens':>10} {'kills':>5} " \
-             f"{'restarts':>8} {'comm B/token':>12} {'merges':>6} {'islands/merge':>13}"
+    header = (
+        f"{'mode':>12} {'wall s':>7} {'eval loss':>9} {'goodput':>8} {'tokens':>10} {'kills':>5} "
+        f"{'restarts':>8} {'comm B/token':>12} {'merges':>6} {'islands/merge':>13}"
+    )
     print(header)
     for s in summaries:
-        print(f"{s.mode:>12} {s.wall_seconds:>7.1f} {s.final_loss:>9.3f} {s.goodput:>8.2f} {s.tokens_trained:>10} "
-              f"{s.kills:>5} {s.restarts:>8} {s.comm_bytes_per_token:>12.1f} {s.merges:>6} "
-              f"{s.islands_per_merge:>13.2f}"
-              + ("  (timed out)" if s.timed_out else ""))
+        print(
+            f"{s.mode:>12} {s.wall_seconds:>7.1f} {s.final_loss:>9.3f} {s.goodput:>8.2f} {s.tokens_trained:>10} "
+            f"{s.kills:>5} {s.restarts:>8} {s.comm_bytes_per_token:>12.1f} {s.merges:>6} "
+            f"{s.islands_per_merge:>13.2f}" + ("  (timed out)" if s.timed_out else "")
+        )
     by_mode = {s.mode: s for s in summaries}
     if "diloco" in by_mode and len(by_mode) > 1:
         ours = by_mode["diloco"]
@@ -158,8 +161,10 @@ def print_summary(summaries: list[ModeSummary]) -> None:
                 continue
             comm = other.comm_bytes_per_token / ours.comm_bytes_per_token if ours.comm_bytes_per_token else math.nan
             good = ours.goodput / other.goodput if other.goodput else math.inf
-            print(f"diloco vs {other.mode}: eval loss ratio {ours.final_loss / other.final_loss:.3f}, "
-                  f"goodput ratio {good:.2f}, communication {comm:.0f}x less per token")
+            print(
+                f"diloco vs {other.mode}: eval loss ratio {ours.final_loss / other.final_loss:.3f}, "
+                f"goodput ratio {good:.2f}, communication {comm:.0f}x less per token"
+            )
 
 
 def plot_curves(path: Path, accounts: list[Account], summaries: list[ModeSummary]) -> None:
@@ -172,10 +177,17 @@ def plot_curves(path: Path, accounts: list[Account], summaries: list[ModeSummary
     for acct, summary in zip(accounts, summaries):
         if acct.eval_curve:
             xs, ys = zip(*acct.eval_curve)
-            line, = ax.plot(xs, ys, marker="o", markersize=3, label=f"{acct.mode} (during training)")
+            (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=f"{acct.mode} (during training)")
             if math.isfinite(summary.final_loss):
-                ax.scatter([xs[-1]], [summary.final_loss], color=line.get_color(), marker="*", s=120, zorder=3,
-                           label=f"{acct.mode} final model: {summary.final_loss:.3f}")
+                ax.scatter(
+                    [xs[-1]],
+                    [summary.final_loss],
+                    color=line.get_color(),
+                    marker="*",
+                    s=120,
+                    zorder=3,
+                    label=f"{acct.mode} final model: {summary.final_loss:.3f}",
+                )
     ax.set_xlabel("tokens trained (all workers)")
     ax.set_ylabel("held-out loss (nats/byte)")
     ax.set_title("diloco run: held-out loss")
@@ -202,15 +214,23 @@ def build_trace(args: argparse.Namespace, workers: list[str]) -> list[FailureEve
         return trace
     syncer_kills = [(float(at), 0) for at in args.kill_syncer_at]
     return random_trace(
-        seed=args.seed, duration=args.fail_until, mean_interval=args.kill_every, workers=workers,
-        downtime=args.restart_after, syncer_kills=syncer_kills,
+        seed=args.seed,
+        duration=args.fail_until,
+        mean_interval=args.kill_every,
+        workers=workers,
+        downtime=args.restart_after,
+        syncer_kills=syncer_kills,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     config = TrainingConfig(
-        inner_steps=args.inner_steps, fragments=args.fragments, overlap_steps=args.overlap_steps,
-        encoding=args.encoding, quorum=args.quorum, grace_seconds=args.grace_seconds,
+        inner_steps=args.inner_steps,
+        fragments=args.fragments,
+        overlap_steps=args.overlap_steps,
+        encoding=args.encoding,
+        quorum=args.quorum,
+        grace_seconds=args.grace_seconds,
     )
     slowdowns = tuple(float(x) for x in args.slowdown.split(",")) if args.slowdown else ()
     workers = [worker_target(f"island-{i}", r) for i in range(args.islands) for r in range(args.ranks)]
@@ -222,16 +242,30 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     save_trace(args.out / "trace.json", trace)
     modes = [args.mode] + ([m for m in MODES if m != args.mode] if args.compare else [])
-    print(f"diloco run: {args.islands} islands x {args.ranks} ranks, {args.shards} syncer shard(s), "
-          f"{args.steps} steps of the {args.preset} preset; H={config.inner_steps} P={config.fragments} "
-          f"tau={config.overlap_steps} {config.encoding.value}; {len(trace)} injected failures; out: {args.out}")
+    print(
+        f"diloco run: {args.islands} islands x {args.ranks} ranks, {args.shards} syncer shard(s), "
+        f"{args.steps} steps of the {args.preset} preset; H={config.inner_steps} P={config.fragments} "
+        f"tau={config.overlap_steps} {config.encoding.value}; {len(trace)} injected failures; out: {args.out}"
+    )
     summaries, accounts = [], []
     for mode in modes:
         plan = RunPlan(
-            mode=mode, config=mode_config(mode, config, args.islands), out=args.out / mode, islands=args.islands,
-            ranks=args.ranks, shards=args.shards, steps=args.steps, batch_size=args.batch_size, preset=args.preset,
-            data=args.data, seed=args.seed, eval_every=args.eval_every, slowdowns=slowdowns, trace=tuple(trace),
-            threads=args.threads, timeout=args.timeout,
+            mode=mode,
+            config=mode_config(mode, config, args.islands),
+            out=args.out / mode,
+            islands=args.islands,
+            ranks=args.ranks,
+            shards=args.shards,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            preset=args.preset,
+            data=args.data,
+            seed=args.seed,
+            eval_every=args.eval_every,
+            slowdowns=slowdowns,
+            trace=tuple(trace),
+            threads=args.threads,
+            timeout=args.timeout,
         )
         summary, acct, _ = run_mode(plan, quiet=args.quiet)
         summaries.append(summary)
@@ -244,8 +278,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("run", help="train on this machine: syncers and islands as local processes",
-                              description=__doc__)
+    p = subparsers.add_parser(
+        "run", help="train on this machine: syncers and islands as local processes", description=__doc__
+    )
     p.add_argument("--mode", choices=MODES, default="diloco")
     p.add_argument("--compare", action="store_true", help="also run the other modes on the same failure trace")
     p.add_argument("--islands", type=int, default=4)
@@ -256,14 +291,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--data", help="token or text file (default: the embedded corpus)")
     job = TrainingConfig()
-    p.add_argument("--inner-steps", type=int, default=20, help=f"H (a job's default, {job.inner_steps}, is "
-                   "scaled down to suit a run of minutes)")
+    p.add_argument(
+        "--inner-steps",
+        type=int,
+        default=20,
+        help=f"H (a job's default, {job.inner_steps}, is scaled down to suit a run of minutes)",
+    )
     p.add_argument("--fragments", type=int, default=2, help=f"P (a job's default: {job.fragments})")
     p.add_argument("--overlap-steps", type=int, default=2, help=f"tau (a job's default: {job.overlap_steps})")
     p.add_argument("--encoding", default=job.encoding.value, choices=[e.value for e in Encoding])
     p.add_argument("--quorum", type=int, default=job.quorum, help="K")
-    p.add_argument("--grace-seconds", type=float, default=job.grace_seconds,
-                   help="seconds a shard waits for more contributions once the quorum is reached")
+    p.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=job.grace_seconds,
+        help="seconds a shard waits for more contributions once the quorum is reached",
+    )
     p.add_argument("--slowdown", default="", help="per-island slowdown factors, e.g. 1,1,3,1")
     p.add_argument("--kill-every", type=float, default=0.0, help="mean seconds between kill -9 of a random worker")
     p.add_argument("--restart-after", type=float, default=5.0, help="seconds a killed worker stays down")

@@ -30,8 +30,8 @@ import heapq
 import math
 import re
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Iterable
 
 import numpy as np
 
@@ -97,8 +97,21 @@ class SimConfig:
             (len(self.policies) > 0, "need at least one policy"),
             (len(self.step_seconds) > 0 and all(s > 0 for s in self.step_seconds), "step_seconds must be positive"),
             (self.failure_chips >= 1 and self.checkpoint_steps >= 1, "failure_chips, checkpoint_steps >= 1"),
-            (all(t >= 0 for t in (self.reschedule_s, self.restart_s, self.reform_s, self.grace_s, self.startup_s,
-                                  self.sync_latency_s, self.island_timeout_s)), "times must be >= 0"),
+            (
+                all(
+                    t >= 0
+                    for t in (
+                        self.reschedule_s,
+                        self.restart_s,
+                        self.reform_s,
+                        self.grace_s,
+                        self.startup_s,
+                        self.sync_latency_s,
+                        self.island_timeout_s,
+                    )
+                ),
+                "times must be >= 0",
+            ),
             (1 <= self.fragments <= self.sync_steps, "need 1 <= fragments <= sync_steps"),
             (0 <= self.overlap_steps <= self.sync_steps, "need 0 <= overlap_steps <= sync_steps"),
             (1 <= self.quorum <= self.learners, "need 1 <= quorum <= learners"),

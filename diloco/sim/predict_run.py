@@ -15,14 +15,14 @@ import json
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Sequence
 
-from diloco.local.goodput import account, load_events
 from diloco.core.config import TrainingConfig
-from diloco.sim.engine import Policy, SimConfig, simulate
 from diloco.local.failure_trace import FailureEvent, load_trace
+from diloco.local.goodput import account, load_events
+from diloco.sim.engine import Policy, SimConfig, simulate
 
 MODES = ("diloco", "sync-diloco", "ddp")
 
@@ -74,15 +74,21 @@ def _median(values: Sequence[float], default: float) -> float:
 
 
 def measure(
-    run_dir: Path, mode: str, summary: dict, trace: Sequence[FailureEvent], islands: int, ranks: int,
+    run_dir: Path,
+    mode: str,
+    summary: dict,
+    trace: Sequence[FailureEvent],
+    islands: int,
+    ranks: int,
     config: TrainingConfig,
 ) -> Measured:
     """The parameters of `mode` from `run_dir/<mode>/progress/*.jsonl`, the run's summary and its trace."""
     events = load_events(Path(run_dir) / mode / "progress")
     started = summary["started_at"]
     slots = islands * ranks
-    acct = account(events, mode=mode, slots=slots, fragments=config.fragments, started_at=started,
-                   tokens_per_eval_step=0)
+    acct = account(
+        events, mode=mode, slots=slots, fragments=config.fragments, started_at=started, tokens_per_eval_step=0
+    )
     steps = [e for e in events if e["event"] == "step"]
     compute = [max(0.0, e["seconds"] - e.get("sync_seconds", 0.0)) for e in steps]
     per_island: dict[str, list[float]] = defaultdict(list)
@@ -106,8 +112,7 @@ def measure(
     initial, relaunch = [], []
     for e in first_step.values():
         began = e["t"] - e["seconds"] - started
-        hits = [k for k in trace if k.kind == "worker" and k.at < began
-                and (mode == "ddp" or k.island == e["island"])]
+        hits = [k for k in trace if k.kind == "worker" and k.at < began and (mode == "ddp" or k.island == e["island"])]
         if hits:
             last = max(hits, key=lambda k: k.at)
             relaunch.append(began - (last.at + last.downtime))
@@ -229,18 +234,21 @@ class Check:
     def table(self) -> str:
         lines = [f"{'run mode':<12} {'simulator policy':<52} {'measured':>8} {'predicted':>9} {'error':>7}"]
         for p in self.predictions:
-            lines.append(f"{p.mode:<12} {p.label:<52} {p.measured.goodput:>8.3f} {p.predicted:>9.3f} "
-                         f"{p.error:>+7.3f}")
+            lines.append(f"{p.mode:<12} {p.label:<52} {p.measured.goodput:>8.3f} {p.predicted:>9.3f} {p.error:>+7.3f}")
         return "\n".join(lines)
 
     def parameters(self) -> str:
-        lines = [f"{'run mode':<12} {'step s':>7} {'start-up s':>10} {'restart s':>9} {'relaunches':>10} "
-                 f"{'kills':>5} {'horizon s':>9} {'wind-down s':>11} {'merge latency s':>15}"]
+        lines = [
+            f"{'run mode':<12} {'step s':>7} {'start-up s':>10} {'restart s':>9} {'relaunches':>10} "
+            f"{'kills':>5} {'horizon s':>9} {'wind-down s':>11} {'merge latency s':>15}"
+        ]
         for p in self.predictions:
             m = p.measured
             latency = f"{m.sync_latency_s:.2f} ({m.blocking_syncs})" if m.blocking_syncs else "-"
-            lines.append(f"{m.mode:<12} {m.step_s:>7.3f} {m.startup_s:>10.2f} {m.restart_s:>9.2f} "
-                         f"{m.relaunches:>10} {m.kills:>5} {m.horizon_s:>9.1f} {m.wind_down_s:>11.2f} {latency:>15}")
+            lines.append(
+                f"{m.mode:<12} {m.step_s:>7.3f} {m.startup_s:>10.2f} {m.restart_s:>9.2f} "
+                f"{m.relaunches:>10} {m.kills:>5} {m.horizon_s:>9.1f} {m.wind_down_s:>11.2f} {latency:>15}"
+            )
         return "\n".join(lines)
 
     def to_json(self) -> dict:

@@ -16,17 +16,17 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 from tqdm import tqdm
 
-from diloco.sim import bandwidth
-from diloco.sim.engine import Policy, PolicyResult, SimConfig, SimResult, sample_failures, simulate
 from diloco.local.failure_trace import load_trace, save_trace
 from diloco.logs import setup_logging
+from diloco.sim import bandwidth
+from diloco.sim.engine import Policy, PolicyResult, SimConfig, SimResult, sample_failures, simulate
 
 log = logging.getLogger("diloco.sim.simulate")
 
@@ -169,8 +169,13 @@ def published_comparison(points: Sequence[Point]) -> list[Comparison]:
 
 def published_table(rows: Sequence[Comparison]) -> str:
     body = [
-        [c.scenario, c.line, f"{c.published:g}", _pct(c.ours.goodput, c.ours.goodput_std),
-         f"{100 * c.ours.goodput - c.published:+.1f}"]
+        [
+            c.scenario,
+            c.line,
+            f"{c.published:g}",
+            _pct(c.ours.goodput, c.ours.goodput_std),
+            f"{100 * c.ours.goodput - c.published:+.1f}",
+        ]
         for c in rows
     ]
     return _markdown(["scenario", "policy", "published goodput %", "ours %", "ours − published"], body)
@@ -196,8 +201,11 @@ def bandwidth_table(
         need = [bandwidth.required_gbps(scheme, n, step, utilisation, sites) for n, step in zip(params_list, steps)]
         got = [bandwidth.utilisation_at(scheme, n, step, link_gbps, sites) for n, step in zip(params_list, steps)]
         rows.append([scheme.name, *(f"{g:.3g}" for g in need), " / ".join(_pct(u) for u in got)])
-    header = ["scheme", *(f"Gbit/s for {100 * utilisation:g}%: {size}" for size in sizes),
-              f"utilisation % at {link_gbps:g} Gbit/s"]
+    header = [
+        "scheme",
+        *(f"Gbit/s for {100 * utilisation:g}%: {size}" for size in sizes),
+        f"utilisation % at {link_gbps:g} Gbit/s",
+    ]
     return _markdown(header, rows)
 
 
@@ -223,8 +231,15 @@ def plot(points: Sequence[Point], path: Path, title: str, with_published: bool) 
         )
         colours[line] = handle.lines[0].get_color()
     for index, c in enumerate(published_comparison(points) if with_published else []):
-        ax.plot([c.chips / 1e6], [c.published], "x", color=colours[c.line], markersize=9, mew=2,
-                label="published (arXiv 2604.21428)" if index == 0 else None)
+        ax.plot(
+            [c.chips / 1e6],
+            [c.published],
+            "x",
+            color=colours[c.line],
+            markersize=9,
+            mew=2,
+            label="published (arXiv 2604.21428)" if index == 0 else None,
+        )
     ax.set_xlabel("chips (millions)")
     ax.set_ylabel("goodput (%)")
     ax.set_ylim(0, 100)
@@ -242,8 +257,18 @@ def write_csv(points: Sequence[Point], path: Path) -> None:
         writer.writerow(["chips", "learners", "policy", "goodput", "goodput_std", "uptime", "uptime_std", "runs"])
         for p in points:
             r = p.result
-            writer.writerow([p.chips, p.learners, r.policy.value, f"{r.goodput:.5f}", f"{r.goodput_std:.5f}",
-                             f"{r.uptime:.5f}", f"{r.uptime_std:.5f}", len(r.runs)])
+            writer.writerow(
+                [
+                    p.chips,
+                    p.learners,
+                    r.policy.value,
+                    f"{r.goodput:.5f}",
+                    f"{r.goodput_std:.5f}",
+                    f"{r.uptime:.5f}",
+                    f"{r.uptime_std:.5f}",
+                    len(r.runs),
+                ]
+            )
 
 
 def reproduces_published(config: SimConfig, trace_path: str | None) -> bool:
@@ -252,8 +277,11 @@ def reproduces_published(config: SimConfig, trace_path: str | None) -> bool:
 
 
 def settings_line(config: SimConfig, trace_path: str | None) -> str:
-    failures = f"trace {trace_path}" if trace_path else (
-        f"per-chip MTBI {config.mtbi_years:g} year(s), seeds {', '.join(map(str, config.seeds))}")
+    failures = (
+        f"trace {trace_path}"
+        if trace_path
+        else (f"per-chip MTBI {config.mtbi_years:g} year(s), seeds {', '.join(map(str, config.seeds))}")
+    )
     return (
         f"{failures}; horizon {config.horizon_hours:g} h; step {', '.join(f'{s:g}' for s in config.step_seconds)} s; "
         f"replacement ready after {config.reschedule_s:g} s; full restart {config.restart_s:g} s; re-form "
@@ -291,10 +319,18 @@ def report(
     if comparison:
         parts += ["## Published scenarios", "", published_table(comparison), ""]
     parts += [
-        "## Goodput (%) against fleet size", "", metric_table(points, "goodput"), "",
-        "![goodput against chips](goodput.png)", "",
-        "## Uptime (%)", "", metric_table(points, "uptime"), "",
-        "## Bandwidth between sites", "",
+        "## Goodput (%) against fleet size",
+        "",
+        metric_table(points, "goodput"),
+        "",
+        "![goodput against chips](goodput.png)",
+        "",
+        "## Uptime (%)",
+        "",
+        metric_table(points, "uptime"),
+        "",
+        "## Bandwidth between sites",
+        "",
         "Per site, ring all-reduce between sites. Without --step-seconds the step time follows from compute "
         "(6 × parameters × 2M tokens at 2·10^17 FLOP/s per site): it then grows with the model as fast as "
         "the payload does, so the Gbit/s per site do not depend on model size.",
@@ -333,31 +369,33 @@ def assumptions_md() -> str:
     step = d.step_seconds[0]
     learner_cost = d.reschedule_s + d.reform_s + d.sync_steps / 2 * step
     long_h_cost = d.reschedule_s + d.reform_s + 50 * step
-    return "\n".join([
-        "## Assumptions chosen to match the published figures",
-        "",
-        f"At a one-year MTBI, {d.chips / 1e6:g}M chips see an interruption every {gap:.1f} s. Each published "
-        "figure pins one number, the chip time an interruption costs, through goodput ≈ 1 / (1 + cost / "
-        f"interval): {figures[Policy.DP]}% for data-parallel means ≈ {cost(Policy.DP, gap):.0f} s of the whole "
-        f"fleet, {figures[Policy.ELASTIC_DP]}% for elastic data-parallel ≈ {cost(Policy.ELASTIC_DP, gap):.0f} s "
-        f"of the whole fleet, {figures[Policy.DECOUPLED_DILOCO]}% for Decoupled DiLoCo with {d.learners} learners "
-        f"≈ {cost(Policy.DECOUPLED_DILOCO, d.learners * gap):.0f} s of one learner. The defaults split these "
-        "totals as follows; the split is our choice, only the totals are constrained.",
-        "",
-        f"- data-parallel: replacement {d.reschedule_s:g} s + full job restart {d.restart_s:g} s + half a step "
-        f"rolled back (checkpoint every step, in memory) ≈ {d.reschedule_s + d.restart_s + step / 2:g} s;",
-        f"- elastic data-parallel: two re-forms of {d.reform_s:g} s (without the failed replica, then with its "
-        f"replacement), each losing half a step ≈ {2 * (d.reform_s + step / 2):g} s;",
-        f"- Decoupled DiLoCo: replacement {d.reschedule_s:g} s + re-form {d.reform_s:g} s + each fragment's "
-        f"progress since its last push (H/2 = {d.sync_steps / 2:g} steps of {step:g} s) ≈ {learner_cost:g} s, "
-        f"on the failed learner only. H = {d.sync_steps} is short for DiLoCo: with H = 100 the rollback alone "
-        f"would cost ≈ {50 * step:g} s and Decoupled DiLoCo would land below "
-        f"{100 / (1 + long_h_cost / (d.learners * gap)):.0f}% at {d.chips / 1e6:g}M chips.",
-        "- Interruptions strike running hardware only: a group already down absorbs them. If failures during "
-        "a recovery extended it instead, non-elastic data-parallel would keep only e^(−N·cost/MTBI) ≈ "
-        f"{100 * math.exp(-(d.reschedule_s + d.restart_s) / gap):.0f}%, far below the published "
-        f"{figures[Policy.DP]}%.",
-    ])
+    return "\n".join(
+        [
+            "## Assumptions chosen to match the published figures",
+            "",
+            f"At a one-year MTBI, {d.chips / 1e6:g}M chips see an interruption every {gap:.1f} s. Each published "
+            "figure pins one number, the chip time an interruption costs, through goodput ≈ 1 / (1 + cost / "
+            f"interval): {figures[Policy.DP]}% for data-parallel means ≈ {cost(Policy.DP, gap):.0f} s of the whole "
+            f"fleet, {figures[Policy.ELASTIC_DP]}% for elastic data-parallel ≈ {cost(Policy.ELASTIC_DP, gap):.0f} s "
+            f"of the whole fleet, {figures[Policy.DECOUPLED_DILOCO]}% for Decoupled DiLoCo with {d.learners} learners "
+            f"≈ {cost(Policy.DECOUPLED_DILOCO, d.learners * gap):.0f} s of one learner. The defaults split these "
+            "totals as follows; the split is our choice, only the totals are constrained.",
+            "",
+            f"- data-parallel: replacement {d.reschedule_s:g} s + full job restart {d.restart_s:g} s + half a step "
+            f"rolled back (checkpoint every step, in memory) ≈ {d.reschedule_s + d.restart_s + step / 2:g} s;",
+            f"- elastic data-parallel: two re-forms of {d.reform_s:g} s (without the failed replica, then with its "
+            f"replacement), each losing half a step ≈ {2 * (d.reform_s + step / 2):g} s;",
+            f"- Decoupled DiLoCo: replacement {d.reschedule_s:g} s + re-form {d.reform_s:g} s + each fragment's "
+            f"progress since its last push (H/2 = {d.sync_steps / 2:g} steps of {step:g} s) ≈ {learner_cost:g} s, "
+            f"on the failed learner only. H = {d.sync_steps} is short for DiLoCo: with H = 100 the rollback alone "
+            f"would cost ≈ {50 * step:g} s and Decoupled DiLoCo would land below "
+            f"{100 / (1 + long_h_cost / (d.learners * gap)):.0f}% at {d.chips / 1e6:g}M chips.",
+            "- Interruptions strike running hardware only: a group already down absorbs them. If failures during "
+            "a recovery extended it instead, non-elastic data-parallel would keep only e^(−N·cost/MTBI) ≈ "
+            f"{100 * math.exp(-(d.reschedule_s + d.restart_s) / gap):.0f}%, far below the published "
+            f"{figures[Policy.DP]}%.",
+        ]
+    )
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -406,8 +444,14 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level or os.environ.get("DILOCO_LOG_LEVEL") or "WARNING")
     try:
         base = config_from_args(args)
-        bandwidth_md = bandwidth_table(args.model_params, args.step_seconds[0] if args.step_seconds else None,
-                                       base, args.utilisation, args.link_gbps, args.sites)
+        bandwidth_md = bandwidth_table(
+            args.model_params,
+            args.step_seconds[0] if args.step_seconds else None,
+            base,
+            args.utilisation,
+            args.link_gbps,
+            args.sites,
+        )
     except ValueError as error:
         print(f"diloco simulate: {error}", file=sys.stderr)
         return 2
@@ -416,8 +460,9 @@ def run(args: argparse.Namespace) -> int:
     log.info("simulating", extra={"chips": list(args.chips), "learners": list(args.learners), "out": str(out)})
 
     total = runs_in(base, args.chips, args.learners, traced=args.trace is not None)
-    bar = tqdm(total=total, desc="simulate", unit="run", file=sys.stderr,
-               disable=args.no_progress or not sys.stderr.isatty())
+    bar = tqdm(
+        total=total, desc="simulate", unit="run", file=sys.stderr, disable=args.no_progress or not sys.stderr.isatty()
+    )
     started = time.perf_counter()
     try:
         points, per_fleet = sweep(base, args.chips, args.learners, args.trace, args.jobs, bar.update)
@@ -445,9 +490,11 @@ def run(args: argparse.Namespace) -> int:
         print("Published scenarios (goodput %):\n" + published_table(comparison) + "\n")
     print("Goodput (%) against fleet size:\n" + metric_table(points, "goodput") + "\n")
     print("Bandwidth between sites:\n" + bandwidth_md + "\n")
-    print(f"{len(points)} points in {seconds:.1f} s on {args.jobs} process(es); {largest:,} chips took "
-          f"{per_fleet[largest]:.1f} s of compute; "
-          f"wrote {out / 'report.md'}, {out / 'goodput.png'}, {out / 'goodput.csv'}")
+    print(
+        f"{len(points)} points in {seconds:.1f} s on {args.jobs} process(es); {largest:,} chips took "
+        f"{per_fleet[largest]:.1f} s of compute; "
+        f"wrote {out / 'report.md'}, {out / 'goodput.png'}, {out / 'goodput.csv'}"
+    )
     log.info("done", extra={"seconds": seconds, "points": len(points)})
     return 0
 
@@ -455,44 +502,72 @@ def run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     d = SimConfig()
     parser = subparsers.add_parser(
-        "simulate", help="goodput and bandwidth of a job at datacenter scale, per failure policy",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "simulate",
+        help="goodput and bandwidth of a job at datacenter scale, per failure policy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     fleet = parser.add_argument_group("fleet and failures")
     add = fleet.add_argument
     add("--chips", type=_ints, default=DEFAULT_CHIPS, help="chip counts, comma-separated")
     add("--learners", type=_ints, default=DEFAULT_LEARNERS, help="learner counts M, comma-separated")
     add("--mtbi-years", type=float, default=d.mtbi_years, help="mean time between interruptions of one chip")
-    add("--trace", help="failure trace (JSON, as `diloco run` writes and replays; chip:<n>, learner:<i> or "
-                        "worker:island-<i>/<rank> targets) to replay instead of sampling")
+    add(
+        "--trace",
+        help="failure trace (JSON, as `diloco run` writes and replays; chip:<n>, learner:<i> or "
+        "worker:island-<i>/<rank> targets) to replay instead of sampling",
+    )
     add("--save-trace", help="write the sampled failures of the largest fleet (first seed) as a trace (chip targets)")
     add("--seeds", type=int, default=len(d.seeds), help="independent failure samples per point")
     add("--horizon-hours", type=float, default=d.horizon_hours, help="simulated wall-clock time")
-    add("--failure-chips", type=int, default=d.failure_chips,
-        help="chips one interruption takes out of an elastic job (the model replica it belongs to)")
+    add(
+        "--failure-chips",
+        type=int,
+        default=d.failure_chips,
+        help="chips one interruption takes out of an elastic job (the model replica it belongs to)",
+    )
     add("--reschedule-s", type=float, default=d.reschedule_s, help="seconds until a replacement is ready")
     add("--restart-s", type=float, default=d.restart_s, help="seconds for a full restart of a non-elastic job")
     add("--reform-s", type=float, default=d.reform_s, help="seconds to re-form a group after a membership change")
     add("--startup-s", type=float, default=d.startup_s, help="seconds every group spends starting before step one")
-    add("--interrupt-recovery", action="store_true",
-        help="an interruption of a group that is down or restarting starts its recovery over (default: absorbed)")
+    add(
+        "--interrupt-recovery",
+        action="store_true",
+        help="an interruption of a group that is down or restarting starts its recovery over (default: absorbed)",
+    )
     policy = parser.add_argument_group("policies")
     add = policy.add_argument
-    add("--policies", type=_policies, default=d.policies,
-        help=f"comma-separated, from {', '.join(p.value for p in Policy)}")
-    add("--step-seconds", type=_floats, default=None,
+    add(
+        "--policies",
+        type=_policies,
+        default=d.policies,
+        help=f"comma-separated, from {', '.join(p.value for p in Policy)}",
+    )
+    add(
+        "--step-seconds",
+        type=_floats,
+        default=None,
         help="step time per hardware generation, dealt to learners round-robin (default 1); the first one is "
-             "also the bandwidth table's step time, which otherwise follows from compute")
+        "also the bandwidth table's step time, which otherwise follows from compute",
+    )
     add("--checkpoint-steps", type=int, default=d.checkpoint_steps, help="data-parallel checkpoint interval")
     add("--sync-steps", type=int, default=d.sync_steps, help="H: inner steps between two pushes of a fragment")
     add("--fragments", type=int, default=d.fragments, help="P: fragments, pushed staggered by H/P steps")
     add("--overlap-steps", type=int, default=d.overlap_steps, help="tau: steps a push may stay unmerged")
     add("--quorum", type=int, default=d.quorum, help="K: pushes a merge waits for (capped by live learners)")
     add("--grace-s", type=float, default=d.grace_s, help="seconds a merge waits for more once K are in")
-    add("--sync-latency-s", type=float, default=d.sync_latency_s,
-        help="seconds from a merge until the learners that pushed have its result")
-    add("--island-timeout-s", type=float, default=d.island_timeout_s,
-        help="seconds the syncer still counts a learner that went down as live (quorum cap, grace window)")
+    add(
+        "--sync-latency-s",
+        type=float,
+        default=d.sync_latency_s,
+        help="seconds from a merge until the learners that pushed have its result",
+    )
+    add(
+        "--island-timeout-s",
+        type=float,
+        default=d.island_timeout_s,
+        help="seconds the syncer still counts a learner that went down as live (quorum cap, grace window)",
+    )
     bw = parser.add_argument_group("bandwidth")
     add = bw.add_argument
     add("--model-params", type=_floats, default=DEFAULT_MODEL_PARAMS, help="model sizes, comma-separated")

@@ -6,7 +6,7 @@ Health checks are exempt: kubelet's gRPC probes cannot send metadata, and health
 from __future__ import annotations
 
 import hmac
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 

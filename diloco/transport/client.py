@@ -13,16 +13,17 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from diloco.core.compressed_pull import apply_delta
 from diloco.transport import wire
 from diloco.transport.auth import bearer_metadata
-from diloco.core.compressed_pull import apply_delta
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.v1 import syncer_pb2_grpc as pb_grpc
 
@@ -139,8 +140,10 @@ class SyncerClient:
                 if code not in RETRYABLE or out_of_time or self._stop.is_set():
                     raise
                 delay = self.backoff.delay(attempt, self._rng)
-                log.debug("retrying", extra={"call": what, "target": self.target, "code": code.name,
-                                             "attempt": attempt, "delay": delay})
+                log.debug(
+                    "retrying",
+                    extra={"call": what, "target": self.target, "code": code.name, "attempt": attempt, "delay": delay},
+                )
                 if self._stop.wait(delay):
                     raise
                 attempt += 1
@@ -160,9 +163,7 @@ class SyncerClient:
 
     def join(self, num_fragments: int) -> pb.JoinReply:
         request = pb.JoinRequest(island_id=self.island_id, num_fragments=num_fragments)
-        return self._retrying(
-            "Join", lambda: self._stub.Join(request, timeout=self.timeout, metadata=self._metadata)
-        )
+        return self._retrying("Join", lambda: self._stub.Join(request, timeout=self.timeout, metadata=self._metadata))
 
     def seed(self, fragment_id: int, named: Sequence[tuple[str, torch.Tensor]]) -> pb.SeedReply:
         payloads, blobs = wire.tensor_payloads(named, pb.FP32, 0)
@@ -224,8 +225,11 @@ class SyncerClient:
         if not self.island_id:
             raise ValueError("a compressed pull needs the client's island id")
         request = pb.PullRequest(
-            fragment_id=fragment_id, have=have or pb.FragmentVersion(), encoding=pb.FP32,
-            island_id=self.island_id, delta_encoding=encoding,
+            fragment_id=fragment_id,
+            have=have or pb.FragmentVersion(),
+            encoding=pb.FP32,
+            island_id=self.island_id,
+            delta_encoding=encoding,
         )
         if held is not None:
             request.held.SetInParent()
@@ -246,7 +250,8 @@ class SyncerClient:
             return Pulled(header.version, named, wire_bytes, delta=False)
         if held is None or header.delta_base != (held.version or pb.FragmentVersion()):
             raise wire.WireError(
-                grpc.StatusCode.INTERNAL, f"fragment {request.fragment_id}: a difference to values this island does not hold"
+                grpc.StatusCode.INTERNAL,
+                f"fragment {request.fragment_id}: a difference to values this island does not hold",
             )
         values = apply_delta(held.values, [t for _, t in named])
         return Pulled(header.version, [(name, v) for (name, _), v in zip(named, values)], wire_bytes, delta=True)

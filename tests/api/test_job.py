@@ -3,7 +3,6 @@
 import pytest
 from pydantic import ValidationError
 
-from diloco.core.config import Encoding, TrainingConfig
 from diloco.api.job import (
     DiLoCoJob,
     DiLoCoJobSpec,
@@ -13,6 +12,7 @@ from diloco.api.job import (
     Phase,
     validate_job_name,
 )
+from diloco.core.config import Encoding, TrainingConfig
 
 
 def minimal(**overrides):
@@ -50,14 +50,24 @@ def test_camel_case_manifest_with_every_section():
             trainer={"model": "small", "data": "/data/tokens.bin", "args": ["--batch-size", "32"]},
             training={"innerSteps": 50, "fragments": 2, "overlapSteps": 3, "quorum": 2, "encoding": "int8"},
             islands=[
-                {"name": "h100", "replicas": 4, "acceleratorsPerPod": 8, "spot": True,
-                 "nodeSelector": {"pool": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
-                 "resources": {"limits": {"memory": "512Gi", "cpu": 64}}, "priorityClassName": "training",
-                 "podTemplate": {"spec": {"hostNetwork": True}}},
+                {
+                    "name": "h100",
+                    "replicas": 4,
+                    "acceleratorsPerPod": 8,
+                    "spot": True,
+                    "nodeSelector": {"pool": "h100"},
+                    "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                    "resources": {"limits": {"memory": "512Gi", "cpu": 64}},
+                    "priorityClassName": "training",
+                    "podTemplate": {"spec": {"hostNetwork": True}},
+                },
                 {"name": "a100", "replicas": 2, "acceleratorResource": "nvidia.com/gpu"},
             ],
-            syncer={"shards": 2, "image": "registry.example/syncer:1",
-                    "checkpoint": {"size": "50Gi", "storageClassName": "fast"}},
+            syncer={
+                "shards": 2,
+                "image": "registry.example/syncer:1",
+                "checkpoint": {"size": "50Gi", "storageClassName": "fast"},
+            },
             failurePolicy={"restartBudget": 3, "backoffSeconds": 30},
             stopCondition={"outerSteps": 1000},
             ttlSecondsAfterFinished=3600,
@@ -85,7 +95,10 @@ def test_camel_case_manifest_with_every_section():
         ({"islands": [{"name": "a", "replicas": 0}]}, "islands.0.replicas"),
         ({"islands": [{"name": "a", "acceleratorsPerPod": -1}]}, "islands.0.acceleratorsPerPod"),
         ({"islands": [{"name": "a", "acceleratorResource": "not a resource"}]}, "islands.0.acceleratorResource"),
-        ({"islands": [{"name": "a", "resources": {"limits": {"memory": "lots"}}}]}, "islands.0.resources.limits.memory"),
+        (
+            {"islands": [{"name": "a", "resources": {"limits": {"memory": "lots"}}}]},
+            "islands.0.resources.limits.memory",
+        ),
         ({"islands": [{"name": "a", "tolerations": [{"operator": "Maybe"}]}]}, "islands.0.tolerations.0.operator"),
         ({"islands": [{"name": "a", "replica": 2}]}, "islands.0.replica"),
         ({"image": ""}, "image"),
@@ -151,13 +164,19 @@ def test_job_names_refused_with_the_field_named(name):
 
 def test_whole_manifest_and_status():
     job = DiLoCoJob.model_validate(
-        {"apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob", "metadata": {"name": "demo"}, "spec": minimal(),
-         "status": {"phase": "Running", "islandsReady": "1/1", "outerStep": 3}}
+        {
+            "apiVersion": "diloco.dev/v1alpha1",
+            "kind": "DiLoCoJob",
+            "metadata": {"name": "demo"},
+            "spec": minimal(),
+            "status": {"phase": "Running", "islandsReady": "1/1", "outerStep": 3},
+        }
     )
     assert job.status.phase is Phase.RUNNING and job.status.outer_step == 3
     with pytest.raises(ValidationError, match="metadata.name"):
-        DiLoCoJob.model_validate({"apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob",
-                                  "metadata": {"name": "Demo"}, "spec": minimal()})
+        DiLoCoJob.model_validate(
+            {"apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob", "metadata": {"name": "Demo"}, "spec": minimal()}
+        )
 
 
 def test_status_defaults_and_final_phases():

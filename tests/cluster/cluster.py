@@ -74,8 +74,15 @@ class Cluster(ControlPlane):
 
     def pods_on(self, node: str) -> list[str]:
         """`namespace/name` of every pod bound to `node`."""
-        out = self.kubectl("get", "pods", "-A", "--field-selector", f"spec.nodeName={node}", "-o",
-                           "jsonpath={range .items[*]}{.metadata.namespace}/{.metadata.name} {end}").stdout
+        out = self.kubectl(
+            "get",
+            "pods",
+            "-A",
+            "--field-selector",
+            f"spec.nodeName={node}",
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.namespace}/{.metadata.name} {end}",
+        ).stdout
         return out.split()
 
     def wait_nodes_ready(self, names: Iterable[str], timeout: float = 60) -> None:
@@ -83,8 +90,11 @@ class Cluster(ControlPlane):
 
         def ready() -> bool:
             items = json.loads(self.kubectl("get", "nodes", "-o", "json").stdout)["items"]
-            return wanted <= {n["metadata"]["name"] for n in items if any(
-                c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", ()))}
+            return wanted <= {
+                n["metadata"]["name"]
+                for n in items
+                if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", ()))
+            }
 
         _wait(self, f"nodes {sorted(wanted)} did not become Ready", ready, timeout)
 
@@ -96,9 +106,9 @@ class Cluster(ControlPlane):
 
 def _control_plane_process(cluster: Cluster, name: str, args: list[str], token: str) -> None:
     config = cluster.token_kubeconfig(token, name)
-    cluster.processes.append(spawn(
-        [str(cluster.bin / name), "--kubeconfig", str(config), *args], cluster.workdir / "logs" / f"{name}.log"
-    ))
+    cluster.processes.append(
+        spawn([str(cluster.bin / name), "--kubeconfig", str(config), *args], cluster.workdir / "logs" / f"{name}.log")
+    )
 
 
 def _wait(cluster: Cluster, what: str, ready: Callable[[], bool], timeout: float) -> None:
@@ -114,8 +124,9 @@ class MissingBinaries(RuntimeError):
     """tests/cluster/build.sh has not been run on this machine."""
 
 
-def start_cluster(workdir: Path, pools: Iterable[Pool] = DEFAULT_POOLS, bin_dir: Path | None = None,
-                  timeout: float = 120.0) -> Cluster:
+def start_cluster(
+    workdir: Path, pools: Iterable[Pool] = DEFAULT_POOLS, bin_dir: Path | None = None, timeout: float = 120.0
+) -> Cluster:
     """Starts every component in `workdir` (binaries from `bin_dir`, else build.sh's cache), creates `count`
     nodes of each pool, and returns once the nodes are Ready and the `default` namespace can run pods (its
     service account exists)."""
@@ -124,36 +135,82 @@ def start_cluster(workdir: Path, pools: Iterable[Pool] = DEFAULT_POOLS, bin_dir:
     if stages is None or not stages.exists():
         raise MissingBinaries(f"no cached {', '.join(BINARIES)} and {KWOK_STAGES}: run tests/cluster/build.sh")
     plane = start_control_plane(bin_dir, workdir, timeout)
-    cluster = Cluster(plane.bin, plane.workdir, plane.server, plane.admin_kubeconfig, plane.processes,
-                      pools={p.name: p for p in pools})
+    cluster = Cluster(
+        plane.bin,
+        plane.workdir,
+        plane.server,
+        plane.admin_kubeconfig,
+        plane.processes,
+        pools={p.name: p for p in pools},
+    )
     try:
-        _control_plane_process(cluster, "kube-controller-manager", [
-            "--bind-address", "127.0.0.1", "--secure-port", str(free_port()), "--leader-elect=false",
-            "--use-service-account-credentials", "--controllers", "*",
-            "--service-account-private-key-file", str(workdir / "sa.key"),
-            "--root-ca-file", str(cluster.ca),
-            # Node IPAM stays off: nodes come with their pod CIDRs (nodes.py), as on clouds with native routing.
-            "--allocate-node-cidrs=false", "--cluster-cidr", str(POD_NETWORK),
-        ], "kube-controller-manager-token")
-        _control_plane_process(cluster, "kube-scheduler", [
-            "--bind-address", "127.0.0.1", "--secure-port", str(free_port()), "--leader-elect=false",
-        ], "kube-scheduler-token")
-        _control_plane_process(cluster, "kwok", [
-            "--config", str(stages), "--node-lease-duration-seconds", "40",
-            "--manage-all-nodes=false",
-            f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION[0]}={KWOK_ANNOTATION[1]}",
-            "--cidr", str(POD_NETWORK), "--node-ip", "10.0.0.1",
-        ], "kwok-token")
-        cluster.provisioner = Provisioner(kube_config.new_client_from_config(str(cluster.admin_kubeconfig)),
-                                          workdir / "volumes")
+        _control_plane_process(
+            cluster,
+            "kube-controller-manager",
+            [
+                "--bind-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(free_port()),
+                "--leader-elect=false",
+                "--use-service-account-credentials",
+                "--controllers",
+                "*",
+                "--service-account-private-key-file",
+                str(workdir / "sa.key"),
+                "--root-ca-file",
+                str(cluster.ca),
+                # Node IPAM stays off: nodes come with their pod CIDRs (nodes.py), as on clouds with native routing.
+                "--allocate-node-cidrs=false",
+                "--cluster-cidr",
+                str(POD_NETWORK),
+            ],
+            "kube-controller-manager-token",
+        )
+        _control_plane_process(
+            cluster,
+            "kube-scheduler",
+            [
+                "--bind-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(free_port()),
+                "--leader-elect=false",
+            ],
+            "kube-scheduler-token",
+        )
+        _control_plane_process(
+            cluster,
+            "kwok",
+            [
+                "--config",
+                str(stages),
+                "--node-lease-duration-seconds",
+                "40",
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION[0]}={KWOK_ANNOTATION[1]}",
+                "--cidr",
+                str(POD_NETWORK),
+                "--node-ip",
+                "10.0.0.1",
+            ],
+            "kwok-token",
+        )
+        cluster.provisioner = Provisioner(
+            kube_config.new_client_from_config(str(cluster.admin_kubeconfig)), workdir / "volumes"
+        )
         cluster.provisioner.start()
         for pool in cluster.pools.values():
             for index in range(pool.count):
                 manifest = node_manifest(pool, index, pod_cidr(cluster.nodes_created))
                 cluster.nodes_created += 1
                 cluster.kubectl("apply", "-f", "-", stdin=json.dumps(manifest))
-        _wait(cluster, "the default service account did not appear",
-              lambda: cluster.kubectl("get", "serviceaccount", "default", check=False).returncode == 0, timeout)
+        _wait(
+            cluster,
+            "the default service account did not appear",
+            lambda: cluster.kubectl("get", "serviceaccount", "default", check=False).returncode == 0,
+            timeout,
+        )
         cluster.wait_nodes_ready(cluster.node_names(), timeout)
     except BaseException:
         cluster.stop()

@@ -73,8 +73,9 @@ def kubeconfig(server: str, token: str, ca: Path) -> str:
 def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A process in a new session, its output appended to `log`."""
     with open(log, "ab") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
+        return subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+        )
 
 
 def stop_group(process: subprocess.Popen, grace: float = 15.0) -> None:
@@ -124,11 +125,20 @@ class ControlPlane:
         """The admin kubeconfig (cluster-admin through `system:masters`)."""
         return self.admin_kubeconfig
 
-    def kubectl(self, *args: str, stdin: str | None = None, kubeconfig: Path | None = None,
-                check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    def kubectl(
+        self,
+        *args: str,
+        stdin: str | None = None,
+        kubeconfig: Path | None = None,
+        check: bool = True,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess:
         result = subprocess.run(
             [str(self.bin / "kubectl"), "--kubeconfig", str(kubeconfig or self.admin_kubeconfig), *args],
-            input=stdin, capture_output=True, text=True, timeout=timeout,
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")
@@ -165,8 +175,11 @@ def _ready(server: str) -> bool:
 def start_control_plane(bin_dir: Path, workdir: Path, timeout: float = 120.0) -> ControlPlane:
     """Starts etcd and kube-apiserver in `workdir` and waits until the API server is ready."""
     subprocess.run(["openssl", "genrsa", "-out", str(workdir / "sa.key"), "2048"], check=True, capture_output=True)
-    subprocess.run(["openssl", "rsa", "-in", str(workdir / "sa.key"), "-pubout", "-out", str(workdir / "sa.pub")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["openssl", "rsa", "-in", str(workdir / "sa.key"), "-pubout", "-out", str(workdir / "sa.pub")],
+        check=True,
+        capture_output=True,
+    )
     (workdir / "tokens.csv").write_text(
         "".join(f'{token},{user},{user},"{groups}"\n' for token, (user, groups) in TOKENS.items())
     )
@@ -176,29 +189,68 @@ def start_control_plane(bin_dir: Path, workdir: Path, timeout: float = 120.0) ->
     server = f"https://127.0.0.1:{secure}"
     plane = ControlPlane(bin_dir, workdir, server, workdir / "kubeconfig-admin")
     plane.admin_kubeconfig.write_text(kubeconfig(server, ADMIN_TOKEN, plane.ca))
-    plane.processes.append(spawn(
-        [str(bin_dir / "etcd"), "--name", "t", "--data-dir", str(workdir / "etcd"),
-         "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls",
-         f"http://127.0.0.1:{client}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"t=http://127.0.0.1:{peer}", "--log-level", "error"],
-        logs / "etcd.log",
-    ))
-    plane.processes.append(spawn(
-        [str(bin_dir / "kube-apiserver"), "--etcd-servers", f"http://127.0.0.1:{client}",
-         "--secure-port", str(secure), "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
-         # The `kubernetes` Service would point at 127.0.0.1, which Endpoints refuse: leave it without any.
-         "--endpoint-reconciler-type", "none", "--cert-dir", str(workdir / "certs"),
-         "--token-auth-file", str(workdir / "tokens.csv"), "--authorization-mode", "Node,RBAC",
-         # The default admission chain (NamespaceLifecycle, ServiceAccount, PodSecurity, quotas, webhooks,
-         # ...) plus NodeRestriction, and ExtendedResourceToleration as GKE runs it (GPU pods tolerate GPU taints).
-         "--enable-admission-plugins", "NodeRestriction,ExtendedResourceToleration",
-         "--service-account-issuer", "https://kubernetes.default.svc",
-         "--service-account-key-file", str(workdir / "sa.pub"),
-         "--service-account-signing-key-file", str(workdir / "sa.key"),
-         "--service-cluster-ip-range", SERVICE_CIDR],
-        logs / "kube-apiserver.log",
-    ))
+    plane.processes.append(
+        spawn(
+            [
+                str(bin_dir / "etcd"),
+                "--name",
+                "t",
+                "--data-dir",
+                str(workdir / "etcd"),
+                "--listen-client-urls",
+                f"http://127.0.0.1:{client}",
+                "--advertise-client-urls",
+                f"http://127.0.0.1:{client}",
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-cluster",
+                f"t=http://127.0.0.1:{peer}",
+                "--log-level",
+                "error",
+            ],
+            logs / "etcd.log",
+        )
+    )
+    plane.processes.append(
+        spawn(
+            [
+                str(bin_dir / "kube-apiserver"),
+                "--etcd-servers",
+                f"http://127.0.0.1:{client}",
+                "--secure-port",
+                str(secure),
+                "--bind-address",
+                "127.0.0.1",
+                "--advertise-address",
+                "127.0.0.1",
+                # The `kubernetes` Service would point at 127.0.0.1, which Endpoints refuse: leave it without any.
+                "--endpoint-reconciler-type",
+                "none",
+                "--cert-dir",
+                str(workdir / "certs"),
+                "--token-auth-file",
+                str(workdir / "tokens.csv"),
+                "--authorization-mode",
+                "Node,RBAC",
+                # The default admission chain (NamespaceLifecycle, ServiceAccount, PodSecurity, quotas, webhooks,
+                # ...) plus NodeRestriction, and ExtendedResourceToleration as GKE runs it (GPU pods tolerate GPU
+                # taints).
+                "--enable-admission-plugins",
+                "NodeRestriction,ExtendedResourceToleration",
+                "--service-account-issuer",
+                "https://kubernetes.default.svc",
+                "--service-account-key-file",
+                str(workdir / "sa.pub"),
+                "--service-account-signing-key-file",
+                str(workdir / "sa.key"),
+                "--service-cluster-ip-range",
+                SERVICE_CIDR,
+            ],
+            logs / "kube-apiserver.log",
+        )
+    )
     deadline = time.monotonic() + timeout
     while not _ready(server):
         if time.monotonic() > deadline or any(p.poll() is not None for p in plane.processes):

@@ -51,13 +51,32 @@ SPOT_LABELS = {"cloud.google.com/gke-spot": "true", "cloud.google.com/gke-provis
 
 DEFAULT_POOLS: tuple[Pool, ...] = (
     Pool("cpu", 2, "n2-standard-32", {"cpu": "32", "memory": "128Gi", "pods": "110"}),
-    Pool("cpu-spot", 2, "n2-standard-16", {"cpu": "16", "memory": "64Gi", "pods": "110"},
-         labels=SPOT_LABELS, taints=(SPOT_TAINT,), zone="us-central1-b"),
-    Pool("h100-spot", 2, "a3-highgpu-8g", {"cpu": "208", "memory": "1872Gi", "pods": "110", "nvidia.com/gpu": "8"},
-         labels={**SPOT_LABELS, **_gpu_labels("nvidia-h100-80gb", "NVIDIA-H100-80GB-HBM3", 8)},
-         taints=(SPOT_TAINT, GPU_TAINT), zone="us-central1-c"),
-    Pool("a100", 4, "a2-ultragpu-8g", {"cpu": "96", "memory": "1360Gi", "pods": "110", "nvidia.com/gpu": "8"},
-         labels=_gpu_labels("nvidia-a100-80gb", "NVIDIA-A100-SXM4-80GB", 8), taints=(GPU_TAINT,)),
+    Pool(
+        "cpu-spot",
+        2,
+        "n2-standard-16",
+        {"cpu": "16", "memory": "64Gi", "pods": "110"},
+        labels=SPOT_LABELS,
+        taints=(SPOT_TAINT,),
+        zone="us-central1-b",
+    ),
+    Pool(
+        "h100-spot",
+        2,
+        "a3-highgpu-8g",
+        {"cpu": "208", "memory": "1872Gi", "pods": "110", "nvidia.com/gpu": "8"},
+        labels={**SPOT_LABELS, **_gpu_labels("nvidia-h100-80gb", "NVIDIA-H100-80GB-HBM3", 8)},
+        taints=(SPOT_TAINT, GPU_TAINT),
+        zone="us-central1-c",
+    ),
+    Pool(
+        "a100",
+        4,
+        "a2-ultragpu-8g",
+        {"cpu": "96", "memory": "1360Gi", "pods": "110", "nvidia.com/gpu": "8"},
+        labels=_gpu_labels("nvidia-a100-80gb", "NVIDIA-A100-SXM4-80GB", 8),
+        taints=(GPU_TAINT,),
+    ),
 )
 
 

@@ -89,8 +89,9 @@ def image_name(image: str) -> str:
     return image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0]
 
 
-def in_pod(network: PodNetwork, command: Sequence[str], hosts: Path, hostname: str,
-           run_mounts: Mapping[str, str]) -> list[str]:
+def in_pod(
+    network: PodNetwork, command: Sequence[str], hosts: Path, hostname: str, run_mounts: Mapping[str, str]
+) -> list[str]:
     """`command` wrapped to run in `network` with `hosts` as its /etc/hosts, `hostname` as its host name and
     `run_mounts` (path under /run -> local directory) bind-mounted over a private /run, in mount and UTS
     namespaces of its own."""
@@ -101,8 +102,9 @@ def in_pod(network: PodNetwork, command: Sequence[str], hosts: Path, hostname: s
         for target, source in run_mounts.items():
             steps += [f"mkdir -p {shlex.quote(target)}", f"mount --bind {shlex.quote(source)} {shlex.quote(target)}"]
     script = " && ".join([*steps, 'exec "$@"'])
-    return network.enter(["unshare", "--mount", "--uts", "--propagation", "private", "--", "/bin/sh", "-c", script,
-                          "pod", *command])
+    return network.enter(
+        ["unshare", "--mount", "--uts", "--propagation", "private", "--", "/bin/sh", "-c", script, "pod", *command]
+    )
 
 
 def write_in_place(path: Path, text: str) -> None:
@@ -180,8 +182,11 @@ class PodRunner:
     def processes(self, namespace: str, pod: str | None = None) -> list[subprocess.Popen]:
         """The live processes of a pod's containers (of every pod in `namespace` when `pod` is None)."""
         with self._lock:
-            return [c.process for c in self.containers.values()
-                    if c.namespace == namespace and pod in (None, c.pod) and c.process and c.process.poll() is None]
+            return [
+                c.process
+                for c in self.containers.values()
+                if c.namespace == namespace and pod in (None, c.pod) and c.process and c.process.poll() is None
+            ]
 
     def kill(self, namespace: str, pod: str, sig: int = signal.SIGKILL) -> int:
         """Sends `sig` to the process groups of a pod's containers, as an OOM kill or a crash would end them;
@@ -220,7 +225,9 @@ class PodRunner:
     def runnable(self, pod: Mapping[str, Any]) -> bool:
         spec, status = pod["spec"], pod.get("status") or {}
         return bool(
-            spec.get("nodeName") and status.get("podIP") and status.get("phase") == "Running"
+            spec.get("nodeName")
+            and status.get("podIP")
+            and status.get("phase") == "Running"
             and any(image_name(c["image"]) in self.images for c in spec["containers"])
             and not accelerator_requests(pod)
         )
@@ -247,7 +254,8 @@ class PodRunner:
                     continue
                 container = self.containers.setdefault(
                     (meta["uid"], spec["name"]),
-                    Container(meta["namespace"], meta["name"], meta["uid"], spec["name"], directory))
+                    Container(meta["namespace"], meta["name"], meta["uid"], spec["name"], directory),
+                )
                 if meta.get("deletionTimestamp"):
                     self._terminate(container, pod)
                 else:
@@ -269,15 +277,24 @@ class PodRunner:
         except Unresolvable as error:
             if container.config_error != str(error):
                 container.config_error = str(error)
-                self._patch(pod, container, {"waiting": {"reason": "CreateContainerConfigError",
-                                                         "message": str(error)}}, ready=False)
+                self._patch(
+                    pod,
+                    container,
+                    {"waiting": {"reason": "CreateContainerConfigError", "message": str(error)}},
+                    ready=False,
+                )
             return
         container.config_error = None
         if process is not None:
             container.restarts += 1
         with open(container.log_path, "ab") as out:
             container.process = subprocess.Popen(
-                command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                command,
+                env=env,
+                cwd=cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
         container.started_at = _now()
@@ -288,21 +305,31 @@ class PodRunner:
 
     def _exited(self, container: Container, pod: dict[str, Any], code: int) -> None:
         exit_code = code if code >= 0 else 128 - code
-        container.last_exit = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
-                               "startedAt": container.started_at, "finishedAt": _now()}
+        container.last_exit = {
+            "exitCode": exit_code,
+            "reason": "Completed" if exit_code == 0 else "Error",
+            "startedAt": container.started_at,
+            "finishedAt": _now(),
+        }
         log.info("%s/%s %s exited with %d", container.namespace, container.pod, container.name, exit_code)
         policy = pod["spec"].get("restartPolicy", "Always")
         if policy == "Never" or (policy == "OnFailure" and exit_code == 0):
             container.finished = True
-            self._patch(pod, container, {"terminated": container.last_exit}, ready=False,
-                        phase="Succeeded" if exit_code == 0 else "Failed")
+            self._patch(
+                pod,
+                container,
+                {"terminated": container.last_exit},
+                ready=False,
+                phase="Succeeded" if exit_code == 0 else "Failed",
+            )
             return
         base, cap = self.backoff
-        container.restart_at = time.monotonic() + min(cap, base * 2 ** container.restarts)
+        container.restart_at = time.monotonic() + min(cap, base * 2**container.restarts)
         self._patch(pod, container, {"waiting": {"reason": "CrashLoopBackOff"}}, ready=False)
 
-    def _prepare(self, container: Container, pod: Mapping[str, Any],
-                 spec: Mapping[str, Any]) -> tuple[list[str], dict[str, str], Path]:
+    def _prepare(
+        self, container: Container, pod: Mapping[str, Any], spec: Mapping[str, Any]
+    ) -> tuple[list[str], dict[str, str], Path]:
         """Command (wrapped by in_pod_network), environment and working directory of the next incarnation;
         volumes materialized."""
         namespace = pod["metadata"]["namespace"]
@@ -311,8 +338,9 @@ class PodRunner:
             try:
                 if kind == "ConfigMap":
                     return dict(self.core.read_namespaced_config_map(name, namespace).data or {})
-                return secret_data(self.api.sanitize_for_serialization(
-                    self.core.read_namespaced_secret(name, namespace)))
+                return secret_data(
+                    self.api.sanitize_for_serialization(self.core.read_namespaced_secret(name, namespace))
+                )
             except ApiException as error:
                 if error.status == 404:
                     return None
@@ -364,11 +392,11 @@ class PodRunner:
         if source.get("audience"):
             spec["audiences"] = [source["audience"]]
         reply = self.core.create_namespaced_service_account_token(
-            pod["spec"].get("serviceAccountName") or "default", meta["namespace"], {"spec": spec})
+            pod["spec"].get("serviceAccountName") or "default", meta["namespace"], {"spec": spec}
+        )
         return reply.status.token
 
-    def _volume(self, container: Container, pod: Mapping[str, Any], volume: Mapping[str, Any],
-                lookup: Any) -> Path:
+    def _volume(self, container: Container, pod: Mapping[str, Any], volume: Mapping[str, Any], lookup: Any) -> Path:
         """The local directory that stands for `volume` (ConfigMap, Secret and projected files written anew at
         every start)."""
         files = projected_files(volume, pod, lookup, lambda source: self._token(pod, source))
@@ -385,7 +413,8 @@ class PodRunner:
             return directory
         if "persistentVolumeClaim" in volume:
             claim = self.core.read_namespaced_persistent_volume_claim(
-                volume["persistentVolumeClaim"]["claimName"], container.namespace)
+                volume["persistentVolumeClaim"]["claimName"], container.namespace
+            )
             if not claim.spec.volume_name:
                 raise Unresolvable(f"claim {claim.metadata.name} is not bound")
             host_path = self.core.read_persistent_volume(claim.spec.volume_name).spec.host_path
@@ -419,8 +448,9 @@ class PodRunner:
         except subprocess.TimeoutExpired:
             log.warning("%s/%s did not die on SIGKILL", container.namespace, container.pod)
 
-    def _patch(self, pod: Mapping[str, Any], container: Container, state: dict[str, Any], ready: bool,
-               phase: str | None = None) -> None:
+    def _patch(
+        self, pod: Mapping[str, Any], container: Container, state: dict[str, Any], ready: bool, phase: str | None = None
+    ) -> None:
         """The kubelet's status update for `container` (other containers' statuses kept as they are)."""
         now = _now()
         current = {s["name"]: s for s in (pod.get("status") or {}).get("containerStatuses") or ()}
@@ -428,17 +458,24 @@ class PodRunner:
         for spec in pod["spec"]["containers"]:
             status = dict(current.get(spec["name"]) or {"name": spec["name"], "image": spec["image"], "imageID": ""})
             if spec["name"] == container.name:
-                status |= {"ready": ready, "started": "running" in state, "restartCount": container.restarts,
-                           "state": state}
+                status |= {
+                    "ready": ready,
+                    "started": "running" in state,
+                    "restartCount": container.restarts,
+                    "state": state,
+                }
                 if container.last_exit is not None:
                     status["lastState"] = {"terminated": container.last_exit}
             statuses.append(status)
         flag = "True" if ready else "False"
-        body: dict[str, Any] = {"status": {
-            "containerStatuses": statuses,
-            "conditions": [{"type": kind, "status": flag, "lastTransitionTime": now}
-                           for kind in ("Ready", "ContainersReady")],
-        }}
+        body: dict[str, Any] = {
+            "status": {
+                "containerStatuses": statuses,
+                "conditions": [
+                    {"type": kind, "status": flag, "lastTransitionTime": now} for kind in ("Ready", "ContainersReady")
+                ],
+            }
+        }
         if phase:
             body["status"]["phase"] = phase
         try:
@@ -446,4 +483,3 @@ class PodRunner:
         except ApiException as error:
             if error.status != 404:
                 raise
-

@@ -89,8 +89,11 @@ class PodNetwork:
 
     def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        holder = subprocess.Popen(["unshare", *self._user, "--net", "--", "sleep", "infinity"],
-                                  start_new_session=True, stdin=subprocess.DEVNULL)
+        holder = subprocess.Popen(
+            ["unshare", *self._user, "--net", "--", "sleep", "infinity"],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
         self.processes.append(holder)
         own = os.readlink("/proc/self/ns/net")
         deadline = time.monotonic() + 10
@@ -99,20 +102,37 @@ class PodNetwork:
                 raise RuntimeError("could not make a network namespace for the pods (unshare --net)")
             time.sleep(0.01)
         host, port = KUBERNETES_SERVICE
-        subprocess.run(self.enter(["sh", "-c", f"ip link set lo up && ip route add local {POD_NETWORK} dev lo"
-                                              f" && ip address add {host}/32 dev lo"]),
-                       check=True, capture_output=True)
+        subprocess.run(
+            self.enter(
+                [
+                    "sh",
+                    "-c",
+                    f"ip link set lo up && ip route add local {POD_NETWORK} dev lo && ip address add {host}/32 dev lo",
+                ]
+            ),
+            check=True,
+            capture_output=True,
+        )
         outside = socket.socket(socket.AF_UNIX)
         outside.bind(str(self.socket_path))
         outside.listen(64)
-        thread = threading.Thread(target=relay, args=(outside, lambda: socket.create_connection(self.api),
-                                                      self._stop), name="kubernetes-relay", daemon=True)
+        thread = threading.Thread(
+            target=relay,
+            args=(outside, lambda: socket.create_connection(self.api), self._stop),
+            name="kubernetes-relay",
+            daemon=True,
+        )
         thread.start()
         self._threads.append(thread)
         tests = Path(__file__).resolve().parents[1]
-        self.processes.append(subprocess.Popen(
-            self.enter([sys.executable, "-m", "cluster.podnet", f"{host}:{port}", str(self.socket_path)]),
-            env={**os.environ, "PYTHONPATH": str(tests)}, start_new_session=True, stdin=subprocess.DEVNULL))
+        self.processes.append(
+            subprocess.Popen(
+                self.enter([sys.executable, "-m", "cluster.podnet", f"{host}:{port}", str(self.socket_path)]),
+                env={**os.environ, "PYTHONPATH": str(tests)},
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+            )
+        )
         probe = f"import socket; socket.create_connection(('{host}', {port}), timeout=1).close()"
         deadline = time.monotonic() + 30
         while subprocess.run(self.enter([sys.executable, "-c", probe]), capture_output=True).returncode != 0:

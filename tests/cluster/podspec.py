@@ -60,6 +60,7 @@ _REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 def expand(value: str, env: Mapping[str, str]) -> str:
     """Kubernetes' $(VAR) expansion: defined names are replaced, $$ escapes, anything else stays as is."""
+
     def one(match: re.Match[str]) -> str:
         if match.group(0) == "$$":
             return "$"
@@ -113,8 +114,9 @@ def _object_files(lookup: Lookup, kind: str, source: Mapping[str, Any], name: st
     return {item["path"]: data[item["key"]] for item in items if item["key"] in data}
 
 
-def projected_files(volume: Mapping[str, Any], pod: Mapping[str, Any], lookup: Lookup,
-                    token: Callable[[Mapping[str, Any]], str]) -> dict[str, str] | None:
+def projected_files(
+    volume: Mapping[str, Any], pod: Mapping[str, Any], lookup: Lookup, token: Callable[[Mapping[str, Any]], str]
+) -> dict[str, str] | None:
     """relative path -> content of a ConfigMap, Secret or projected volume (None for other kinds of volume);
     `token` makes a service-account token for a projected serviceAccountToken source (as the admission
     plugin adds to every pod that mounts its service account's credentials)."""
@@ -133,8 +135,10 @@ def projected_files(volume: Mapping[str, Any], pod: Mapping[str, Any], lookup: L
         elif "secret" in source:
             files |= _object_files(lookup, "Secret", source["secret"], source["secret"]["name"])
         elif "downwardAPI" in source:
-            files |= {item["path"]: field_value(pod, item["fieldRef"]["fieldPath"])
-                      for item in source["downwardAPI"].get("items") or ()}
+            files |= {
+                item["path"]: field_value(pod, item["fieldRef"]["fieldPath"])
+                for item in source["downwardAPI"].get("items") or ()
+            }
         else:
             raise Unresolvable(f"projected source {sorted(source)} is not supported by the pod runner")
     return files
@@ -152,7 +156,7 @@ def rewrite_paths(value: str, mounts: Mapping[str, str]) -> str:
     """`value` with a leading container mount path (or the path itself) replaced by the local directory."""
     for mount_path in sorted(mounts, key=len, reverse=True):
         if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
-            return mounts[mount_path] + value[len(mount_path.rstrip("/")):]
+            return mounts[mount_path] + value[len(mount_path.rstrip("/")) :]
     return value
 
 
@@ -180,8 +184,11 @@ def service_names(slices: Iterable[Mapping[str, Any]]) -> list[tuple[str, list[s
     return out
 
 
-def render_hosts(entries: Iterable[tuple[str, list[str], str]], own: tuple[str, list[str]] | None = None,
-                 namespace: str | None = None) -> str:
+def render_hosts(
+    entries: Iterable[tuple[str, list[str], str]],
+    own: tuple[str, list[str]] | None = None,
+    namespace: str | None = None,
+) -> str:
     """An /etc/hosts: localhost, the pod's own names (`own`: pod IP, names), then every Service
     entry; in `namespace`, Services also answer to their bare name, as through the DNS search path."""
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]

@@ -9,10 +9,10 @@ import json
 from functools import partial
 
 import pytest
-import yaml
-from cluster.controlplane import pinned_version
-
 import support
+import yaml
+
+from cluster.controlplane import pinned_version
 
 pytestmark = pytest.mark.process
 wait_until = partial(support.wait_until, timeout=60.0, interval=0.5)
@@ -43,16 +43,27 @@ def statefulset(name, replicas, node_selector, tolerations=(), resources=None):
     container = {"name": "main", "image": PAUSE}
     if resources:
         container["resources"] = resources
-    return yaml.safe_dump({
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name},
-        "spec": {
-            "replicas": replicas, "serviceName": name, "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": {"app": name}},
-            "template": {"metadata": {"labels": {"app": name}},
-                         "spec": {"nodeSelector": node_selector, "tolerations": list(tolerations),
-                                  "containers": [container]}},
-        },
-    })
+    return yaml.safe_dump(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": name},
+            "spec": {
+                "replicas": replicas,
+                "serviceName": name,
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": {"app": name}},
+                "template": {
+                    "metadata": {"labels": {"app": name}},
+                    "spec": {
+                        "nodeSelector": node_selector,
+                        "tolerations": list(tolerations),
+                        "containers": [container],
+                    },
+                },
+            },
+        }
+    )
 
 
 def test_the_api_server_is_the_pinned_kubernetes_release(kwok_cluster):
@@ -74,8 +85,14 @@ def test_nodes_come_in_realistic_pools(kwok_cluster):
 
 def test_a_scaled_statefulset_gets_pods_placed_by_selector_and_toleration(kwok_cluster):
     ns = namespace(kwok_cluster, "realness-sts")
-    kwok_cluster.kubectl("-n", ns, "apply", "-f", "-",
-                         stdin=statefulset("spot", 0, {"cloud.google.com/gke-spot": "true"}, [SPOT_TOLERATION]))
+    kwok_cluster.kubectl(
+        "-n",
+        ns,
+        "apply",
+        "-f",
+        "-",
+        stdin=statefulset("spot", 0, {"cloud.google.com/gke-spot": "true"}, [SPOT_TOLERATION]),
+    )
     assert pods(kwok_cluster, ns, "app=spot") == []
     kwok_cluster.kubectl("-n", ns, "scale", "statefulset", "spot", "--replicas=3")
     created = wait_until(lambda: (p := pods(kwok_cluster, ns, "app=spot")) and len(p) == 3 and all(map(ready, p)) and p)
@@ -93,10 +110,12 @@ def test_a_scaled_statefulset_gets_pods_placed_by_selector_and_toleration(kwok_c
 
 def test_a_pod_without_the_toleration_stays_off_spot_nodes(kwok_cluster):
     ns = namespace(kwok_cluster, "realness-taint")
-    kwok_cluster.kubectl("-n", ns, "apply", "-f", "-", stdin=statefulset(
-        "intolerant", 1, {"cloud.google.com/gke-nodepool": "cpu-spot"}))
-    pending = wait_until(lambda: (p := pods(kwok_cluster, ns, "app=intolerant")) and p[0]["status"].get("conditions")
-                         and p[0])
+    kwok_cluster.kubectl(
+        "-n", ns, "apply", "-f", "-", stdin=statefulset("intolerant", 1, {"cloud.google.com/gke-nodepool": "cpu-spot"})
+    )
+    pending = wait_until(
+        lambda: (p := pods(kwok_cluster, ns, "app=intolerant")) and p[0]["status"].get("conditions") and p[0]
+    )
     scheduled = next(c for c in pending["status"]["conditions"] if c["type"] == "PodScheduled")
     assert (scheduled["status"], scheduled["reason"]) == ("False", "Unschedulable")
     # The cpu-spot nodes match the selector: the scheduler's taint filter is what turns them down.
@@ -110,8 +129,16 @@ def test_gpu_pods_land_on_their_generation_and_are_counted_against_its_gpus(kwok
     ns = namespace(kwok_cluster, "realness-gpu")
     a100_nodes = [n for n in nodes(kwok_cluster) if n.startswith("a100-")]
     whole_node = {"limits": {"nvidia.com/gpu": "8"}}
-    kwok_cluster.kubectl("-n", ns, "apply", "-f", "-", stdin=statefulset(
-        "a100", len(a100_nodes) + 1, {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}, resources=whole_node))
+    kwok_cluster.kubectl(
+        "-n",
+        ns,
+        "apply",
+        "-f",
+        "-",
+        stdin=statefulset(
+            "a100", len(a100_nodes) + 1, {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}, resources=whole_node
+        ),
+    )
 
     def settled():
         found = pods(kwok_cluster, ns, "app=a100")
@@ -131,15 +158,27 @@ def test_gpu_pods_land_on_their_generation_and_are_counted_against_its_gpus(kwok
 
 def test_a_deleted_spot_node_has_its_pods_evicted_and_replaced(kwok_cluster):
     ns = namespace(kwok_cluster, "realness-preempt")
-    kwok_cluster.kubectl("-n", ns, "apply", "-f", "-",
-                         stdin=statefulset("victim", 1, {"cloud.google.com/gke-spot": "true"}, [SPOT_TOLERATION]))
+    kwok_cluster.kubectl(
+        "-n",
+        ns,
+        "apply",
+        "-f",
+        "-",
+        stdin=statefulset("victim", 1, {"cloud.google.com/gke-spot": "true"}, [SPOT_TOLERATION]),
+    )
     before = wait_until(lambda: (p := pods(kwok_cluster, ns, "app=victim")) and ready(p[0]) and p[0])
     lost = before["spec"]["nodeName"]
     kwok_cluster.delete_node(lost)
     try:
         assert lost not in nodes(kwok_cluster)
-        after = wait_until(lambda: (p := pods(kwok_cluster, ns, "app=victim")) and ready(p[0])
-                           and p[0]["metadata"]["uid"] != before["metadata"]["uid"] and p[0])
+        after = wait_until(
+            lambda: (
+                (p := pods(kwok_cluster, ns, "app=victim"))
+                and ready(p[0])
+                and p[0]["metadata"]["uid"] != before["metadata"]["uid"]
+                and p[0]
+            )
+        )
         assert after["metadata"]["name"] == "victim-0"
         assert after["spec"]["nodeName"] != lost
         assert after["spec"]["nodeName"].startswith("cpu-spot-")

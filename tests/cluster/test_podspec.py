@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 
 import pytest
+
 from cluster.pod_runner import IMAGES, dockerfile_exec, image_name
 from cluster.podspec import (
     Unresolvable,
@@ -21,8 +22,7 @@ from cluster.podspec import (
 )
 
 POD = {
-    "metadata": {"name": "job-a-0", "namespace": "ns", "uid": "u-1",
-                 "labels": {"apps.kubernetes.io/pod-index": "0"}},
+    "metadata": {"name": "job-a-0", "namespace": "ns", "uid": "u-1", "labels": {"apps.kubernetes.io/pod-index": "0"}},
     "spec": {"nodeName": "cpu-0", "hostname": "job-a-0", "subdomain": "job-a", "containers": []},
     "status": {"podIP": "10.244.3.7", "hostIP": "10.0.0.1"},
 }
@@ -41,7 +41,10 @@ def test_env_is_built_from_values_references_and_the_downward_api_in_kubelet_ord
         "envFrom": [{"configMapRef": {"name": "cfg"}, "prefix": "CFG_"}],
         "env": [
             {"name": "CFG_MODE", "value": "override"},
-            {"name": "RANK", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
+            {
+                "name": "RANK",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
+            },
             {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "tok", "key": "token"}}},
@@ -51,8 +54,13 @@ def test_env_is_built_from_values_references_and_the_downward_api_in_kubelet_ord
     }
     env = resolve_env(POD, container, lookup)
     assert env == {
-        "CFG_training.json": "{}", "CFG_MODE": "override", "RANK": "0", "POD": "job-a-0", "IP": "10.244.3.7",
-        "TOKEN": "s3cret", "GREETING": "job-a-0 at 10.244.3.7, $(UNSET) and $(POD)",
+        "CFG_training.json": "{}",
+        "CFG_MODE": "override",
+        "RANK": "0",
+        "POD": "job-a-0",
+        "IP": "10.244.3.7",
+        "TOKEN": "s3cret",
+        "GREETING": "job-a-0 at 10.244.3.7, $(UNSET) and $(POD)",
     }
 
 
@@ -71,15 +79,21 @@ def test_configmap_and_secret_volumes_become_files_and_paths_point_at_them():
         return projected_files(volume, POD, lookup, lambda source: f"jwt-for-{source.get('audience')}")
 
     assert files({"name": "c", "configMap": {"name": "cfg", "items": [{"key": "MODE", "path": "m/x"}]}}) == {
-        "m/x": "diloco"}
+        "m/x": "diloco"
+    }
     assert files({"name": "t", "secret": {"secretName": "tok"}}) == {"token": "s3cret"}
     assert files({"name": "e", "emptyDir": {}}) is None
     # What the ServiceAccount admission plugin adds to a pod that mounts its credentials:
-    access = {"name": "kube-api-access", "projected": {"sources": [
-        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
-        {"configMap": {"name": "cfg", "items": [{"key": "training.json", "path": "ca.crt"}]}},
-        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
-    ]}}
+    access = {
+        "name": "kube-api-access",
+        "projected": {
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {"configMap": {"name": "cfg", "items": [{"key": "training.json", "path": "ca.crt"}]}},
+                {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
+            ]
+        },
+    }
     assert files(access) == {"token": "jwt-for-None", "ca.crt": "{}", "namespace": "ns"}
     mounts = {"/etc/diloco": "/w/config", "/etc": "/w/etc"}
     assert rewrite_paths("/etc/diloco/training.json", mounts) == "/w/config/training.json"
@@ -89,21 +103,28 @@ def test_configmap_and_secret_volumes_become_files_and_paths_point_at_them():
 
 def test_hosts_resolve_services_and_headless_pods_to_their_pod_ips():
     slices = [
-        {"metadata": {"namespace": "ns", "labels": {"kubernetes.io/service-name": "job-syncer-0"}},
-         "addressType": "IPv4",
-         "endpoints": [{"addresses": ["10.244.0.2"], "conditions": {"ready": True}},
-                       {"addresses": ["10.244.0.9"], "conditions": {"ready": False}}]},
-        {"metadata": {"namespace": "other", "labels": {"kubernetes.io/service-name": "job-a"}},
-         "addressType": "IPv4",
-         "endpoints": [{"addresses": ["10.244.1.3"], "hostname": "job-a-0", "conditions": {"ready": True}}]},
+        {
+            "metadata": {"namespace": "ns", "labels": {"kubernetes.io/service-name": "job-syncer-0"}},
+            "addressType": "IPv4",
+            "endpoints": [
+                {"addresses": ["10.244.0.2"], "conditions": {"ready": True}},
+                {"addresses": ["10.244.0.9"], "conditions": {"ready": False}},
+            ],
+        },
+        {
+            "metadata": {"namespace": "other", "labels": {"kubernetes.io/service-name": "job-a"}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": ["10.244.1.3"], "hostname": "job-a-0", "conditions": {"ready": True}}],
+        },
     ]
     entries = service_names(slices)
     hosts = render_hosts(entries, ("10.244.3.7", own_names(POD)), "ns").splitlines()
     assert "10.244.3.7\tjob-a-0.job-a.ns.svc.cluster.local job-a-0.job-a.ns.svc job-a-0" in hosts
-    assert ("10.244.0.2\tjob-syncer-0 job-syncer-0.ns job-syncer-0.ns.svc job-syncer-0.ns.svc.cluster.local"
-            in hosts)
-    assert ("10.244.1.3\tjob-a.other job-a.other.svc job-a.other.svc.cluster.local job-a-0.job-a.other.svc "
-            "job-a-0.job-a.other.svc.cluster.local") in hosts
+    assert "10.244.0.2\tjob-syncer-0 job-syncer-0.ns job-syncer-0.ns.svc job-syncer-0.ns.svc.cluster.local" in hosts
+    assert (
+        "10.244.1.3\tjob-a.other job-a.other.svc job-a.other.svc.cluster.local job-a-0.job-a.other.svc "
+        "job-a-0.job-a.other.svc.cluster.local"
+    ) in hosts
     assert not any("10.244.0.9" in line for line in hosts), "a not-ready endpoint is not resolvable"
 
 

@@ -34,8 +34,13 @@ def volume_for(claim: dict[str, Any], root: Path) -> dict[str, Any]:
             "persistentVolumeReclaimPolicy": "Retain",
             "storageClassName": spec.get("storageClassName") or "",
             "hostPath": {"path": str(root / name), "type": "DirectoryOrCreate"},
-            "claimRef": {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "namespace": meta["namespace"],
-                         "name": meta["name"], "uid": meta["uid"]},
+            "claimRef": {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "namespace": meta["namespace"],
+                "name": meta["name"],
+                "uid": meta["uid"],
+            },
         },
     }
 

@@ -5,9 +5,9 @@ the shard's values however many versions go by."""
 import pytest
 import torch
 
-from diloco.transport import wire
 from diloco.core.compressed_pull import apply_delta, held_after, values_digest
 from diloco.core.encoding import error_bound
+from diloco.transport import wire
 from diloco.transport.v1 import syncer_pb2 as pb
 
 SHAPES = [(64, 33), (7,), ()]
@@ -21,8 +21,9 @@ def _random(seed: int, scale: float = 1.0) -> list[torch.Tensor]:
 def _through_the_wire(differences, encoding, block_size):
     """What an island decodes from a Pull reply carrying `differences`: the real wire path."""
     payloads, blobs = wire.tensor_payloads([(str(i), d) for i, d in enumerate(differences)], encoding, block_size)
-    messages = wire.fragment_messages(0, pb.FragmentVersion(version=1), payloads, blobs, max_chunk=1000,
-                                      delta_base=pb.FragmentVersion(version=0))
+    messages = wire.fragment_messages(
+        0, pb.FragmentVersion(version=1), payloads, blobs, max_chunk=1000, delta_base=pb.FragmentVersion(version=0)
+    )
     header, tensors = wire.read_fragment_stream(wire.parse_fragment_chunk(m) for m in messages)
     assert header.HasField("delta_base") and header.delta_base.version == 0
     return blobs, [t for _, t in tensors]

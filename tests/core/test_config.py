@@ -39,11 +39,19 @@ def test_encoding_wire_values():
 
 def test_camel_case_and_snake_case_are_both_accepted():
     camel = TrainingConfig.model_validate(
-        {"innerSteps": 50, "overlapSteps": 2, "mixAlpha": 0.25, "islandTimeoutSeconds": 5,
-         "inner": {"weightDecay": 0.0, "gradClip": 0.0}}
+        {
+            "innerSteps": 50,
+            "overlapSteps": 2,
+            "mixAlpha": 0.25,
+            "islandTimeoutSeconds": 5,
+            "inner": {"weightDecay": 0.0, "gradClip": 0.0},
+        }
     )
     snake = TrainingConfig(
-        inner_steps=50, overlap_steps=2, mix_alpha=0.25, island_timeout_seconds=5,
+        inner_steps=50,
+        overlap_steps=2,
+        mix_alpha=0.25,
+        island_timeout_seconds=5,
         inner=InnerOptimizerConfig(weight_decay=0.0, grad_clip=0.0),
     )
     assert camel == snake
@@ -52,17 +60,36 @@ def test_camel_case_and_snake_case_are_both_accepted():
 
 def test_dump_uses_camel_case_aliases():
     data = json.loads(TrainingConfig().to_json())
-    assert {"innerSteps", "overlapSteps", "mixAlpha", "blockSize", "graceSeconds", "maxStaleness",
-            "stalenessDecay", "radialDirectional", "islandTimeoutSeconds"} <= set(data)
+    assert {
+        "innerSteps",
+        "overlapSteps",
+        "mixAlpha",
+        "blockSize",
+        "graceSeconds",
+        "maxStaleness",
+        "stalenessDecay",
+        "radialDirectional",
+        "islandTimeoutSeconds",
+    } <= set(data)
     assert "warmupSteps" in data["inner"] and "weightDecay" in data["inner"]
     assert data["encoding"] == "int4"
 
 
 def test_json_round_trip():
     cfg = TrainingConfig(
-        inner_steps=64, fragments=8, overlap_steps=3, mix_alpha=0.0, encoding=Encoding.BF16, block_size=64,
-        quorum=3, grace_seconds=0.5, max_staleness=2, staleness_decay=0.5, radial_directional=True,
-        island_timeout_seconds=30.0, inner=InnerOptimizerConfig(lr=3e-4, warmup_steps=10),
+        inner_steps=64,
+        fragments=8,
+        overlap_steps=3,
+        mix_alpha=0.0,
+        encoding=Encoding.BF16,
+        block_size=64,
+        quorum=3,
+        grace_seconds=0.5,
+        max_staleness=2,
+        staleness_decay=0.5,
+        radial_directional=True,
+        island_timeout_seconds=30.0,
+        inner=InnerOptimizerConfig(lr=3e-4, warmup_steps=10),
         outer=OuterOptimizerConfig(lr=0.5, momentum=0.8, nesterov=False),
     )
     back = TrainingConfig.from_json(cfg.to_json())

@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -6,9 +7,9 @@ from diloco.core.fragments import (
     Fragment,
     fragment_offset,
     fragments_due,
-    resume_step,
     owned_fragments,
     plan_fragments,
+    resume_step,
     shard_of,
 )
 
@@ -18,12 +19,18 @@ def gpt_shapes(layers=12, d=128, vocab=256, context=256):
     for i in range(layers):
         b = f"blocks.{i}"
         shapes += [
-            (f"{b}.ln1.weight", (d,)), (f"{b}.ln1.bias", (d,)),
-            (f"{b}.attn.qkv.weight", (3 * d, d)), (f"{b}.attn.qkv.bias", (3 * d,)),
-            (f"{b}.attn.proj.weight", (d, d)), (f"{b}.attn.proj.bias", (d,)),
-            (f"{b}.ln2.weight", (d,)), (f"{b}.ln2.bias", (d,)),
-            (f"{b}.mlp.fc.weight", (4 * d, d)), (f"{b}.mlp.fc.bias", (4 * d,)),
-            (f"{b}.mlp.proj.weight", (d, 4 * d)), (f"{b}.mlp.proj.bias", (d,)),
+            (f"{b}.ln1.weight", (d,)),
+            (f"{b}.ln1.bias", (d,)),
+            (f"{b}.attn.qkv.weight", (3 * d, d)),
+            (f"{b}.attn.qkv.bias", (3 * d,)),
+            (f"{b}.attn.proj.weight", (d, d)),
+            (f"{b}.attn.proj.bias", (d,)),
+            (f"{b}.ln2.weight", (d,)),
+            (f"{b}.ln2.bias", (d,)),
+            (f"{b}.mlp.fc.weight", (4 * d, d)),
+            (f"{b}.mlp.fc.bias", (4 * d,)),
+            (f"{b}.mlp.proj.weight", (d, 4 * d)),
+            (f"{b}.mlp.proj.bias", (d,)),
         ]
     shapes += [("ln_f.weight", (d,)), ("ln_f.bias", (d,)), ("head.weight", (vocab, d))]
     return shapes
@@ -112,8 +119,11 @@ def test_unlayered_tensors_fill_the_light_fragments_after_layers():
 
 def test_empty_fragments_are_filled_from_the_heaviest():
     shapes = [
-        ("blocks.0.w", (4, 4)), ("blocks.0.b", (4,)),
-        ("blocks.1.w", (4, 4)), ("blocks.1.b", (4,)), ("blocks.1.c", (2,)),
+        ("blocks.0.w", (4, 4)),
+        ("blocks.0.b", (4,)),
+        ("blocks.1.w", (4, 4)),
+        ("blocks.1.b", (4,)),
+        ("blocks.1.c", (2,)),
     ]
     # layers: f0 = 20, f1 = 22, f2 and f3 empty.
     # f2 takes blocks.1.c (smallest of heaviest f1, which drops to 20); f3 takes blocks.0.b (f0 wins the tie).
@@ -181,7 +191,7 @@ def test_every_fragment_due_once_per_window(h, p):
 def test_due_steps_are_spaced_h_over_p(h, p):
     due_steps = [step for step in range(1, 4 * h + 1) for _ in fragments_due(step, h, p)]
     assert len(due_steps) == len(set(due_steps))
-    assert all(b - a == h // p for a, b in zip(due_steps, due_steps[1:]))
+    assert all(b - a == h // p for a, b in itertools.pairwise(due_steps))
 
 
 def test_schedule_anchors():

@@ -29,8 +29,7 @@ def test_hand_computed_three_nesterov_steps():
 def test_hand_computed_heavy_ball_step():
     params = [torch.tensor([1.0], dtype=torch.float64)]
     momentum = [torch.tensor([0.5], dtype=torch.float64)]
-    outer_step(params, momentum, [torch.tensor([0.1], dtype=torch.float64)], lr=0.7, momentum_coef=0.9,
-               nesterov=False)
+    outer_step(params, momentum, [torch.tensor([0.1], dtype=torch.float64)], lr=0.7, momentum_coef=0.9, nesterov=False)
     # buf = 0.45 + 0.1 = 0.55; theta = 1 - 0.7 * 0.55 = 0.615
     assert momentum[0].item() == pytest.approx(0.55, abs=1e-12)
     assert params[0].item() == pytest.approx(0.615, abs=1e-12)

@@ -59,8 +59,11 @@ def test_images_build_from_the_named_base_and_run_as_uid_10001(name):
 
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_everything_a_dockerfile_copies_is_in_the_build_context(name):
-    rules = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
+    rules = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     sources = copied_sources(name)
     assert "pyproject.toml" in sources and "deploy/images/requirements.py" in sources
     for source in sources:
@@ -84,8 +87,11 @@ def test_requirements_refuse_an_unpinned_dependency_or_a_missing_operator_one():
     unpinned = {"project": {"dependencies": ["kopf>=1.0", "torch==2.15.0"]}}
     with pytest.raises(ValueError, match="kopf>=1.0"):
         image_requirements.requirements(unpinned, "trainer")
-    without_kopf = {"project": {"dependencies": [r for r in PYPROJECT["project"]["dependencies"]
-                                                 if image_requirements.name_of(r) != "kopf"]}}
+    without_kopf = {
+        "project": {
+            "dependencies": [r for r in PYPROJECT["project"]["dependencies"] if image_requirements.name_of(r) != "kopf"]
+        }
+    }
     with pytest.raises(ValueError, match="kopf"):
         image_requirements.requirements(without_kopf, "operator")
 
@@ -109,12 +115,15 @@ def closure(names: list[str]) -> set[str]:
 def test_the_operator_imports_nothing_its_image_lacks():
     in_image = closure(image_requirements.requirements(PYPROJECT, "operator")) | {"diloco", "pip", "setuptools"}
     providers = metadata.packages_distributions()
-    blocked = sorted(module for module, dists in providers.items()
-                     if not {image_requirements.name_of(d) for d in dists} & in_image)
+    blocked = sorted(
+        module for module, dists in providers.items() if not {image_requirements.name_of(d) for d in dists} & in_image
+    )
     assert {"torch", "numpy", "matplotlib", "grpc_health"} <= set(blocked)
-    code = (f"import importlib, pkgutil, sys\nsys.modules.update(dict.fromkeys({blocked!r}))\n"
-            "import diloco.operator as op\n"
-            "for module in pkgutil.iter_modules(op.__path__):\n"
-            "    importlib.import_module(f'diloco.operator.{module.name}')\n")
+    code = (
+        f"import importlib, pkgutil, sys\nsys.modules.update(dict.fromkeys({blocked!r}))\n"
+        "import diloco.operator as op\n"
+        "for module in pkgutil.iter_modules(op.__path__):\n"
+        "    importlib.import_module(f'diloco.operator.{module.name}')\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr

@@ -8,17 +8,22 @@ from pathlib import Path
 
 import yaml
 from kubernetes.client import models as k8s
+from support import missing_binary
 
 from diloco.operator.children import OperatorRef
 from diloco.operator.main import PEERING_NAME
-from support import missing_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "diloco"
 MODELS = {
-    "ServiceAccount": k8s.V1ServiceAccount, "ClusterRole": k8s.V1ClusterRole,
-    "ClusterRoleBinding": k8s.V1ClusterRoleBinding, "Role": k8s.V1Role, "RoleBinding": k8s.V1RoleBinding,
-    "Deployment": k8s.V1Deployment, "Service": k8s.V1Service, "Namespace": k8s.V1Namespace,
+    "ServiceAccount": k8s.V1ServiceAccount,
+    "ClusterRole": k8s.V1ClusterRole,
+    "ClusterRoleBinding": k8s.V1ClusterRoleBinding,
+    "Role": k8s.V1Role,
+    "RoleBinding": k8s.V1RoleBinding,
+    "Deployment": k8s.V1Deployment,
+    "Service": k8s.V1Service,
+    "Namespace": k8s.V1Namespace,
 }
 
 
@@ -44,8 +49,9 @@ def render_chart(*sets: str) -> list[dict]:
 
 
 def rules_of(docs, kind, name=None):
-    return [r for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
-            for r in d["rules"]]
+    return [
+        r for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name) for r in d["rules"]
+    ]
 
 
 def normalised(rules):

@@ -12,8 +12,8 @@ import yaml
 from kubernetes.client import models as k8s
 
 from diloco.api import job as model
-from diloco.core.config import TrainingConfig
 from diloco.api.job import DiLoCoJob
+from diloco.core.config import TrainingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 _loader = importlib.util.spec_from_file_location("render", ROOT / "deploy" / "render.py")
@@ -21,10 +21,30 @@ render = importlib.util.module_from_spec(_loader)
 _loader.loader.exec_module(render)
 
 ALLOWED_KEYS = {
-    "type", "description", "default", "enum", "format", "minimum", "maximum", "exclusiveMinimum",
-    "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems", "multipleOf", "items",
-    "properties", "additionalProperties", "required", "anyOf", "x-kubernetes-preserve-unknown-fields",
-    "x-kubernetes-int-or-string", "x-kubernetes-validations", "x-kubernetes-list-type",
+    "type",
+    "description",
+    "default",
+    "enum",
+    "format",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "multipleOf",
+    "items",
+    "properties",
+    "additionalProperties",
+    "required",
+    "anyOf",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-validations",
+    "x-kubernetes-list-type",
     "x-kubernetes-list-map-keys",
 }
 TYPES = {"object", "array", "string", "integer", "number", "boolean"}
@@ -64,8 +84,9 @@ def conforms(value, node: dict) -> bool:
 
 
 def test_committed_files_are_fresh():
-    result = subprocess.run([sys.executable, str(ROOT / "deploy" / "render.py"), "--check"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "render.py"), "--check"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     assert render.stale() == []
 
@@ -96,9 +117,14 @@ def test_crd_envelope():
     assert version["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns == {
-        "Phase": ".status.phase", "Islands": ".status.islandsReady", "Outer Step": ".status.outerStep",
-        "Tokens": ".status.tokens", "Goodput": ".status.goodput", "Loss": ".status.loss",
-        "Syncers": ".status.syncer.ready", "Age": ".metadata.creationTimestamp",
+        "Phase": ".status.phase",
+        "Islands": ".status.islandsReady",
+        "Outer Step": ".status.outerStep",
+        "Tokens": ".status.tokens",
+        "Goodput": ".status.goodput",
+        "Loss": ".status.loss",
+        "Syncers": ".status.syncer.ready",
+        "Age": ".metadata.creationTimestamp",
     }
     status_props = schema()["properties"]["status"]["properties"]
     for path in columns.values():

@@ -34,17 +34,24 @@ class Target:
     cluster: Cluster | None = None
     runner: PodRunner | None = None
 
-    def kubectl(self, *args: str, stdin: str | None = None, check: bool = True,
-                timeout: float = 60) -> subprocess.CompletedProcess:
+    def kubectl(
+        self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
         return self._run("kubectl", args, stdin, check, timeout)
 
     def helm(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
         return self._run("helm", args, None, True, timeout)
 
-    def _run(self, tool: str, args: tuple[str, ...], stdin: str | None, check: bool,
-             timeout: float) -> subprocess.CompletedProcess:
-        result = subprocess.run([str(self.bin / tool), "--kubeconfig", str(self.kubeconfig), *args], input=stdin,
-                                capture_output=True, text=True, timeout=timeout)
+    def _run(
+        self, tool: str, args: tuple[str, ...], stdin: str | None, check: bool, timeout: float
+    ) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            [str(self.bin / tool), "--kubeconfig", str(self.kubeconfig), *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and result.returncode != 0:
             raise AssertionError(f"{tool} {' '.join(args)} failed: {result.stderr}")
         return result
@@ -55,8 +62,9 @@ class Target:
         if self.runner is not None:
             assert self.runner.kill(namespace, pod, signal.SIGKILL) == 1
         else:
-            self.kubectl("-n", namespace, "exec", pod, "--", "python", "-c",
-                         "import os, signal; os.kill(1, signal.SIGINT)")
+            self.kubectl(
+                "-n", namespace, "exec", pod, "--", "python", "-c", "import os, signal; os.kill(1, signal.SIGINT)"
+            )
 
     def lose_node(self, name: str) -> None:
         """A spot node preempted: its pods evicted, the Node gone."""
@@ -105,12 +113,30 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def operator(target: Target) -> Iterator[str]:
     """`helm install` of charts/diloco; yields the release's namespace. On the KWOK cluster the chart's
     Deployment runs through the pod runner like any pod (its image is this checkout)."""
-    target.helm("install", "diloco", str(ROOT / "charts" / "diloco"), "--namespace", OPERATOR_NAMESPACE,
-                "--create-namespace", "--wait", "--timeout", "120s",
-                "--set", f"image.tag={target.image_tag}", "--set", "image.pullPolicy=IfNotPresent",
-                "--set", "replicaCount=1", "--set", "resyncSeconds=2",
-                # Pods of the KWOK cluster share this machine's ports: free ones for the operator's listeners.
-                "--set", f"metrics.port={free_port()}", "--set", f"livenessPort={free_port()}")
+    target.helm(
+        "install",
+        "diloco",
+        str(ROOT / "charts" / "diloco"),
+        "--namespace",
+        OPERATOR_NAMESPACE,
+        "--create-namespace",
+        "--wait",
+        "--timeout",
+        "120s",
+        "--set",
+        f"image.tag={target.image_tag}",
+        "--set",
+        "image.pullPolicy=IfNotPresent",
+        "--set",
+        "replicaCount=1",
+        "--set",
+        "resyncSeconds=2",
+        # Pods of the KWOK cluster share this machine's ports: free ones for the operator's listeners.
+        "--set",
+        f"metrics.port={free_port()}",
+        "--set",
+        f"livenessPort={free_port()}",
+    )
     try:
         yield OPERATOR_NAMESPACE
     finally:

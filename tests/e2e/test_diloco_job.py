@@ -12,9 +12,8 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-import yaml
-
 import support
+import yaml
 
 pytestmark = [pytest.mark.process, pytest.mark.e2e]
 
@@ -44,8 +43,14 @@ def job_manifest(image_tag: str) -> str:
     template = {"spec": {"containers": [{"name": "trainer", "env": CHEAP}]}}
     spec["islands"] = [
         {"name": "solo", "replicas": 1, "resources": small, "podTemplate": template},
-        {"name": "spot", "replicas": 1, "spot": True, "nodeSelector": {"cloud.google.com/gke-spot": "true"},
-         "resources": small, "podTemplate": template},
+        {
+            "name": "spot",
+            "replicas": 1,
+            "spot": True,
+            "nodeSelector": {"cloud.google.com/gke-spot": "true"},
+            "resources": small,
+            "podTemplate": template,
+        },
     ]
     spec["syncer"] |= {"shards": 1, "resources": small}
     spec["failurePolicy"] = {"restartBudget": 5, "backoffSeconds": 1}
@@ -67,14 +72,16 @@ def island(target, name):
 
 
 def pods(target, island_name):
-    out = target.kubectl("-n", NAMESPACE, "get", "pods", "-l", f"diloco.dev/job={JOB},diloco.dev/island={island_name}",
-                         "-o", "json").stdout
+    out = target.kubectl(
+        "-n", NAMESPACE, "get", "pods", "-l", f"diloco.dev/job={JOB},diloco.dev/island={island_name}", "-o", "json"
+    ).stdout
     return json.loads(out)["items"]
 
 
 def ready(pod):
     return not pod["metadata"].get("deletionTimestamp") and any(
-        c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", ()))
+        c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", ())
+    )
 
 
 def children(target):
@@ -112,9 +119,16 @@ def test_helm_installs_a_running_operator(target, operator):
 def test_the_job_creates_its_children_and_becomes_running(target, job):
     found = wait_until(lambda: len(c := children(target)) == 10 and c)
     assert set(found) == {
-        ("ConfigMap", "tiny-config"), ("Secret", "tiny-token"), ("NetworkPolicy", "tiny-syncers"),
-        ("PersistentVolumeClaim", "tiny-syncer-0"), ("Service", "tiny-syncer-0"), ("Deployment", "tiny-syncer-0"),
-        ("Service", "tiny-solo"), ("StatefulSet", "tiny-solo"), ("Service", "tiny-spot"), ("StatefulSet", "tiny-spot"),
+        ("ConfigMap", "tiny-config"),
+        ("Secret", "tiny-token"),
+        ("NetworkPolicy", "tiny-syncers"),
+        ("PersistentVolumeClaim", "tiny-syncer-0"),
+        ("Service", "tiny-syncer-0"),
+        ("Deployment", "tiny-syncer-0"),
+        ("Service", "tiny-solo"),
+        ("StatefulSet", "tiny-solo"),
+        ("Service", "tiny-spot"),
+        ("StatefulSet", "tiny-spot"),
     }
     uid = get(target, "dilocojob", JOB)["metadata"]["uid"]
     assert all(o["metadata"]["ownerReferences"][0]["uid"] == uid for o in found.values())
@@ -126,9 +140,12 @@ def test_the_job_creates_its_children_and_becomes_running(target, job):
 
 def test_training_progress_shows_in_status(target, job):
     first = wait_until(lambda: (s := status(target)).get("outerStep", 0) > 0 and s, timeout=180)
-    later = wait_until(lambda: (s := status(target))["outerStep"] > first["outerStep"]
-                       and s["tokens"] > first["tokens"] and s, timeout=180)
+    later = wait_until(
+        lambda: (s := status(target))["outerStep"] > first["outerStep"] and s["tokens"] > first["tokens"] and s,
+        timeout=180,
+    )
     assert all(f["version"] >= later["outerStep"] for f in later["fragments"])
+
     # The operator reads each island's training loss from its rank-0 pod's metrics, at the pod's IP.
     def island_losses():
         islands = status(target)["islands"]
@@ -146,8 +163,15 @@ def test_losing_the_spot_node_reschedules_its_pod_while_the_other_island_trains_
     try:
         # The on-demand island alone keeps the job moving while the spot island is away.
         progress_beyond(target, step)
-        after = wait_until(lambda: (p := pods(target, "spot")) and ready(p[0])
-                           and p[0]["metadata"]["uid"] != before["metadata"]["uid"] and p[0], timeout=180)
+        after = wait_until(
+            lambda: (
+                (p := pods(target, "spot"))
+                and ready(p[0])
+                and p[0]["metadata"]["uid"] != before["metadata"]["uid"]
+                and p[0]
+            ),
+            timeout=180,
+        )
         assert after["spec"]["nodeName"] != lost
         record = wait_until(lambda: (i := island(target, "spot")).get("preemptions", 0) >= 1 and i)
         assert record["restarts"] == 0, "a preemption is not charged to the restart budget"
@@ -161,8 +185,9 @@ def test_a_crashing_trainer_is_restarted_and_counted(target, job):
     pod = pods(target, "solo")[0]
     target.crash(NAMESPACE, pod["metadata"]["name"])
     wait_until(lambda: island(target, "solo").get("restarts") == 1, timeout=180)
-    wait_until(lambda: island(target, "solo").get("ready") == 1 and status(target).get("phase") == "Running",
-               timeout=180)
+    wait_until(
+        lambda: island(target, "solo").get("ready") == 1 and status(target).get("phase") == "Running", timeout=180
+    )
     progress_beyond(target, status(target)["outerStep"])
 
 
@@ -180,8 +205,17 @@ def test_a_restarted_operator_changes_nothing(target, job, operator):
 
 def test_the_job_finishes_when_its_stop_condition_is_reached(target, job):
     goal = status(target)["outerStep"] + 2
-    target.kubectl("-n", NAMESPACE, "patch", "dilocojob", JOB, "--type", "merge",
-                   "-p", json.dumps({"spec": {"stopCondition": {"outerSteps": goal}}}))
+    target.kubectl(
+        "-n",
+        NAMESPACE,
+        "patch",
+        "dilocojob",
+        JOB,
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"spec": {"stopCondition": {"outerSteps": goal}}}),
+    )
     wait_until(lambda: status(target).get("phase") == "Succeeded", timeout=180)
     final = status(target)
     assert final["outerStep"] >= goal and final["completionTime"]

@@ -8,9 +8,8 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-import yaml
-
 import support
+import yaml
 
 pytestmark = [pytest.mark.process, pytest.mark.e2e]
 
@@ -19,12 +18,25 @@ NAMESPACE = "e2e-mixed"
 wait_until = partial(support.wait_until, timeout=120.0, interval=1.0)
 
 PREREQUISITES = [  # what the example's header comment says it assumes
-    {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "training-high"},
-     "value": 100000},
-    {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": "premium-rwo"},
-     "provisioner": "diloco.dev/test-provisioner", "volumeBindingMode": "Immediate"},
-    {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "corpus", "namespace": NAMESPACE},
-     "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "10Gi"}}}},
+    {
+        "apiVersion": "scheduling.k8s.io/v1",
+        "kind": "PriorityClass",
+        "metadata": {"name": "training-high"},
+        "value": 100000,
+    },
+    {
+        "apiVersion": "storage.k8s.io/v1",
+        "kind": "StorageClass",
+        "metadata": {"name": "premium-rwo"},
+        "provisioner": "diloco.dev/test-provisioner",
+        "volumeBindingMode": "Immediate",
+    },
+    {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "corpus", "namespace": NAMESPACE},
+        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "10Gi"}}},
+    },
 ]
 
 
@@ -33,8 +45,9 @@ def nodes(target):
 
 
 def island_pods(target, island):
-    out = target.kubectl("-n", NAMESPACE, "get", "pods", "-l", f"diloco.dev/job=llm-mixed,diloco.dev/island={island}",
-                         "-o", "json").stdout
+    out = target.kubectl(
+        "-n", NAMESPACE, "get", "pods", "-l", f"diloco.dev/job=llm-mixed,diloco.dev/island={island}", "-o", "json"
+    ).stdout
     return json.loads(out)["items"]
 
 
@@ -49,7 +62,9 @@ def test_mixed_generations_land_on_their_pools(target, operator):
     target.kubectl("create", "namespace", NAMESPACE)
     try:
         target.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(PREREQUISITES))
-        target.kubectl("-n", NAMESPACE, "apply", "-f", str(ROOT / "deploy" / "examples" / "spot-h100-ondemand-a100.yaml"))
+        target.kubectl(
+            "-n", NAMESPACE, "apply", "-f", str(ROOT / "deploy" / "examples" / "spot-h100-ondemand-a100.yaml")
+        )
         h100 = wait_until(lambda: running(island_pods(target, "h100-spot"), 2))
         a100 = wait_until(lambda: running(island_pods(target, "a100"), 4))
         for pod in h100:
@@ -62,9 +77,18 @@ def test_mixed_generations_land_on_their_pools(target, operator):
             assert "cloud.google.com/gke-spot" not in labels
             assert pod["spec"]["priority"] == 100000
         assert len({p["spec"]["nodeName"] for p in h100 + a100}) == 6, "8 GPUs per pod: one pod per node"
-        status = wait_until(lambda: (s := json.loads(target.kubectl(
-            "-n", NAMESPACE, "get", "dilocojob", "llm-mixed", "-o", "json").stdout).get("status") or {}).get(
-            "islandsReady") == "2/2" and s)
+        status = wait_until(
+            lambda: (
+                (
+                    s := json.loads(
+                        target.kubectl("-n", NAMESPACE, "get", "dilocojob", "llm-mixed", "-o", "json").stdout
+                    ).get("status")
+                    or {}
+                ).get("islandsReady")
+                == "2/2"
+                and s
+            )
+        )
         assert [i["ready"] for i in status["islands"]] == [2, 4]
     finally:
         target.kubectl("delete", "namespace", NAMESPACE, "--wait=true", timeout=180)

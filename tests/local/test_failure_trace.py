@@ -28,8 +28,7 @@ def test_random_trace_is_deterministic_for_a_seed_and_bounded_in_time():
 
 
 def test_no_interval_means_no_worker_kills_but_syncer_kills_stay():
-    trace = random_trace(seed=0, duration=60, mean_interval=0, workers=WORKERS, downtime=2,
-                         syncer_kills=[(10.0, 0)])
+    trace = random_trace(seed=0, duration=60, mean_interval=0, workers=WORKERS, downtime=2, syncer_kills=[(10.0, 0)])
     assert trace == [FailureEvent(10.0, "syncer:0", 2.0)]
 
 
@@ -52,11 +51,13 @@ def test_targets_say_what_they_name():
     worker = FailureEvent(1.0, worker_target("pool-a", 3), 1.0)
     assert (worker.kind, worker.island, worker.index) == ("worker", "pool-a", 3)
     assert (FailureEvent(1.0, syncer_target(2), 1.0).kind, FailureEvent(1.0, syncer_target(2), 1.0).index) == (
-        "syncer", 2)
+        "syncer",
+        2,
+    )
     assert FailureEvent(1.0, learner_target(5), 1.0).index == 5
     assert FailureEvent(1.0, chip_target(1_199_999), 1.0).index == 1_199_999
     with pytest.raises(ValueError, match="not a worker target"):
-        FailureEvent(1.0, chip_target(0), 1.0).island
+        _ = FailureEvent(1.0, chip_target(0), 1.0).island
 
 
 @pytest.mark.parametrize(
@@ -79,8 +80,10 @@ def test_negative_or_missing_times_are_refused(at, downtime):
         ("time_s,chip\n1,2\n", "not a JSON failure trace"),
         ('{"at": 1}', "a trace is a JSON list"),
         ('[{"at": 1, "target": "chip:0"}]', "event 0: an event is"),
-        ('[{"at": 1, "target": "chip:0", "downtime": 1}, {"at": "soon", "target": "chip:1", "downtime": 1}]',
-         "event 1: could not convert"),
+        (
+            '[{"at": 1, "target": "chip:0", "downtime": 1}, {"at": "soon", "target": "chip:1", "downtime": 1}]',
+            "event 1: could not convert",
+        ),
         ('[{"at": 1, "target": "gpu:0", "downtime": 1}]', "event 0: a failure target is"),
     ],
 )

@@ -6,13 +6,30 @@ from diloco.local.goodput import account, ddp_useful_seconds, diloco_useful_seco
 
 
 def step(pid, n, t, seconds=1.0, sync=0.0, island="island-0", rank=0):
-    return {"event": "step", "pid": pid, "island": island, "rank": rank, "step": n, "t": t,
-            "seconds": seconds, "sync_seconds": sync, "tokens": 10}
+    return {
+        "event": "step",
+        "pid": pid,
+        "island": island,
+        "rank": rank,
+        "step": n,
+        "t": t,
+        "seconds": seconds,
+        "sync_seconds": sync,
+        "tokens": 10,
+    }
 
 
 def merged(pid, fragment, began_at, outcome="MERGED", island="island-0"):
-    return {"event": "round", "pid": pid, "island": island, "rank": 0, "fragment": fragment,
-            "began_at": began_at, "outcome": outcome, "t": 0.0}
+    return {
+        "event": "round",
+        "pid": pid,
+        "island": island,
+        "rank": 0,
+        "fragment": fragment,
+        "began_at": began_at,
+        "outcome": outcome,
+        "t": 0.0,
+    }
 
 
 def test_steps_count_per_fragment_whose_later_push_merged():
@@ -41,8 +58,12 @@ def test_ddp_counts_the_last_execution_of_each_step_only():
 
 
 def test_allocation_runs_from_job_start_to_each_slot_end_and_goodput_divides():
-    events = [step(1, 1, 110.0, island="island-0"), step(2, 1, 120.0, island="island-1"),
-              merged(1, 0, 1, island="island-0"), merged(2, 0, 1, island="island-1")]
+    events = [
+        step(1, 1, 110.0, island="island-0"),
+        step(2, 1, 120.0, island="island-1"),
+        merged(1, 0, 1, island="island-0"),
+        merged(2, 0, 1, island="island-1"),
+    ]
     acct = account(events, mode="diloco", slots=2, fragments=1, started_at=100.0, tokens_per_eval_step=20)
     assert acct.allocated_seconds == pytest.approx(10 + 20)
     assert acct.goodput == pytest.approx(2.0 / 30.0)
@@ -50,6 +71,9 @@ def test_allocation_runs_from_job_start_to_each_slot_end_and_goodput_divides():
 
 
 def test_eval_curve_averages_islands_at_each_step():
-    events = [{"event": "eval", "step": 10, "loss": 3.0}, {"event": "eval", "step": 10, "loss": 2.0},
-              {"event": "eval", "step": 20, "loss": 1.5}]
+    events = [
+        {"event": "eval", "step": 10, "loss": 3.0},
+        {"event": "eval", "step": 10, "loss": 2.0},
+        {"event": "eval", "step": 20, "loss": 1.5},
+    ]
     assert eval_curve(events, tokens_per_eval_step=100) == [(1000, 2.5), (2000, 1.5)]

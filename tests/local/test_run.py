@@ -9,10 +9,10 @@ import threading
 import pytest
 from support import wait_until
 
-from diloco.local.goodput import load_events
 from diloco.cli import build_parser, main
 from diloco.core.config import TrainingConfig
 from diloco.local.failure_trace import FailureEvent, load_trace, save_trace
+from diloco.local.goodput import load_events
 
 pytestmark = pytest.mark.process
 
@@ -21,8 +21,21 @@ INITIAL_LOSS = math.log(256)  # an untrained byte-level model
 
 def run(tmp_path, name, *extra):
     out = tmp_path / name
-    args = ["run", "--islands", "2", "--steps", "40", "--inner-steps", "10", "--eval-every", "20", "--quiet",
-            "--out", str(out), *extra]
+    args = [
+        "run",
+        "--islands",
+        "2",
+        "--steps",
+        "40",
+        "--inner-steps",
+        "10",
+        "--eval-every",
+        "20",
+        "--quiet",
+        "--out",
+        str(out),
+        *extra,
+    ]
     assert main(args) == 0
     return json.loads((out / "summary.json").read_text()), out
 
@@ -102,7 +115,7 @@ def test_a_restarted_island_rejoins_with_the_current_fragments(tmp_path):
 def test_a_slow_island_does_not_slow_the_others(tmp_path):
     """island-1 four times slower (older hardware): island-0 keeps the pace it has beside a full-speed
     island-1, and the shards merge its deltas without waiting for island-1's."""
-    (alone,), alone_out = run(tmp_path, "alone")
+    (_alone,), alone_out = run(tmp_path, "alone")
     (slow,), slow_out = run(tmp_path, "slow", "--slowdown", "1,4")
     reference = step_rate(alone_out / "diloco", "island-0")
     fast = step_rate(slow_out / "diloco", "island-0")
@@ -116,8 +129,9 @@ def test_sync_diloco_is_a_barrier_across_all_islands(tmp_path):
     """The synchronous baseline: every merge waits for every island alive (K = M), so a fast island trains
     at the slow one's pace; killed with kill -9 mid-training, the slow island's replacement resumes the
     job's fragment schedule at the last merged due step, so the barrier goes on instead of deadlocking."""
-    (summary,), out, pid = run_killing(tmp_path, "barrier", "sync-diloco", "island-1", 12,
-                                       "--slowdown", "1,4", "--timeout", "240")
+    (summary,), out, pid = run_killing(
+        tmp_path, "barrier", "sync-diloco", "island-1", 12, "--slowdown", "1,4", "--timeout", "240"
+    )
     out = out / "sync-diloco"
     assert not summary["timed_out"] and summary["restarts"] == 1
     assert summary["merges"] > 0 and summary["islands_per_merge"] == 2, "every merge took in both islands"

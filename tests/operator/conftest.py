@@ -1,7 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from cluster.cluster import Cluster, MissingBinaries, start_cluster
@@ -12,10 +12,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def install_crds(plane: ControlPlane) -> None:
-    plane.kubectl("apply", "--server-side", "-f", str(ROOT / "deploy" / "crd.yaml"),
-                  "-f", str(ROOT / "deploy" / "peering-crds.yaml"))
-    plane.kubectl("wait", "--for", "condition=established", "--timeout", "60s",
-                  "crd/dilocojobs.diloco.dev", "crd/clusterkopfpeerings.kopf.dev")
+    plane.kubectl(
+        "apply",
+        "--server-side",
+        "-f",
+        str(ROOT / "deploy" / "crd.yaml"),
+        "-f",
+        str(ROOT / "deploy" / "peering-crds.yaml"),
+    )
+    plane.kubectl(
+        "wait",
+        "--for",
+        "condition=established",
+        "--timeout",
+        "60s",
+        "crd/dilocojobs.diloco.dev",
+        "crd/clusterkopfpeerings.kopf.dev",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,10 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+import support
 import yaml
 from cluster.controlplane import ControlPlane, free_port
 from prometheus_client.parser import text_string_to_metric_families
-
-import support
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "diloco-system"
@@ -25,19 +24,30 @@ SERVICE_ACCOUNT = "diloco-operator"
 def install(plane: ControlPlane) -> Path:
     """The operator's namespace, ServiceAccount and RBAC (deploy/rbac.yaml) and its peering object
     (deploy/operator.yaml); returns a kubeconfig that authenticates as the ServiceAccount."""
-    plane.kubectl("apply", "-f", "-", stdin=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace",
-                                                            "metadata": {"name": NAMESPACE}}))
+    plane.kubectl(
+        "apply",
+        "-f",
+        "-",
+        stdin=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}),
+    )
     plane.kubectl("apply", "-f", str(ROOT / "deploy" / "rbac.yaml"))
-    peering = [d for d in yaml.safe_load_all((ROOT / "deploy" / "operator.yaml").read_text())
-               if d["kind"] == "ClusterKopfPeering"]
+    peering = [
+        d
+        for d in yaml.safe_load_all((ROOT / "deploy" / "operator.yaml").read_text())
+        if d["kind"] == "ClusterKopfPeering"
+    ]
     plane.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(peering))
     return plane.service_account_kubeconfig(NAMESPACE, SERVICE_ACCOUNT)
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
     """The sum of the samples of Prometheus text named `name` that carry (at least) `labels`."""
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and labels.items() <= sample.labels.items())
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 class OperatorProcess:
@@ -53,14 +63,28 @@ class OperatorProcess:
 
     def start(self, timeout: float = 60) -> None:
         """Starts the process and returns once it serves metrics."""
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "POD_NAMESPACE": NAMESPACE,
-               "PYTHONWARNINGS": "ignore", "DILOCO_LOG_LEVEL": "INFO"}
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "POD_NAMESPACE": NAMESPACE,
+            "PYTHONWARNINGS": "ignore",
+            "DILOCO_LOG_LEVEL": "INFO",
+        }
         with open(self.log, "a") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "diloco.operator.main", f"--resync-seconds={self.resync}",
-                 f"--metrics-port={self.metrics_port}", f"--liveness-port={self.liveness_port}", "--probe-timeout=0.5",
-                 *self.args],
-                env=env, stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "diloco.operator.main",
+                    f"--resync-seconds={self.resync}",
+                    f"--metrics-port={self.metrics_port}",
+                    f"--liveness-port={self.liveness_port}",
+                    "--probe-timeout=0.5",
+                    *self.args,
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         support.wait_until(lambda: self.metrics() is not None, timeout=timeout, interval=0.2)
 

@@ -12,13 +12,12 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+import support
 import yaml
 from kubernetes import config as kube_config
 from operator_harness import OperatorProcess, install
 
 from diloco.operator.kube import ApiError, Kube
-
-import support
 
 # The API server answers slower than loopback gRPC: poll for a minute, twice a second.
 wait_until = partial(support.wait_until, timeout=60.0, interval=0.5)
@@ -30,11 +29,16 @@ RESYNC = 1.0
 
 
 def job_manifest(name, **spec):
-    body = {"image": "diloco-trainer:dev", "training": {"innerSteps": 20, "fragments": 2, "overlapSteps": 1},
-            "islands": [{"name": "a", "replicas": 2}, {"name": "b"}], "syncer": {"shards": 2}}
+    body = {
+        "image": "diloco-trainer:dev",
+        "training": {"innerSteps": 20, "fragments": 2, "overlapSteps": 1},
+        "islands": [{"name": "a", "replicas": 2}, {"name": "b"}],
+        "syncer": {"shards": 2},
+    }
     body.update(spec)
-    return yaml.safe_dump({"apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob", "metadata": {"name": name},
-                           "spec": body})
+    return yaml.safe_dump(
+        {"apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob", "metadata": {"name": name}, "spec": body}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +72,35 @@ def test_examples_are_accepted_with_every_default_filled_in(control_plane, kube)
     ("name", "change", "message"),
     [
         ("quorum", {"training": {"quorum": 3}}, "spec.training.quorum: Invalid value: spec.training.quorum must not"),
-        ("frag", {"training": {"innerSteps": 2, "fragments": 3, "overlapSteps": 0}, "syncer": {"shards": 1}},
-         "spec.training.fragments: Invalid value: spec.training.fragments (P) must not exceed"),
-        ("tau", {"training": {"innerSteps": 8, "fragments": 4, "overlapSteps": 2}},
-         "spec.training.overlapSteps: Invalid value"),
+        (
+            "frag",
+            {"training": {"innerSteps": 2, "fragments": 3, "overlapSteps": 0}, "syncer": {"shards": 1}},
+            "spec.training.fragments: Invalid value: spec.training.fragments (P) must not exceed",
+        ),
+        (
+            "tau",
+            {"training": {"innerSteps": 8, "fragments": 4, "overlapSteps": 2}},
+            "spec.training.overlapSteps: Invalid value",
+        ),
         ("shards", {"syncer": {"shards": 3}}, "spec.syncer.shards: Invalid value: spec.syncer.shards must not exceed"),
         ("dup", {"islands": [{"name": "a"}, {"name": "a"}]}, "spec.islands[1]: Duplicate value"),
         ("reserved", {"islands": [{"name": "syncer-1"}]}, "spec.islands[0].name: Invalid value"),
-        ("cmd", {"trainer": {"command": ["python"], "model": "tiny"}}, "cannot be set together with spec.trainer.command"),
+        (
+            "cmd",
+            {"trainer": {"command": ["python"], "model": "tiny"}},
+            "cannot be set together with spec.trainer.command",
+        ),
         ("ports", {"syncer": {"shards": 1, "port": 9090}}, "spec.syncer.metricsPort: Invalid value"),
-        ("qty", {"islands": [{"name": "a", "resources": {"limits": {"memory": "lots"}}}]},
-         "spec.islands[0].resources.limits.memory"),
-        ("alpha", {"training": {"innerSteps": 20, "fragments": 2, "overlapSteps": 1, "mixAlpha": 2}},
-         "spec.training.mixAlpha"),
+        (
+            "qty",
+            {"islands": [{"name": "a", "resources": {"limits": {"memory": "lots"}}}]},
+            "spec.islands[0].resources.limits.memory",
+        ),
+        (
+            "alpha",
+            {"training": {"innerSteps": 20, "fragments": 2, "overlapSteps": 1, "mixAlpha": 2}},
+            "spec.training.mixAlpha",
+        ),
         ("a" * 31, {}, "metadata.name: Invalid value: metadata.name must be a DNS-1035 label of at most 30"),
     ],
     ids=lambda value: value if isinstance(value, str) and len(value) < 12 else None,
@@ -92,10 +112,13 @@ def test_bad_manifests_are_refused_naming_the_field(control_plane, name, change,
 
 def test_fragments_and_shards_are_immutable(control_plane):
     control_plane.kubectl("-n", "default", "apply", "-f", "-", stdin=job_manifest("fixed"))
-    for patch, message in (({"training": {"fragments": 4, "innerSteps": 40}}, "spec.training.fragments is immutable"),
-                           ({"syncer": {"shards": 1}}, "spec.syncer.shards is immutable")):
-        result = control_plane.kubectl("-n", "default", "patch", "dj", "fixed", "--type", "merge",
-                                       "-p", json.dumps({"spec": patch}), check=False)
+    for patch, message in (
+        ({"training": {"fragments": 4, "innerSteps": 40}}, "spec.training.fragments is immutable"),
+        ({"syncer": {"shards": 1}}, "spec.syncer.shards is immutable"),
+    ):
+        result = control_plane.kubectl(
+            "-n", "default", "patch", "dj", "fixed", "--type", "merge", "-p", json.dumps({"spec": patch}), check=False
+        )
         assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
@@ -105,8 +128,9 @@ def test_fragments_and_shards_are_immutable(control_plane):
 def config_map(name, data, owner_uid=None):
     meta = {"name": name, "namespace": "api", "labels": {"diloco.dev/job": "x"}}
     if owner_uid:
-        meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": owner_uid,
-                                    "controller": True}]
+        meta["ownerReferences"] = [
+            {"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": owner_uid, "controller": True}
+        ]
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
 
 
@@ -133,25 +157,33 @@ def test_kube_never_takes_over_fields_someone_else_set(control_plane, kube):
 
 def test_every_call_is_told_to_the_observer_with_its_verb_kind_and_status(control_plane):
     seen = []
-    kube = Kube(kube_config.new_client_from_config(config_file=str(control_plane.admin_kubeconfig)),
-                observe=lambda *call: seen.append(call))
+    kube = Kube(
+        kube_config.new_client_from_config(config_file=str(control_plane.admin_kubeconfig)),
+        observe=lambda *call: seen.append(call),
+    )
     namespace(control_plane, "observed")
     kube.apply({**config_map("seen", {"k": "1"}), "metadata": {"name": "seen", "namespace": "observed"}}, force=False)
     kube.list("ConfigMap", "observed", {})
     kube.get("Node", None, "no-such-node")
     kube.delete("ConfigMap", "observed", "seen")
-    assert seen == [("apply", "ConfigMap", 201), ("list", "ConfigMap", 200), ("get", "Node", 404),
-                    ("delete", "ConfigMap", 200)]
+    assert seen == [
+        ("apply", "ConfigMap", 201),
+        ("list", "ConfigMap", 200),
+        ("get", "Node", 404),
+        ("delete", "ConfigMap", 200),
+    ]
 
 
 # --- the operator --------------------------------------------------------------------------------
 
 
 def test_an_operator_watching_named_namespaces_leaves_the_others_alone_and_answers_its_liveness_probe(
-        control_plane, kube, tmp_path):
+    control_plane, kube, tmp_path
+):
     watched, ignored = namespace(control_plane, "watched"), namespace(control_plane, "ignored")
-    scoped = OperatorProcess(install(control_plane), tmp_path / "operator.log", RESYNC,
-                             ["--namespace", watched, "--standalone"])
+    scoped = OperatorProcess(
+        install(control_plane), tmp_path / "operator.log", RESYNC, ["--namespace", watched, "--standalone"]
+    )
     scoped.start()
     try:
         for ns in (watched, ignored):
@@ -193,8 +225,12 @@ def test_the_operator_creates_every_child_and_keeps_status(control_plane, kube, 
         assert obj["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
         assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "diloco-operator"
     assert found[("StatefulSet", "demo-a")]["spec"]["replicas"] == 2
-    status = wait_until(lambda: (kube.get("DiLoCoJob", ns, "demo").get("status") or {}).get("phase") and
-                        kube.get("DiLoCoJob", ns, "demo")["status"])
+    status = wait_until(
+        lambda: (
+            (kube.get("DiLoCoJob", ns, "demo").get("status") or {}).get("phase")
+            and kube.get("DiLoCoJob", ns, "demo")["status"]
+        )
+    )
     assert status["phase"] == "Pending" and status["islandsReady"] == "0/2" and status["observedGeneration"] == 1
     assert {c["type"] for c in status["conditions"]} == {"Ready", "Degraded", "Suspended", "Complete", "Failed"}
     assert "diloco.dev/finalizer" in job["metadata"]["finalizers"]
@@ -209,12 +245,24 @@ def test_suspend_and_removing_an_island(control_plane, kube, operator):
     wait_until(lambda: all(kube.get("StatefulSet", ns, f"demo-{i}")["spec"]["replicas"] == 0 for i in "ab"))
     wait_until(lambda: kube.get("DiLoCoJob", ns, "demo")["status"]["phase"] == "Suspended")
     assert kube.get("Deployment", ns, "demo-syncer-0")["spec"]["replicas"] == 1
-    events = wait_until(lambda: control_plane.kubectl("-n", ns, "get", "events", "-o", "json").stdout.count(
-        '"reason": "Suspended"') and control_plane.kubectl("-n", ns, "get", "events").stdout)
+    events = wait_until(
+        lambda: (
+            control_plane.kubectl("-n", ns, "get", "events", "-o", "json").stdout.count('"reason": "Suspended"')
+            and control_plane.kubectl("-n", ns, "get", "events").stdout
+        )
+    )
     assert "spec.suspend is true" in events
-    control_plane.kubectl("-n", ns, "patch", "dj", "demo", "--type", "json",
-                          "-p", '[{"op": "remove", "path": "/spec/islands/1"}, '
-                                '{"op": "replace", "path": "/spec/suspend", "value": false}]')
+    control_plane.kubectl(
+        "-n",
+        ns,
+        "patch",
+        "dj",
+        "demo",
+        "--type",
+        "json",
+        "-p",
+        '[{"op": "remove", "path": "/spec/islands/1"}, {"op": "replace", "path": "/spec/suspend", "value": false}]',
+    )
     wait_until(lambda: kube.get("StatefulSet", ns, "demo-b") is None and kube.get("Service", ns, "demo-b") is None)
     wait_until(lambda: kube.get("StatefulSet", ns, "demo-a")["spec"]["replicas"] == 2)
 
@@ -224,8 +272,9 @@ def force_status(plane, kube, ns, name, status):
     patch = json.dumps({"status": status})
 
     def took():
-        plane.kubectl("-n", ns, "patch", "dj", name, "--subresource=status", "--type", "merge", "-p", patch,
-                      check=False)
+        plane.kubectl(
+            "-n", ns, "patch", "dj", name, "--subresource=status", "--type", "merge", "-p", patch, check=False
+        )
         time.sleep(3 * RESYNC)
         current = kube.get("DiLoCoJob", ns, name)
         return current is None or current.get("status", {}).get("phase") == status["phase"]
@@ -240,8 +289,12 @@ def test_a_failed_job_stays_failed_and_a_finished_one_goes_after_its_ttl(control
     wait_until(lambda: len(children(kube, ns, "broken")) == 13 and len(children(kube, ns, "done")) == 13)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     force_status(control_plane, kube, ns, "broken", {"phase": "Failed", "completionTime": now})
-    wait_until(lambda: kube.get("StatefulSet", ns, "broken-a")["spec"]["replicas"] == 0
-               and kube.get("Deployment", ns, "broken-syncer-1")["spec"]["replicas"] == 0)
+    wait_until(
+        lambda: (
+            kube.get("StatefulSet", ns, "broken-a")["spec"]["replicas"] == 0
+            and kube.get("Deployment", ns, "broken-syncer-1")["spec"]["replicas"] == 0
+        )
+    )
     time.sleep(4 * RESYNC)
     assert kube.get("DiLoCoJob", ns, "broken")["status"]["phase"] == "Failed"
     assert kube.get("StatefulSet", ns, "broken-b")["spec"]["replicas"] == 0

@@ -7,6 +7,7 @@ import json
 import pytest
 from kubernetes.client import models as k8s
 
+from diloco.api.job import DiLoCoJobSpec
 from diloco.core.config import TrainingConfig
 from diloco.operator import naming as n
 from diloco.operator.children import (
@@ -17,13 +18,16 @@ from diloco.operator.children import (
     render_children,
 )
 from diloco.operator.overrides import merge
-from diloco.api.job import DiLoCoJobSpec
 
 JOB = n.JobRef(name="demo", namespace="ml", uid="0b7c6c1e-uid")
 MODELS = {
-    "ConfigMap": k8s.V1ConfigMap, "Secret": k8s.V1Secret, "Service": k8s.V1Service,
-    "PersistentVolumeClaim": k8s.V1PersistentVolumeClaim, "Deployment": k8s.V1Deployment,
-    "StatefulSet": k8s.V1StatefulSet, "NetworkPolicy": k8s.V1NetworkPolicy,
+    "ConfigMap": k8s.V1ConfigMap,
+    "Secret": k8s.V1Secret,
+    "Service": k8s.V1Service,
+    "PersistentVolumeClaim": k8s.V1PersistentVolumeClaim,
+    "Deployment": k8s.V1Deployment,
+    "StatefulSet": k8s.V1StatefulSet,
+    "NetworkPolicy": k8s.V1NetworkPolicy,
 }
 
 
@@ -32,16 +36,32 @@ def make_spec(**overrides) -> DiLoCoJobSpec:
         "image": "reg.example/diloco:1",
         "training": {"innerSteps": 40, "fragments": 4, "overlapSteps": 2},
         "islands": [
-            {"name": "h100", "replicas": 4, "acceleratorsPerPod": 8, "spot": True,
-             "nodeSelector": {"pool": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
-             "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                 "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
-             "resources": {"requests": {"cpu": 32}, "limits": {"memory": "256Gi"}},
-             "priorityClassName": "training"},
+            {
+                "name": "h100",
+                "replicas": 4,
+                "acceleratorsPerPod": 8,
+                "spot": True,
+                "nodeSelector": {"pool": "h100"},
+                "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                            ]
+                        }
+                    }
+                },
+                "resources": {"requests": {"cpu": 32}, "limits": {"memory": "256Gi"}},
+                "priorityClassName": "training",
+            },
             {"name": "a100", "replicas": 1},
         ],
-        "syncer": {"shards": 2, "resources": {"requests": {"cpu": "2"}},
-                   "checkpoint": {"size": "20Gi", "storageClassName": "ssd"}},
+        "syncer": {
+            "shards": 2,
+            "resources": {"requests": {"cpu": "2"}},
+            "checkpoint": {"size": "20Gi", "storageClassName": "ssd"},
+        },
     }
     data.update(overrides)
     return DiLoCoJobSpec.model_validate(data)
@@ -59,10 +79,19 @@ def env_of(container) -> dict:
 
 def test_every_child_is_named_deterministically():
     assert set(render()) == {
-        ("ConfigMap", "demo-config"), ("Secret", "demo-token"), ("NetworkPolicy", "demo-syncers"),
-        ("PersistentVolumeClaim", "demo-syncer-0"), ("Service", "demo-syncer-0"), ("Deployment", "demo-syncer-0"),
-        ("PersistentVolumeClaim", "demo-syncer-1"), ("Service", "demo-syncer-1"), ("Deployment", "demo-syncer-1"),
-        ("Service", "demo-h100"), ("StatefulSet", "demo-h100"), ("Service", "demo-a100"), ("StatefulSet", "demo-a100"),
+        ("ConfigMap", "demo-config"),
+        ("Secret", "demo-token"),
+        ("NetworkPolicy", "demo-syncers"),
+        ("PersistentVolumeClaim", "demo-syncer-0"),
+        ("Service", "demo-syncer-0"),
+        ("Deployment", "demo-syncer-0"),
+        ("PersistentVolumeClaim", "demo-syncer-1"),
+        ("Service", "demo-syncer-1"),
+        ("Deployment", "demo-syncer-1"),
+        ("Service", "demo-h100"),
+        ("StatefulSet", "demo-h100"),
+        ("Service", "demo-a100"),
+        ("StatefulSet", "demo-a100"),
     }
 
 
@@ -73,24 +102,36 @@ def test_every_child_is_a_valid_kubernetes_object():
 
 
 def test_labels_and_owner_references():
-    for (kind, name), obj in render().items():
+    for (_kind, name), obj in render().items():
         meta = obj["metadata"]
         labels = meta["labels"]
         assert labels["app.kubernetes.io/name"] == "diloco", name
         assert labels["app.kubernetes.io/instance"] == "demo"
         assert labels["app.kubernetes.io/managed-by"] == "diloco-operator"
         assert labels["diloco.dev/job"] == "demo" and labels["diloco.dev/role"]
-        assert meta["ownerReferences"] == [{
-            "apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob", "name": "demo", "uid": JOB.uid,
-            "controller": True, "blockOwnerDeletion": True,
-        }]
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "diloco.dev/v1alpha1",
+                "kind": "DiLoCoJob",
+                "name": "demo",
+                "uid": JOB.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
     children = render()
     island = children[("StatefulSet", "demo-h100")]["metadata"]["labels"]
     assert (island["app.kubernetes.io/component"], island["diloco.dev/island"], island["diloco.dev/role"]) == (
-        "island", "h100", "trainer")
+        "island",
+        "h100",
+        "trainer",
+    )
     shard = children[("Deployment", "demo-syncer-1")]["metadata"]["labels"]
     assert (shard["app.kubernetes.io/component"], shard["diloco.dev/shard"], shard["diloco.dev/role"]) == (
-        "syncer", "1", "syncer")
+        "syncer",
+        "1",
+        "syncer",
+    )
 
 
 def test_rendering_is_deterministic_and_digests_track_content():
@@ -248,10 +289,17 @@ def test_pod_template_override_is_merged_last():
     override = {
         "metadata": {"labels": {"team": "llm"}},
         "spec": {
-            "containers": [{"name": "trainer", "image": "reg.example/diloco:1-cu121",
-                            "env": [{"name": "NCCL_IB_DISABLE", "value": "1"},
-                                    {"name": "DILOCO_DATA", "value": "/mnt/override"}]},
-                           {"name": "sidecar", "image": "busybox"}],
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": "reg.example/diloco:1-cu121",
+                    "env": [
+                        {"name": "NCCL_IB_DISABLE", "value": "1"},
+                        {"name": "DILOCO_DATA", "value": "/mnt/override"},
+                    ],
+                },
+                {"name": "sidecar", "image": "busybox"},
+            ],
             "volumes": [{"name": "corpus", "persistentVolumeClaim": {"claimName": "corpus"}}],
             "terminationGracePeriodSeconds": 120,
             "enableServiceLinks": None,
@@ -293,8 +341,10 @@ def test_network_policy_admits_only_the_job_and_the_operator():
     assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
     assert grpc_rule["from"] == [
         {"podSelector": {"matchLabels": {"diloco.dev/job": "demo"}}},
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "diloco-system"}},
-         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "diloco-operator"}}},
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "diloco-system"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "diloco-operator"}},
+        },
     ]
     assert metrics_rule == {"ports": [{"port": 9090, "protocol": "TCP"}]}
     alone = render(operator=None)[("NetworkPolicy", "demo-syncers")]["spec"]["ingress"][0]["from"]

@@ -14,13 +14,12 @@ from collections import Counter
 from functools import partial
 
 import pytest
+import support
 import yaml
 from kubernetes import config as kube_config
 from operator_harness import OperatorProcess, install
 
 from diloco.operator.kube import Kube
-
-import support
 
 wait_until = partial(support.wait_until, timeout=90.0, interval=0.25)
 
@@ -29,17 +28,31 @@ pytestmark = [pytest.mark.process, pytest.mark.filterwarnings("ignore:Unverified
 RESYNC = 1.0
 PEERING_LIFETIME = 6
 IMAGE = "test.invalid/diloco-trainer-kwok:test"
-CHILD_KINDS = ("ConfigMap", "Secret", "NetworkPolicy", "PersistentVolumeClaim", "Service", "Deployment",
-               "StatefulSet", "Pod")
+CHILD_KINDS = (
+    "ConfigMap",
+    "Secret",
+    "NetworkPolicy",
+    "PersistentVolumeClaim",
+    "Service",
+    "Deployment",
+    "StatefulSet",
+    "Pod",
+)
 H100 = "NVIDIA-H100-80GB-HBM3"
 A100 = "NVIDIA-A100-SXM4-80GB"
 
 
 def job_manifest(name: str, islands: list[dict], **spec) -> str:
-    body = {"image": IMAGE, "training": {"innerSteps": 20, "fragments": 2, "overlapSteps": 1},
-            "islands": islands, "syncer": {"shards": 1}, **spec}
-    return yaml.safe_dump({"apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob", "metadata": {"name": name},
-                           "spec": body})
+    body = {
+        "image": IMAGE,
+        "training": {"innerSteps": 20, "fragments": 2, "overlapSteps": 1},
+        "islands": islands,
+        "syncer": {"shards": 1},
+        **spec,
+    }
+    return yaml.safe_dump(
+        {"apiVersion": "diloco.dev/v1alpha1", "kind": "DiLoCoJob", "metadata": {"name": name}, "spec": body}
+    )
 
 
 class Operators:
@@ -51,8 +64,12 @@ class Operators:
         self.started: list[OperatorProcess] = []
 
     def start(self, priority: int) -> OperatorProcess:
-        replica = OperatorProcess(self.kubeconfig, self.dir / f"operator-{priority}.log", RESYNC,
-                                  [f"--priority={priority}", f"--peering-lifetime={PEERING_LIFETIME}"])
+        replica = OperatorProcess(
+            self.kubeconfig,
+            self.dir / f"operator-{priority}.log",
+            RESYNC,
+            [f"--priority={priority}", f"--peering-lifetime={PEERING_LIFETIME}"],
+        )
         replica.start()
         self.started.append(replica)
         return replica
@@ -97,8 +114,9 @@ def island_pods(kube, ns, job, island):
 
 def owned(kube, ns, job):
     """Every object labelled as the job's, pods included: (kind, name) -> object."""
-    return {(kind, o["metadata"]["name"]): o for kind in CHILD_KINDS
-            for o in kube.list(kind, ns, {"diloco.dev/job": job})}
+    return {
+        (kind, o["metadata"]["name"]): o for kind in CHILD_KINDS for o in kube.list(kind, ns, {"diloco.dev/job": job})
+    }
 
 
 def events(cluster, ns, reason):
@@ -109,21 +127,31 @@ def events(cluster, ns, reason):
 def test_island_pods_are_scheduled_onto_the_nodes_each_island_asks_for(operator_cluster, kube, operator):
     ns = namespace(operator_cluster, "placement")
     islands = [
-        {"name": "h100-spot", "replicas": 2, "acceleratorsPerPod": 8, "spot": True,
-         "nodeSelector": {"nvidia.com/gpu.product": H100}},
+        {
+            "name": "h100-spot",
+            "replicas": 2,
+            "acceleratorsPerPod": 8,
+            "spot": True,
+            "nodeSelector": {"nvidia.com/gpu.product": H100},
+        },
         {"name": "a100", "replicas": 3, "acceleratorsPerPod": 8, "nodeSelector": {"nvidia.com/gpu.product": A100}},
         {"name": "cpu-spot", "replicas": 2, "spot": True, "nodeSelector": {"cloud.google.com/gke-spot": "true"}},
         {"name": "cpu", "replicas": 2},
     ]
     operator_cluster.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("mixed", islands))
     wait_until(lambda: status(kube, ns, "mixed").get("islandsReady") == "4/4")
-    nodes = {n["metadata"]["name"]: n["metadata"]["labels"] for n in
-             json.loads(operator_cluster.kubectl("get", "nodes", "-o", "json").stdout)["items"]}
-    placed = {island["name"]: [nodes[p["spec"]["nodeName"]] for p in island_pods(kube, ns, "mixed", island["name"])]
-              for island in islands}
+    nodes = {
+        n["metadata"]["name"]: n["metadata"]["labels"]
+        for n in json.loads(operator_cluster.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+    }
+    placed = {
+        island["name"]: [nodes[p["spec"]["nodeName"]] for p in island_pods(kube, ns, "mixed", island["name"])]
+        for island in islands
+    }
     assert {name: len(found) for name, found in placed.items()} == {"h100-spot": 2, "a100": 3, "cpu-spot": 2, "cpu": 2}
-    assert all(n["nvidia.com/gpu.product"] == H100 and n["cloud.google.com/gke-spot"] == "true"
-               for n in placed["h100-spot"])
+    assert all(
+        n["nvidia.com/gpu.product"] == H100 and n["cloud.google.com/gke-spot"] == "true" for n in placed["h100-spot"]
+    )
     assert all(n["nvidia.com/gpu.product"] == A100 and "cloud.google.com/gke-spot" not in n for n in placed["a100"])
     # Three pods of eight GPUs each fill three A100 nodes: the scheduler really counts the extended resource.
     assert len({n["kubernetes.io/hostname"] for n in placed["a100"]}) == 3
@@ -135,12 +163,21 @@ def test_island_pods_are_scheduled_onto_the_nodes_each_island_asks_for(operator_
 
 def test_deleting_the_job_garbage_collects_every_child(operator_cluster, kube, operator):
     ns = namespace(operator_cluster, "collect")
-    operator_cluster.kubectl("-n", ns, "apply", "-f", "-",
-                             stdin=job_manifest("doomed", [{"name": "a", "replicas": 2}, {"name": "b"}]))
+    operator_cluster.kubectl(
+        "-n", ns, "apply", "-f", "-", stdin=job_manifest("doomed", [{"name": "a", "replicas": 2}, {"name": "b"}])
+    )
     wait_until(lambda: status(kube, ns, "doomed").get("phase") == "Running")
     kinds = Counter(kind for kind, _ in owned(kube, ns, "doomed"))
-    assert kinds == {"ConfigMap": 1, "Secret": 1, "NetworkPolicy": 1, "PersistentVolumeClaim": 1, "Service": 3,
-                     "Deployment": 1, "StatefulSet": 2, "Pod": 4}
+    assert kinds == {
+        "ConfigMap": 1,
+        "Secret": 1,
+        "NetworkPolicy": 1,
+        "PersistentVolumeClaim": 1,
+        "Service": 3,
+        "Deployment": 1,
+        "StatefulSet": 2,
+        "Pod": 4,
+    }
     operator_cluster.kubectl("-n", ns, "delete", "dj", "doomed", "--wait=true", timeout=90)
     wait_until(lambda: not owned(kube, ns, "doomed"))
     assert kube.list("Pod", ns, {}) == [] and kube.list("PersistentVolumeClaim", ns, {}) == []
@@ -153,29 +190,50 @@ period does (KWOK removes a deleted pod at once); the loss is judged when the po
 
 def test_preemptions_are_not_charged_to_the_restart_budget_but_failures_are(operator_cluster, kube, operator):
     ns = namespace(operator_cluster, "preempt")
-    operator_cluster.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest(
-        "spotty", [{"name": "spot", "replicas": 2, "spot": True, "nodeSelector": {"cloud.google.com/gke-spot": "true"}}],
-        failurePolicy={"restartBudget": 0, "backoffSeconds": 0}))
+    operator_cluster.kubectl(
+        "-n",
+        ns,
+        "apply",
+        "-f",
+        "-",
+        stdin=job_manifest(
+            "spotty",
+            [{"name": "spot", "replicas": 2, "spot": True, "nodeSelector": {"cloud.google.com/gke-spot": "true"}}],
+            failurePolicy={"restartBudget": 0, "backoffSeconds": 0},
+        ),
+    )
 
     def island():
         return (status(kube, ns, "spotty").get("islands") or [{}])[0]
 
     def formed():
         pods = island_pods(kube, ns, "spotty", "spot")
-        ready = [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
-                                        for c in p["status"].get("conditions", ()))]
+        ready = [
+            p
+            for p in pods
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", ()))
+        ]
         return status(kube, ns, "spotty").get("islandsReady") == "1/1" and len(ready) == len(pods) == 2 and pods
 
     # Evicted through the Eviction API, on a healthy node: the pod carries the DisruptionTarget condition.
     victim = wait_until(formed)[0]["metadata"]["name"]
-    operator_cluster.kubectl("-n", ns, "patch", "pod", victim, "--type", "merge",
-                             "-p", json.dumps({"metadata": {"finalizers": [HOLD]}}))
-    operator_cluster.kubectl("create", "--raw", f"/api/v1/namespaces/{ns}/pods/{victim}/eviction", "-f", "-",
-                             stdin=json.dumps({"apiVersion": "policy/v1", "kind": "Eviction",
-                                               "metadata": {"name": victim, "namespace": ns}}))
+    operator_cluster.kubectl(
+        "-n", ns, "patch", "pod", victim, "--type", "merge", "-p", json.dumps({"metadata": {"finalizers": [HOLD]}})
+    )
+    operator_cluster.kubectl(
+        "create",
+        "--raw",
+        f"/api/v1/namespaces/{ns}/pods/{victim}/eviction",
+        "-f",
+        "-",
+        stdin=json.dumps(
+            {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": victim, "namespace": ns}}
+        ),
+    )
     wait_until(lambda: any(r["disrupted"] for r in island().get("pods", ())))
-    operator_cluster.kubectl("-n", ns, "patch", "pod", victim, "--type", "json",
-                             "-p", '[{"op": "remove", "path": "/metadata/finalizers"}]')
+    operator_cluster.kubectl(
+        "-n", ns, "patch", "pod", victim, "--type", "json", "-p", '[{"op": "remove", "path": "/metadata/finalizers"}]'
+    )
     wait_until(lambda: island().get("preemptions") == 1)
     assert island()["restarts"] == 0 and events(operator_cluster, ns, "IslandPreempted")
 
@@ -202,10 +260,15 @@ def test_preemptions_are_not_charged_to_the_restart_budget_but_failures_are(oper
 def identities(objects):
     """What must not change when nothing is re-done: every object's UID; the resourceVersion of those only the
     operator writes (ConfigMap, Secret, Service, NetworkPolicy); the spec generation of the workloads."""
-    return {key: (o["metadata"]["uid"],
-                  o["metadata"]["resourceVersion"] if key[0] in ("ConfigMap", "Secret", "Service", "NetworkPolicy")
-                  else o["metadata"].get("generation"))
-            for key, o in objects.items()}
+    return {
+        key: (
+            o["metadata"]["uid"],
+            o["metadata"]["resourceVersion"]
+            if key[0] in ("ConfigMap", "Secret", "Service", "NetworkPolicy")
+            else o["metadata"].get("generation"),
+        )
+        for key, o in objects.items()
+    }
 
 
 def test_an_operator_killed_mid_pass_and_restarted_changes_nothing(operator_cluster, kube, operators, operator):
@@ -222,8 +285,9 @@ def test_an_operator_killed_mid_pass_and_restarted_changes_nothing(operator_clus
     wait_until(lambda: status(kube, ns, "big").get("islandsReady") == f"{len(islands)}/{len(islands)}")
     converged = owned(kube, ns, "big")
     survivors = [key for key in at_kill if key[0] != "Pod"]
-    assert {key: converged[key]["metadata"]["uid"] for key in survivors} == \
-        {key: at_kill[key]["metadata"]["uid"] for key in survivors}, "a child was recreated"
+    assert {key: converged[key]["metadata"]["uid"] for key in survivors} == {
+        key: at_kill[key]["metadata"]["uid"] for key in survivors
+    }, "a child was recreated"
 
     passes = restarted.metric("diloco_operator_reconciles_total", trigger="timer", result="ok")
     applied = restarted.metric("diloco_operator_applied_objects_total")
@@ -246,8 +310,17 @@ def test_of_two_replicas_only_one_acts_and_the_other_takes_over_when_it_dies(ope
     assert low.metric("diloco_operator_reconciles_total") == 0
 
     high.kill()
-    operator_cluster.kubectl("-n", ns, "patch", "dj", "shared", "--type", "json",
-                             "-p", '[{"op": "add", "path": "/spec/islands/-", "value": {"name": "b"}}]')
+    operator_cluster.kubectl(
+        "-n",
+        ns,
+        "patch",
+        "dj",
+        "shared",
+        "--type",
+        "json",
+        "-p",
+        '[{"op": "add", "path": "/spec/islands/-", "value": {"name": "b"}}]',
+    )
     wait_until(lambda: kube.get("StatefulSet", ns, "shared-b") is not None, timeout=PEERING_LIFETIME + 60)
     wait_until(lambda: low.metric("diloco_operator_applied_objects_total") > 0)
     wait_until(lambda: status(kube, ns, "shared").get("islandsReady") == "2/2")

@@ -8,12 +8,12 @@ import kopf
 import pytest
 from pydantic import ValidationError
 
+from diloco.api.job import DiLoCoJobSpec
 from diloco.operator import handlers
 from diloco.operator.events import Event
 from diloco.operator.main import parse_args, watched_namespaces
 from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.reconcile import Outcome
-from diloco.api.job import DiLoCoJobSpec
 
 
 class FakeReconciler:
@@ -32,9 +32,18 @@ def sample(metrics, name, **labels):
 
 
 def call(handler, **overrides):
-    kwargs = dict(body={"metadata": {"name": "demo", "namespace": "ml"}}, meta={"generation": 3},
-                  spec={"image": "x"}, status={"phase": "Pending"}, name="demo", namespace="ml", uid="u",
-                  patch={}, logger=None, retry=0)
+    kwargs = dict(
+        body={"metadata": {"name": "demo", "namespace": "ml"}},
+        meta={"generation": 3},
+        spec={"image": "x"},
+        status={"phase": "Pending"},
+        name="demo",
+        namespace="ml",
+        uid="u",
+        patch={},
+        logger=None,
+        retry=0,
+    )
     kwargs.update(overrides)
     handler(**kwargs)
     return kwargs
@@ -54,12 +63,16 @@ def test_every_trigger_runs_the_same_pass():
 def test_an_outcome_becomes_a_status_patch_events_and_metrics(monkeypatch):
     posted = []
     monkeypatch.setattr(kopf, "event", lambda body, **event: posted.append(event))
-    outcome = Outcome(status={"phase": "Running"}, events=(Event("Warning", "ApplyFailed", "Service/x: no"),),
-                      applied=("StatefulSet/demo-a", "Service/demo-a"), deleted=("Service/demo-b",),
-                      job_deleted=False)
+    outcome = Outcome(
+        status={"phase": "Running"},
+        events=(Event("Warning", "ApplyFailed", "Service/x: no"),),
+        applied=("StatefulSet/demo-a", "Service/demo-a"),
+        deleted=("Service/demo-b",),
+        job_deleted=False,
+    )
     reconciler, metrics = FakeReconciler(outcome), OperatorMetrics()
     kwargs = call(handlers._handler(reconciler, metrics, "timer"))
-    (job, generation, spec, status), = reconciler.calls
+    ((job, generation, _spec, status),) = reconciler.calls
     assert (job.name, job.namespace, job.uid, generation, status) == ("demo", "ml", "u", 3, {"phase": "Pending"})
     assert kwargs["patch"] == {"status": {"phase": "Running"}}
     assert posted == [{"type": "Warning", "reason": "ApplyFailed", "message": "Service/x: no"}]
@@ -78,8 +91,10 @@ def test_a_deleted_job_gets_no_status_patch(monkeypatch):
 
 def test_a_job_being_deleted_is_left_to_the_garbage_collector():
     reconciler, metrics = FakeReconciler(), OperatorMetrics()
-    kwargs = call(handlers._handler(reconciler, metrics, "timer"),
-                  meta={"generation": 3, "deletionTimestamp": "2026-01-01T00:00:00Z"})
+    kwargs = call(
+        handlers._handler(reconciler, metrics, "timer"),
+        meta={"generation": 3, "deletionTimestamp": "2026-01-01T00:00:00Z"},
+    )
     assert reconciler.calls == [] and kwargs["patch"] == {}
     assert sample(metrics, "diloco_operator_reconciles_total", trigger="timer", result="ok") == 0
 
@@ -150,8 +165,12 @@ def test_watched_namespaces(argv, environ, expected):
 
 def test_command_line_defaults_and_exclusions():
     args = parse_args([])
-    assert (args.resync_seconds, args.metrics_port, args.liveness_port, args.peering) == (10.0, 8000, 8080,
-                                                                                          "diloco-operator")
+    assert (args.resync_seconds, args.metrics_port, args.liveness_port, args.peering) == (
+        10.0,
+        8000,
+        8080,
+        "diloco-operator",
+    )
     assert isinstance(args, argparse.Namespace) and args.priority is None and not args.standalone
     assert args.peering_lifetime == 60 and parse_args(["--peering-lifetime", "5"]).peering_lifetime == 5
     for exclusive in (["-A", "-n", "x"], ["--standalone", "--peering", "p"]):

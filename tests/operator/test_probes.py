@@ -7,10 +7,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from diloco.transport.client import SyncerClient
 from diloco.core.config import TrainingConfig
 from diloco.operator.probes import LOSS_METRIC, shard_status, shard_statuses, trainer_loss, trainer_losses
 from diloco.syncer.server import SyncerServer
+from diloco.transport.client import SyncerClient
 
 TOKEN = "probe-token"
 

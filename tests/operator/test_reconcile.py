@@ -7,12 +7,12 @@ import datetime
 import pytest
 from pydantic import ValidationError
 
+from diloco.api.job import DiLoCoJobStatus
 from diloco.operator import naming as n
 from diloco.operator.children import OperatorRef
 from diloco.operator.kube import ApiError
 from diloco.operator.reconcile import Reconciler, contains, read_token, status_patch
 from diloco.operator.status import FragmentReport, ShardObservation
-from diloco.api.job import DiLoCoJobStatus
 
 JOB = n.JobRef(name="demo", namespace="ml", uid="job-uid")
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
@@ -33,8 +33,11 @@ class FakeKube:
         self.refuse = set()
 
     def list(self, kind, namespace, labels):
-        return [copy.deepcopy(o) for (k, ns, _), o in self.objects.items()
-                if k == kind and ns == namespace and labels.items() <= o["metadata"].get("labels", {}).items()]
+        return [
+            copy.deepcopy(o)
+            for (k, ns, _), o in self.objects.items()
+            if k == kind and ns == namespace and labels.items() <= o["metadata"].get("labels", {}).items()
+        ]
 
     def get(self, kind, namespace, name):
         return copy.deepcopy(self.objects.get((kind, namespace, name)))
@@ -64,8 +67,10 @@ class FakeKube:
 def probes(calls):
     def poll(targets, ready, token, timeout):
         calls.append((list(targets), list(ready), token))
-        return [ShardObservation(shard=i, ready=r, fragments=(FragmentReport(i, 4, 100, 0.0),) if r else None)
-                for i, r in enumerate(ready)]
+        return [
+            ShardObservation(shard=i, ready=r, fragments=(FragmentReport(i, 4, 100, 0.0),) if r else None)
+            for i, r in enumerate(ready)
+        ]
 
     return poll
 
@@ -79,10 +84,18 @@ def setup():
 
 def island_pod(island, ordinal, uid, node="n1", ready=True):
     return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": f"demo-{island}-{ordinal}", "namespace": "ml", "uid": uid,
-                     "labels": {"diloco.dev/job": "demo", "diloco.dev/island": island,
-                                "apps.kubernetes.io/pod-index": str(ordinal)}},
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"demo-{island}-{ordinal}",
+            "namespace": "ml",
+            "uid": uid,
+            "labels": {
+                "diloco.dev/job": "demo",
+                "diloco.dev/island": island,
+                "apps.kubernetes.io/pod-index": str(ordinal),
+            },
+        },
         "spec": {"nodeName": node},
         "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
     }
@@ -99,8 +112,9 @@ def test_first_pass_creates_every_child_and_a_token(setup):
     assert outcome.status["phase"] == "Pending" and outcome.status["islandsReady"] == "0/2"
     assert kube.get("StatefulSet", "ml", "demo-a")["spec"]["replicas"] == 2
     kinds = [kind for _, kind, *_ in kube.writes]
-    assert max(i for i, k in enumerate(kinds) if k not in ("Deployment", "StatefulSet")) < \
-        min(i for i, k in enumerate(kinds) if k in ("Deployment", "StatefulSet")), "workloads go last"
+    assert max(i for i, k in enumerate(kinds) if k not in ("Deployment", "StatefulSet")) < min(
+        i for i, k in enumerate(kinds) if k in ("Deployment", "StatefulSet")
+    ), "workloads go last"
     (created,) = [e for e in outcome.events if e.reason == "Created"]
     assert created.message.startswith("created 13: ConfigMap/demo-config, ") and created.message.endswith(" and 5 more")
 
@@ -132,15 +146,22 @@ def test_drift_is_corrected_but_server_defaults_are_not_drift(setup):
     sts = kube.objects[("StatefulSet", "ml", "demo-a")]
     sts["spec"]["revisionHistoryLimit"] = 10
     sts["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
-    kube.objects[("Deployment", "ml", "demo-syncer-0")]["spec"]["template"]["spec"]["containers"][0][
-        "resources"] = {"requests": {"cpu": "2000m"}}
+    kube.objects[("Deployment", "ml", "demo-syncer-0")]["spec"]["template"]["spec"]["containers"][0]["resources"] = {
+        "requests": {"cpu": "2000m"}
+    }
     kube.writes.clear()
-    assert reconciler.reconcile(JOB, 1, {**SPEC, "syncer": {"shards": 2, "resources": {"requests": {"cpu": 2}}}},
-                                None, NOW).applied == ("Deployment/demo-syncer-0", "Deployment/demo-syncer-1")
-    kube.objects[("Deployment", "ml", "demo-syncer-0")]["spec"]["template"]["spec"]["containers"][0][
-        "resources"] = {"requests": {"cpu": "2000m"}}
-    assert reconciler.reconcile(JOB, 1, {**SPEC, "syncer": {"shards": 2, "resources": {"requests": {"cpu": 2}}}},
-                                None, NOW).applied == ()
+    assert reconciler.reconcile(
+        JOB, 1, {**SPEC, "syncer": {"shards": 2, "resources": {"requests": {"cpu": 2}}}}, None, NOW
+    ).applied == ("Deployment/demo-syncer-0", "Deployment/demo-syncer-1")
+    kube.objects[("Deployment", "ml", "demo-syncer-0")]["spec"]["template"]["spec"]["containers"][0]["resources"] = {
+        "requests": {"cpu": "2000m"}
+    }
+    assert (
+        reconciler.reconcile(
+            JOB, 1, {**SPEC, "syncer": {"shards": 2, "resources": {"requests": {"cpu": 2}}}}, None, NOW
+        ).applied
+        == ()
+    )
     sts["spec"]["replicas"] = 5
     kube.objects[("ConfigMap", "ml", "demo-config")]["data"]["training.json"] = "{}"
     outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
@@ -166,12 +187,22 @@ def test_a_removed_island_loses_its_children(setup):
 
 def test_objects_the_job_does_not_own_are_neither_deleted_nor_forced(setup):
     kube, reconciler, _ = setup
-    foreign = {"apiVersion": "v1", "kind": "ConfigMap",
-               "metadata": {"name": "demo-notes", "namespace": "ml", "labels": {"diloco.dev/job": "demo"}}}
+    foreign = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "demo-notes", "namespace": "ml", "labels": {"diloco.dev/job": "demo"}},
+    }
     kube.add(foreign)
-    clash = {"apiVersion": "v1", "kind": "ConfigMap",
-             "metadata": {"name": "demo-config", "namespace": "ml", "labels": {"diloco.dev/job": "demo"},
-                          "ownerReferences": [{"uid": "someone-else", "controller": True}]}}
+    clash = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "demo-config",
+            "namespace": "ml",
+            "labels": {"diloco.dev/job": "demo"},
+            "ownerReferences": [{"uid": "someone-else", "controller": True}],
+        },
+    }
     kube.add(clash)
     kube.refuse.add("demo-config")
     outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)

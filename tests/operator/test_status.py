@@ -5,6 +5,15 @@ import datetime
 
 import pytest
 
+from diloco.api.job import (
+    DiLoCoJobSpec,
+    DiLoCoJobStatus,
+    FragmentProgress,
+    IslandSpec,
+    IslandStatus,
+    Phase,
+    StopCondition,
+)
 from diloco.operator.accounting import (
     HEALTHY,
     NodeState,
@@ -23,15 +32,6 @@ from diloco.operator.status import (
     stop_reached,
     ttl_expires_at,
 )
-from diloco.api.job import (
-    DiLoCoJobSpec,
-    DiLoCoJobStatus,
-    FragmentProgress,
-    IslandSpec,
-    IslandStatus,
-    Phase,
-    StopCondition,
-)
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, tzinfo=datetime.UTC)
 
@@ -40,12 +40,34 @@ def at(seconds: float) -> datetime.datetime:
     return T0 + datetime.timedelta(seconds=seconds)
 
 
-def pod(ordinal, uid=None, *, island="a", restarts=0, phase="Running", ready=True, disrupted=False,
-        terminating=False, node="node-1", revision="a-1", clean=False):
+def pod(
+    ordinal,
+    uid=None,
+    *,
+    island="a",
+    restarts=0,
+    phase="Running",
+    ready=True,
+    disrupted=False,
+    terminating=False,
+    node="node-1",
+    revision="a-1",
+    clean=False,
+):
     return PodObservation(
-        name=f"job-{island}-{ordinal}", island=island, ordinal=ordinal, uid=uid or f"{island}-{ordinal}-u1",
-        restarts=restarts, phase=phase, ready=ready and not terminating, terminating=terminating,
-        disrupted=disrupted, node=node, revision=revision, ip=f"10.0.0.{ordinal + 1}", last_exit_clean=clean,
+        name=f"job-{island}-{ordinal}",
+        island=island,
+        ordinal=ordinal,
+        uid=uid or f"{island}-{ordinal}-u1",
+        restarts=restarts,
+        phase=phase,
+        ready=ready and not terminating,
+        terminating=terminating,
+        disrupted=disrupted,
+        node=node,
+        revision=revision,
+        ip=f"10.0.0.{ordinal + 1}",
+        last_exit_clean=clean,
     )
 
 
@@ -66,20 +88,27 @@ def settled(pods=None, **kwargs):
 
 def raw_pod(name="job-a-1", labels=None, **status):
     return {
-        "metadata": {"name": name, "uid": "u-1",
-                     "labels": {"diloco.dev/island": "a", "controller-revision-hash": "job-a-abc", **(labels or {})}},
+        "metadata": {
+            "name": name,
+            "uid": "u-1",
+            "labels": {"diloco.dev/island": "a", "controller-revision-hash": "job-a-abc", **(labels or {})},
+        },
         "spec": {"nodeName": "n-7"},
         "status": {"phase": "Running", "podIP": "10.1.2.3", **status},
     }
 
 
 def test_observe_pod_reads_what_accounting_needs():
-    observed = observe_pod(raw_pod(
-        labels={"apps.kubernetes.io/pod-index": "1"},
-        conditions=[{"type": "Ready", "status": "True"}, {"type": "DisruptionTarget", "status": "True"}],
-        containerStatuses=[{"name": "trainer", "restartCount": 2, "lastState": {"terminated": {"exitCode": 137}}},
-                           {"name": "sidecar", "restartCount": 1}],
-    ))
+    observed = observe_pod(
+        raw_pod(
+            labels={"apps.kubernetes.io/pod-index": "1"},
+            conditions=[{"type": "Ready", "status": "True"}, {"type": "DisruptionTarget", "status": "True"}],
+            containerStatuses=[
+                {"name": "trainer", "restartCount": 2, "lastState": {"terminated": {"exitCode": 137}}},
+                {"name": "sidecar", "restartCount": 1},
+            ],
+        )
+    )
     assert (observed.island, observed.ordinal, observed.uid, observed.restarts) == ("a", 1, "u-1", 3)
     assert observed.ready and observed.disrupted and not observed.terminating and not observed.last_exit_clean
     assert (observed.node, observed.revision, observed.ip) == ("n-7", "job-a-abc", "10.1.2.3")
@@ -220,9 +249,12 @@ def test_a_new_template_revision_re_forms_the_island_uncounted():
 
 
 def job_spec(**overrides) -> DiLoCoJobSpec:
-    data = {"image": "img", "training": {"innerSteps": 20, "fragments": 2, "overlapSteps": 1},
-            "islands": [{"name": "a", "replicas": 2}, {"name": "b", "replicas": 1}],
-            "failurePolicy": {"restartBudget": 1, "backoffSeconds": 0}}
+    data = {
+        "image": "img",
+        "training": {"innerSteps": 20, "fragments": 2, "overlapSteps": 1},
+        "islands": [{"name": "a", "replicas": 2}, {"name": "b", "replicas": 1}],
+        "failurePolicy": {"restartBudget": 1, "backoffSeconds": 0},
+    }
     data.update(overrides)
     return DiLoCoJobSpec.model_validate(data)
 
@@ -267,7 +299,8 @@ def test_pending_until_syncers_and_islands_are_ready_then_running():
     assert status.islands[0].last_sync == at(10) and status.observed_generation == 1
     assert first.events == ()
     assert [(e.type, e.reason, e.message) for e in second.events] == [
-        ("Normal", "Running", "phase Pending -> Running: every island and syncer shard is ready")]
+        ("Normal", "Running", "phase Pending -> Running: every island and syncer shard is ready")
+    ]
 
 
 def test_an_island_short_of_pods_degrades_the_job_and_says_which():
@@ -279,7 +312,10 @@ def test_an_island_short_of_pods_degrades_the_job_and_says_which():
     assert "island a: 1/2 pods ready" in condition(degraded.status, "Degraded").message
     assert condition(degraded.status, "Ready").status == "False"
     assert [(e.type, e.reason, e.message) for e in degraded.events][-1] == (
-        "Warning", "Degraded", "phase Running -> Degraded: island a: 1/2 pods ready (re-forming: Failure)")
+        "Warning",
+        "Degraded",
+        "phase Running -> Degraded: island a: 1/2 pods ready (re-forming: Failure)",
+    )
     assert "Degraded" not in [e.reason for e in run(spec, [missing], status=degraded.status)[0].events]
 
 
@@ -292,8 +328,12 @@ def test_a_degraded_message_names_a_few_islands_and_counts_the_rest():
 
 def test_exhausting_the_restart_budget_fails_the_job_for_good():
     spec = job_spec()
-    crash = lambda n: Observation(pods={"a": [pod(0, restarts=n), pod(1)], "b": [pod(0, island="b")]},
-                                  shards=shards((0, 1, 1), (1, 1, 1)))
+
+    def crash(n):
+        return Observation(
+            pods={"a": [pod(0, restarts=n), pod(1)], "b": [pod(0, island="b")]}, shards=shards((0, 1, 1), (1, 1, 1))
+        )
+
     decisions = run(spec, [healthy(), crash(1), Observation(shards=shards((0, 1, 1), (1, 1, 1))), crash(3)])
     assert decisions[1].status.phase is not Phase.FAILED and decisions[1].status.islands[0].restarts == 1
     failed = decisions[3]
@@ -314,8 +354,9 @@ def test_preemptions_never_fail_the_job():
         fresh = [pod(0, f"c{i}"), pod(1, f"d{i}")]
         preempted = [pod(0, f"c{i}"), pod(1, f"d{i}", disrupted=True, terminating=True)]
         for pods in (fresh, preempted, []):
-            observations.append(Observation(pods={"a": pods, "b": [pod(0, island="b")]},
-                                            shards=shards((0, 1, 1), (1, 1, 1))))
+            observations.append(
+                Observation(pods={"a": pods, "b": [pod(0, island="b")]}, shards=shards((0, 1, 1), (1, 1, 1)))
+            )
     last = run(spec, observations)[-1]
     assert last.status.phase is Phase.DEGRADED
     assert last.status.islands[0].restarts == 0 and last.status.islands[0].preemptions == 5
@@ -336,8 +377,10 @@ def test_stop_condition_on_outer_steps_succeeds_and_winds_down():
 
 
 def test_stop_reached():
-    two = [FragmentProgress(fragment=0, shard=0, version=9, tokens=1000),
-           FragmentProgress(fragment=1, shard=0, version=4, tokens=800)]
+    two = [
+        FragmentProgress(fragment=0, shard=0, version=9, tokens=1000),
+        FragmentProgress(fragment=1, shard=0, version=4, tokens=800),
+    ]
     assert stop_reached(StopCondition(outer_steps=4), two, 2)
     assert stop_reached(StopCondition(outer_steps=5), two, 2) is None
     assert "800 tokens" in stop_reached(StopCondition(tokens=800), two, 2)
@@ -363,8 +406,9 @@ def test_suspend_scales_islands_to_zero_keeps_syncers_and_resume_brings_them_bac
 
 def test_goodput_is_ready_over_desired_pod_seconds_while_training():
     spec = job_spec()
-    half = Observation(pods={"a": [pod(0)], "b": [pod(0, island="b", ready=False)]},
-                       shards=shards((0, 1, 1), (1, 1, 1)))
+    half = Observation(
+        pods={"a": [pod(0)], "b": [pod(0, island="b", ready=False)]}, shards=shards((0, 1, 1), (1, 1, 1))
+    )
     decisions = run(spec, [healthy(), half, healthy()])
     assert decisions[0].status.goodput is None
     assert decisions[1].status.goodput == pytest.approx(1.0)
@@ -375,8 +419,9 @@ def test_goodput_is_ready_over_desired_pod_seconds_while_training():
 
 def test_losses_and_last_sync_per_island():
     spec = job_spec()
-    seen = Observation(pods=healthy().pods, shards=shards((0, 1, 1), (1, 1, 1), live=("a",)),
-                       losses={"a": 2.0, "b": 3.0})
+    seen = Observation(
+        pods=healthy().pods, shards=shards((0, 1, 1), (1, 1, 1), live=("a",)), losses={"a": 2.0, "b": 3.0}
+    )
     first, second = run(spec, [seen, Observation(pods=healthy().pods, losses={"a": 1.0})])
     assert first.status.loss == pytest.approx(2.5)
     assert [i.last_sync for i in first.status.islands] == [at(0), None]

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from diloco.local.failure_trace import FailureEvent, load_trace, save_trace
 from diloco.sim.engine import (
     SECONDS_PER_YEAR,
     Failures,
@@ -14,7 +15,6 @@ from diloco.sim.engine import (
     sample_failures,
     simulate,
 )
-from diloco.local.failure_trace import FailureEvent, load_trace, save_trace
 
 
 def chip(at: float, index: int, downtime: float) -> FailureEvent:
@@ -40,8 +40,15 @@ def one(policy: Policy, config: SimConfig, seed: int = 0):
 def test_single_repairable_unit_uptime_and_goodput():
     # One group of N chips, interruptions at N/MTBI while up, down for D = reschedule + restart each time:
     # uptime = MTBF / (MTBF + MTTR) = 1 / (1 + λD); goodput also loses the steps since the last checkpoint.
-    config = SimConfig(chips=1000, learners=1, mtbi_years=0.001, horizon_hours=24 * 30, checkpoint_steps=10,
-                       reschedule_s=10, restart_s=55)
+    config = SimConfig(
+        chips=1000,
+        learners=1,
+        mtbi_years=0.001,
+        horizon_hours=24 * 30,
+        checkpoint_steps=10,
+        reschedule_s=10,
+        restart_s=55,
+    )
     rate = config.fleet_rate
     downtime = 65.0
     run = one(Policy.DP, config)
@@ -61,8 +68,9 @@ def test_non_elastic_goodput_is_one_over_one_plus_n_r_over_m():
 def test_each_decoupled_learner_is_a_repairable_unit_that_keeps_whole_rounds():
     # With one fragment, K = 1 and a grace window shorter than tau steps no learner ever waits, so each is
     # a repairable unit (down reschedule + reform) that keeps H·floor(U / H) steps of each up-time U.
-    config = SimConfig(chips=400_000, learners=4, horizon_hours=24 * 30, fragments=1, sync_steps=20,
-                       overlap_steps=3, grace_s=2.0)
+    config = SimConfig(
+        chips=400_000, learners=4, horizon_hours=24 * 30, fragments=1, sync_steps=20, overlap_steps=3, grace_s=2.0
+    )
     rate = config.fleet_rate / config.learners
     downtime = config.reschedule_s + config.reform_s
     run = one(Policy.DECOUPLED_DILOCO, config)
@@ -83,8 +91,15 @@ def test_streaming_fragments_lose_half_a_round_on_average():
 
 def test_elastic_replica_is_a_repairable_unit_when_reforming_is_free():
     # With no re-forming pause, each replica of f chips is out for D after each of its failures (rate f/m).
-    config = SimConfig(chips=400_000, learners=4, horizon_hours=24 * 30, reform_s=0.0, failure_chips=256,
-                       reschedule_s=3600.0, step_seconds=(0.001,))
+    config = SimConfig(
+        chips=400_000,
+        learners=4,
+        horizon_hours=24 * 30,
+        reform_s=0.0,
+        failure_chips=256,
+        reschedule_s=3600.0,
+        step_seconds=(0.001,),
+    )
     per_replica = 256 * 3600.0 / SECONDS_PER_YEAR
     run = one(Policy.ELASTIC_DP, config)
     assert run.uptime == pytest.approx(1 / (1 + per_replica), abs=5e-4)
@@ -109,8 +124,7 @@ def test_without_failures_only_lockstep_wastes_mixed_generations():
 
 def test_one_failure_hand_computed():
     # 8 chips, 2 learners of 4, 1 s steps, 1000 s; chip 0 fails at 100.5 s, its replacement ready 50 s later.
-    config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, failure_chips=2,
-                       trace=(chip(100.5, 0, 50.0),))
+    config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, failure_chips=2, trace=(chip(100.5, 0, 50.0),))
     result = simulate(config)
     # DP: 100 whole steps kept, down until 100.5 + 50 + 55 = 205.5, then 794 steps.
     assert result[Policy.DP].goodput == pytest.approx((100 + 794) / 1000)
@@ -278,8 +292,7 @@ def test_a_learner_struck_while_restarting_is_back_later_and_loses_nothing_more(
     # Decoupled, learner 0 fails at 100.5 s and is due back at 100.5 + 50 + 9 = 159.5 s; struck again at
     # 150 s it is back at 150 + 50 + 9 = 209 s instead: 49.5 s more down, no progress lost twice.
     trace = (chip(100.5, 0, 50.0), chip(150.0, 1, 50.0))
-    base = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, trace=trace,
-                     policies=(Policy.DECOUPLED_DILOCO,))
+    base = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, trace=trace, policies=(Policy.DECOUPLED_DILOCO,))
     absorbed = simulate(base)[Policy.DECOUPLED_DILOCO].runs[0]
     restarted = simulate(SimConfig(**{**base.__dict__, "interrupt_recovery": True}))[Policy.DECOUPLED_DILOCO].runs[0]
     assert absorbed.goodput == pytest.approx(4 * (100.5 - 6.5 + 840.5 + 1000) / 8000)
@@ -292,8 +305,15 @@ def test_an_elastic_replica_struck_while_out_rejoins_later():
     # 100 steps on 8 chips; re-form to 109.5; 60 steps on 6 chips to 169.5 (the step in flight at the
     # rejoin at 170 s is lost); re-form to 179; 821 steps on 8 chips.
     trace = (chip(100.5, 0, 50.0), chip(120.0, 1, 50.0))
-    config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, failure_chips=2, trace=trace,
-                       policies=(Policy.ELASTIC_DP,), interrupt_recovery=True)
+    config = SimConfig(
+        chips=8,
+        learners=2,
+        horizon_hours=1000 / 3600,
+        failure_chips=2,
+        trace=trace,
+        policies=(Policy.ELASTIC_DP,),
+        interrupt_recovery=True,
+    )
     run = simulate(config)[Policy.ELASTIC_DP].runs[0]
     assert run.goodput == pytest.approx((100 * 8 + 60 * 6 + 821 * 8) / 8000)
     assert (run.failures, run.absorbed) == (2, 0)
@@ -302,8 +322,18 @@ def test_an_elastic_replica_struck_while_out_rejoins_later():
 def test_merge_latency_is_waited_out_by_a_learner_that_blocks_on_its_push():
     # tau = 0: a learner waits after each push until the merge reaches it. K = 1 and no grace merge at once,
     # and the reply takes 0.5 s: every round of 10 one-second steps costs 10.5 s, 100 rounds in 1050 s.
-    config = SimConfig(chips=2, learners=2, horizon_hours=1050 / 3600, sync_steps=10, fragments=1, overlap_steps=0,
-                       grace_s=0.0, sync_latency_s=0.5, trace=(), policies=(Policy.DECOUPLED_DILOCO,))
+    config = SimConfig(
+        chips=2,
+        learners=2,
+        horizon_hours=1050 / 3600,
+        sync_steps=10,
+        fragments=1,
+        overlap_steps=0,
+        grace_s=0.0,
+        sync_latency_s=0.5,
+        trace=(),
+        policies=(Policy.DECOUPLED_DILOCO,),
+    )
     run = simulate(config)[Policy.DECOUPLED_DILOCO].runs[0]
     assert run.goodput == pytest.approx(1000 / 1050)
     assert run.merges == 200
@@ -320,17 +350,36 @@ def test_a_dead_learner_holds_merges_for_the_grace_window_until_the_syncer_times
     # once; with a 1.5 s timeout it counts learner 0 live until 60.5 s and waits for it until then (the 2 s
     # grace window would end at 62 s), so learner 1 loses 0.5 s; with 60 s it waits out the grace, 2 s, at
     # each of its pushes until 119 s (at 60, 72, 84, 96 and 108 s): 10 s.
-    config = SimConfig(chips=2, learners=2, horizon_hours=1000 / 3600, sync_steps=10, fragments=1,
-                       overlap_steps=0, grace_s=2.0, island_timeout_s=timeout, trace=(chip(59.0, 0, 5000.0),),
-                       policies=(Policy.DECOUPLED_DILOCO,))
+    config = SimConfig(
+        chips=2,
+        learners=2,
+        horizon_hours=1000 / 3600,
+        sync_steps=10,
+        fragments=1,
+        overlap_steps=0,
+        grace_s=2.0,
+        island_timeout_s=timeout,
+        trace=(chip(59.0, 0, 5000.0),),
+        policies=(Policy.DECOUPLED_DILOCO,),
+    )
     assert simulate(config)[Policy.DECOUPLED_DILOCO].goodput == pytest.approx(goodput)
 
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"quorum": 9}, {"chips": 4}, {"fragments": 17}, {"overlap_steps": 17}, {"step_seconds": (0.0,)}, {"seeds": ()},
-     {"startup_s": -1.0}, {"sync_latency_s": -0.1}, {"island_timeout_s": -1.0}, {"startup_s": float("nan")},
-     {"step_seconds": (1.0, float("nan"))}],
+    [
+        {"quorum": 9},
+        {"chips": 4},
+        {"fragments": 17},
+        {"overlap_steps": 17},
+        {"step_seconds": (0.0,)},
+        {"seeds": ()},
+        {"startup_s": -1.0},
+        {"sync_latency_s": -0.1},
+        {"island_timeout_s": -1.0},
+        {"startup_s": float("nan")},
+        {"step_seconds": (1.0, float("nan"))},
+    ],
 )
 def test_impossible_configurations_are_refused(overrides):
     with pytest.raises(ValueError):

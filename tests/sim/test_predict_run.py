@@ -6,8 +6,8 @@ scripted kills); real processes, real kill -9."""
 import pytest
 
 from diloco.cli import main
-from diloco.sim.engine import Policy
 from diloco.local.failure_trace import FailureEvent, save_trace
+from diloco.sim.engine import Policy
 from diloco.sim.predict_run import check
 
 pytestmark = pytest.mark.process
@@ -27,9 +27,31 @@ TOLERANCE = 0.2
 def test_simulator_predicts_the_runs_ordering_and_decoupled_goodput(tmp_path):
     save_trace(tmp_path / "trace.json", TRACE)
     run_dir = tmp_path / "run"
-    args = ["run", "--compare", "--trace", str(tmp_path / "trace.json"), "--islands", "2", "--steps", "130",
-            "--batch-size", "8", "--inner-steps", "10", "--fragments", "1", "--overlap-steps", "2",
-            "--grace-seconds", "1", "--eval-every", "1000", "--quiet", "--out", str(run_dir)]
+    args = [
+        "run",
+        "--compare",
+        "--trace",
+        str(tmp_path / "trace.json"),
+        "--islands",
+        "2",
+        "--steps",
+        "130",
+        "--batch-size",
+        "8",
+        "--inner-steps",
+        "10",
+        "--fragments",
+        "1",
+        "--overlap-steps",
+        "2",
+        "--grace-seconds",
+        "1",
+        "--eval-every",
+        "1000",
+        "--quiet",
+        "--out",
+        str(run_dir),
+    ]
     assert main(args) == 0
 
     result = check(run_dir, TOLERANCE)

@@ -5,12 +5,25 @@ import csv
 import pytest
 
 from diloco.cli import main
-from diloco.sim.engine import Policy, SimConfig, simulate
 from diloco.local.failure_trace import FailureEvent, load_trace, save_trace
+from diloco.sim.engine import Policy, SimConfig, simulate
 from diloco.sim.simulate import sweep
 
-SMALL = ["--chips", "20000,40000", "--learners", "4", "--seeds", "2", "--horizon-hours", "2", "--mtbi-years", "0.1",
-         "--jobs", "1", "--no-progress"]
+SMALL = [
+    "--chips",
+    "20000,40000",
+    "--learners",
+    "4",
+    "--seeds",
+    "2",
+    "--horizon-hours",
+    "2",
+    "--mtbi-years",
+    "0.1",
+    "--jobs",
+    "1",
+    "--no-progress",
+]
 
 
 def rows(path):
@@ -44,8 +57,19 @@ def test_saved_trace_drives_the_same_numbers(tmp_path):
     # Sample once and save the failures of the largest fleet; replaying that file gives the same goodput.
     sampled, replayed = tmp_path / "sampled", tmp_path / "replayed"
     trace = tmp_path / "trace.json"
-    common = ["--chips", "40000", "--learners", "4", "--horizon-hours", "2", "--mtbi-years", "0.1", "--jobs", "1",
-              "--no-progress"]
+    common = [
+        "--chips",
+        "40000",
+        "--learners",
+        "4",
+        "--horizon-hours",
+        "2",
+        "--mtbi-years",
+        "0.1",
+        "--jobs",
+        "1",
+        "--no-progress",
+    ]
     assert main(["simulate", *common, "--seeds", "1", "--out", str(sampled), "--save-trace", str(trace)]) == 0
     events = load_trace(trace)
     assert len(events) > 50 and all(e.kind == "chip" and e.index < 40_000 for e in events)
@@ -61,8 +85,24 @@ def test_saved_trace_drives_the_same_numbers(tmp_path):
 
 def test_default_grid_compares_with_the_published_figures(tmp_path, capsys):
     out = tmp_path / "sim"
-    args = ["simulate", "--chips", "1200000", "--learners", "8", "--horizon-hours", "2", "--seeds", "1",
-            "--policies", "dp,decoupled-diloco", "--jobs", "1", "--no-progress", "--out", str(out)]
+    args = [
+        "simulate",
+        "--chips",
+        "1200000",
+        "--learners",
+        "8",
+        "--horizon-hours",
+        "2",
+        "--seeds",
+        "1",
+        "--policies",
+        "dp,decoupled-diloco",
+        "--jobs",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "Published scenarios" in printed
@@ -89,15 +129,50 @@ def test_a_run_trace_replays_its_islands_as_learners(tmp_path, capsys):
     trace = tmp_path / "trace.json"
     save_trace(trace, [FailureEvent(20.0, "worker:island-0/0", 3.0), FailureEvent(50.0, "worker:island-1/0", 3.0)])
     out = tmp_path / "sim"
-    args = ["simulate", "--chips", "2", "--learners", "2", "--horizon-hours", str(100 / 3600), "--step-seconds",
-            "0.5", "--sync-steps", "10", "--fragments", "2", "--overlap-steps", "2", "--reform-s", "4",
-            "--startup-s", "5", "--interrupt-recovery", "--trace", str(trace), "--jobs", "1", "--no-progress",
-            "--out", str(out)]
+    args = [
+        "simulate",
+        "--chips",
+        "2",
+        "--learners",
+        "2",
+        "--horizon-hours",
+        str(100 / 3600),
+        "--step-seconds",
+        "0.5",
+        "--sync-steps",
+        "10",
+        "--fragments",
+        "2",
+        "--overlap-steps",
+        "2",
+        "--reform-s",
+        "4",
+        "--startup-s",
+        "5",
+        "--interrupt-recovery",
+        "--trace",
+        str(trace),
+        "--jobs",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     table = {r["policy"]: r["goodput"] for r in rows(out / "goodput.csv")}
-    same = SimConfig(chips=2, learners=2, horizon_hours=100 / 3600, step_seconds=(0.5,), sync_steps=10, fragments=2,
-                     overlap_steps=2, reform_s=4, startup_s=5, interrupt_recovery=True,
-                     trace=(FailureEvent(20.0, "chip:0", 3.0), FailureEvent(50.0, "chip:1", 3.0)))
+    same = SimConfig(
+        chips=2,
+        learners=2,
+        horizon_hours=100 / 3600,
+        step_seconds=(0.5,),
+        sync_steps=10,
+        fragments=2,
+        overlap_steps=2,
+        reform_s=4,
+        startup_s=5,
+        interrupt_recovery=True,
+        trace=(FailureEvent(20.0, "chip:0", 3.0), FailureEvent(50.0, "chip:1", 3.0)),
+    )
     expected = simulate(same)
     assert table == {p.policy.value: f"{p.goodput:.5f}" for p in expected.policies}
     assert all(p.runs[0].failures == 2 for p in expected.policies)
@@ -112,8 +187,23 @@ def test_a_run_trace_replays_its_islands_as_learners(tmp_path, capsys):
     ],
 )
 def test_bad_input_exits_2_with_a_message(tmp_path, capsys, args, message):
-    code = main(["simulate", "--chips", "20000", "--horizon-hours", "1", "--seeds", "1", "--jobs", "1",
-                 "--no-progress", "--out", str(tmp_path), *args])
+    code = main(
+        [
+            "simulate",
+            "--chips",
+            "20000",
+            "--horizon-hours",
+            "1",
+            "--seeds",
+            "1",
+            "--jobs",
+            "1",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+            *args,
+        ]
+    )
     assert code == 2
     assert message in capsys.readouterr().err
 

@@ -7,15 +7,11 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
-
-from diloco.core.config import TrainingConfig
-from diloco.core.fragments import owned_fragments
-from diloco.syncer.server import SyncerServer
 from syncer_harness import (  # noqa: F401  (re-exported: the helpers used to live here)
     SHAPES,
     TOKEN,
@@ -23,6 +19,10 @@ from syncer_harness import (  # noqa: F401  (re-exported: the helpers used to li
     free_port,
     make_client,
 )
+
+from diloco.core.config import TrainingConfig
+from diloco.core.fragments import owned_fragments
+from diloco.syncer.server import SyncerServer
 
 
 @pytest.fixture
@@ -60,9 +60,23 @@ class SyncerProcess:
     def start(self) -> None:
         env = {**os.environ, "DILOCO_TOKEN": TOKEN, "DILOCO_LOG_LEVEL": "WARNING"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diloco.syncer.main", "--host", "127.0.0.1", "--port", str(self.port),
-             "--config", str(self.config_file), "--checkpoint-dir", str(self.checkpoint_dir),
-             "--checkpoint-interval", "0.2", "--metrics-port", "0"],
+            [
+                sys.executable,
+                "-m",
+                "diloco.syncer.main",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--config",
+                str(self.config_file),
+                "--checkpoint-dir",
+                str(self.checkpoint_dir),
+                "--checkpoint-interval",
+                "0.2",
+                "--metrics-port",
+                "0",
+            ],
             env=env,
         )
         with make_client(self.port) as client:
@@ -94,4 +108,3 @@ def syncer_process(tmp_path: Path) -> Iterator[Callable[[TrainingConfig], Syncer
     yield make
     for process in made:
         process.stop()
-

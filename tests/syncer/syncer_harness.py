@@ -4,14 +4,12 @@ with a unique name, so test modules can import it while other test folders have 
 from __future__ import annotations
 
 import socket
-from typing import Callable
 
-import pytest
 import torch
-
-from diloco.transport.client import Backoff, SyncerClient
-from diloco.core.config import TrainingConfig
 from support import wait_until  # noqa: F401  (re-exported to the syncer tests)
+
+from diloco.core.config import TrainingConfig
+from diloco.transport.client import Backoff, SyncerClient
 
 TOKEN = "test-token"
 SHAPES = {"w": (64, 32), "b": (32,)}

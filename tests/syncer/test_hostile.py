@@ -9,18 +9,12 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 import pytest
 import torch
-
-from diloco.transport import wire
-from diloco.transport.client import SyncerClient
-from diloco.syncer.server import SyncerServer
-from diloco.transport.v1 import syncer_pb2 as pb
-from diloco.transport.v1 import syncer_pb2_grpc
 from syncer_harness import (
     TOKEN,
     ReferenceFragment,
@@ -29,6 +23,12 @@ from syncer_harness import (
     random_values,
     wait_until,
 )
+
+from diloco.syncer.server import SyncerServer
+from diloco.transport import wire
+from diloco.transport.client import SyncerClient
+from diloco.transport.v1 import syncer_pb2 as pb
+from diloco.transport.v1 import syncer_pb2_grpc
 
 pytestmark = pytest.mark.process
 
@@ -72,26 +72,50 @@ def scene(start_server) -> Scene:
     reference = ReferenceFragment(config, seeds[0])
     for r in range(BASE_VERSION):  # every live island reports: each round merges at once
         round_deltas = []
-        for i, (name, client) in enumerate(islands.items()):
+        for i, (_name, client) in enumerate(islands.items()):
             delta, tokens = random_values(100 + 10 * r + i, 0.1), 100 * (i + 1)
-            client.push(0, base=pb.FragmentVersion(incarnation=incarnation, version=r), tokens=tokens,
-                        inner_steps=10, sequence=r, delta=delta, encoding=pb.FP32, block_size=0)
+            client.push(
+                0,
+                base=pb.FragmentVersion(incarnation=incarnation, version=r),
+                tokens=tokens,
+                inner_steps=10,
+                sequence=r,
+                delta=delta,
+                encoding=pb.FP32,
+                block_size=0,
+            )
             round_deltas.append((delta, tokens))
         wait_until(lambda: observer.pull(0)[0].version == r + 1)
         reference.merge(round_deltas)
     reference.assert_matches(observer.pull(0)[1])
     pending_a = (random_values(200, 0.1), 150)
-    islands["a"].push(0, base=pb.FragmentVersion(incarnation=incarnation, version=BASE_VERSION),
-                      tokens=pending_a[1], inner_steps=10, sequence=100, delta=pending_a[0],
-                      encoding=pb.FP32, block_size=0)
-    islands["c"].push(1, base=pb.FragmentVersion(incarnation=incarnation, version=0), tokens=10, inner_steps=10,
-                      sequence=0, delta=random_values(201, 0.1), encoding=pb.FP32, block_size=0)
+    islands["a"].push(
+        0,
+        base=pb.FragmentVersion(incarnation=incarnation, version=BASE_VERSION),
+        tokens=pending_a[1],
+        inner_steps=10,
+        sequence=100,
+        delta=pending_a[0],
+        encoding=pb.FP32,
+        block_size=0,
+    )
+    islands["c"].push(
+        1,
+        base=pb.FragmentVersion(incarnation=incarnation, version=0),
+        tokens=10,
+        inner_steps=10,
+        sequence=0,
+        delta=random_values(201, 0.1),
+        encoding=pb.FP32,
+        block_size=0,
+    )
     channel = grpc.insecure_channel(
         f"127.0.0.1:{server.port}",
         options=[("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)],
     )
-    yield Scene(server, syncer_pb2_grpc.SyncerStub(channel), observer, incarnation, reference,
-                {"a": pending_a}, islands)
+    yield Scene(
+        server, syncer_pb2_grpc.SyncerStub(channel), observer, incarnation, reference, {"a": pending_a}, islands
+    )
     channel.close()
     observer.close()
     for client in islands.values():
@@ -109,8 +133,16 @@ class Snapshot:
 def snapshot(scene: Scene) -> Snapshot:
     status = scene.observer.status()
     fragments = {
-        f.fragment_id: (f.seeded, f.version.incarnation, f.version.version, f.pending, f.last_contributors,
-                        f.last_merge_unix, f.max_staleness_seen, f.tokens_merged)
+        f.fragment_id: (
+            f.seeded,
+            f.version.incarnation,
+            f.version.version,
+            f.pending,
+            f.last_contributors,
+            f.last_merge_unix,
+            f.max_staleness_seen,
+            f.tokens_merged,
+        )
         for f in status.fragments
     }
     values = {}
@@ -139,16 +171,25 @@ def refused(call: Callable[[], object]) -> grpc.RpcError:
 
 # Push streams. Each builder takes the scene and the island sending, and returns the messages of one stream.
 
+
 def valid_delta(seed: int = 300) -> list[tuple[str, torch.Tensor]]:
     return random_values(seed, 0.1)
 
 
-def push_header(scene: Scene, island: str, payloads, *, fragment: int = 0, base: pb.FragmentVersion | None = None,
-                sequence: int = 7) -> pb.PushChunk:
-    return pb.PushChunk(header=pb.PushHeader(
-        island_id=island, fragment_id=fragment, base=base or scene.base(), tokens=100, inner_steps=10,
-        sequence=sequence, tensors=payloads,
-    ))
+def push_header(
+    scene: Scene, island: str, payloads, *, fragment: int = 0, base: pb.FragmentVersion | None = None, sequence: int = 7
+) -> pb.PushChunk:
+    return pb.PushChunk(
+        header=pb.PushHeader(
+            island_id=island,
+            fragment_id=fragment,
+            base=base or scene.base(),
+            tokens=100,
+            inner_steps=10,
+            sequence=sequence,
+            tensors=payloads,
+        )
+    )
 
 
 def push_stream(scene, island, named=None, encoding=pb.FP32, block_size=0, **header) -> list[pb.PushChunk]:
@@ -165,7 +206,7 @@ def corrupt_first_value(encoding: int, block_size: int, raw: bytes) -> Callable:
 
     def build(scene, island):
         payloads, blobs = wire.tensor_payloads(valid_delta(), encoding, block_size)
-        blobs[0] = raw + blobs[0][len(raw):]
+        blobs[0] = raw + blobs[0][len(raw) :]
         return with_data(scene, island, payloads, b"".join(blobs))
 
     return build
@@ -196,7 +237,7 @@ def truncated(scene, island):
 
 
 def trailing(scene, island):
-    return push_stream(scene, island) + [pb.PushChunk(data=b"\0" * 8)]
+    return [*push_stream(scene, island), pb.PushChunk(data=b"\x00" * 8)]
 
 
 def second_header(scene, island):
@@ -231,11 +272,15 @@ NAN32, INF32 = struct.pack("<f", math.nan), struct.pack("<f", math.inf)
 PUSH_CASES = {
     "wrong shape": (lambda s, i: push_stream(s, i, [("w", torch.zeros(32, 64)), ("b", torch.zeros(32))]), INVALID),
     "wrong tensor count": (lambda s, i: push_stream(s, i, valid_delta()[:1]), INVALID),
-    "extra tensor": (lambda s, i: push_stream(s, i, valid_delta() + [("c", torch.zeros(2))]), INVALID),
-    "wrong tensor name": (lambda s, i: push_stream(s, i, [("x", t) for _, t in valid_delta()[:1]] + valid_delta()[1:]),
-                          INVALID),
+    "extra tensor": (lambda s, i: push_stream(s, i, [*valid_delta(), ("c", torch.zeros(2))]), INVALID),
+    "wrong tensor name": (
+        lambda s, i: push_stream(s, i, [("x", t) for _, t in valid_delta()[:1]] + valid_delta()[1:]),
+        INVALID,
+    ),
     "bfloat16 dtype for a float32 fragment": (
-        lambda s, i: push_stream(s, i, [(n, t.bfloat16()) for n, t in valid_delta()]), INVALID),
+        lambda s, i: push_stream(s, i, [(n, t.bfloat16()) for n, t in valid_delta()]),
+        INVALID,
+    ),
     "unknown dtype": (with_payload_changes(set_field(0, dtype=7)), INVALID),
     "NaN in fp32 data": (corrupt_first_value(pb.FP32, 0, NAN32), INVALID),
     "Inf in fp32 data": (corrupt_first_value(pb.FP32, 0, INF32), INVALID),
@@ -244,32 +289,37 @@ PUSH_CASES = {
     "Inf scale in int8 data": (corrupt_first_value(pb.INT8, 32, INF32), INVALID),
     "NaN scale in int4 data": (corrupt_first_value(pb.INT4, 32, NAN32), INVALID),
     "unknown encoding": (with_payload_changes(set_field(0, encoding=9)), INVALID),
-    "odd int4 block size": (with_payload_changes(set_field(0, block_size=3), encoding=pb.INT4, block_size=32),
-                            INVALID),
-    "int8 without a block size": (with_payload_changes(set_field(0, block_size=0), encoding=pb.INT8, block_size=32),
-                                  INVALID),
+    "odd int4 block size": (with_payload_changes(set_field(0, block_size=3), encoding=pb.INT4, block_size=32), INVALID),
+    "int8 without a block size": (
+        with_payload_changes(set_field(0, block_size=0), encoding=pb.INT8, block_size=32),
+        INVALID,
+    ),
     "unknown fragment": (lambda s, i: push_stream(s, i, fragment=7), INVALID),
     "unseeded fragment": (lambda s, i: push_stream(s, i, fragment=2, base=s.base(0)), PRECONDITION),
     "stale beyond maxStaleness": (lambda s, i: push_stream(s, i, base=s.base(0)), PRECONDITION),
-    "base ahead of the current version": (lambda s, i: push_stream(s, i, base=s.base(BASE_VERSION + 1)),
-                                          PRECONDITION),
+    "base ahead of the current version": (lambda s, i: push_stream(s, i, base=s.base(BASE_VERSION + 1)), PRECONDITION),
     "base from another incarnation": (
         lambda s, i: push_stream(s, i, base=pb.FragmentVersion(incarnation=s.incarnation + 1, version=BASE_VERSION)),
-        PRECONDITION),
+        PRECONDITION,
+    ),
     "data message over 4 MiB plus slack": (oversize_message, EXHAUSTED),
     "data message over the 4 MiB chunk limit": (oversize_chunk, EXHAUSTED),
     "header declares more bytes than the fragment holds": (beyond_fragment_size, EXHAUSTED),
-    "byte_length beyond what the shape implies": (with_payload_changes(
-        lambda ps: setattr(ps[0], "byte_length", ps[0].byte_length + 4), extra=b"\0" * 4), INVALID),
-    "byte_length short of what the shape implies": (with_payload_changes(
-        lambda ps: setattr(ps[0], "byte_length", ps[0].byte_length - 4)), INVALID),
+    "byte_length beyond what the shape implies": (
+        with_payload_changes(lambda ps: setattr(ps[0], "byte_length", ps[0].byte_length + 4), extra=b"\0" * 4),
+        INVALID,
+    ),
+    "byte_length short of what the shape implies": (
+        with_payload_changes(lambda ps: setattr(ps[0], "byte_length", ps[0].byte_length - 4)),
+        INVALID,
+    ),
     "negative dimension": (with_payload_changes(lambda ps: ps[1].shape.__setitem__(0, -32)), INVALID),
     "truncated stream": (truncated, INVALID),
     "trailing bytes": (trailing, INVALID),
     "second header": (second_header, INVALID),
     "data before the header": (data_first, INVALID),
     "empty stream": (lambda s, i: [], INVALID),
-    "message with neither header nor data": (lambda s, i: push_stream(s, i)[:1] + [pb.PushChunk()], INVALID),
+    "message with neither header nor data": (lambda s, i: [*push_stream(s, i)[:1], pb.PushChunk()], INVALID),
     "no island id": (lambda s, i: push_stream(s, ""), INVALID),
 }
 
@@ -298,11 +348,12 @@ def test_refused_pushes_never_reach_a_merge(scene):
     contributions = [scene.pending["a"]]
     for i, name in enumerate("bc"):
         delta, tokens = random_values(400 + i, 0.1), 50 * (i + 1)
-        reply = scene.islands[name].push(0, base=scene.base(), tokens=tokens, inner_steps=10, sequence=9,
-                                         delta=delta, encoding=pb.FP32, block_size=0)
+        reply = scene.islands[name].push(
+            0, base=scene.base(), tokens=tokens, inner_steps=10, sequence=9, delta=delta, encoding=pb.FP32, block_size=0
+        )
         assert not reply.duplicate
         contributions.append((delta, tokens))
-    version, values = wait_until(lambda: (got := scene.observer.pull(0))[0].version == BASE_VERSION + 1 and got)
+    _version, values = wait_until(lambda: (got := scene.observer.pull(0))[0].version == BASE_VERSION + 1 and got)
     scene.reference.merge(contributions)
     scene.reference.assert_matches(values)
     status = next(f for f in scene.observer.status().fragments if f.fragment_id == 0)
@@ -310,6 +361,7 @@ def test_refused_pushes_never_reach_a_merge(scene):
 
 
 # Seeds: fragment 2 awaits its seed and must still await it after each refusal.
+
 
 def seed_chunks(fragment, payloads, blobs) -> list[pb.FragmentChunk]:
     header = pb.FragmentHeader(fragment_id=fragment, tensors=payloads)
@@ -374,8 +426,9 @@ def test_hostile_pull_is_refused(scene, request_, code):
 
 def test_join_with_another_layout_is_refused_and_does_not_make_the_island_live(scene):
     before = snapshot(scene)
-    error = refused(lambda: scene.stub.Join(pb.JoinRequest(island_id="zed", num_fragments=4), metadata=AUTH,
-                                            timeout=30))
+    error = refused(
+        lambda: scene.stub.Join(pb.JoinRequest(island_id="zed", num_fragments=4), metadata=AUTH, timeout=30)
+    )
     assert error.code() == INVALID
     assert_unchanged(before, snapshot(scene))
 
@@ -395,8 +448,9 @@ CALLS = {
     "Join": lambda s, md: s.stub.Join(pb.JoinRequest(island_id="intruder", num_fragments=3), metadata=md, timeout=30),
     "Seed": lambda s, md: s.stub.Seed(iter(seed_stream(random_values(9))), metadata=md, timeout=30),
     "PushDelta": lambda s, md: s.stub.PushDelta(iter(push_stream(s, "intruder")), metadata=md, timeout=30),
-    "Pull": lambda s, md: list(s.stub.Pull(pb.PullRequest(fragment_id=0, island_id="intruder"), metadata=md,
-                                           timeout=30)),
+    "Pull": lambda s, md: list(
+        s.stub.Pull(pb.PullRequest(fragment_id=0, island_id="intruder"), metadata=md, timeout=30)
+    ),
     "Status": lambda s, md: s.stub.Status(pb.StatusRequest(), metadata=md, timeout=30),
     "Leave": lambda s, md: s.stub.Leave(pb.LeaveRequest(island_id="intruder"), metadata=md, timeout=30),
 }
@@ -427,6 +481,7 @@ def test_a_leave_without_an_island_is_invalid(scene):
 
 
 # A client that gives up halfway
+
 
 def cancelled_push(scene: Scene, chunks: list[pb.PushChunk], data: bytes) -> None:
     """Sends the header and `data`, then cancels the call without ever half-closing the stream."""
@@ -484,6 +539,7 @@ def test_push_cancelled_after_all_its_data_counts_at_most_once(scene):
 
 # Memory: what a refused stream costs the shard
 
+
 def peak_rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         for line in status:
@@ -499,10 +555,11 @@ def test_a_header_that_lies_about_its_size_costs_no_memory(syncer_process):
     checking every declared length is that a peer is untrusted)."""
     process = syncer_process(config_for())
     declared = 1024 * MiB
-    lying = pb.TensorPayload(name="w", shape=[declared // 4], dtype=pb.FLOAT32, encoding=pb.FP32,
-                             byte_length=declared)
-    chunks = [pb.FragmentChunk(header=pb.FragmentHeader(fragment_id=0, tensors=[lying])),
-              pb.FragmentChunk(data=b"\0" * 1024)]
+    lying = pb.TensorPayload(name="w", shape=[declared // 4], dtype=pb.FLOAT32, encoding=pb.FP32, byte_length=declared)
+    chunks = [
+        pb.FragmentChunk(header=pb.FragmentHeader(fragment_id=0, tensors=[lying])),
+        pb.FragmentChunk(data=b"\0" * 1024),
+    ]
     with grpc.insecure_channel(f"127.0.0.1:{process.port}") as channel:
         stub = syncer_pb2_grpc.SyncerStub(channel)
         stub.Status(pb.StatusRequest(), metadata=AUTH, timeout=30)  # everything a call needs is loaded

@@ -12,9 +12,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-
-from diloco.syncer import checkpoint
-from diloco.transport.v1 import syncer_pb2 as pb
 from syncer_harness import (
     SHAPES,
     ReferenceFragment,
@@ -23,6 +20,9 @@ from syncer_harness import (
     random_values,
     wait_until,
 )
+
+from diloco.syncer import checkpoint
+from diloco.transport.v1 import syncer_pb2 as pb
 
 pytestmark = pytest.mark.process
 
@@ -50,8 +50,9 @@ class Worker(threading.Thread):
     client retries UNAVAILABLE by itself. Runs while `running` is set, waits while it is clear (checking it
     again between a pull and the push built on it) and stops when `stop` is set, or after `max_steps`."""
 
-    def __init__(self, port: int, index: int, running: threading.Event, stop: threading.Event,
-                 max_steps: int = 2000) -> None:
+    def __init__(
+        self, port: int, index: int, running: threading.Event, stop: threading.Event, max_steps: int = 2000
+    ) -> None:
         super().__init__(name=f"worker-{index}", daemon=True)
         self.port, self.index, self.running, self.stop, self.max_steps = port, index, running, stop, max_steps
         self.seen: list[tuple[int, int, int, str]] = []  # (fragment, incarnation, version, how)
@@ -84,8 +85,16 @@ class Worker(threading.Thread):
                         continue
                 delta = [(n, torch.randn(s, generator=generator) * 0.01) for n, s in SHAPES.items()]
                 try:
-                    reply = client.push(p, base=held[p], tokens=100 + self.index, inner_steps=10, sequence=sequence,
-                                        delta=delta, encoding=pb.INT8, block_size=32)
+                    reply = client.push(
+                        p,
+                        base=held[p],
+                        tokens=100 + self.index,
+                        inner_steps=10,
+                        sequence=sequence,
+                        delta=delta,
+                        encoding=pb.INT8,
+                        block_size=32,
+                    )
                 except grpc.RpcError as error:
                     if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
                         raise
@@ -153,7 +162,8 @@ def test_kill_9_mid_run_resumes_from_the_checkpoint(syncer_process):
             wait_until(everyone_pushed_again, timeout=60, interval=0.1)
             wait_until(
                 lambda: all(s.version.version >= ckpt[p][0] + 2 for p, s in status_by_fragment(observer).items()),
-                timeout=60, interval=0.1,
+                timeout=60,
+                interval=0.1,
             )
             assert {f"island-{i}" for i in range(3)} <= set(observer.status().live_islands)
     finally:
@@ -206,14 +216,29 @@ class Islands:
             client.join(2)
 
     def push(self, name, p, version, sequence, delta, tokens) -> pb.PushReply:
-        return self.clients[name].push(p, base=pb.FragmentVersion(incarnation=self.incarnation, version=version),
-                                       tokens=tokens, inner_steps=10, sequence=sequence, delta=delta,
-                                       encoding=pb.FP32, block_size=0)
+        return self.clients[name].push(
+            p,
+            base=pb.FragmentVersion(incarnation=self.incarnation, version=version),
+            tokens=tokens,
+            inner_steps=10,
+            sequence=sequence,
+            delta=delta,
+            encoding=pb.FP32,
+            block_size=0,
+        )
 
     def state(self, client=None) -> dict:
         return {
-            p: (f.seeded, f.version.incarnation, f.version.version, f.pending, f.last_contributors,
-                f.last_merge_unix, f.max_staleness_seen, f.tokens_merged)
+            p: (
+                f.seeded,
+                f.version.incarnation,
+                f.version.version,
+                f.pending,
+                f.last_contributors,
+                f.last_merge_unix,
+                f.max_staleness_seen,
+                f.tokens_merged,
+            )
             for p, f in status_by_fragment(client or self.clients["a"]).items()
         }
 
@@ -312,8 +337,16 @@ def test_an_interrupted_checkpoint_write_does_not_stop_a_restart(syncer_process)
             assert client.seed(p, random_values(p)).accepted
         client.join(2)
         base = client.pull(0)[0]
-        client.push(0, base=base, tokens=10, inner_steps=10, sequence=0, delta=random_values(5, 0.1),
-                    encoding=pb.FP32, block_size=0)
+        client.push(
+            0,
+            base=base,
+            tokens=10,
+            inner_steps=10,
+            sequence=0,
+            delta=random_values(5, 0.1),
+            encoding=pb.FP32,
+            block_size=0,
+        )
         wait_until(lambda: saved_versions(process).get(0) == 1, timeout=30, interval=0.1)
         assert process.signal(signal.SIGKILL) == -signal.SIGKILL
 
@@ -330,8 +363,16 @@ def test_an_interrupted_checkpoint_write_does_not_stop_a_restart(syncer_process)
         version, values = client.pull(0)
         assert version.version == 1 and same_values(values, saved["fragments"][0]["values"])
 
-        client.push(0, base=version, tokens=10, inner_steps=10, sequence=1, delta=random_values(6, 0.1),
-                    encoding=pb.FP32, block_size=0)
+        client.push(
+            0,
+            base=version,
+            tokens=10,
+            inner_steps=10,
+            sequence=1,
+            delta=random_values(6, 0.1),
+            encoding=pb.FP32,
+            block_size=0,
+        )
         wait_until(lambda: saved_versions(process).get(0) == 2, timeout=30, interval=0.1)
         assert checkpoint.load(path)["incarnation"] == version.incarnation, "checkpoints are written again"
         assert os.path.getsize(path) > 0

@@ -12,13 +12,6 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-
-from diloco.transport.auth import bearer_metadata
-from diloco.core.encoding import decode, encode, error_bound
-from diloco.syncer.metrics import SyncerMetrics
-from diloco.transport.v1 import syncer_pb2 as pb
-from diloco.transport.v1 import syncer_pb2_grpc
-
 from syncer_harness import (
     SHAPES,
     TOKEN,
@@ -30,6 +23,12 @@ from syncer_harness import (
     versions,
     wait_until,
 )
+
+from diloco.core.encoding import decode, encode, error_bound
+from diloco.syncer.metrics import SyncerMetrics
+from diloco.transport.auth import bearer_metadata
+from diloco.transport.v1 import syncer_pb2 as pb
+from diloco.transport.v1 import syncer_pb2_grpc
 
 pytestmark = pytest.mark.process
 
@@ -118,8 +117,9 @@ class TestQuorumAndGrace:
         assert (status.version.version, status.pending, status.last_contributors) == (1, 0, 2)
         assert status.tokens_merged == 400 and status.last_merge_unix > 0
 
-        db_decoded = [(n, decode(encode(t, pb.INT8, config.block_size), t.shape, pb.INT8, config.block_size))
-                      for n, t in db]
+        db_decoded = [
+            (n, decode(encode(t, pb.INT8, config.block_size), t.shape, pb.INT8, config.block_size)) for n, t in db
+        ]
         reference = ReferenceFragment(config, seeded[0])
         reference.merge([(da, 100), (db_decoded, 300)], live=3)  # c is live: the merge is 2/3 of a round
         version, values = islands["c"].pull(0)
@@ -272,8 +272,15 @@ class TestConcurrentIslands:
                             version, values = client.pull(p)
                             seen[name].append((p, version.version))
                             assert all(torch.isfinite(t).all() for _, t in values)
-                            reply = push(client, p, version, random_values(100 * index + 10 * r + p, 0.01),
-                                         tokens=10 + index, sequence=r, encoding=pb.INT4)
+                            reply = push(
+                                client,
+                                p,
+                                version,
+                                random_values(100 * index + 10 * r + p, 0.01),
+                                tokens=10 + index,
+                                sequence=r,
+                                encoding=pb.INT4,
+                            )
                             replies[name].append((p, reply))
             except Exception as error:  # reported below, with the island's name
                 errors.append((name, repr(error)))

@@ -6,19 +6,17 @@ cannot be sure what the island holds."""
 from __future__ import annotations
 
 import signal
-import urllib.request
 
 import grpc
 import pytest
 import torch
+from syncer_harness import TOKEN, config_for, make_client, random_values, wait_until
 
-from diloco.transport.client import Held
 from diloco.core.compressed_pull import values_digest
 from diloco.core.encoding import encoded_nbytes, error_bound
+from diloco.transport.client import Held
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.v1 import syncer_pb2_grpc
-
-from syncer_harness import TOKEN, config_for, make_client, random_values, wait_until
 
 pytestmark = pytest.mark.process
 
@@ -32,8 +30,16 @@ def _held(pulled) -> Held:
 
 def _merge_once(pusher, fragment: int, version: pb.FragmentVersion, seed: int) -> pb.FragmentVersion:
     """One merge of a random outer gradient (quorum 1); returns the new version."""
-    pusher.push(fragment, base=version, tokens=100, inner_steps=10, sequence=seed,
-                delta=random_values(seed, 0.05), encoding=pb.FP32, block_size=0)
+    pusher.push(
+        fragment,
+        base=version,
+        tokens=100,
+        inner_steps=10,
+        sequence=seed,
+        delta=random_values(seed, 0.05),
+        encoding=pb.FP32,
+        block_size=0,
+    )
     want = version.version + 1
     return wait_until(lambda: (v := pusher.pull(fragment)[0]).version == want and v)
 
@@ -126,7 +132,7 @@ def test_values_the_shard_did_not_serve_this_island_get_full_values(shard, lie):
 
 
 def test_a_caller_that_did_not_ask_for_differences_never_gets_one(shard):
-    server, _, pusher, _ = shard
+    server, _, _pusher, _ = shard
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     stub = syncer_pb2_grpc.SyncerStub(channel)
     held = pb.HeldValues(version=pb.FragmentVersion(incarnation=server.state.incarnation, version=0), digest=0)

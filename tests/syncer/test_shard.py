@@ -23,9 +23,7 @@ def make_shard(**overrides) -> ShardState:
 def push(shard, island, now, *, fragment=0, base=None, seq=0, delta=1.0, tokens=100, specs=SPECS):
     base = shard.fragments[fragment].version if base is None else base
     key = PushKey(island, INCARNATION, base, seq)
-    return shard.submit(
-        key, fragment, specs, [torch.full((2,), delta), torch.full((1,), delta)], tokens, 10, now
-    )
+    return shard.submit(key, fragment, specs, [torch.full((2,), delta), torch.full((1,), delta)], tokens, 10, now)
 
 
 def outer_lr_first_step(delta: float, config: TrainingConfig) -> float:
@@ -106,7 +104,6 @@ class TestQuorumAndGrace:
         assert shard.live_islands(1.0) == [] and shard.left == {"a"}
         shard.join("a", 2.0)
         assert shard.live_islands(2.0) == ["a"] and shard.left == set()
-
 
     def test_no_live_island_is_not_everyone_reporting(self):
         shard = make_shard(quorum=1, grace_seconds=5.0, island_timeout_seconds=10.0)
@@ -273,8 +270,15 @@ class TestIslandsOutOfPhase:
         torch.manual_seed(0)
         curvature, optimum = torch.linspace(0.2, 2.0, 32), torch.randn(32)
         spec = (TensorSpec("w", (32,), pb.FLOAT32),)
-        config = TrainingConfig(fragments=1, inner_steps=h, overlap_steps=0, quorum=1, grace_seconds=0.0,
-                                mix_alpha=0.5, max_staleness=2 * islands)
+        config = TrainingConfig(
+            fragments=1,
+            inner_steps=h,
+            overlap_steps=0,
+            quorum=1,
+            grace_seconds=0.0,
+            mix_alpha=0.5,
+            max_staleness=2 * islands,
+        )
         shard = ShardState(config, shard_index=0, num_shards=1, incarnation=INCARNATION)
         shard.seed(0, spec, [torch.zeros(32)])
         local = [torch.zeros(32) for _ in range(islands)]
@@ -294,6 +298,7 @@ class TestIslandsOutOfPhase:
             for i in due:
                 local[i] = torch.lerp(fragment.values[0], local[i], 0.5)
                 base[i] = (fragment.values[0].clone(), fragment.version)
+
         def loss(values: torch.Tensor) -> float:
             return 0.5 * float((curvature * (values - optimum) ** 2).sum())
 

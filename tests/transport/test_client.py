@@ -20,8 +20,15 @@ def unused_loopback_port() -> int:
 
 def test_a_set_stop_ends_a_retrying_call_with_its_last_error():
     stop = threading.Event()
-    client = SyncerClient(f"127.0.0.1:{unused_loopback_port()}", "token", island_id="island-a", timeout=1.0,
-                          retry_for=300.0, backoff=Backoff(initial=1.0, maximum=5.0), stop=stop)
+    client = SyncerClient(
+        f"127.0.0.1:{unused_loopback_port()}",
+        "token",
+        island_id="island-a",
+        timeout=1.0,
+        retry_for=300.0,
+        backoff=Backoff(initial=1.0, maximum=5.0),
+        stop=stop,
+    )
     outcome: dict[str, object] = {}
 
     def call() -> None:
@@ -46,8 +53,14 @@ def test_a_set_stop_ends_a_retrying_call_with_its_last_error():
 
 
 def test_without_stop_a_call_gives_up_only_after_retry_for():
-    client = SyncerClient(f"127.0.0.1:{unused_loopback_port()}", "token", island_id="island-a", timeout=0.5,
-                          retry_for=1.0, backoff=Backoff(initial=0.05, maximum=0.2))
+    client = SyncerClient(
+        f"127.0.0.1:{unused_loopback_port()}",
+        "token",
+        island_id="island-a",
+        timeout=0.5,
+        retry_for=1.0,
+        backoff=Backoff(initial=0.05, maximum=0.2),
+    )
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as refused:
         client.status()

@@ -352,10 +352,13 @@ def test_serialized_data_messages_are_exactly_what_protobuf_writes():
         assert pb.PushChunk(data=pb.PushChunk.FromString(raw).data).SerializeToString() == raw
 
 
-@pytest.mark.parametrize("parse, build", [
-    (parse_fragment_chunk, lambda p, b: fragment_messages(5, VERSION, p, b, 300)),
-    (parse_push_chunk, lambda p, b: push_messages(_push_header(), p, b, 300)),
-])
+@pytest.mark.parametrize(
+    "parse, build",
+    [
+        (parse_fragment_chunk, lambda p, b: fragment_messages(5, VERSION, p, b, 300)),
+        (parse_push_chunk, lambda p, b: push_messages(_push_header(), p, b, 300)),
+    ],
+)
 def test_zero_copy_parts_read_like_messages(parse, build):
     named = _named()
     payloads, blobs = tensor_payloads(named, pb.FP32, 0)

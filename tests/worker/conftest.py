@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from learner_harness import FAST_BACKOFF, TOKEN, SingleIsland
 from torch import nn
 
-from diloco.transport.client import SyncerClient
 from diloco.core.config import TrainingConfig
 from diloco.syncer.server import SyncerServer
+from diloco.transport.client import SyncerClient
 from diloco.worker.learner import Learner
-from learner_harness import FAST_BACKOFF, TOKEN, SingleIsland
 
 
 @pytest.fixture
@@ -44,7 +44,11 @@ class Shards:
 
     def start(self, index: int, port: int = 0) -> None:
         server = SyncerServer(
-            self.config, shard_index=index, num_shards=self.count, token=TOKEN, port=port,
+            self.config,
+            shard_index=index,
+            num_shards=self.count,
+            token=TOKEN,
+            port=port,
             checkpoint_dir=self.checkpoint_dir,
         )
         server.start()
@@ -84,14 +88,27 @@ def island(start_shards: Callable[..., Shards]) -> Iterator[Callable[..., Single
     """Makes islands against some `Shards` (started, unless start=False); all are closed after the test."""
     made: list[SingleIsland] = []
 
-    def make(shards: Shards, seed: int, name: str, start: bool = True, syncers: list[str] | None = None,
-             token: str = TOKEN, **options: object) -> SingleIsland:
-        options = {"backoff": FAST_BACKOFF, "retry_for": 20.0, "sync_timeout": 10.0, "close_timeout": 2.0,
-                   **options}
+    def make(
+        shards: Shards,
+        seed: int,
+        name: str,
+        start: bool = True,
+        syncers: list[str] | None = None,
+        token: str = TOKEN,
+        **options: object,
+    ) -> SingleIsland:
+        options = {"backoff": FAST_BACKOFF, "retry_for": 20.0, "sync_timeout": 10.0, "close_timeout": 2.0, **options}
 
         def learner_for(model: nn.Module, optimizer: torch.optim.Optimizer) -> Learner:
-            return Learner(model, optimizer, shards.config, syncers=syncers or shards.targets, token=token,
-                           island_id=name, **options)
+            return Learner(
+                model,
+                optimizer,
+                shards.config,
+                syncers=syncers or shards.targets,
+                token=token,
+                island_id=name,
+                **options,
+            )
 
         made_island = SingleIsland(learner_for, seed)
         made.append(made_island)

@@ -13,11 +13,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from learner_harness import BATCH, FAST_BACKOFF, TOKEN, flat_params, tiny_model
 from torch import nn
 
 from diloco.core.config import TrainingConfig
 from diloco.worker.learner import Learner
-from learner_harness import BATCH, FAST_BACKOFF, TOKEN, flat_params, tiny_model
 
 RANK_TOKENS = (16, 1)
 
@@ -31,9 +31,17 @@ def main() -> None:
     model = tiny_model(seed=100 + rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     learner = Learner(
-        model, optimizer, TrainingConfig.from_json(config_json), syncers=[syncer], token=TOKEN,
-        island_id="island-0", process_group=dist.group.WORLD, backoff=FAST_BACKOFF, retry_for=20.0,
-        sync_timeout=10.0, close_timeout=2.0,
+        model,
+        optimizer,
+        TrainingConfig.from_json(config_json),
+        syncers=[syncer],
+        token=TOKEN,
+        island_id="island-0",
+        process_group=dist.group.WORLD,
+        backoff=FAST_BACKOFF,
+        retry_for=20.0,
+        sync_timeout=10.0,
+        close_timeout=2.0,
     )
     learner.start()
     after_start = flat_params(model)

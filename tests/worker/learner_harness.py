@@ -7,8 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from diloco.transport.client import Backoff
 from diloco.core.config import TrainingConfig
+from diloco.transport.client import Backoff
 from diloco.worker.learner import Learner
 
 TOKEN = "worker-test-token"
@@ -19,7 +19,11 @@ BATCH = 16
 def make_config(**overrides: object) -> TrainingConfig:
     """H=4, P=2, τ=1, no grace window, fp32 unless a test asks otherwise."""
     settings: dict[str, object] = {
-        "inner_steps": 4, "fragments": 2, "overlap_steps": 1, "grace_seconds": 0.0, "encoding": "fp32",
+        "inner_steps": 4,
+        "fragments": 2,
+        "overlap_steps": 1,
+        "grace_seconds": 0.0,
+        "encoding": "fp32",
     }
     settings.update(overrides)
     return TrainingConfig(**settings)

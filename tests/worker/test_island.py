@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from learner_harness import make_config
 from island_rank import RANK_TOKENS
+from learner_harness import make_config
 
 pytestmark = pytest.mark.process
 
@@ -24,8 +23,17 @@ def test_two_rank_island_mixes_in_step_and_pushes_from_rank_0(start_shards, tmp_
     outs = [tmp_path / f"rank{rank}.pt" for rank in (0, 1)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(rank), "2", str(tmp_path / "store"), shards.targets[0],
-             shards.config.to_json(), str(steps), str(outs[rank])],
+            [
+                sys.executable,
+                str(SCRIPT),
+                str(rank),
+                "2",
+                str(tmp_path / "store"),
+                shards.targets[0],
+                shards.config.to_json(),
+                str(steps),
+                str(outs[rank]),
+            ],
             cwd=tmp_path,
         )
         for rank in (0, 1)
@@ -52,7 +60,7 @@ def test_two_rank_island_mixes_in_step_and_pushes_from_rank_0(start_shards, tmp_
     status = shards.status(0)
     island_tokens = sum(RANK_TOKENS)
     for p in (0, 1):
-        seeded, version, tokens = status[p]
+        _seeded, version, tokens = status[p]
         assert version >= 2 and leader["stats"]["versions"][p].version == version
         # every push carries both ranks' tokens: a whole number of steps of the island's 17 tokens
         assert tokens > 0 and tokens % island_tokens == 0

@@ -9,9 +9,9 @@ import time
 import grpc
 import pytest
 import torch
+from learner_harness import BATCH, TOKEN, flat_params, make_config, tiny_model
 
 from diloco.worker.learner import Learner
-from learner_harness import BATCH, TOKEN, flat_params, make_config, tiny_model
 
 pytestmark = pytest.mark.process
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from learner_harness import TOKEN, make_config, tiny_model
 
 from diloco.worker.learner import Learner
 from diloco.worker.stats import StatsRecorder
 from diloco.worker.sync import fragment_values
-from learner_harness import TOKEN, make_config, tiny_model
 
 
 def optimized_model():
@@ -45,8 +45,13 @@ def test_step_needs_a_started_learner():
 
 def test_more_fragments_than_tensors_is_refused():
     with pytest.raises(ValueError, match="fragments"):
-        Learner(*optimized_model(), make_config(inner_steps=8, fragments=8, overlap_steps=0),
-                syncers=["127.0.0.1:1"], token=TOKEN, island_id="a")
+        Learner(
+            *optimized_model(),
+            make_config(inner_steps=8, fragments=8, overlap_steps=0),
+            syncers=["127.0.0.1:1"],
+            token=TOKEN,
+            island_id="a",
+        )
 
 
 def test_a_fragment_of_another_model_is_refused():

@@ -9,12 +9,12 @@ import sys
 import urllib.request
 
 import pytest
+from learner_harness import TOKEN, make_config
 from prometheus_client.parser import text_string_to_metric_families
 from support import wait_until
 
 from diloco.local.launcher import free_port
 from diloco.operator.probes import trainer_loss
-from learner_harness import TOKEN, make_config
 
 pytestmark = pytest.mark.process
 
@@ -39,21 +39,44 @@ def test_a_training_worker_serves_its_progress_on_the_metrics_port(start_shards,
     config_file = tmp_path / "config.json"
     config_file.write_text(config.to_json())
     port = free_port()
-    command = [sys.executable, "-m", "diloco.worker.main", "--island", "island-7", "--syncers", shards.targets[0],
-               "--config", str(config_file), "--steps", "100000", "--batch-size", "4", "--eval-every", "5",
-               "--threads", "1", "--device", "cpu"]
+    command = [
+        sys.executable,
+        "-m",
+        "diloco.worker.main",
+        "--island",
+        "island-7",
+        "--syncers",
+        shards.targets[0],
+        "--config",
+        str(config_file),
+        "--steps",
+        "100000",
+        "--batch-size",
+        "4",
+        "--eval-every",
+        "5",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+    ]
     env = {**os.environ, "DILOCO_TOKEN": TOKEN, "DILOCO_METRICS_PORT": str(port), "OMP_NUM_THREADS": "1"}
     worker = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}/metrics"
     try:
         first = wait_until(lambda: (m := scrape(url)) and m["diloco_worker_step"] >= 1 and m, timeout=120)
         later = wait_until(
-            lambda: (m := scrape(url)) and m["diloco_worker_syncs_total{merged}"] >= 2 and m["diloco_worker_step"]
-            >= first["diloco_worker_step"] + 8 and m, timeout=120,
+            lambda: (
+                (m := scrape(url))
+                and m["diloco_worker_syncs_total{merged}"] >= 2
+                and m["diloco_worker_step"] >= first["diloco_worker_step"] + 8
+                and m
+            ),
+            timeout=120,
         )
     finally:
         worker.send_signal(signal.SIGKILL)
-        _, stderr = worker.communicate(timeout=30)
+        _, _stderr = worker.communicate(timeout=30)
     assert math.isfinite(first["diloco_worker_loss"]) and first["diloco_worker_loss"] > 0
     assert later["diloco_worker_tokens_total"] > first["diloco_worker_tokens_total"]
     assert later["diloco_worker_pushes_total"] >= 2 and later["diloco_worker_pushed_bytes_total"] > 0
@@ -71,11 +94,33 @@ def test_the_operator_reads_the_loss_a_worker_serves(start_shards, tmp_path):
     config_file = tmp_path / "config.json"
     config_file.write_text(config.to_json())
     port = free_port()
-    command = [sys.executable, "-m", "diloco.worker.main", "--island", "island-0", "--syncers", shards.targets[0],
-               "--config", str(config_file), "--steps", "100000", "--batch-size", "4", "--threads", "1",
-               "--device", "cpu", "--metrics-port", str(port)]
-    worker = subprocess.Popen(command, env={**os.environ, "DILOCO_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [
+        sys.executable,
+        "-m",
+        "diloco.worker.main",
+        "--island",
+        "island-0",
+        "--syncers",
+        shards.targets[0],
+        "--config",
+        str(config_file),
+        "--steps",
+        "100000",
+        "--batch-size",
+        "4",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+        "--metrics-port",
+        str(port),
+    ]
+    worker = subprocess.Popen(
+        command,
+        env={**os.environ, "DILOCO_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         loss = wait_until(lambda: trainer_loss(f"http://127.0.0.1:{port}/metrics", 2.0) or None, timeout=120)
     finally:

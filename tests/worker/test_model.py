@@ -5,7 +5,7 @@ import torch
 
 from diloco.core.fragments import plan_fragments
 from diloco.worker.data import BatchSampler, load_tokens
-from diloco.worker.model import PRESETS, GPT, ModelPreset, build_model, resolve_preset
+from diloco.worker.model import GPT, PRESETS, ModelPreset, build_model, resolve_preset
 
 # Stated parameter-count targets of the presets (distinct elements, tied head counted once).
 TARGETS = {"tiny": 0.84e6, "small": 25e6, "medium": 124e6, "large": 350e6}
