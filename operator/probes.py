@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from diloco.operator.status import FragmentReport, ShardObservation
+from diloco.operator.job_status import FragmentReport, ShardObservation
 from diloco.transport.auth import bearer_metadata
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.v1 import syncer_pb2_grpc as pb_grpc

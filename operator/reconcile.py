@@ -1,4 +1,4 @@
-"""One reconcile pass of one job: observe the cluster, decide (pure, `status.decide`), render the children
+"""One reconcile pass of one job: observe the cluster, decide (pure, `job_status.decide`), render the children
 (pure, `children.render_children`) and converge: apply what differs, delete what is no longer wanted.
 
 Level-based: nothing here depends on which event triggered the pass or on anything remembered between
@@ -21,12 +21,12 @@ from kubernetes.utils.quantity import parse_quantity
 
 from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus
 from diloco.operator import naming as n
-from diloco.operator.accounting import PodObservation, nodes_to_check, observe_node, observe_pod
 from diloco.operator.children import OperatorRef, child_key, render_children
 from diloco.operator.events import Event
+from diloco.operator.island_accounting import PodObservation, nodes_to_check, observe_node, observe_pod
+from diloco.operator.job_status import Observation, ShardObservation, decide
 from diloco.operator.kube import ApiError, Kube
 from diloco.operator.probes import shard_statuses, trainer_losses
-from diloco.operator.status import Observation, ShardObservation, decide
 
 log = logging.getLogger("diloco.operator")
 
@@ -40,7 +40,7 @@ LossScraper = Callable[[Mapping[str, str], float], dict[str, float]]
 
 
 @dataclass(frozen=True)
-class Outcome:
+class PassOutcome:
     """What a pass did: the status to write, events to post, objects applied and deleted."""
 
     status: dict[str, Any]
@@ -213,7 +213,7 @@ class Reconciler:
         raw_spec: Mapping[str, Any],
         raw_status: Mapping[str, Any] | None,
         now: datetime.datetime,
-    ) -> Outcome:
+    ) -> PassOutcome:
         """Raises pydantic's ValidationError for a spec the models refuse (the caller reports it)."""
         spec = DiLoCoJobSpec.model_validate(dict(raw_spec))
         previous = DiLoCoJobStatus.model_validate(dict(raw_status or {}))
@@ -260,7 +260,7 @@ class Reconciler:
                 events.append(Event("Normal", reason, f"{reason.lower()} {len(keys)}: {summarize(keys)}"))
         if decision.delete:
             self.kube.delete("DiLoCoJob", job.namespace, job.name)
-        return Outcome(
+        return PassOutcome(
             status=status_patch(decision.status),
             events=tuple(events),
             applied=tuple(applied),

@@ -13,7 +13,7 @@ from diloco.operator import handlers
 from diloco.operator.events import Event
 from diloco.operator.main import parse_args, watched_namespaces
 from diloco.operator.metrics import OperatorMetrics
-from diloco.operator.reconcile import Outcome
+from diloco.operator.reconcile import PassOutcome
 
 
 class FakeReconciler:
@@ -63,7 +63,7 @@ def test_every_trigger_runs_the_same_pass():
 def test_an_outcome_becomes_a_status_patch_events_and_metrics(monkeypatch):
     posted = []
     monkeypatch.setattr(kopf, "event", lambda body, **event: posted.append(event))
-    outcome = Outcome(
+    outcome = PassOutcome(
         status={"phase": "Running"},
         events=(Event("Warning", "ApplyFailed", "Service/x: no"),),
         applied=("StatefulSet/demo-a", "Service/demo-a"),
@@ -85,7 +85,7 @@ def test_an_outcome_becomes_a_status_patch_events_and_metrics(monkeypatch):
 
 def test_a_deleted_job_gets_no_status_patch(monkeypatch):
     monkeypatch.setattr(kopf, "event", lambda body, **event: None)
-    outcome = Outcome(status={"phase": "Succeeded"}, events=(), applied=(), deleted=(), job_deleted=True)
+    outcome = PassOutcome(status={"phase": "Succeeded"}, events=(), applied=(), deleted=(), job_deleted=True)
     assert call(handlers._handler(FakeReconciler(outcome), OperatorMetrics(), "timer"))["patch"] == {}
 
 
@@ -101,7 +101,7 @@ def test_a_job_being_deleted_is_left_to_the_garbage_collector():
 
 def test_a_timer_skips_its_turn_while_a_pass_is_under_way_and_a_change_waits_for_it(monkeypatch):
     monkeypatch.setattr(kopf, "event", lambda body, **event: None)
-    outcome = Outcome(status={"phase": "Running"}, events=(), applied=(), deleted=(), job_deleted=False)
+    outcome = PassOutcome(status={"phase": "Running"}, events=(), applied=(), deleted=(), job_deleted=False)
     reconciler, metrics, locks = FakeReconciler(outcome), OperatorMetrics(), handlers.PassLocks()
     under_way = locks.of("u")
     under_way.acquire()

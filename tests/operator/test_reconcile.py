@@ -10,9 +10,9 @@ from pydantic import ValidationError
 from diloco.api.job import DiLoCoJobStatus
 from diloco.operator import naming as n
 from diloco.operator.children import OperatorRef
+from diloco.operator.job_status import FragmentReport, ShardObservation
 from diloco.operator.kube import ApiError
 from diloco.operator.reconcile import Reconciler, contains, read_token, status_patch
-from diloco.operator.status import FragmentReport, ShardObservation
 
 JOB = n.JobRef(name="demo", namespace="ml", uid="job-uid")
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)

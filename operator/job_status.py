@@ -22,9 +22,9 @@ from diloco.api.job import (
     StopCondition,
     SyncerStatus,
 )
-from diloco.operator.accounting import IslandAccount, NodeState, PodObservation, account_island
 from diloco.operator.children import Scale
 from diloco.operator.events import Event
+from diloco.operator.island_accounting import IslandAccount, NodeState, PodObservation, account_island
 
 MAX_DETAIL_PARTS = 8
 """Islands and shards named in a Degraded message at most: with hundreds of islands, the rest are counted."""

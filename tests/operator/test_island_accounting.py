@@ -1,0 +1,188 @@
+"""Island accounting from observations: pods and nodes as observed, failures (charged to the restart budget)
+versus preemptions (never charged), and when an island re-forms."""
+
+import pytest
+from status_builders import T0, at, pod
+
+from diloco.api.job import IslandSpec
+from diloco.operator.island_accounting import (
+    HEALTHY,
+    NodeState,
+    account_island,
+    nodes_to_check,
+    observe_node,
+    observe_pod,
+)
+
+ISLAND = IslandSpec(name="a", replicas=2)
+
+
+def step(previous, pods, *, now=T0, nodes=None, revision=None, active=True, backoff=10, island=ISLAND):
+    return account_island(previous, island, pods, nodes or {}, revision, active, backoff, now)
+
+
+def settled(pods=None, **kwargs):
+    """The island after a first, uneventful pass over `pods` (two healthy ready pods by default)."""
+    return step(None, pods if pods is not None else [pod(0), pod(1)], **kwargs).status
+
+
+# --- observing pods and nodes -------------------------------------------------------------------
+
+
+def raw_pod(name="job-a-1", labels=None, **status):
+    return {
+        "metadata": {
+            "name": name,
+            "uid": "u-1",
+            "labels": {"diloco.dev/island": "a", "controller-revision-hash": "job-a-abc", **(labels or {})},
+        },
+        "spec": {"nodeName": "n-7"},
+        "status": {"phase": "Running", "podIP": "10.1.2.3", **status},
+    }
+
+
+def test_observe_pod_reads_what_accounting_needs():
+    observed = observe_pod(
+        raw_pod(
+            labels={"apps.kubernetes.io/pod-index": "1"},
+            conditions=[{"type": "Ready", "status": "True"}, {"type": "DisruptionTarget", "status": "True"}],
+            containerStatuses=[
+                {"name": "trainer", "restartCount": 2, "lastState": {"terminated": {"exitCode": 137}}},
+                {"name": "sidecar", "restartCount": 1},
+            ],
+        )
+    )
+    assert (observed.island, observed.ordinal, observed.uid, observed.restarts) == ("a", 1, "u-1", 3)
+    assert observed.ready and observed.disrupted and not observed.terminating and not observed.last_exit_clean
+    assert (observed.node, observed.revision, observed.ip) == ("n-7", "job-a-abc", "10.1.2.3")
+
+
+def test_observe_pod_falls_back_to_the_name_and_skips_foreign_pods():
+    assert observe_pod(raw_pod(name="job-a-12")).ordinal == 12
+    terminating = raw_pod(conditions=[{"type": "Ready", "status": "True"}])
+    terminating["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert not observe_pod(terminating).ready and observe_pod(terminating).terminating
+    syncer_pod = raw_pod(name="job-syncer-0-7d9f-x2")
+    del syncer_pod["metadata"]["labels"]["diloco.dev/island"]
+    assert observe_pod(syncer_pod) is None
+
+
+def test_observe_pod_sees_a_clean_exit():
+    clean = raw_pod(containerStatuses=[{"restartCount": 1, "lastState": {"terminated": {"exitCode": 0}}}])
+    assert observe_pod(clean).last_exit_clean
+
+
+def test_observe_node():
+    assert observe_node(None) == NodeState(exists=False) and not observe_node(None).healthy
+    ready = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    assert observe_node(ready).healthy
+    assert not observe_node({"status": {"conditions": [{"type": "Ready", "status": "Unknown"}]}}).healthy
+    assert not observe_node({**ready, "spec": {"unschedulable": True}}).healthy
+
+
+def test_nodes_are_looked_up_only_for_unexplained_losses():
+    previous = settled([pod(0, node="n0"), pod(1, node="n1")])
+    assert nodes_to_check(previous.pods, [pod(0, node="n0"), pod(1, node="n1")]) == set()
+    assert nodes_to_check(previous.pods, [pod(0, node="n0")]) == {"n1"}
+    assert nodes_to_check(previous.pods, [pod(0, node="n0"), pod(1, "new", node="n2")]) == {"n1"}
+    assert nodes_to_check(previous.pods, [pod(0, node="n0"), pod(1, phase="Failed", node="n1")]) == {"n1"}
+
+
+# --- failures, preemptions, re-forming -----------------------------------------------------------
+
+
+def test_first_sight_charges_no_history():
+    account = step(None, [pod(0, restarts=5), pod(1)])
+    assert account.status.restarts == 0 and account.replicas == 2 and account.events == ()
+    assert [r.restarts for r in account.status.pods] == [5, 0]
+
+
+def test_a_container_restart_is_one_failure_and_re_forms_the_island_after_the_backoff():
+    previous = settled()
+    account = step(previous, [pod(0, restarts=1), pod(1)], now=at(5))
+    assert account.status.restarts == 1 and account.status.preemptions == 0
+    assert account.status.reform.reason == "Failure" and account.status.reform.hold_until == at(15)
+    assert account.replicas == 0
+    assert [e.reason for e in account.events] == ["IslandFailed"]
+
+    winding_down = step(account.status, [pod(0, restarts=1, terminating=True)], now=at(20))
+    assert winding_down.replicas == 0 and winding_down.status.restarts == 1
+    gone_early = step(account.status, [], now=at(10))
+    assert gone_early.replicas == 0 and gone_early.status.reform is not None
+    back = step(gone_early.status, [], now=at(16))
+    assert back.replicas == 2 and back.status.reform is None
+    assert [e.reason for e in back.events] == ["IslandReformed"]
+
+
+def test_collateral_restarts_of_peers_count_once_but_a_crash_loop_counts_every_time():
+    previous = settled()
+    peers_fail_together = step(previous, [pod(0, restarts=1), pod(1, restarts=1)], now=at(5))
+    assert peers_fail_together.status.restarts == 1
+    single = IslandSpec(name="a", replicas=1)
+    lone = settled([pod(0)], island=single)
+    crash_loop = step(lone, [pod(0, restarts=3)], now=at(5), island=single)
+    assert crash_loop.status.restarts == 3
+
+
+def test_a_preempted_pod_is_not_charged_nor_are_the_failures_it_causes():
+    previous = step(settled(), [pod(0), pod(1, disrupted=True, terminating=True)], now=at(1)).status
+    assert previous.restarts == 0 and previous.pods[1].disrupted
+    account = step(previous, [pod(0, restarts=1), pod(1, "u2", ready=False)], now=at(2))
+    assert account.status.restarts == 0 and account.status.preemptions == 1
+    assert account.status.reform.reason == "Preemption" and account.status.reform.hold_until == at(2)
+    assert [e.reason for e in account.events] == ["IslandPreempted"]
+
+
+@pytest.mark.parametrize(
+    ("node", "preempted"),
+    [
+        (NodeState(exists=False), True),
+        (NodeState(exists=True, ready=False), True),
+        (NodeState(exists=True, schedulable=False), True),
+        (HEALTHY, False),
+    ],
+)
+def test_a_vanished_pod_is_judged_by_its_node(node, preempted):
+    previous = settled([pod(0, node="n0"), pod(1, node="n1")])
+    account = step(previous, [pod(0, node="n0"), pod(1, "u2", node="n2")], nodes={"n1": node}, now=at(3))
+    assert (account.status.preemptions, account.status.restarts) == ((1, 0) if preempted else (0, 1))
+
+
+def test_a_failed_pod_counts_once():
+    previous = settled()
+    failed = step(previous, [pod(0), pod(1, phase="Failed", ready=False)], now=at(1), backoff=0)
+    assert failed.status.restarts == 1
+    gone = step(failed.status, [pod(0, terminating=True)], now=at(2))
+    assert gone.status.restarts == 1 and gone.status.preemptions == 0
+
+
+def test_a_failed_pod_on_a_lost_node_is_a_preemption():
+    previous = settled([pod(0), pod(1, node="dead")])
+    account = step(previous, [pod(0), pod(1, phase="Failed", node="dead")], nodes={"dead": NodeState(False)})
+    assert (account.status.preemptions, account.status.restarts) == (1, 0)
+
+
+def test_a_clean_exit_is_not_a_failure():
+    previous = settled()
+    account = step(previous, [pod(0, restarts=1, clean=True), pod(1)], now=at(1))
+    assert account.status.restarts == 0 and account.status.reform is None and account.replicas == 2
+
+
+def test_pods_removed_on_purpose_are_not_counted():
+    previous = settled()
+    suspended = step(previous, [pod(0, terminating=True)], active=False, now=at(1))
+    assert suspended.replicas == 0 and suspended.status.desired == 0 and suspended.status.restarts == 0
+    resumed_with_nothing = step(suspended.status, [], active=True, now=at(2))
+    assert resumed_with_nothing.status.restarts == 0 and resumed_with_nothing.replicas == 2
+    smaller = IslandSpec(name="a", replicas=1)
+    scaled_down = step(previous, [pod(0)], island=smaller, now=at(3))
+    assert scaled_down.status.restarts == 0 and scaled_down.status.preemptions == 0
+
+
+def test_a_new_template_revision_re_forms_the_island_uncounted():
+    previous = settled()
+    account = step(previous, [pod(0), pod(1)], revision="a-2", now=at(1))
+    assert account.status.reform.reason == "Update" and account.replicas == 0
+    assert account.status.restarts == 0 and [e.reason for e in account.events] == ["IslandUpdating"]
+    current = step(settled(), [pod(0, revision="a-2"), pod(1, revision="a-2")], revision="a-2", now=at(1))
+    assert current.status.reform is None
