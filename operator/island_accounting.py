@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from diloco.api.conditions import Reason
 from diloco.api.job import IslandSpec, IslandStatus, PodRecord, Reform
 from diloco.operator import naming as n
 from diloco.operator.events import Event
@@ -207,7 +208,7 @@ def account_island(
             events.append(
                 Event(
                     "Warning",
-                    "IslandPreempted",
+                    Reason.ISLAND_PREEMPTED,
                     f"island {island.name}: pods {sorted(preempted)} preempted or lost with their node; "
                     "re-forming the island (not counted against the restart budget)",
                 )
@@ -218,7 +219,7 @@ def account_island(
             events.append(
                 Event(
                     "Warning",
-                    "IslandFailed",
+                    Reason.ISLAND_FAILED,
                     f"island {island.name}: pods {sorted(failures)} failed; restarts "
                     f"{prev.restarts + charged}; re-forming after {backoff_seconds}s",
                 )
@@ -226,10 +227,14 @@ def account_island(
         elif update_revision and any(p.revision and p.revision != update_revision for p in pods):
             reform = Reform(reason="Update", since=now, hold_until=now)
             events.append(
-                Event("Normal", "IslandUpdating", f"island {island.name}: pod template changed; re-forming the island")
+                Event(
+                    "Normal",
+                    Reason.ISLAND_UPDATING,
+                    f"island {island.name}: pod template changed; re-forming the island",
+                )
             )
     if reform is not None and not pods and now >= reform.hold_until:
-        events.append(Event("Normal", "IslandReformed", f"island {island.name}: starting {island.replicas} pods"))
+        events.append(Event("Normal", Reason.ISLAND_REFORMED, f"island {island.name}: starting {island.replicas} pods"))
         reform = None
 
     desired = island.replicas if active else 0

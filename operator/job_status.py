@@ -12,6 +12,7 @@ import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from diloco.api.conditions import ConditionType, Message, Reason
 from diloco.api.job import (
     Condition,
     DiLoCoJobSpec,
@@ -217,7 +218,6 @@ def decide(
     syncers_ready = syncer.ready == spec.syncer.shards
 
     phase, completion, start = previous.phase, previous.completion_time, previous.start_time
-    failed_reason = "RestartBudgetExhausted"
     if not finished_before:
         exhausted = exhausted_islands(islands, spec.failure_policy.restart_budget)
         done = stop_reached(spec.stop_condition, fragments, spec.training.fragments)
@@ -226,14 +226,14 @@ def decide(
             events.append(
                 Event(
                     "Warning",
-                    failed_reason,
+                    Reason.RESTART_BUDGET_EXHAUSTED,
                     f"islands {exhausted} exceeded failurePolicy.restartBudget "
                     f"{spec.failure_policy.restart_budget}: the job failed",
                 )
             )
         elif done:
             phase, completion = Phase.SUCCEEDED, now
-            events.append(Event("Normal", "StopConditionReached", done))
+            events.append(Event("Normal", Reason.STOP_CONDITION_REACHED, done))
         elif spec.suspend:
             phase = Phase.SUSPENDED
         else:
@@ -251,20 +251,20 @@ def decide(
             events.append(
                 Event(
                     "Normal",
-                    "Running",
-                    f"phase {previous.phase.value} -> Running: every island and syncer shard is ready",
+                    Reason.RUNNING,
+                    f"phase {previous.phase.value} -> Running: {Message.ALL_READY}",
                 )
                 if phase is Phase.RUNNING
                 else Event(
                     "Warning",
-                    "Degraded",
+                    Reason.DEGRADED,
                     f"phase {previous.phase.value} -> Degraded: {_degraded_detail(accounts, observed.shards)}",
                 )
             )
         if phase is Phase.SUSPENDED and previous.phase is not Phase.SUSPENDED:
-            events.append(Event("Normal", "Suspended", "spec.suspend is true: islands scaled to zero"))
+            events.append(Event("Normal", Reason.SUSPENDED, Message.SUSPENDED))
         if previous.phase is Phase.SUSPENDED and phase is not Phase.SUSPENDED:
-            events.append(Event("Normal", "Resumed", "spec.suspend is false: islands scaled up"))
+            events.append(Event("Normal", Reason.RESUMED, Message.RESUMED))
     finished = phase.finished
 
     ready_seconds, desired_seconds = _goodput(previous, now)
@@ -273,20 +273,35 @@ def decide(
     conditions = list(previous.conditions)
     for kind, true, reason, message in (
         (
-            "Ready",
+            ConditionType.READY,
             phase is Phase.RUNNING,
             phase.value,
-            "every island and syncer shard is ready" if phase is Phase.RUNNING else detail or f"phase {phase.value}",
+            Message.ALL_READY if phase is Phase.RUNNING else detail or f"phase {phase.value}",
         ),
         (
-            "Degraded",
+            ConditionType.DEGRADED,
             phase is Phase.DEGRADED,
-            "PartiallyReady" if phase is Phase.DEGRADED else phase.value,
+            Reason.PARTIALLY_READY if phase is Phase.DEGRADED else phase.value,
             detail if phase is Phase.DEGRADED else "",
         ),
-        ("Suspended", phase is Phase.SUSPENDED, "Suspended" if phase is Phase.SUSPENDED else "NotSuspended", ""),
-        ("Complete", phase is Phase.SUCCEEDED, "StopConditionReached" if phase is Phase.SUCCEEDED else phase.value, ""),
-        ("Failed", phase is Phase.FAILED, failed_reason if phase is Phase.FAILED else phase.value, ""),
+        (
+            ConditionType.SUSPENDED,
+            phase is Phase.SUSPENDED,
+            Reason.SUSPENDED if phase is Phase.SUSPENDED else Reason.NOT_SUSPENDED,
+            "",
+        ),
+        (
+            ConditionType.COMPLETE,
+            phase is Phase.SUCCEEDED,
+            Reason.STOP_CONDITION_REACHED if phase is Phase.SUCCEEDED else phase.value,
+            "",
+        ),
+        (
+            ConditionType.FAILED,
+            phase is Phase.FAILED,
+            Reason.RESTART_BUDGET_EXHAUSTED if phase is Phase.FAILED else phase.value,
+            "",
+        ),
     ):
         conditions = set_condition(conditions, kind, true, reason, message, now, generation)
 
@@ -318,7 +333,7 @@ def decide(
         events.append(
             Event(
                 "Normal",
-                "TTLExpired",
+                Reason.TTL_EXPIRED,
                 f"deleting the job ttlSecondsAfterFinished={spec.ttl_seconds_after_finished}s after "
                 f"it {phase.value.lower()}",
             )

@@ -1,0 +1,67 @@
+"""The words of a DiLoCoJob's status: its condition types, the reasons the conditions and the job's Events
+give, and the fixed messages, named once so the operator, its tests and anyone reading a job's status agree.
+
+Each value is part of the API: users, their tooling (`kubectl wait --for=condition=Complete`) and the
+end-to-end tests match these strings, so a value never changes. A condition that does not hold gives the
+job's phase (`Phase`) as its reason; the reasons below are those that say more.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+
+class ConditionType:
+    """The five conditions every job carries, one per outcome a user waits for."""
+
+    READY: Final = "Ready"
+    """Every island and syncer shard is ready: the job trains at full strength."""
+    DEGRADED: Final = "Degraded"
+    """Training goes on without some island pods or a syncer shard."""
+    SUSPENDED: Final = "Suspended"
+    """spec.suspend is true: the islands are scaled to zero."""
+    COMPLETE: Final = "Complete"
+    """The stop condition was reached: the job succeeded."""
+    FAILED: Final = "Failed"
+    """An island exceeded the restart budget: the job failed."""
+
+    ALL: Final = (READY, DEGRADED, SUSPENDED, COMPLETE, FAILED)
+
+
+class Reason:
+    """CamelCase reasons of the conditions and of the Events that announce the job's status changes."""
+
+    RUNNING: Final = "Running"
+    """Event: the job went to phase Running."""
+    DEGRADED: Final = "Degraded"
+    """Event: the job went to phase Degraded."""
+    PARTIALLY_READY: Final = "PartiallyReady"
+    """Condition Degraded: some island pods or syncer shards are not ready."""
+    SUSPENDED: Final = "Suspended"
+    """Condition Suspended and its Event: spec.suspend became true."""
+    NOT_SUSPENDED: Final = "NotSuspended"
+    """Condition Suspended: spec.suspend is false."""
+    RESUMED: Final = "Resumed"
+    """Event: spec.suspend became false."""
+    STOP_CONDITION_REACHED: Final = "StopConditionReached"
+    """Condition Complete and its Event: every fragment reached spec.stopCondition."""
+    RESTART_BUDGET_EXHAUSTED: Final = "RestartBudgetExhausted"
+    """Condition Failed and its Event: an island exceeded spec.failurePolicy.restartBudget."""
+    TTL_EXPIRED: Final = "TTLExpired"
+    """Event: spec.ttlSecondsAfterFinished passed since the job finished; it is being deleted."""
+    ISLAND_PREEMPTED: Final = "IslandPreempted"
+    """Event: island pods were preempted or lost with their node; the island re-forms, uncharged."""
+    ISLAND_FAILED: Final = "IslandFailed"
+    """Event: island pods failed; charged to the restart budget, the island re-forms after the backoff."""
+    ISLAND_UPDATING: Final = "IslandUpdating"
+    """Event: the island's pod template changed; the island re-forms to pick it up."""
+    ISLAND_REFORMED: Final = "IslandReformed"
+    """Event: the re-formed island's pods are started again."""
+
+
+class Message:
+    """The messages that carry no figures (the others are written where their figures are known)."""
+
+    ALL_READY: Final = "every island and syncer shard is ready"
+    SUSPENDED: Final = "spec.suspend is true: islands scaled to zero"
+    RESUMED: Final = "spec.suspend is false: islands scaled up"
