@@ -1,26 +1,11 @@
-"""Job status and decisions from observations: phases and conditions, the stop condition, the restart budget,
-suspension, goodput and the TTL."""
+"""Job status and decisions from observations, end to end through `decide`: phases and conditions, the stop
+condition, the restart budget, suspension, goodput and the TTL (each policy alone: tests/operator/policies)."""
 
 import pytest
 from status_builders import at, pod
 
-from diloco.api.job import (
-    DiLoCoJobSpec,
-    DiLoCoJobStatus,
-    FragmentProgress,
-    IslandStatus,
-    Phase,
-    StopCondition,
-)
-from diloco.operator.job_status import (
-    FragmentReport,
-    Observation,
-    ShardObservation,
-    decide,
-    set_condition,
-    stop_reached,
-    ttl_expires_at,
-)
+from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus, IslandStatus, Phase
+from diloco.operator.job_status import FragmentReport, Observation, ShardObservation, decide
 
 # --- phases, conditions and decisions ------------------------------------------------------------
 
@@ -153,19 +138,6 @@ def test_stop_condition_on_outer_steps_succeeds_and_winds_down():
     assert third.status.phase is Phase.SUCCEEDED and third.scale.syncers == 0
 
 
-def test_stop_reached():
-    two = [
-        FragmentProgress(fragment=0, shard=0, version=9, tokens=1000),
-        FragmentProgress(fragment=1, shard=0, version=4, tokens=800),
-    ]
-    assert stop_reached(StopCondition(outer_steps=4), two, 2)
-    assert stop_reached(StopCondition(outer_steps=5), two, 2) is None
-    assert "800 tokens" in stop_reached(StopCondition(tokens=800), two, 2)
-    assert stop_reached(StopCondition(tokens=801), two, 2) is None
-    assert stop_reached(StopCondition(outer_steps=1), two[:1], 2) is None
-    assert stop_reached(StopCondition(), two, 2) is None
-
-
 def test_suspend_scales_islands_to_zero_keeps_syncers_and_resume_brings_them_back():
     spec, suspended_spec = job_spec(), job_spec(suspend=True)
     running = run(spec, [healthy()])[-1].status
@@ -213,19 +185,8 @@ def test_an_unreachable_shard_keeps_its_fragments_last_progress():
     assert second.status.fragments == first.status.fragments and second.status.syncer.reachable == 0
 
 
-def test_condition_transition_times_move_only_on_change():
-    conditions = set_condition([], "Ready", False, "Pending", "", at(0), 1)
-    same = set_condition(conditions, "Ready", False, "Degraded", "x", at(10), 2)
-    assert same[0].last_transition_time == at(0) and same[0].reason == "Degraded"
-    flipped = set_condition(same, "Ready", True, "Running", "", at(20), 2)
-    assert flipped[0].last_transition_time == at(20) and len(flipped) == 1
-
-
-def test_ttl_after_finishing():
-    running = DiLoCoJobStatus(phase=Phase.RUNNING)
-    assert ttl_expires_at(running, 60) is None
+def test_a_finished_job_is_deleted_once_its_ttl_expires():
     done = DiLoCoJobStatus(phase=Phase.SUCCEEDED, completion_time=at(0))
-    assert ttl_expires_at(done, None) is None and ttl_expires_at(done, 60) == at(60)
     spec = job_spec(ttlSecondsAfterFinished=60)
     assert not decide(spec, 1, done, Observation(), at(59)).delete
     expired = decide(spec, 1, done, Observation(), at(60))

@@ -1,0 +1,28 @@
+"""spec.stopCondition: when the job has trained enough and succeeds. The slowest fragment is where the model
+is, so progress is the minimum over the fragments, and only once every fragment has reported."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from diloco.api.job import FragmentProgress, StopCondition
+
+
+def slowest_fragment(fragments: Sequence[FragmentProgress], num_fragments: int) -> tuple[int, int] | None:
+    """Outer steps and tokens every fragment has reached, or None until every fragment has reported."""
+    if len(fragments) < num_fragments or not fragments:
+        return None
+    return min(f.version for f in fragments), min(f.tokens for f in fragments)
+
+
+def stop_reached(stop: StopCondition, fragments: Sequence[FragmentProgress], num_fragments: int) -> str | None:
+    """Why the job is done (a message), or None. Every fragment must have reached the bound."""
+    progress = slowest_fragment(fragments, num_fragments)
+    if progress is None:
+        return None
+    step, tokens = progress
+    if stop.outer_steps is not None and step >= stop.outer_steps:
+        return f"every fragment reached {step} outer steps (stopCondition.outerSteps {stop.outer_steps})"
+    if stop.tokens is not None and tokens >= stop.tokens:
+        return f"every fragment merged {tokens} tokens (stopCondition.tokens {stop.tokens})"
+    return None

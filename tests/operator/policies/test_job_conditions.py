@@ -1,0 +1,62 @@
+"""The five conditions follow the phase: one holds per phase but Pending, the others give the phase as their
+reason, and a condition's transition time moves only when it starts or stops holding."""
+
+import pytest
+from status_builders import at
+
+from diloco.api.job import Phase
+from diloco.operator.policies.job_conditions import condition_states, set_condition, update_conditions
+
+
+def test_condition_transition_times_move_only_on_change():
+    conditions = set_condition([], "Ready", False, "Pending", "", at(0), 1)
+    same = set_condition(conditions, "Ready", False, "Degraded", "x", at(10), 2)
+    assert same[0].last_transition_time == at(0) and same[0].reason == "Degraded"
+    flipped = set_condition(same, "Ready", True, "Running", "", at(20), 2)
+    assert flipped[0].last_transition_time == at(20) and len(flipped) == 1
+
+
+@pytest.mark.parametrize(
+    ("phase", "holding", "reason"),
+    [
+        (Phase.PENDING, None, None),
+        (Phase.RUNNING, "Ready", "Running"),
+        (Phase.DEGRADED, "Degraded", "PartiallyReady"),
+        (Phase.SUSPENDED, "Suspended", "Suspended"),
+        (Phase.SUCCEEDED, "Complete", "StopConditionReached"),
+        (Phase.FAILED, "Failed", "RestartBudgetExhausted"),
+    ],
+)
+def test_one_condition_holds_per_phase_but_pending_and_the_others_give_the_phase(phase, holding, reason):
+    states = condition_states(phase, "island a: 1/2 pods ready")
+    assert [s.type for s in states] == ["Ready", "Degraded", "Suspended", "Complete", "Failed"]
+    assert [(s.type, s.reason) for s in states if s.holds] == ([(holding, reason)] if holding else [])
+    for state in states:
+        if not state.holds:
+            assert state.reason == ("NotSuspended" if state.type == "Suspended" else phase.value)
+
+
+def test_ready_and_degraded_say_what_is_not_ready():
+    running, degraded, pending = (
+        {s.type: s.message for s in condition_states(phase, "syncer shard 0 not ready")}
+        for phase in (Phase.RUNNING, Phase.DEGRADED, Phase.PENDING)
+    )
+    assert running["Ready"] == "every island and syncer shard is ready" and running["Degraded"] == ""
+    assert degraded["Ready"] == degraded["Degraded"] == "syncer shard 0 not ready"
+    assert pending["Ready"] == "syncer shard 0 not ready"
+    assert {s.message for s in condition_states(Phase.PENDING, "")} == {"phase Pending", ""}
+
+
+def test_updating_sets_every_condition_for_the_generation():
+    first = update_conditions([], Phase.RUNNING, "", at(0), 3)
+    assert [(c.type, c.status) for c in first] == [
+        ("Ready", "True"),
+        ("Degraded", "False"),
+        ("Suspended", "False"),
+        ("Complete", "False"),
+        ("Failed", "False"),
+    ]
+    assert {c.observed_generation for c in first} == {3}
+    later = update_conditions(first, Phase.DEGRADED, "island a: 0/1 pods ready", at(10), 4)
+    moved = {c.type: c.last_transition_time for c in later}
+    assert moved == {"Ready": at(10), "Degraded": at(10), "Suspended": at(0), "Complete": at(0), "Failed": at(0)}
