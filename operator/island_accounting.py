@@ -10,9 +10,8 @@ a container restart or a pod in phase Failed is a *failure*.
 
 A multi-pod island is one torch.distributed world: when one rank dies the others fail with it. So every
 failure or preemption *re-forms* the island (all its pods stopped, then started together, after
-`backoffSeconds` for a failure), and the failures seen in one pass are charged once, as the largest count
-of any one pod: a crash-looping rank still exhausts the budget, its collateral peers add nothing, and
-failures that accompany a preemption are charged as part of it.
+`backoffSeconds` for a failure), and the failures seen in one pass are charged once, as
+`diloco.operator.policies.failure_policy.charged_failures` says.
 """
 
 from __future__ import annotations
@@ -20,13 +19,14 @@ from __future__ import annotations
 import datetime
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from diloco.api.conditions import Reason
 from diloco.api.job import IslandSpec, IslandStatus, PodRecord, Reform
 from diloco.operator import naming as n
 from diloco.operator.events import Event
+from diloco.operator.policies.failure_policy import charged_failures
 
 _ORDINAL_SUFFIX = re.compile(r"-(\d+)$")
 
@@ -137,6 +137,135 @@ class IslandAccount:
     events: tuple[Event, ...]
 
 
+@dataclass
+class _PodLosses:
+    """The island's pods lost on one pass, by ordinal: failures (counted per pod) and preemptions."""
+
+    failures: dict[int, int] = field(default_factory=dict)
+    preempted: list[int] = field(default_factory=list)
+
+    def fail(self, ordinal: int, count: int = 1) -> None:
+        self.failures[ordinal] = self.failures.get(ordinal, 0) + count
+
+
+@dataclass(frozen=True)
+class _Judge:
+    """How one pass judges the island's lost pods."""
+
+    previous: IslandStatus
+    replicas: int
+    nodes: Mapping[str, NodeState]
+    active: bool
+
+    def removed_on_purpose(self, ordinal: int) -> bool:
+        """The island is wound down or re-forming, or was scaled below this pod: its loss is no one's fault."""
+        return (
+            not self.active
+            or self.previous.reform is not None
+            or ordinal >= self.previous.desired
+            or ordinal >= self.replicas
+        )
+
+    def count(self, losses: _PodLosses, ordinal: int, disrupted: bool, node: str | None) -> None:
+        """A lost pod is preempted when it was disrupted or its node is lost, else it failed."""
+        if disrupted or not self.nodes.get(node or "", HEALTHY).healthy:
+            losses.preempted.append(ordinal)
+        else:
+            losses.fail(ordinal)
+
+
+def _count_vanished_pods(
+    judge: _Judge, records: Mapping[int, PodRecord], pods: Mapping[int, PodObservation], losses: _PodLosses
+) -> None:
+    """Recorded pods that are gone or replaced, judged by what they were when last seen, unless their loss
+    was already counted (they were seen Failed) or was expected."""
+    for ordinal, record in records.items():
+        pod = pods.get(ordinal)
+        if (pod is not None and pod.uid == record.uid) or record.failed or judge.removed_on_purpose(ordinal):
+            continue
+        judge.count(losses, ordinal, record.disrupted, record.node)
+
+
+def _count_live_pods(
+    judge: _Judge,
+    records: Mapping[int, PodRecord],
+    pods: Mapping[int, PodObservation],
+    first_sight: bool,
+    losses: _PodLosses,
+) -> None:
+    """Pods seen in phase Failed for the first time, and container restarts since the last pass (a clean
+    exit excepted; on first sight of the island, its history is not charged)."""
+    for ordinal, pod in sorted(pods.items()):
+        if judge.removed_on_purpose(ordinal):
+            continue
+        record = records.get(ordinal)
+        same = record is not None and record.uid == pod.uid
+        seen_restarts = record.restarts if record is not None and same else (pod.restarts if first_sight else 0)
+        already_failed = record is not None and same and record.failed
+        if pod.phase == "Failed" and not already_failed:
+            judge.count(losses, ordinal, pod.disrupted, pod.node)
+        restarted = pod.restarts - seen_restarts - (1 if pod.last_exit_clean else 0)
+        if restarted > 0 and not pod.disrupted:
+            losses.fail(ordinal, restarted)
+
+
+def _pod_records(records: Mapping[int, PodRecord], pods: Mapping[int, PodObservation]) -> list[PodRecord]:
+    """The record of each pod as seen now; a pod once disrupted stays marked so."""
+    new_records: list[PodRecord] = []
+    for ordinal, pod in sorted(pods.items()):
+        record = records.get(ordinal)
+        was_disrupted = record is not None and record.uid == pod.uid and record.disrupted
+        new_records.append(
+            PodRecord(
+                ordinal=ordinal,
+                uid=pod.uid,
+                restarts=pod.restarts,
+                node=pod.node,
+                disrupted=pod.disrupted or was_disrupted,
+                failed=pod.phase == "Failed",
+            )
+        )
+    return new_records
+
+
+def _outdated(pods: Sequence[PodObservation], update_revision: str | None) -> bool:
+    """Some pod runs another template revision than the StatefulSet's current one."""
+    return bool(update_revision) and any(p.revision and p.revision != update_revision for p in pods)
+
+
+def _begin_reform(
+    name: str,
+    losses: _PodLosses,
+    restarts: int,
+    charged: int,
+    outdated: bool,
+    backoff_seconds: int,
+    now: datetime.datetime,
+) -> tuple[Reform, Event] | None:
+    """Why the island must re-form now, and the Event that says so; None when it need not. A preemption
+    re-forms it at once and uncharged, a charged failure after the backoff, a new pod template at once."""
+    if losses.preempted:
+        return Reform(reason="Preemption", since=now, hold_until=now), Event(
+            "Warning",
+            Reason.ISLAND_PREEMPTED,
+            f"island {name}: pods {sorted(losses.preempted)} preempted or lost with their node; "
+            "re-forming the island (not counted against the restart budget)",
+        )
+    if charged:
+        hold = now + datetime.timedelta(seconds=backoff_seconds)
+        return Reform(reason="Failure", since=now, hold_until=hold), Event(
+            "Warning",
+            Reason.ISLAND_FAILED,
+            f"island {name}: pods {sorted(losses.failures)} failed; restarts {restarts}; "
+            f"re-forming after {backoff_seconds}s",
+        )
+    if outdated:
+        return Reform(reason="Update", since=now, hold_until=now), Event(
+            "Normal", Reason.ISLAND_UPDATING, f"island {name}: pod template changed; re-forming the island"
+        )
+    return None
+
+
 def account_island(
     previous: IslandStatus | None,
     island: IslandSpec,
@@ -156,83 +285,20 @@ def account_island(
     records = {r.ordinal: r for r in prev.pods}
     current = {p.ordinal: p for p in pods}
 
-    def expected_loss(ordinal: int) -> bool:
-        return not active or prev.reform is not None or ordinal >= prev.desired or ordinal >= island.replicas
+    judge = _Judge(previous=prev, replicas=island.replicas, nodes=nodes, active=active)
+    losses = _PodLosses()
+    _count_vanished_pods(judge, records, current, losses)
+    _count_live_pods(judge, records, current, previous is None, losses)
+    charged = charged_failures(losses.failures, preempted=bool(losses.preempted))
 
-    def lost_to_preemption(disrupted: bool, node: str | None) -> bool:
-        return disrupted or not nodes.get(node or "", HEALTHY).healthy
-
-    failures: dict[int, int] = {}
-    preempted: list[int] = []
-    for ordinal, record in records.items():
-        pod = current.get(ordinal)
-        if (pod is not None and pod.uid == record.uid) or record.failed or expected_loss(ordinal):
-            continue
-        if lost_to_preemption(record.disrupted, record.node):
-            preempted.append(ordinal)
-        else:
-            failures[ordinal] = failures.get(ordinal, 0) + 1
-
-    new_records: list[PodRecord] = []
-    for ordinal, pod in sorted(current.items()):
-        record = records.get(ordinal)
-        same = record is not None and record.uid == pod.uid
-        seen_restarts = record.restarts if same else (pod.restarts if previous is None else 0)
-        already_failed = same and record.failed
-        if not expected_loss(ordinal):
-            if pod.phase == "Failed" and not already_failed:
-                if lost_to_preemption(pod.disrupted, pod.node):
-                    preempted.append(ordinal)
-                else:
-                    failures[ordinal] = failures.get(ordinal, 0) + 1
-            restarted = pod.restarts - seen_restarts - (1 if pod.last_exit_clean else 0)
-            if restarted > 0 and not pod.disrupted:
-                failures[ordinal] = failures.get(ordinal, 0) + restarted
-        new_records.append(
-            PodRecord(
-                ordinal=ordinal,
-                uid=pod.uid,
-                restarts=pod.restarts,
-                node=pod.node,
-                disrupted=pod.disrupted or (same and record.disrupted),
-                failed=pod.phase == "Failed",
-            )
-        )
-
-    charged = 0 if preempted else max(failures.values(), default=0)
     events: list[Event] = []
     reform = prev.reform if active else None
     if active and reform is None:
-        if preempted:
-            reform = Reform(reason="Preemption", since=now, hold_until=now)
-            events.append(
-                Event(
-                    "Warning",
-                    Reason.ISLAND_PREEMPTED,
-                    f"island {island.name}: pods {sorted(preempted)} preempted or lost with their node; "
-                    "re-forming the island (not counted against the restart budget)",
-                )
-            )
-        elif charged:
-            hold = now + datetime.timedelta(seconds=backoff_seconds)
-            reform = Reform(reason="Failure", since=now, hold_until=hold)
-            events.append(
-                Event(
-                    "Warning",
-                    Reason.ISLAND_FAILED,
-                    f"island {island.name}: pods {sorted(failures)} failed; restarts "
-                    f"{prev.restarts + charged}; re-forming after {backoff_seconds}s",
-                )
-            )
-        elif update_revision and any(p.revision and p.revision != update_revision for p in pods):
-            reform = Reform(reason="Update", since=now, hold_until=now)
-            events.append(
-                Event(
-                    "Normal",
-                    Reason.ISLAND_UPDATING,
-                    f"island {island.name}: pod template changed; re-forming the island",
-                )
-            )
+        outdated = _outdated(pods, update_revision)
+        begun = _begin_reform(island.name, losses, prev.restarts + charged, charged, outdated, backoff_seconds, now)
+        if begun is not None:
+            reform, event = begun
+            events.append(event)
     if reform is not None and not pods and now >= reform.hold_until:
         events.append(Event("Normal", Reason.ISLAND_REFORMED, f"island {island.name}: starting {island.replicas} pods"))
         reform = None
@@ -243,9 +309,9 @@ def account_island(
             "desired": desired,
             "ready": sum(1 for p in pods if p.ready),
             "restarts": prev.restarts + charged,
-            "preemptions": prev.preemptions + len(preempted),
+            "preemptions": prev.preemptions + len(losses.preempted),
             "reform": reform,
-            "pods": new_records,
+            "pods": _pod_records(records, current),
         }
     )
     return IslandAccount(status=status, replicas=0 if reform is not None else desired, events=tuple(events))
