@@ -11,13 +11,12 @@ TWO = [
 
 
 def test_stop_reached():
-    two = TWO
-    assert stop_reached(StopCondition(outer_steps=4), two, 2)
-    assert stop_reached(StopCondition(outer_steps=5), two, 2) is None
-    assert "800 tokens" in stop_reached(StopCondition(tokens=800), two, 2)
-    assert stop_reached(StopCondition(tokens=801), two, 2) is None
-    assert stop_reached(StopCondition(outer_steps=1), two[:1], 2) is None
-    assert stop_reached(StopCondition(), two, 2) is None
+    assert stop_reached(StopCondition(outer_steps=4), TWO, 2)
+    assert stop_reached(StopCondition(outer_steps=5), TWO, 2) is None
+    assert "800 tokens" in stop_reached(StopCondition(tokens=800), TWO, 2)
+    assert stop_reached(StopCondition(tokens=801), TWO, 2) is None
+    assert stop_reached(StopCondition(outer_steps=1), TWO[:1], 2) is None
+    assert stop_reached(StopCondition(), TWO, 2) is None
 
 
 def test_the_stop_message_names_the_bound_reached():
