@@ -58,9 +58,9 @@ def loopback_bytes() -> int:
 def child(args: argparse.Namespace) -> None:
     """Runs one mode (in the namespace the parent made) and prints its figures as one JSON line."""
     from diloco.core.config import TrainingConfig
-    from diloco.local.goodput import load_events
     from diloco.local.launcher import RunPlan
     from diloco.local.run import run_mode
+    from diloco.progress import DoneEvent, read_events
 
     before = loopback_bytes() if args.netns else 0
     plan = RunPlan(
@@ -77,8 +77,13 @@ def child(args: argparse.Namespace) -> None:
     summary, _acct, _ = run_mode(plan, quiet=True)
     wire = loopback_bytes() - before if args.netns else math.nan
     per_link = 2 * wire if args.mode == "ddp" else wire
-    done = [e for e in load_events(Path(args.out) / "progress") if e["event"] == "done"]
-    rounds = {k: sum(e.get(f"syncs_{k}", 0) for e in done) for k in ("merged", "resynced", "abandoned", "failed")}
+    totals = [e.learner for e in read_events(Path(args.out) / "progress") if isinstance(e, DoneEvent) and e.learner]
+    rounds = {
+        "merged": sum(t.syncs_merged for t in totals),
+        "resynced": sum(t.syncs_resynced for t in totals),
+        "abandoned": sum(t.syncs_abandoned for t in totals),
+        "failed": sum(t.syncs_failed for t in totals),
+    }
     print(
         json.dumps(
             {

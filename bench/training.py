@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from diloco.cli import main as diloco_main
-from diloco.local.goodput import load_events
+from diloco.progress import StepEvent, read_events
 
 
 def diloco_run(out: Path, *options: str) -> list[dict]:
@@ -111,7 +111,7 @@ def bench_loss(args: argparse.Namespace) -> bool:
 
 def step_seconds(out: Path) -> list[float]:
     """Every training step's wall time in a run (sync work on the training thread included)."""
-    return [e["seconds"] for e in load_events(out / "diloco" / "progress") if e["event"] == "step"]
+    return [e.seconds for e in read_events(out / "diloco" / "progress") if isinstance(e, StepEvent)]
 
 
 def bench_step_time(args: argparse.Namespace) -> bool:

@@ -1,27 +1,37 @@
 """The built-in trainer: a GPT preset on a token stream, as one rank of one island, or as one rank of the
 data-parallel baseline that all-reduces every step across every worker.
 
-It reports what it does as JSON lines (start, step, eval, round, checkpoint, done) to a progress file, so a
-launcher can draw progress, measure goodput and plot losses without parsing logs; a line is flushed as soon
-as it is written, so a worker killed with SIGKILL loses at most the line it was writing.
+It reports what it does as progress events (start, step, eval, round, checkpoint, done: `diloco.progress`)
+to a progress file, so a launcher can draw progress, measure goodput and plot losses without parsing logs; a
+line is flushed as soon as it is written, so a worker killed with SIGKILL loses at most the line it was
+writing.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 
 from diloco.core.config import InnerOptimizerConfig, TrainingConfig
+from diloco.progress import (
+    CheckpointEvent,
+    DoneEvent,
+    EvalEvent,
+    LearnerTotals,
+    ProgressWriter,
+    RoundEvent,
+    Source,
+    StartEvent,
+    StepEvent,
+)
 from diloco.worker.data import BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
 from diloco.worker.learner import Learner, RoundReport
@@ -61,25 +71,6 @@ class TrainerSettings:
             raise ValueError("steps, batch size, eval and checkpoint intervals must be positive")
         if self.slowdown < 1.0:
             raise ValueError(f"slowdown is a factor >= 1 (1 = full speed), got {self.slowdown}")
-
-
-class Progress:
-    """Appends one JSON object per event to the progress file (nothing when there is none)."""
-
-    def __init__(self, path: Path | None, **identity: Any) -> None:
-        self._identity = identity
-        self._file: IO[str] | None = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", buffering=1)
-
-    def __call__(self, event: str, **fields: Any) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps({"event": event, "t": time.time(), **self._identity, **fields}) + "\n")
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
 
 
 def inner_optimizer(model: torch.nn.Module, settings: InnerOptimizerConfig) -> torch.optim.Optimizer:
@@ -144,8 +135,8 @@ class Trainer:
         self.sampler = BatchSampler(
             self.train_tokens, self.context, island, self.ranks.rank, self.ranks.size, stream_seed
         )
-        self.progress = Progress(
-            settings.progress_file, island=island, rank=self.ranks.rank, mode=settings.mode, pid=os.getpid()
+        self.progress = ProgressWriter(
+            settings.progress_file, Source(island=island, rank=self.ranks.rank, mode=settings.mode, pid=os.getpid())
         )
         self.learner: Learner | None = None
         if settings.mode != "ddp":
@@ -184,8 +175,8 @@ class Trainer:
     def _on_round(self, report: RoundReport) -> None:
         if report.outcome.adopts:
             self.last_sync_unix = time.time()
-        self.progress(
-            "round",
+        self.progress.write(
+            RoundEvent,
             fragment=report.fragment,
             began_at=report.began_at_step,
             outcome=report.outcome.name,
@@ -215,7 +206,7 @@ class Trainer:
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step}
         torch.save(state, tmp)
         os.replace(tmp, path)
-        self.progress("checkpoint", step=self.step)
+        self.progress.write(CheckpointEvent, step=self.step)
 
     def run(self) -> float:
         """Trains until `steps` inner steps, then flushes the last progress; returns the held-out loss."""
@@ -227,8 +218,11 @@ class Trainer:
             self._resume()
             self.ranks.broadcast_tensors(list(self.model.parameters()))
         versions = self.learner.stats.versions if self.learner is not None else {}
-        self.progress(
-            "start", step=self.step, world=self.ranks.size, versions=[versions[p].version for p in sorted(versions)]
+        self.progress.write(
+            StartEvent,
+            step=self.step,
+            world=self.ranks.size,
+            versions=tuple(versions[p].version for p in sorted(versions)),
         )
         tokens_per_step = s.batch_size * self.context
         self.model.train()
@@ -253,8 +247,8 @@ class Trainer:
             self.loss = loss.item()
             if s.slowdown > 1.0:
                 time.sleep((s.slowdown - 1.0) * (time.perf_counter() - started))
-            self.progress(
-                "step",
+            self.progress.write(
+                StepEvent,
                 step=self.step,
                 loss=self.loss,
                 tokens=tokens_per_step,
@@ -265,16 +259,21 @@ class Trainer:
                 self._save()
             if self.step % s.eval_every == 0 and self.ranks.is_leader:
                 self.eval_loss = self.evaluate()
-                self.progress("eval", step=self.step, loss=self.eval_loss)
+                self.progress.write(EvalEvent, step=self.step, loss=self.eval_loss)
         if self.learner is not None:
             self.learner.flush(s.flush_seconds)
         else:
             self._save()
         final = self.evaluate()
-        stats = asdict(self.learner.stats) if self.learner is not None else {}
-        stats.pop("versions", None)
-        self.progress("done", step=self.step, loss=final, **stats)
+        self.progress.write(DoneEvent, step=self.step, loss=final, learner=self._learner_totals())
         return final
+
+    def _learner_totals(self) -> LearnerTotals | None:
+        """The learner's counters for the `done` event (none in data-parallel)."""
+        if self.learner is None:
+            return None
+        stats = self.learner.stats
+        return LearnerTotals(**{f.name: getattr(stats, f.name) for f in fields(LearnerTotals)})
 
     def _blocked_seconds(self) -> float:
         """Time the training thread has spent on sync work (waiting, in the synchronous baseline)."""

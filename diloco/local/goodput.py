@@ -12,23 +12,11 @@ downtime after a kill and waiting all count against goodput.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-
-def load_events(folder: Path) -> list[dict]:
-    """Every event of every progress file under `folder`, ignoring a last line cut short by a kill."""
-    events = []
-    for path in sorted(Path(folder).glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return events
+from diloco.progress import EvalEvent, ProgressEvent, RoundEvent, StepEvent
 
 
 @dataclass(frozen=True)
@@ -47,56 +35,48 @@ class Account:
         return self.useful_seconds / self.allocated_seconds if self.allocated_seconds else 0.0
 
 
-def _slot(event: dict) -> tuple[str, int]:
-    return event["island"], event["rank"]
-
-
-def _compute_seconds(step: dict) -> float:
-    return max(0.0, step["seconds"] - step.get("sync_seconds", 0.0))
-
-
-def diloco_useful_seconds(events: Sequence[dict], fragments: int) -> float:
+def diloco_useful_seconds(events: Sequence[ProgressEvent], fragments: int) -> float:
     """Compute time of steps whose progress reached the global model, per the module's rule."""
-    steps: dict[int, list[dict]] = defaultdict(list)
+    steps: dict[int, list[StepEvent]] = defaultdict(list)
     merged_upto: dict[int, dict[int, int]] = defaultdict(dict)
     for e in events:
-        if e["event"] == "step":
-            steps[e["pid"]].append(e)
-        elif e["event"] == "round" and e["outcome"] == "MERGED":
-            latest = merged_upto[e["pid"]]
-            latest[e["fragment"]] = max(latest.get(e["fragment"], 0), e["began_at"])
+        if isinstance(e, StepEvent):
+            steps[e.source.pid].append(e)
+        elif isinstance(e, RoundEvent) and e.merged:
+            latest = merged_upto[e.source.pid]
+            latest[e.fragment] = max(latest.get(e.fragment, 0), e.began_at)
     useful = 0.0
     for pid, records in steps.items():
         reached = sorted(merged_upto[pid].values())
         for step in records:
-            share = sum(1 for upto in reached if upto >= step["step"]) / fragments
-            useful += share * _compute_seconds(step)
+            share = sum(1 for upto in reached if upto >= step.step) / fragments
+            useful += share * step.compute_seconds
     return useful
 
 
-def ddp_useful_seconds(events: Sequence[dict]) -> float:
+def ddp_useful_seconds(events: Sequence[ProgressEvent]) -> float:
     """Compute time of the last execution of every step number on every rank (the surviving lineage)."""
-    last: dict[tuple[tuple[str, int], int], dict] = {}
+    last: dict[tuple[tuple[str, int], int], StepEvent] = {}
     for e in events:
-        if e["event"] == "step":
-            key = (_slot(e), e["step"])
-            if key not in last or e["t"] >= last[key]["t"]:
+        if isinstance(e, StepEvent):
+            key = (e.source.slot, e.step)
+            if key not in last or e.t >= last[key].t:
                 last[key] = e
-    return sum(_compute_seconds(e) for e in last.values())
+    return sum(e.compute_seconds for e in last.values())
 
 
-def eval_curve(events: Iterable[dict], tokens_per_eval_step: int) -> list[tuple[int, float]]:
+def eval_curve(events: Iterable[ProgressEvent], tokens_per_eval_step: int) -> list[tuple[int, float]]:
     """Mean held-out loss over the islands that evaluated at each step, against the tokens trained by then
     across all islands (`tokens_per_eval_step` = tokens per step summed over every worker)."""
     by_step: dict[int, list[float]] = defaultdict(list)
     for e in events:
-        if e["event"] == "eval":
-            by_step[e["step"]].append(e["loss"])
+        if isinstance(e, EvalEvent):
+            by_step[e.step].append(e.loss)
     return [(step * tokens_per_eval_step, sum(v) / len(v)) for step, v in sorted(by_step.items())]
 
 
 def account(
-    events: Sequence[dict],
+    events: Sequence[ProgressEvent],
     *,
     mode: str,
     slots: int,
@@ -108,12 +88,12 @@ def account(
     ends: dict[tuple[str, int], float] = {}
     pids = set()
     for e in events:
-        ends[_slot(e)] = max(ends.get(_slot(e), started_at), e["t"])
-        pids.add(e["pid"])
+        ends[e.source.slot] = max(ends.get(e.source.slot, started_at), e.t)
+        pids.add(e.source.pid)
     job_end = max(ends.values(), default=started_at)
     silent_slots = max(0, slots - len(ends))  # never reported anything: allocated all along all the same
     allocated = sum(end - started_at for end in ends.values()) + silent_slots * (job_end - started_at)
-    steps = [e for e in events if e["event"] == "step"]
+    steps = [e for e in events if isinstance(e, StepEvent)]
     useful = ddp_useful_seconds(events) if mode == "ddp" else diloco_useful_seconds(events, fragments)
     return Account(
         mode=mode,
@@ -121,7 +101,7 @@ def account(
         allocated_seconds=allocated,
         useful_seconds=useful,
         steps_executed=len(steps),
-        tokens_trained=sum(e["tokens"] for e in steps),
+        tokens_trained=sum(e.tokens for e in steps),
         process_starts=len(pids),
         eval_curve=eval_curve(events, tokens_per_eval_step),
     )

@@ -17,8 +17,9 @@ from tqdm import tqdm
 
 from diloco.core.config import Encoding, TrainingConfig
 from diloco.local.failure_trace import FailureEvent, load_trace, random_trace, save_trace, syncer_target, worker_target
-from diloco.local.goodput import Account, account, load_events
+from diloco.local.goodput import Account, account
 from diloco.local.launcher import JobResult, LocalJob, RunPlan
+from diloco.progress import DoneEvent, EvalEvent, ProgressFollower, StepEvent, read_events
 
 MODES = ("diloco", "sync-diloco", "ddp")
 
@@ -52,24 +53,16 @@ class _ProgressReader:
     """Follows the progress files for the bar: the latest step of each worker slot, and the latest loss."""
 
     def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.offsets: dict[Path, int] = {}
-        self.steps: dict[str, int] = {}
+        self.events = ProgressFollower(folder)
+        self.steps: dict[tuple[str, int], int] = {}
         self.loss = math.nan
 
     def poll(self) -> int:
-        for path in self.folder.glob("*.jsonl"):
-            with open(path) as f:
-                f.seek(self.offsets.get(path, 0))
-                for line in f:
-                    if not line.endswith("\n"):
-                        break
-                    self.offsets[path] = self.offsets.get(path, 0) + len(line.encode())
-                    event = json.loads(line)
-                    if event["event"] == "step":
-                        self.steps[path.name] = event["step"]
-                    elif event["event"] == "eval":
-                        self.loss = event["loss"]
+        for event in self.events.poll():
+            if isinstance(event, StepEvent):
+                self.steps[event.source.slot] = event.step
+            elif isinstance(event, EvalEvent):
+                self.loss = event.loss
         return sum(self.steps.values())
 
 
@@ -92,7 +85,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
             bar.set_postfix(loss=f"{reader.loss:.3f}", refresh=False)
 
         result = job.run(on_tick=tick)
-    events = load_events(plan.out / "progress")
+    events = read_events(plan.out / "progress")
     workers = plan.islands * plan.ranks
     acct = account(
         events,
@@ -103,7 +96,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         tokens_per_eval_step=workers * plan.batch_size * _context(plan.preset),
     )
     if plan.mode == "ddp":
-        finals = [e["loss"] for e in events if e["event"] == "done"]
+        finals = [e.loss for e in events if isinstance(e, DoneEvent)]
         final = finals[-1] if finals else math.nan
         comm = ddp_comm_bytes(_parameters(plan.preset), workers, acct.steps_executed / workers)
     else:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from diloco.core.config import TrainingConfig
 from diloco.local.failure_trace import FailureEvent, load_trace
-from diloco.local.goodput import account, load_events
+from diloco.local.goodput import account
+from diloco.progress import DoneEvent, StepEvent, read_events
 from diloco.sim.engine import Policy, SimConfig, simulate
 
 MODES = ("diloco", "sync-diloco", "ddp")
@@ -83,36 +84,38 @@ def measure(
     config: TrainingConfig,
 ) -> Measured:
     """The parameters of `mode` from `run_dir/<mode>/progress/*.jsonl`, the run's summary and its trace."""
-    events = load_events(Path(run_dir) / mode / "progress")
+    events = read_events(Path(run_dir) / mode / "progress")
     started = summary["started_at"]
     slots = islands * ranks
     acct = account(
         events, mode=mode, slots=slots, fragments=config.fragments, started_at=started, tokens_per_eval_step=0
     )
-    steps = [e for e in events if e["event"] == "step"]
-    compute = [max(0.0, e["seconds"] - e.get("sync_seconds", 0.0)) for e in steps]
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    compute = [e.compute_seconds for e in steps]
     per_island: dict[str, list[float]] = defaultdict(list)
     for e, seconds in zip(steps, compute):
-        per_island[e["island"]].append(seconds)
+        per_island[e.source.island].append(seconds)
     step = _median(compute, math.nan)
     # At a barrier every island blocks at the same step; the last to arrive waits least, and only for the
     # merge to reach it (merging, its polling, the pull): that shortest wait per barrier is the latency.
     barriers: dict[int, list[float]] = defaultdict(list)
     for e in steps:
-        if e.get("sync_seconds", 0.0) > 0.0:
-            barriers[e["step"]].append(e["sync_seconds"])
+        if e.sync_seconds > 0.0:
+            barriers[e.step].append(e.sync_seconds)
     latencies = [min(waits) for waits in barriers.values()]
 
     # A process's launch: the job's start, or when the trace last killed its island (data-parallel: anyone)
     # before its first step, plus that kill's downtime. Start-up is the time from launch to its first step.
-    first_step: dict[int, dict] = {}
+    first_step: dict[int, StepEvent] = {}
     for e in steps:
-        if e["pid"] not in first_step or e["t"] < first_step[e["pid"]]["t"]:
-            first_step[e["pid"]] = e
+        if e.source.pid not in first_step or e.t < first_step[e.source.pid].t:
+            first_step[e.source.pid] = e
     initial, relaunch = [], []
     for e in first_step.values():
-        began = e["t"] - e["seconds"] - started
-        hits = [k for k in trace if k.kind == "worker" and k.at < began and (mode == "ddp" or k.island == e["island"])]
+        began = e.t - e.seconds - started
+        hits = [
+            k for k in trace if k.kind == "worker" and k.at < began and (mode == "ddp" or k.island == e.source.island)
+        ]
         if hits:
             last = max(hits, key=lambda k: k.at)
             relaunch.append(began - (last.at + last.downtime))
@@ -123,11 +126,13 @@ def measure(
     # Wind-down: from a worker's last step to its `done` event, which ends its slot's allocation.
     last_step: dict[int, float] = {}
     for e in steps:
-        last_step[e["pid"]] = max(last_step.get(e["pid"], e["t"]), e["t"])
-    wind_down = [e["t"] - last_step[e["pid"]] for e in events if e["event"] == "done" and e["pid"] in last_step]
+        last_step[e.source.pid] = max(last_step.get(e.source.pid, e.t), e.t)
+    wind_down = [
+        e.t - last_step[e.source.pid] for e in events if isinstance(e, DoneEvent) and e.source.pid in last_step
+    ]
     ends: dict[tuple[str, int], float] = {}
-    for e in events:
-        ends[e["island"], e["rank"]] = max(ends.get((e["island"], e["rank"]), 0.0), e["t"] - started)
+    for event in events:
+        ends[event.source.slot] = max(ends.get(event.source.slot, 0.0), event.t - started)
     first_end = min(ends.values(), default=0.0)
     return Measured(
         mode=mode,

@@ -3,33 +3,21 @@
 import pytest
 
 from diloco.local.goodput import account, ddp_useful_seconds, diloco_useful_seconds, eval_curve
+from diloco.progress import EvalEvent, RoundEvent, Source, StepEvent
 
 
 def step(pid, n, t, seconds=1.0, sync=0.0, island="island-0", rank=0):
-    return {
-        "event": "step",
-        "pid": pid,
-        "island": island,
-        "rank": rank,
-        "step": n,
-        "t": t,
-        "seconds": seconds,
-        "sync_seconds": sync,
-        "tokens": 10,
-    }
+    source = Source(island=island, rank=rank, mode="diloco", pid=pid)
+    return StepEvent(t, source, step=n, loss=1.0, tokens=10, seconds=seconds, sync_seconds=sync)
 
 
 def merged(pid, fragment, began_at, outcome="MERGED", island="island-0"):
-    return {
-        "event": "round",
-        "pid": pid,
-        "island": island,
-        "rank": 0,
-        "fragment": fragment,
-        "began_at": began_at,
-        "outcome": outcome,
-        "t": 0.0,
-    }
+    source = Source(island=island, rank=0, mode="diloco", pid=pid)
+    return RoundEvent(0.0, source, fragment=fragment, began_at=began_at, outcome=outcome)
+
+
+def evaluated(n, loss):
+    return EvalEvent(0.0, Source(island="island-0", rank=0, mode="diloco", pid=1), step=n, loss=loss)
 
 
 def test_steps_count_per_fragment_whose_later_push_merged():
@@ -71,9 +59,5 @@ def test_allocation_runs_from_job_start_to_each_slot_end_and_goodput_divides():
 
 
 def test_eval_curve_averages_islands_at_each_step():
-    events = [
-        {"event": "eval", "step": 10, "loss": 3.0},
-        {"event": "eval", "step": 10, "loss": 2.0},
-        {"event": "eval", "step": 20, "loss": 1.5},
-    ]
+    events = [evaluated(10, 3.0), evaluated(10, 2.0), evaluated(20, 1.5)]
     assert eval_curve(events, tokens_per_eval_step=100) == [(1000, 2.5), (2000, 1.5)]

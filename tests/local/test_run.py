@@ -12,7 +12,7 @@ from support import wait_until
 from diloco.cli import build_parser, main
 from diloco.core.config import TrainingConfig
 from diloco.local.failure_trace import FailureEvent, load_trace, save_trace
-from diloco.local.goodput import load_events
+from diloco.progress import EvalEvent, RoundEvent, StartEvent, StepEvent, read_events
 
 pytestmark = pytest.mark.process
 
@@ -66,9 +66,9 @@ def run_killing(tmp_path, name, mode, island, at_step, *extra):
 
     def killer():
         def reached():
-            events = load_events(out / mode / "progress")
-            hits = [e for e in events if e["event"] == "step" and e["island"] == island and e["step"] >= at_step]
-            return hits[0]["pid"] if hits else None
+            events = read_events(out / mode / "progress")
+            hits = [e for e in events if isinstance(e, StepEvent) and e.source.island == island and e.step >= at_step]
+            return hits[0].source.pid if hits else None
 
         pid = wait_until(reached, timeout=240, interval=0.2)
         os.kill(pid, signal.SIGKILL)
@@ -82,14 +82,14 @@ def run_killing(tmp_path, name, mode, island, at_step, *extra):
     return summary, out, killed["pid"]
 
 
-def island_events(out, island, event):
-    return [e for e in load_events(out / "progress") if e["event"] == event and e["island"] == island]
+def island_events(out, island, kind):
+    return [e for e in read_events(out / "progress") if isinstance(e, kind) and e.source.island == island]
 
 
 def step_rate(out, island):
     """Steps per second of an island's rank 0 over its training, from its progress events."""
-    steps = island_events(out, island, "step")
-    return (len(steps) - 1) / (steps[-1]["t"] - steps[0]["t"])
+    steps = island_events(out, island, StepEvent)
+    return (len(steps) - 1) / (steps[-1].t - steps[0].t)
 
 
 def test_a_restarted_island_rejoins_with_the_current_fragments(tmp_path):
@@ -98,17 +98,17 @@ def test_a_restarted_island_rejoins_with_the_current_fragments(tmp_path):
     the trained model rather than from scratch."""
     (summary,), out, pid = run_killing(tmp_path, "rejoin", "diloco", "island-1", 15, "--eval-every", "5")
     out = out / "diloco"
-    restarted = [e for e in island_events(out, "island-1", "start") if e["pid"] != pid]
+    restarted = [e for e in island_events(out, "island-1", StartEvent) if e.source.pid != pid]
     assert len(restarted) == 1 and summary["restarts"] == 1
     rejoined = restarted[0]
     adopted = {}
-    for e in island_events(out, "island-0", "round"):
-        if e["t"] < rejoined["t"] and e["version"] is not None:
-            adopted[e["fragment"]] = max(adopted.get(e["fragment"], 0), e["version"])
+    for e in island_events(out, "island-0", RoundEvent):
+        if e.t < rejoined.t and e.version is not None:
+            adopted[e.fragment] = max(adopted.get(e.fragment, 0), e.version)
     assert adopted and all(v > 0 for v in adopted.values()), "island-0 had mixed merged fragments by then"
-    assert all(rejoined["versions"][p] >= v for p, v in adopted.items()), (rejoined["versions"], adopted)
-    first_eval = next(e for e in island_events(out, "island-1", "eval") if e["pid"] == rejoined["pid"])
-    assert first_eval["loss"] < 4.0 < INITIAL_LOSS, "the replacement trains on from the global model"
+    assert all(rejoined.versions[p] >= v for p, v in adopted.items()), (rejoined.versions, adopted)
+    first_eval = next(e for e in island_events(out, "island-1", EvalEvent) if e.source.pid == rejoined.source.pid)
+    assert first_eval.loss < 4.0 < INITIAL_LOSS, "the replacement trains on from the global model"
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 3.5
 
 
@@ -136,8 +136,8 @@ def test_sync_diloco_is_a_barrier_across_all_islands(tmp_path):
     assert not summary["timed_out"] and summary["restarts"] == 1
     assert summary["merges"] > 0 and summary["islands_per_merge"] == 2, "every merge took in both islands"
     assert step_rate(out, "island-0") < 2 * step_rate(out, "island-1"), "island-0 was held to island-1's pace"
-    (rejoined,) = [e for e in island_events(out, "island-1", "start") if e["pid"] != pid]
-    assert rejoined["step"] >= 10 and rejoined["step"] % 5 == 0, "resumed at a due step of the job (H=10, P=2)"
+    (rejoined,) = [e for e in island_events(out, "island-1", StartEvent) if e.source.pid != pid]
+    assert rejoined.step >= 10 and rejoined.step % 5 == 0, "resumed at a due step of the job (H=10, P=2)"
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 3.5
 
 
