@@ -24,12 +24,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from diloco.core.compressed_pull import held_after, values_digest
 from diloco.core.config import TrainingConfig
+from diloco.core.encoding import Encoding, EncodingError
 from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.references import Reference, References
 from diloco.syncer.shard import PushKey, Refused, ShardState, TensorSpec
 from diloco.transport import wire
 from diloco.transport.auth import TokenInterceptor
+from diloco.transport.codes import encoding_of
 from diloco.transport.v1 import syncer_pb2 as pb
 
 log = logging.getLogger("diloco.syncer")
@@ -40,7 +42,6 @@ MERGE_POLL_SECONDS = 0.5
 SUMMARY_SECONDS = 30.0
 
 H = TypeVar("H", pb.FragmentHeader, pb.PushHeader)
-ENCODINGS = (pb.FP32, pb.BF16, pb.INT8, pb.INT4)
 
 
 def _new_incarnation() -> int:
@@ -223,7 +224,7 @@ class SyncerServer:
 
     # Calls (the servicer below delegates here, holding no gRPC types beyond messages)
 
-    def pull_reply(self, index: int, encoding: int) -> tuple[int, list[bytes], int]:
+    def pull_reply(self, index: int, encoding: Encoding) -> tuple[int, list[bytes], int]:
         """The serialized Pull reply for the fragment's current values in `encoding` (version, messages,
         tensor bytes), built once per version; the caller holds the lock."""
         frag = self.state.seeded_fragment(index)
@@ -268,12 +269,17 @@ class SyncerServer:
         )
 
     def delta_reply(
-        self, request: pb.PullRequest, held: Reference, differences: list[torch.Tensor], version: int
+        self,
+        request: pb.PullRequest,
+        held: Reference,
+        differences: list[torch.Tensor],
+        version: int,
+        encoding: Encoding,
     ) -> tuple[list[bytes], int]:
-        """The serialized difference from `held` to the values of `version` (and its tensor bytes); records
-        what the island will hold once it applies it. Encodes outside the lock."""
+        """The serialized difference from `held` to the values of `version` in `encoding` (and its tensor
+        bytes); records what the island will hold once it applies it. Encodes outside the lock."""
         frag = self.state.fragments[request.fragment_id]
-        encoding, block_size = request.delta_encoding, self.config.block_size
+        block_size = self.config.block_size
         named = [(spec.name, d) for spec, d in zip(frag.specs, differences)]
         payloads, blobs = wire.tensor_payloads(named, encoding, block_size)
         for payload, spec in zip(payloads, frag.specs):
@@ -308,6 +314,14 @@ def _first_header(parts: Iterator[wire.Part], header_type: type[H]) -> H:
             grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"the stream must start with a {header_type.__name__}"
         )
     return first
+
+
+def _requested_encoding(value: int, what: str) -> Encoding:
+    """An encoding a Pull request names, refused as malformed when it is not in the contract."""
+    try:
+        return encoding_of(value)
+    except EncodingError:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"unknown {what} {value}") from None
 
 
 def _wire_refusal(error: wire.WireError) -> Refused:
@@ -429,15 +443,12 @@ class _Servicer:
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         s = self.s
-        encoding = request.encoding or pb.FP32
         held = None
         try:
-            if encoding not in ENCODINGS:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"unknown encoding {encoding}")
-            if request.delta_encoding and request.delta_encoding not in ENCODINGS:
-                raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"unknown delta encoding {request.delta_encoding}"
-                )
+            encoding = _requested_encoding(request.encoding, "encoding") if request.encoding else Encoding.FP32
+            delta_encoding = (
+                _requested_encoding(request.delta_encoding, "delta encoding") if request.delta_encoding else None
+            )
             with s._cond:
                 s.state.touch(request.island_id, s.clock())
                 frag = s.state.seeded_fragment(request.fragment_id)
@@ -449,12 +460,12 @@ class _Servicer:
                     differences = [torch.sub(v, h) for v, h in zip(frag.values, held.values)]
                 else:
                     _, messages, nbytes = s.pull_reply(request.fragment_id, encoding)
-                    if request.delta_encoding and request.island_id and encoding == pb.FP32:
+                    if delta_encoding is not None and request.island_id and encoding is Encoding.FP32:
                         s.record_full(request.island_id, request.fragment_id)
         except Refused as refusal:
             s.refuse(refusal, context)
         if held is not None:
-            messages, nbytes = s.delta_reply(request, held, differences, version)
+            messages, nbytes = s.delta_reply(request, held, differences, version, delta_encoding)
         yield from messages
         s.metrics.pulls.labels("full" if held is None else "delta").inc()
         s.metrics.bytes_out.inc(nbytes)

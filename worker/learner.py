@@ -134,7 +134,7 @@ class Learner:
         self._token = token
         if compressed_pulls is None:
             compressed_pulls = env_default("COMPRESSED_PULLS", "1") != "0"
-        self._pull_encoding = config.encoding.wire if compressed_pulls else None
+        self._pull_encoding = config.encoding if compressed_pulls else None
         self._client_options = {"timeout": rpc_timeout, "retry_for": retry_for, "backoff": backoff}
         # Names must be the same on every island, whether or not it wraps its model in DDP ("module." prefix).
         named_model = model.module if isinstance(model, DistributedDataParallel) else model
@@ -372,7 +372,7 @@ class Learner:
         round_ = FragmentSync(
             self._clients[f.shard],
             request,
-            encoding=self.config.encoding.wire,
+            encoding=self.config.encoding,
             block_size=self.config.block_size,
             timeout=self.sync_timeout,
             stopping=self._stopping,

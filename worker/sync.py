@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from diloco.core.compressed_pull import values_digest
-from diloco.core.encoding import encoded_nbytes
+from diloco.core.encoding import Encoding, encoded_nbytes
 from diloco.transport.client import Held, Pulled, SyncerClient
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.stats import StatsRecorder
@@ -78,12 +78,12 @@ class FragmentSync:
         client: SyncerClient,
         request: SyncRequest,
         *,
-        encoding: int,
+        encoding: Encoding,
         block_size: int,
         timeout: float,
         stopping: threading.Event,
         stats: StatsRecorder,
-        pull_encoding: int | None = None,
+        pull_encoding: Encoding | None = None,
     ) -> None:
         """`pull_encoding`: the encoding of compressed pulls, None for full float32 ones."""
         self.client = client
@@ -233,7 +233,7 @@ def pull_values(
     fragment: int,
     have: pb.FragmentVersion | None,
     held: Held | None,
-    pull_encoding: int | None,
+    pull_encoding: Encoding | None,
 ) -> Pulled | None:
     """A fragment's newest values (None when `have` is the newest): compressed against `held` when
     `pull_encoding` is set, else in full float32."""

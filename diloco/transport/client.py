@@ -22,8 +22,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.core.compressed_pull import apply_delta
+from diloco.core.encoding import Encoding
 from diloco.transport import wire
 from diloco.transport.auth import bearer_metadata
+from diloco.transport.codes import wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.v1 import syncer_pb2_grpc as pb_grpc
 
@@ -166,7 +168,7 @@ class SyncerClient:
         return self._retrying("Join", lambda: self._stub.Join(request, timeout=self.timeout, metadata=self._metadata))
 
     def seed(self, fragment_id: int, named: Sequence[tuple[str, torch.Tensor]]) -> pb.SeedReply:
-        payloads, blobs = wire.tensor_payloads(named, pb.FP32, 0)
+        payloads, blobs = wire.tensor_payloads(named, Encoding.FP32, 0)
         unset = pb.FragmentVersion()
         return self._retrying(
             "Seed",
@@ -186,7 +188,7 @@ class SyncerClient:
         inner_steps: int,
         sequence: int,
         delta: Sequence[tuple[str, torch.Tensor]],
-        encoding: int,
+        encoding: Encoding,
         block_size: int,
     ) -> pb.PushReply:
         """Streams one outer gradient; encoded once, re-sent whole on a retry, counted once by the shard."""
@@ -207,17 +209,20 @@ class SyncerClient:
         )
 
     def pull(
-        self, fragment_id: int, have: pb.FragmentVersion | None = None, encoding: int = pb.FP32
+        self, fragment_id: int, have: pb.FragmentVersion | None = None, encoding: Encoding = Encoding.FP32
     ) -> tuple[pb.FragmentVersion, list[tuple[str, torch.Tensor]]] | None:
         """The fragment's newest values, or None when `have` is already the newest."""
         request = pb.PullRequest(
-            fragment_id=fragment_id, have=have or pb.FragmentVersion(), encoding=encoding, island_id=self.island_id
+            fragment_id=fragment_id,
+            have=have or pb.FragmentVersion(),
+            encoding=wire_encoding(encoding),
+            island_id=self.island_id,
         )
         pulled = self._retrying("Pull", lambda: self._pull_attempt(request, None))
         return None if pulled is None else (pulled.version, pulled.tensors)
 
     def pull_delta(
-        self, fragment_id: int, *, have: pb.FragmentVersion | None, held: Held | None, encoding: int
+        self, fragment_id: int, *, have: pb.FragmentVersion | None, held: Held | None, encoding: Encoding
     ) -> Pulled | None:
         """Like `pull`, but the shard may answer with the difference, in `encoding`, from the `held` values
         (what a pull of this client returned, or values of unknown version that may be the newest) to the
@@ -227,9 +232,9 @@ class SyncerClient:
         request = pb.PullRequest(
             fragment_id=fragment_id,
             have=have or pb.FragmentVersion(),
-            encoding=pb.FP32,
+            encoding=wire_encoding(Encoding.FP32),
             island_id=self.island_id,
-            delta_encoding=encoding,
+            delta_encoding=wire_encoding(encoding),
         )
         if held is not None:
             request.held.SetInParent()

@@ -17,13 +17,14 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from diloco.core.encoding import EncodingError, decode, encode, encoded_nbytes
+from diloco.core.encoding import Encoding, EncodingError, decode, encode, encoded_nbytes
+from diloco.transport.codes import encoding_of, wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
 
 _DTYPES = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16}
-_QUANTISED = (pb.INT8, pb.INT4)
+_QUANTISED = (Encoding.INT8, Encoding.INT4)
 
 _DATA_TAG = b"\x12"  # field 2 (`data`), length-delimited: the same in PushChunk and FragmentChunk
 
@@ -54,7 +55,7 @@ def _invalid(message: str) -> WireError:
 
 
 def tensor_payloads(
-    named: Sequence[tuple[str, torch.Tensor]], encoding: int, block_size: int
+    named: Sequence[tuple[str, torch.Tensor]], encoding: Encoding, block_size: int
 ) -> tuple[list[pb.TensorPayload], list[bytes]]:
     """Describe and encode tensors for a header: one TensorPayload and one byte string per tensor, in order."""
     payload_block = block_size if encoding in _QUANTISED else 0
@@ -68,7 +69,7 @@ def tensor_payloads(
                 name=name,
                 shape=list(tensor.shape),
                 dtype=_DTYPES[tensor.dtype],
-                encoding=encoding,
+                encoding=wire_encoding(encoding),
                 block_size=payload_block,
                 byte_length=len(blob),
             )
@@ -203,7 +204,7 @@ def _declared_total(payloads: Iterable[pb.TensorPayload]) -> int:
         if p.dtype not in _DTYPES.values():
             raise _invalid(f"tensor {p.name!r}: unknown dtype {p.dtype}")
         try:
-            expected = encoded_nbytes(math.prod(p.shape), p.encoding, p.block_size)
+            expected = encoded_nbytes(math.prod(p.shape), encoding_of(p.encoding), p.block_size)
         except EncodingError as e:
             raise _invalid(f"tensor {p.name!r}: {e}") from None
         if p.byte_length != expected:
@@ -255,7 +256,7 @@ def _read_stream(
     offset = 0
     for p in header.tensors:
         try:
-            values = decode(buffer[offset : offset + p.byte_length], p.shape, p.encoding, p.block_size)
+            values = decode(buffer[offset : offset + p.byte_length], p.shape, encoding_of(p.encoding), p.block_size)
         except EncodingError as e:
             raise _invalid(f"tensor {p.name!r}: {e}") from None
         tensors.append((p, values))
