@@ -121,9 +121,11 @@ def _island(
     import grpc
     import torch
 
+    from diloco.core.refusal import Refusal
     from diloco.transport import wire
     from diloco.transport.auth import bearer_metadata
     from diloco.transport.client import CHANNEL_OPTIONS, SyncerClient, _method
+    from diloco.transport.codes import refusal_of
     from diloco.transport.v1 import syncer_pb2 as pb
 
     island = f"island-{index}"
@@ -163,7 +165,7 @@ def _island(
                 push(iter([pb.PushChunk(header=header).SerializeToString(), *data]), metadata=metadata)
                 counts["pushes"] += 1
             except grpc.RpcError as error:
-                if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                if refusal_of(error.code()) is not Refusal.OUT_OF_STEP:
                     raise
                 counts["refused"] += 1
             reply_parts = iter(pull(pb.PullRequest(fragment_id=p, have=bases[p], island_id=island), metadata=metadata))

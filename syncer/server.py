@@ -26,13 +26,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from diloco.core.compressed_pull import held_after, values_digest
 from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoding, EncodingError
+from diloco.core.refusal import Refusal
 from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.references import Reference, References
 from diloco.syncer.shard import PushKey, PushResult, Refused, ShardState, TensorSpec
 from diloco.transport import wire
 from diloco.transport.auth import TokenInterceptor
-from diloco.transport.codes import encoding_of
+from diloco.transport.codes import encoding_of, status_code
 from diloco.transport.v1 import syncer_pb2 as pb
 
 log = logging.getLogger("diloco.syncer")
@@ -426,9 +427,7 @@ def _first_header(parts: Iterator[wire.Part], header_type: type[H]) -> H:
     """The header that must open a stream, read before any data is buffered."""
     first = next(parts, None)
     if not isinstance(first, header_type):
-        raise Refused(
-            grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"the stream must start with a {header_type.__name__}"
-        )
+        raise Refused(Refusal.INVALID, "malformed", f"the stream must start with a {header_type.__name__}")
     return first
 
 
@@ -437,12 +436,12 @@ def _requested_encoding(value: int, what: str) -> Encoding:
     try:
         return encoding_of(value)
     except EncodingError:
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"unknown {what} {value}") from None
+        raise Refused(Refusal.INVALID, "malformed", f"unknown {what} {value}") from None
 
 
 def _wire_refusal(error: wire.WireError) -> Refused:
-    reason = "oversize" if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "malformed"
-    return Refused(error.code, reason, error.message)
+    reason = "oversize" if error.kind is Refusal.TOO_LARGE else "malformed"
+    return Refused(error.kind, reason, error.message)
 
 
 def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
@@ -480,14 +479,14 @@ class _Servicer:
     def _refuse(self, refusal: Refused, context: grpc.ServicerContext) -> NoReturn:
         """Counts the refusal and aborts the call with its status code; the abort raises, ending the handler."""
         self.s.count_refusal(refusal)
-        context.abort(refusal.code, refusal.message)
+        context.abort(status_code(refusal.kind), refusal.message)
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         fragments = self.s.config.fragments
         if request.num_fragments != fragments:
             self._refuse(
                 Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Refusal.INVALID,
                     "layout",
                     f"the island has {request.num_fragments} fragments, the job {fragments}",
                 ),
@@ -524,7 +523,7 @@ class _Servicer:
             key = PushKey(h.island_id, h.base.incarnation, h.base.version, h.sequence)
             specs = _specs(h.tensors)
             if not h.island_id:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "a push must name its island")
+                raise Refused(Refusal.INVALID, "malformed", "a push must name its island")
             early, limit = s.admit_push(key, h.fragment_id, specs)
             if early is None:
                 _, tensors = wire.read_push_stream(itertools.chain([h], request_iterator), max_total_bytes=limit)
@@ -559,9 +558,7 @@ class _Servicer:
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         if not request.island_id:
-            self._refuse(
-                Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "a leave must name its island"), context
-            )
+            self._refuse(Refused(Refusal.INVALID, "malformed", "a leave must name its island"), context)
         self.s.leave(request.island_id)
         log.info("island left", extra={"island": request.island_id})
         return pb.LeaveReply()

@@ -2,8 +2,8 @@
 
 No I/O, no threads and no clock: every method takes `now`, so tests drive it with explicit times, and the
 server wraps it in a lock, a merge thread and checkpoints. Refusals are raised as `Refused`, carrying the
-gRPC status the server answers with and a short reason used as a metrics label; a refused call never
-changes the state.
+kind of refusal (the transport answers each kind with its status code) and a short reason used as a
+metrics label; a refused call never changes the state.
 """
 
 from __future__ import annotations
@@ -12,23 +12,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import torch
 
 from diloco.core.config import TrainingConfig
 from diloco.core.fragments import owned_fragments
 from diloco.core.merge import Contribution, is_too_stale, merge_deltas
 from diloco.core.outer_optimizer import init_momentum, outer_step
+from diloco.core.refusal import Refusal
 
 CHECKPOINT_FORMAT = 1
 
 
 class Refused(Exception):
-    """A call the shard will not take; `code` is the gRPC status, `reason` a metrics label."""
+    """A call the shard will not take: its kind of refusal, and `reason` a metrics label."""
 
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+    def __init__(self, kind: Refusal, reason: str, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.kind = kind
         self.reason = reason
         self.message = message
 
@@ -145,7 +145,7 @@ class ShardState:
             return self.fragments[index]
         except KeyError:
             raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Refusal.INVALID,
                 "unknown_fragment",
                 f"fragment {index} is not owned by shard {self.shard_index} of {self.num_shards} "
                 f"(owned: {sorted(self.fragments)})",
@@ -154,9 +154,7 @@ class ShardState:
     def seeded_fragment(self, index: int) -> FragmentState:
         frag = self.fragment(index)
         if not frag.seeded:
-            raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION, "not_seeded", f"fragment {index} has not been seeded yet"
-            )
+            raise Refused(Refusal.OUT_OF_STEP, "not_seeded", f"fragment {index} has not been seeded yet")
         return frag
 
     def unseeded(self) -> list[int]:
@@ -168,7 +166,7 @@ class ShardState:
         if frag.seeded:
             return False
         if not specs:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty", f"seed of fragment {index} has no tensors")
+            raise Refused(Refusal.INVALID, "empty", f"seed of fragment {index} has no tensors")
         frag.specs = tuple(specs)
         frag.values = [v.detach().to(torch.float32).clone() for v in values]
         frag.momentum = init_momentum(frag.values)
@@ -219,21 +217,21 @@ class ShardState:
     def _check_specs(self, frag: FragmentState, specs: Sequence[TensorSpec]) -> None:
         if len(specs) != len(frag.specs):
             raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Refusal.INVALID,
                 "shape",
                 f"fragment {frag.index} has {len(frag.specs)} tensors, the push has {len(specs)}",
             )
         for got, want in zip(specs, frag.specs):
             if got.name != want.name or got.shape != want.shape:
                 raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Refusal.INVALID,
                     "shape",
                     f"fragment {frag.index}: expected tensor {want.name} of shape {list(want.shape)}, "
                     f"got {got.name} of shape {list(got.shape)}",
                 )
             if got.dtype != want.dtype:
                 raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Refusal.INVALID,
                     "dtype",
                     f"fragment {frag.index}: tensor {want.name} has dtype {want.dtype}, the push says {got.dtype}",
                 )
@@ -241,21 +239,21 @@ class ShardState:
     def _staleness(self, frag: FragmentState, key: PushKey) -> int:
         if key.incarnation != self.incarnation:
             raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Refusal.OUT_OF_STEP,
                 "incarnation",
                 f"fragment {frag.index}: base is from incarnation {key.incarnation}, the shard is at "
                 f"{self.incarnation} after a restart; pull the fragment again",
             )
         if key.base_version > frag.version:
             raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Refusal.OUT_OF_STEP,
                 "ahead",
                 f"fragment {frag.index}: base version {key.base_version} is ahead of {frag.version}; pull again",
             )
         staleness = frag.version - key.base_version
         if is_too_stale(staleness, self.config.max_staleness):
             raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Refusal.OUT_OF_STEP,
                 "stale",
                 f"fragment {frag.index}: base version {key.base_version} is {staleness} versions behind "
                 f"{frag.version}, beyond maxStaleness {self.config.max_staleness}; pull again",

@@ -1,10 +1,11 @@
 """One fragment's round trip to the syncer shard that owns it, run off the training thread.
 
 A round pushes the outer gradient Δ = base − local, then polls for the merge that takes it in. A push the
-shard refuses with FAILED_PRECONDITION (a base that is stale, from an older incarnation, or ahead of the
-shard) turns into a fresh pull, so the island re-bases instead of stalling. Every other failure ends the
-round: the learner drops it and trains on, and the next due step pushes again. With a pull encoding, pulls
-are compressed: the shard sends the difference from the island's base (`diloco.core.compressed_pull`).
+shard refuses as out of step (a base that is stale, from an older incarnation, or ahead of the shard;
+FAILED_PRECONDITION on the wire) turns into a fresh pull, so the island re-bases instead of stalling. Every
+other failure ends the round: the learner drops it and trains on, and the next due step pushes again. With a
+pull encoding, pulls are compressed: the shard sends the difference from the island's base
+(`diloco.core.compressed_pull`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 
 from diloco.core.compressed_pull import values_digest
 from diloco.core.encoding import Encoding, encoded_nbytes
+from diloco.core.refusal import Refusal
 from diloco.transport.client import Held, Pulled, SyncerClient
+from diloco.transport.codes import refusal_of
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.stats import StatsRecorder
 
@@ -138,7 +141,7 @@ class FragmentSync:
                 block_size=self.block_size,
             )
         except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            if refusal_of(error.code()) is Refusal.OUT_OF_STEP:
                 log.debug("push refused, pulling afresh", extra=self._fields(detail=error.details()))
                 return self._fresh()
             return self._failed("push", error)
@@ -185,7 +188,7 @@ class FragmentSync:
             try:
                 pulled = pull_values(self.client, r.fragment, None, self._held(), self.pull_encoding)
             except grpc.RpcError as error:
-                if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                if refusal_of(error.code()) is not Refusal.OUT_OF_STEP:
                     raise
                 seeded = self.client.seed(r.fragment, list(zip(r.names, r.base)))
                 log.info("re-seeded fragment", extra=self._fields(accepted=seeded.accepted))

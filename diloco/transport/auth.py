@@ -10,6 +10,9 @@ from collections.abc import Callable
 
 import grpc
 
+from diloco.core.refusal import Refusal
+from diloco.transport.codes import status_code
+
 METADATA_KEY = "authorization"
 EXEMPT_PREFIX = "/grpc.health.v1.Health/"
 
@@ -31,7 +34,7 @@ def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that refuses the call before reading anything."""
 
     def deny(_request_or_iterator: object, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        context.abort(status_code(Refusal.UNAUTHENTICATED), "missing or wrong bearer token")
 
     kinds: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
         (False, False): grpc.unary_unary_rpc_method_handler,

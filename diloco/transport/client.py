@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.core.compressed_pull import apply_delta
 from diloco.core.encoding import Encoding
+from diloco.core.refusal import Refusal
 from diloco.transport import wire
 from diloco.transport.auth import bearer_metadata
 from diloco.transport.codes import wire_encoding
@@ -255,8 +256,7 @@ class SyncerClient:
             return Pulled(header.version, named, wire_bytes, delta=False)
         if held is None or header.delta_base != (held.version or pb.FragmentVersion()):
             raise wire.WireError(
-                grpc.StatusCode.INTERNAL,
-                f"fragment {request.fragment_id}: a difference to values this island does not hold",
+                Refusal.INVALID, f"fragment {request.fragment_id}: a difference to values this island does not hold"
             )
         values = apply_delta(held.values, [t for _, t in named])
         return Pulled(header.version, [(name, v) for (name, _), v in zip(named, values)], wire_bytes, delta=True)

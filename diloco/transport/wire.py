@@ -4,8 +4,8 @@ gRPC caps message sizes, so a fragment travels as one header (names, shapes, dty
 lengths) followed by data messages of at most `MAX_CHUNK_BYTES`. Both the worker (pushing deltas, seeding)
 and the syncer (serving pulls, receiving pushes and seeds) build and read streams here, so the two sides
 cannot drift apart. Readers treat the peer as untrusted: every declared length is checked against what the
-encoding implies before data is buffered, and every refusal is a `WireError` carrying the gRPC status code
-that the contract prescribes.
+encoding implies before data is buffered, and every refusal is a `WireError` carrying its kind of `Refusal`
+(and so the status code that the contract prescribes).
 """
 
 import math
@@ -18,7 +18,8 @@ import torch
 from google.protobuf.message import DecodeError
 
 from diloco.core.encoding import Encoding, EncodingError, decode, encode, encoded_nbytes
-from diloco.transport.codes import encoding_of, wire_encoding
+from diloco.core.refusal import Refusal
+from diloco.transport.codes import encoding_of, status_code, wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
@@ -42,16 +43,21 @@ _PARTS = (pb.FragmentHeader, pb.PushHeader, memoryview, _Undecodable)
 
 
 class WireError(Exception):
-    """A malformed or oversize stream, with the status code the server aborts the call with."""
+    """A malformed or oversize stream: its kind of refusal, and so the status code a server aborts the call with."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
+    def __init__(self, kind: Refusal, message: str) -> None:
+        super().__init__(f"{status_code(kind).name}: {message}")
+        self.kind = kind
         self.message = message
+
+    @property
+    def code(self) -> grpc.StatusCode:
+        """The status code the contract prescribes for this refusal."""
+        return status_code(self.kind)
 
 
 def _invalid(message: str) -> WireError:
-    return WireError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    return WireError(Refusal.INVALID, message)
 
 
 def tensor_payloads(
@@ -228,7 +234,7 @@ def _read_stream(
     total = _declared_total(header.tensors)
     if max_total_bytes is not None and total > max_total_bytes:
         raise WireError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            Refusal.TOO_LARGE,
             f"header declares {total} bytes, more than the limit of {max_total_bytes}",
         )
     # Uninitialised memory: its pages are committed only as data lands, so a header that lies costs nothing.
@@ -242,7 +248,7 @@ def _read_stream(
             raise _invalid("message with neither header nor data, or not a chunk message at all")
         if len(part) > max_chunk:
             raise WireError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Refusal.TOO_LARGE,
                 f"data message of {len(part)} bytes exceeds the chunk limit of {max_chunk}",
             )
         if received + len(part) > total:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from diloco.core.encoding import Encoding, encode, error_bound
+from diloco.core.refusal import Refusal
 from diloco.transport.codes import encoding_of, wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.wire import (
@@ -343,7 +344,7 @@ def test_non_finite_values_are_refused(encoding):
 
 
 def test_wire_error_carries_code_and_message():
-    error = WireError(INVALID, "bad thing")
+    error = WireError(Refusal.INVALID, "bad thing")
     assert error.code == INVALID and error.message == "bad thing"
     assert "bad thing" in str(error)
 
