@@ -75,7 +75,10 @@ class MergeRecord:
 
 
 @dataclass
-class FragmentState:
+class ShardFragment:
+    """One fragment as its shard holds it: the global values and momentum, their version, the pending
+    contributions to the next merge, and counters for the status reply."""
+
     index: int
     specs: tuple[TensorSpec, ...] = ()
     values: list[torch.Tensor] = field(default_factory=list)
@@ -108,7 +111,7 @@ class ShardState:
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.incarnation = incarnation
-        self.fragments = {p: FragmentState(p) for p in owned_fragments(shard_index, num_shards, config.fragments)}
+        self.fragments = {p: ShardFragment(p) for p in owned_fragments(shard_index, num_shards, config.fragments)}
         self.islands: dict[str, float] = {}
         self.left: set[str] = set()
         self.rejected_pushes = 0
@@ -140,7 +143,7 @@ class ShardState:
 
     # Fragments
 
-    def fragment(self, index: int) -> FragmentState:
+    def fragment(self, index: int) -> ShardFragment:
         try:
             return self.fragments[index]
         except KeyError:
@@ -151,7 +154,7 @@ class ShardState:
                 f"(owned: {sorted(self.fragments)})",
             ) from None
 
-    def seeded_fragment(self, index: int) -> FragmentState:
+    def seeded_fragment(self, index: int) -> ShardFragment:
         frag = self.fragment(index)
         if not frag.seeded:
             raise Refused(Refusal.OUT_OF_STEP, "not_seeded", f"fragment {index} has not been seeded yet")
@@ -214,7 +217,7 @@ class ShardState:
         self.touch(key.island, now)
         return PushResult(duplicate=False, version=frag.version, staleness=staleness)
 
-    def _check_specs(self, frag: FragmentState, specs: Sequence[TensorSpec]) -> None:
+    def _check_specs(self, frag: ShardFragment, specs: Sequence[TensorSpec]) -> None:
         if len(specs) != len(frag.specs):
             raise Refused(
                 Refusal.INVALID,
@@ -236,7 +239,7 @@ class ShardState:
                     f"fragment {frag.index}: tensor {want.name} has dtype {want.dtype}, the push says {got.dtype}",
                 )
 
-    def _staleness(self, frag: FragmentState, key: PushKey) -> int:
+    def _staleness(self, frag: ShardFragment, key: PushKey) -> int:
         if key.incarnation != self.incarnation:
             raise Refused(
                 Refusal.OUT_OF_STEP,
@@ -347,7 +350,7 @@ class ShardState:
             "clean": clean,
             "islands": dict(self.islands),
             "left": sorted(self.left),
-            "fragments": {p: _fragment_state(f) for p, f in self.fragments.items()},
+            "fragments": {p: _saved_fragment(f) for p, f in self.fragments.items()},
         }
 
     @classmethod
@@ -380,7 +383,7 @@ class ShardState:
         return shard
 
 
-def _fragment_state(frag: FragmentState) -> dict[str, Any]:
+def _saved_fragment(frag: ShardFragment) -> dict[str, Any]:
     return {
         "specs": [(s.name, list(s.shape), s.dtype) for s in frag.specs],
         "values": [v.clone() for v in frag.values],
@@ -403,7 +406,7 @@ def _fragment_state(frag: FragmentState) -> dict[str, Any]:
     }
 
 
-def _restore_fragment(frag: FragmentState, saved: dict[str, Any], keep_pushes: bool) -> None:
+def _restore_fragment(frag: ShardFragment, saved: dict[str, Any], keep_pushes: bool) -> None:
     """Fills a fresh fragment from its checkpoint; pending pushes and keys survive only a clean stop,
     since after a crash their bases belong to an incarnation that no longer exists."""
     frag.specs = tuple(TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in saved["specs"])

@@ -38,7 +38,7 @@ from diloco.worker.island import Island
 from diloco.worker.stats import LearnerStats, StatsRecorder, Version
 from diloco.worker.sync import (
     FragmentSync,
-    Outcome,
+    RoundOutcome,
     SyncRequest,
     fragment_values,
     held_values,
@@ -49,10 +49,10 @@ from diloco.worker.sync import (
 log = logging.getLogger("diloco.worker")
 
 _OUTCOME_COUNTERS = {
-    Outcome.MERGED: "syncs_merged",
-    Outcome.RESYNCED: "syncs_resynced",
-    Outcome.ABANDONED: "syncs_abandoned",
-    Outcome.FAILED: "syncs_failed",
+    RoundOutcome.MERGED: "syncs_merged",
+    RoundOutcome.RESYNCED: "syncs_resynced",
+    RoundOutcome.ABANDONED: "syncs_abandoned",
+    RoundOutcome.FAILED: "syncs_failed",
 }
 
 
@@ -63,12 +63,12 @@ class RoundReport:
 
     fragment: int
     began_at_step: int
-    outcome: Outcome
+    outcome: RoundOutcome
     version: int | None = None  # the global version adopted, when the outcome adopts one
 
 
 @dataclass
-class _FragmentState:
+class _IslandFragment:
     """One fragment as this rank tracks it; `base`, `base_version` and `sequence` are used on rank 0 only."""
 
     plan: Fragment
@@ -141,7 +141,7 @@ class Learner:
         params = {name: p for name, p in named_model.named_parameters() if p.requires_grad}
         plan = plan_fragments([(name, tuple(p.shape)) for name, p in params.items()], config.fragments)
         self._fragments = [
-            _FragmentState(f, [params[name] for name in f.names], shard_of(f.index, len(self.syncers))) for f in plan
+            _IslandFragment(f, [params[name] for name in f.names], shard_of(f.index, len(self.syncers))) for f in plan
         ]
         self._clients: list[SyncerClient] = []
         self._rounds: dict[int, FragmentSync] = {}
@@ -352,7 +352,7 @@ class Learner:
             client.close()
         log.info("learner closed", extra={"island": self.island_id, "rank": self.island.rank, **asdict(self.stats)})
 
-    def _begin_round(self, f: _FragmentState) -> None:
+    def _begin_round(self, f: _IslandFragment) -> None:
         f.mixable_at = self._step + self.config.overlap_steps
         f.began_at = self._step
         tokens = self.island.sum(f.tokens)
@@ -408,7 +408,7 @@ class Learner:
             code, incarnation, version = decisions[index].tolist()
             if code == 0:
                 continue
-            outcome = Outcome(code)
+            outcome = RoundOutcome(code)
             f.mixable_at = None
             if self.on_round is not None:
                 self.on_round(
@@ -425,7 +425,7 @@ class Learner:
                 self._rounds.pop(index)
             self._stats.add(**{_OUTCOME_COUNTERS[outcome]: 1})
 
-    def _mix(self, f: _FragmentState, version: Version) -> None:
+    def _mix(self, f: _IslandFragment, version: Version) -> None:
         """θ ← α·θ + (1−α)·global on rank 0, then its result on every rank; the global values become the base."""
         if self.island.is_leader:
             result = self._rounds.pop(f.plan.index).result

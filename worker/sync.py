@@ -34,7 +34,7 @@ POLL_INITIAL_SECONDS = 0.02
 POLL_MAX_SECONDS = 1.0
 
 
-class Outcome(enum.IntEnum):
+class RoundOutcome(enum.IntEnum):
     """How a round ended; the values travel in the island's broadcast, 0 meaning "still running"."""
 
     MERGED = 1  # a version newer than the one the push was taken at arrived
@@ -45,7 +45,7 @@ class Outcome(enum.IntEnum):
     @property
     def adopts(self) -> bool:
         """Whether the round brought global values to mix in."""
-        return self in (Outcome.MERGED, Outcome.RESYNCED)
+        return self in (RoundOutcome.MERGED, RoundOutcome.RESYNCED)
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class SyncRequest:
 
 @dataclass(frozen=True)
 class SyncResult:
-    outcome: Outcome
+    outcome: RoundOutcome
     version: pb.FragmentVersion | None = None
     values: list[torch.Tensor] | None = None
 
@@ -121,7 +121,7 @@ class FragmentSync:
                 log.debug("sync interrupted by close", extra=self._fields(), exc_info=True)
             else:
                 log.exception("sync failed", extra=self._fields())
-            self._result = SyncResult(Outcome.FAILED)
+            self._result = SyncResult(RoundOutcome.FAILED)
 
     def _fields(self, **more: object) -> dict[str, object]:
         return {"fragment": self.request.fragment, "target": self.client.target, **more}
@@ -173,10 +173,10 @@ class FragmentSync:
             except grpc.RpcError as error:
                 return self._failed("pull", error)
             if pulled is not None:
-                return self._adopt(Outcome.MERGED, pulled)
+                return self._adopt(RoundOutcome.MERGED, pulled)
             if time.monotonic() + delay > deadline or self._stopping.wait(delay):
                 log.debug("no merge in time, round abandoned", extra=self._fields(have=have.version))
-                return SyncResult(Outcome.ABANDONED)
+                return SyncResult(RoundOutcome.ABANDONED)
             delay = min(delay * 2, POLL_MAX_SECONDS)
 
     def _fresh(self) -> SyncResult:
@@ -197,7 +197,7 @@ class FragmentSync:
             return self._failed("pull", error)
         if pulled is None:
             raise RuntimeError(f"fragment {r.fragment}: a pull without a version came back empty")
-        return self._adopt(Outcome.RESYNCED, pulled)
+        return self._adopt(RoundOutcome.RESYNCED, pulled)
 
     def _held(self) -> Held | None:
         """The island's base, named for a compressed pull."""
@@ -205,7 +205,7 @@ class FragmentSync:
             return None
         return held_values(self.request.base_version, self.request.base)
 
-    def _adopt(self, outcome: Outcome, pulled: Pulled) -> SyncResult:
+    def _adopt(self, outcome: RoundOutcome, pulled: Pulled) -> SyncResult:
         values = fragment_values(self.request.fragment, self.request.names, pulled.tensors)
         self._stats.add(bytes_pulled=pulled.wire_bytes)
         log.debug(
@@ -223,7 +223,7 @@ class FragmentSync:
             "sync call failed, round dropped",
             extra=self._fields(call=call, code=error.code().name, detail=error.details()),
         )
-        return SyncResult(Outcome.FAILED)
+        return SyncResult(RoundOutcome.FAILED)
 
 
 def held_values(version: pb.FragmentVersion | None, values: Sequence[torch.Tensor]) -> Held:
