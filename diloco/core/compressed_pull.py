@@ -28,7 +28,7 @@ def values_digest(values: Sequence[torch.Tensor]) -> int:
     for value in values:
         if value.dtype != torch.float32:
             raise ValueError(f"held values must be float32, got {value.dtype}")
-        digest.update(value.detach().cpu().contiguous().reshape(-1).numpy())
+        digest.update(value.detach().cpu().contiguous().reshape(-1).numpy().data)
     return int.from_bytes(digest.digest(), "little")
 
 

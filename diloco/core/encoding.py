@@ -84,7 +84,7 @@ def _all_finite(tensor: torch.Tensor) -> bool:
 
 def _host_bytes(tensor: torch.Tensor) -> memoryview:
     """A tensor's memory on the host, without a copy when it already lives there."""
-    return memoryview(tensor.cpu().numpy())
+    return tensor.cpu().numpy().data
 
 
 def encode(tensor: torch.Tensor, encoding: Encoding, block_size: int) -> bytes:

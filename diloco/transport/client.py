@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from diloco.core.compressed_pull import apply_delta
 from diloco.core.encoding import Encoding
@@ -28,7 +28,6 @@ from diloco.transport import wire
 from diloco.transport.auth import bearer_metadata
 from diloco.transport.codes import wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
-from diloco.transport.v1 import syncer_pb2_grpc as pb_grpc
 
 log = logging.getLogger("diloco.transport.client")
 
@@ -88,6 +87,9 @@ def _method(name: str) -> str:
     return f"/{pb.DESCRIPTOR.services_by_name['Syncer'].full_name}/{name}"
 
 
+_HEALTH_CHECK = f"/{health_pb2.DESCRIPTOR.services_by_name['Health'].full_name}/Check"
+
+
 class SyncerClient:
     def __init__(
         self,
@@ -113,14 +115,24 @@ class SyncerClient:
         self._metadata = bearer_metadata(token)
         self._rng = random.Random(seed)
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.SyncerStub(self._channel)
-        # The tensor-carrying calls skip message objects: serialized chunks out, zero-copy views in.
-        self._seed = self._channel.stream_unary(_method("Seed"), None, pb.SeedReply.FromString)
-        self._push = self._channel.stream_unary(_method("PushDelta"), None, pb.PushReply.FromString)
-        self._pull = self._channel.unary_stream(
-            _method("Pull"), pb.PullRequest.SerializeToString, wire.parse_fragment_chunk
+        # Every call is made from its method and (de)serializers, as the generated stubs would, but typed. The
+        # tensor-carrying calls skip message objects: serialized chunks out, zero-copy views in.
+        channel = self._channel
+        self._join = channel.unary_unary(_method("Join"), pb.JoinRequest.SerializeToString, pb.JoinReply.FromString)
+        self._seed: grpc.StreamUnaryMultiCallable[bytes, pb.SeedReply] = channel.stream_unary(
+            _method("Seed"), None, pb.SeedReply.FromString
         )
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._push: grpc.StreamUnaryMultiCallable[bytes, pb.PushReply] = channel.stream_unary(
+            _method("PushDelta"), None, pb.PushReply.FromString
+        )
+        self._pull = channel.unary_stream(_method("Pull"), pb.PullRequest.SerializeToString, wire.parse_fragment_chunk)
+        self._leave = channel.unary_unary(_method("Leave"), pb.LeaveRequest.SerializeToString, pb.LeaveReply.FromString)
+        self._status = channel.unary_unary(
+            _method("Status"), pb.StatusRequest.SerializeToString, pb.StatusReply.FromString
+        )
+        self._health_check = channel.unary_unary(
+            _HEALTH_CHECK, health_pb2.HealthCheckRequest.SerializeToString, health_pb2.HealthCheckResponse.FromString
+        )
 
     def close(self) -> None:
         self._channel.close()
@@ -156,7 +168,7 @@ class SyncerClient:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                reply = self._health_check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return True
             except grpc.RpcError:
@@ -166,7 +178,7 @@ class SyncerClient:
 
     def join(self, num_fragments: int) -> pb.JoinReply:
         request = pb.JoinRequest(island_id=self.island_id, num_fragments=num_fragments)
-        return self._retrying("Join", lambda: self._stub.Join(request, timeout=self.timeout, metadata=self._metadata))
+        return self._retrying("Join", lambda: self._join(request, timeout=self.timeout, metadata=self._metadata))
 
     def seed(self, fragment_id: int, named: Sequence[tuple[str, torch.Tensor]]) -> pb.SeedReply:
         payloads, blobs = wire.tensor_payloads(named, Encoding.FP32, 0)
@@ -265,9 +277,9 @@ class SyncerClient:
         """Tells the shard this island has finished. Tried once: a shard that misses it times the island out
         of its live set (islandTimeoutSeconds) as it would a dead one."""
         request = pb.LeaveRequest(island_id=self.island_id)
-        self._stub.Leave(request, timeout=min(timeout, self.timeout), metadata=self._metadata)
+        self._leave(request, timeout=min(timeout, self.timeout), metadata=self._metadata)
 
     def status(self) -> pb.StatusReply:
         return self._retrying(
-            "Status", lambda: self._stub.Status(pb.StatusRequest(), timeout=self.timeout, metadata=self._metadata)
+            "Status", lambda: self._status(pb.StatusRequest(), timeout=self.timeout, metadata=self._metadata)
         )

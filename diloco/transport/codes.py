@@ -11,7 +11,7 @@ from diloco.core.encoding import Encoding, EncodingError
 from diloco.core.refusal import Refusal
 from diloco.transport.v1 import syncer_pb2 as pb
 
-_WIRE_ENCODINGS: dict[Encoding, pb.Encoding.ValueType] = {
+_WIRE_ENCODINGS: dict[Encoding, pb.Encoding] = {
     Encoding.FP32: pb.FP32,
     Encoding.BF16: pb.BF16,
     Encoding.INT8: pb.INT8,
@@ -20,7 +20,7 @@ _WIRE_ENCODINGS: dict[Encoding, pb.Encoding.ValueType] = {
 _ENCODINGS: dict[int, Encoding] = {value: encoding for encoding, value in _WIRE_ENCODINGS.items()}
 
 
-def wire_encoding(encoding: Encoding) -> pb.Encoding.ValueType:
+def wire_encoding(encoding: Encoding) -> pb.Encoding:
     """The `diloco.v1.Encoding` value that names `encoding` on the wire."""
     return _WIRE_ENCODINGS[encoding]
 

@@ -29,7 +29,7 @@ _QUANTISED = (Encoding.INT8, Encoding.INT4)
 
 _DATA_TAG = b"\x12"  # field 2 (`data`), length-delimited: the same in PushChunk and FragmentChunk
 
-_Header = pb.FragmentHeader | pb.PushHeader
+_Header = TypeVar("_Header", pb.FragmentHeader, pb.PushHeader)
 _Chunk = TypeVar("_Chunk", pb.FragmentChunk, pb.PushChunk)
 
 
@@ -120,10 +120,11 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _messages(chunk_type: type[_Chunk], header: _Header, blobs: Sequence[bytes], max_chunk: int) -> Iterator[bytes]:
-    """Serialized chunk messages. A data message is written straight from the encoded bytes (tag, length,
-    payload: exactly what protobuf would write), sparing the copies that building message objects costs."""
-    yield chunk_type(header=header).SerializeToString()
+def _messages(header: pb.FragmentChunk | pb.PushChunk, blobs: Sequence[bytes], max_chunk: int) -> Iterator[bytes]:
+    """Serialized chunk messages: `header` (the chunk that holds the header), then the data. A data message is
+    written straight from the encoded bytes (tag, length, payload: exactly what protobuf would write), sparing
+    the copies that building message objects costs."""
+    yield header.SerializeToString()
     for parts in _pieces(blobs, max_chunk):
         size = sum(len(p) for p in parts)
         yield b"".join((_DATA_TAG, _varint(size), *parts))
@@ -143,7 +144,7 @@ def fragment_messages(
     them without encoding again. With `delta_base`, the tensors are differences to the values of that version.
     """
     header = pb.FragmentHeader(fragment_id=fragment_id, version=version, tensors=payloads, delta_base=delta_base)
-    return _messages(pb.FragmentChunk, header, blobs, max_chunk)
+    return _messages(pb.FragmentChunk(header=header), blobs, max_chunk)
 
 
 def push_messages(
@@ -157,7 +158,7 @@ def push_messages(
     filled.CopyFrom(header)
     del filled.tensors[:]
     filled.tensors.extend(payloads)
-    return _messages(pb.PushChunk, filled, blobs, max_chunk)
+    return _messages(pb.PushChunk(header=filled), blobs, max_chunk)
 
 
 def _parser(chunk_type: type[_Chunk]) -> Callable[[bytes], "Part"]:
@@ -186,7 +187,7 @@ def _read_varint(raw: bytes, offset: int) -> tuple[int, int]:
     return -1, offset
 
 
-def _part(chunk: _Chunk) -> "Part":
+def _part(chunk: pb.FragmentChunk | pb.PushChunk) -> Part:
     kind = chunk.WhichOneof("part")
     if kind == "header":
         return chunk.header
@@ -223,13 +224,16 @@ def _declared_total(payloads: Iterable[pb.TensorPayload]) -> int:
 
 
 def _read_stream(
-    items: Iterable["Part | _Chunk"], max_chunk: int, max_total_bytes: int | None
+    items: Iterable[Part | pb.FragmentChunk | pb.PushChunk],
+    header_type: type[_Header],
+    max_chunk: int,
+    max_total_bytes: int | None,
 ) -> tuple[_Header, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     parts = (item if isinstance(item, _PARTS) else _part(item) for item in items)
     header = next(parts, None)
     if header is None:
         raise _invalid("empty stream: expected a header")
-    if not isinstance(header, (pb.FragmentHeader, pb.PushHeader)):
+    if not isinstance(header, header_type):
         raise _invalid("first message is not a header")
     total = _declared_total(header.tensors)
     if max_total_bytes is not None and total > max_total_bytes:
@@ -275,11 +279,11 @@ def read_fragment_stream(
 ) -> tuple[pb.FragmentHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     """Read a Seed request or Pull reply (messages, or parts from `parse_fragment_chunk`) into its header
     and float32 tensors; raises WireError if malformed."""
-    return _read_stream(chunks, max_chunk, max_total_bytes)
+    return _read_stream(chunks, pb.FragmentHeader, max_chunk, max_total_bytes)
 
 
 def read_push_stream(
     chunks: Iterable["Part | pb.PushChunk"], *, max_chunk: int = MAX_CHUNK_BYTES, max_total_bytes: int | None = None
 ) -> tuple[pb.PushHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     """Read a PushDelta request into its header and float32 tensors; raises WireError if malformed."""
-    return _read_stream(chunks, max_chunk, max_total_bytes)
+    return _read_stream(chunks, pb.PushHeader, max_chunk, max_total_bytes)
