@@ -29,7 +29,10 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from diloco.core.encoding import Encoding
 
 TOKEN = "bench"
 T = TypeVar("T")
@@ -105,7 +108,7 @@ def _island(
     fragments: int,
     numel: int,
     seconds: float,
-    encoding: int,
+    encoding: Encoding,
     block_size: int,
     seeded: mp.Event,
     ready: mp.Queue,
@@ -118,9 +121,11 @@ def _island(
     import grpc
     import torch
 
-    from diloco import wire
+    from diloco.core.refusal import Refusal
+    from diloco.transport import wire
     from diloco.transport.auth import bearer_metadata
     from diloco.transport.client import CHANNEL_OPTIONS, SyncerClient, _method
+    from diloco.transport.codes import refusal_of
     from diloco.transport.v1 import syncer_pb2 as pb
 
     island = f"island-{index}"
@@ -160,7 +165,7 @@ def _island(
                 push(iter([pb.PushChunk(header=header).SerializeToString(), *data]), metadata=metadata)
                 counts["pushes"] += 1
             except grpc.RpcError as error:
-                if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                if refusal_of(error.code()) is not Refusal.OUT_OF_STEP:
                     raise
                 counts["refused"] += 1
             reply_parts = iter(pull(pb.PullRequest(fragment_id=p, have=bases[p], island_id=island), metadata=metadata))
@@ -183,11 +188,12 @@ def _sink_server(port: int, numel: int, ready: mp.Event, counters: mp.Array) -> 
     import grpc
     import torch
 
-    from diloco import wire
+    from diloco.core.encoding import Encoding
     from diloco.syncer.server import HEADER_SLACK_BYTES, SERVICE_NAME
+    from diloco.transport import wire
     from diloco.transport.v1 import syncer_pb2 as pb
 
-    payloads, blobs = wire.tensor_payloads([("w", torch.zeros(numel))], pb.FP32, 0)
+    payloads, blobs = wire.tensor_payloads([("w", torch.zeros(numel))], Encoding.FP32, 0)
     data = list(wire.fragment_messages(0, pb.FragmentVersion(), payloads, blobs))[1:]
     versions = itertools.count(1)
     lock = threading.Lock()
@@ -254,7 +260,7 @@ def _drive_islands(
     fragments: int,
     numel: int,
     seconds: float,
-    encoding_wire: int,
+    encoding: Encoding,
     block_size: int,
     read: Callable[[], T],
     seeded: bool,
@@ -269,7 +275,7 @@ def _drive_islands(
     procs = [
         ctx.Process(
             target=_island,
-            args=(i, target, fragments, numel, seconds, encoding_wire, block_size, seeded_event, ready, start, done),
+            args=(i, target, fragments, numel, seconds, encoding, block_size, seeded_event, ready, start, done),
         )
         for i in range(islands)
     ]
@@ -290,7 +296,8 @@ def _drive_islands(
 
 def measure_sink(islands: int, seconds: float, fragments: int, numel: int, encoding_name: str) -> dict:
     """In and out bytes per second of the do-nothing server under the same island processes."""
-    from diloco.core.config import Encoding, TrainingConfig
+    from diloco.core.config import TrainingConfig
+    from diloco.core.encoding import Encoding
 
     encoding = Encoding(encoding_name)
     block_size = TrainingConfig().block_size
@@ -307,7 +314,7 @@ def measure_sink(islands: int, seconds: float, fragments: int, numel: int, encod
         fragments,
         numel,
         seconds,
-        encoding.wire,
+        encoding,
         block_size,
         lambda: list(counters),
         seeded=True,
@@ -329,7 +336,8 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def measure_syncer(islands: int, seconds: float, fragments: int, numel: int, encoding_name: str) -> dict:
-    from diloco.core.config import Encoding, TrainingConfig
+    from diloco.core.config import TrainingConfig
+    from diloco.core.encoding import Encoding
 
     encoding = Encoding(encoding_name)
     config = TrainingConfig(
@@ -370,7 +378,7 @@ def measure_syncer(islands: int, seconds: float, fragments: int, numel: int, enc
                 fragments,
                 numel,
                 seconds,
-                encoding.wire,
+                encoding,
                 config.block_size,
                 lambda: _scrape(metrics_port),
                 seeded=False,

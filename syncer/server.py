@@ -13,10 +13,11 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import grpc
 import torch
@@ -24,12 +25,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from diloco.core.compressed_pull import held_after, values_digest
 from diloco.core.config import TrainingConfig
+from diloco.core.encoding import Encoding, EncodingError
+from diloco.core.refusal import Refusal
 from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.references import Reference, References
-from diloco.syncer.shard import PushKey, Refused, ShardState, TensorSpec
+from diloco.syncer.shard import PushKey, PushResult, Refused, ShardState, TensorSpec
 from diloco.transport import wire
 from diloco.transport.auth import TokenInterceptor
+from diloco.transport.codes import encoding_of, status_code
 from diloco.transport.v1 import syncer_pb2 as pb
 
 log = logging.getLogger("diloco.syncer")
@@ -40,7 +44,6 @@ MERGE_POLL_SECONDS = 0.5
 SUMMARY_SECONDS = 30.0
 
 H = TypeVar("H", pb.FragmentHeader, pb.PushHeader)
-ENCODINGS = (pb.FP32, pb.BF16, pb.INT8, pb.INT4)
 
 
 def _new_incarnation() -> int:
@@ -53,6 +56,15 @@ def _specs(payloads: Iterable[pb.TensorPayload]) -> list[TensorSpec]:
 
 def _version(incarnation: int, version: int) -> pb.FragmentVersion:
     return pb.FragmentVersion(incarnation=incarnation, version=version)
+
+
+@dataclass(frozen=True)
+class ServedPull:
+    """A Pull reply as it goes out: serialized messages, the tensor bytes they carry, whether a difference."""
+
+    messages: list[bytes]
+    nbytes: int
+    delta: bool
 
 
 class SyncerServer:
@@ -88,7 +100,7 @@ class SyncerServer:
         self._dirty = False
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._replies: dict[tuple[int, int], tuple[int, list[bytes], int]] = {}
+        self._replies: dict[tuple[int, Encoding], tuple[int, list[bytes], int]] = {}
         self._full_references: dict[int, Reference] = {}
         self._references = References(max_reference_bytes)
         self._health = health.HealthServicer()
@@ -165,7 +177,7 @@ class SyncerServer:
         next_summary = self.clock() + SUMMARY_SECONDS
         while not self._stopping.is_set():
             with self._cond:
-                self.merge_due()
+                self._merge_due()
                 deadline = self.state.next_deadline()
                 wait = MERGE_POLL_SECONDS if deadline is None else deadline - self.clock()
                 self._cond.wait(min(max(wait, 0.0), MERGE_POLL_SECONDS))
@@ -173,7 +185,7 @@ class SyncerServer:
                 next_summary = self.clock() + SUMMARY_SECONDS
                 self._log_summary()
 
-    def merge_due(self) -> None:
+    def _merge_due(self) -> None:
         """Merges every fragment that is due; the caller holds the lock."""
         now = self.clock()
         self.metrics.live_islands.set(len(self.state.live_islands(now)))
@@ -221,11 +233,124 @@ class SyncerServer:
         self.metrics.checkpoint_bytes.set(size)
         log.debug("checkpoint written", extra={"path": str(self._checkpoint_path), "bytes": size, "clean": clean})
 
-    # Calls (the servicer below delegates here, holding no gRPC types beyond messages)
+    # Calls: each takes the lock for as long as it needs it; the servicer below turns them into gRPC
 
-    def pull_reply(self, index: int, encoding: int) -> tuple[int, list[bytes], int]:
+    def version(self, version: int) -> pb.FragmentVersion:
+        """A fragment version as the wire names it: within this shard's incarnation."""
+        return _version(self.state.incarnation, version)
+
+    def join(self, island: str) -> pb.JoinReply:
+        """Counts the island live (again, if it had left) and tells it how the fragments are laid out."""
+        with self._cond:
+            self.state.join(island, self.clock())
+            return pb.JoinReply(
+                shard_index=self.state.shard_index,
+                num_shards=self.state.num_shards,
+                owned_fragments=sorted(self.state.fragments),
+                unseeded_fragments=self.state.unseeded(),
+                max_chunk_bytes=wire.MAX_CHUNK_BYTES,
+            )
+
+    def seeded_version(self, index: int) -> pb.FragmentVersion | None:
+        """The fragment's version once it is seeded, None before; lets a late seed be answered unread."""
+        with self._cond:
+            frag = self.state.fragment(index)
+            return self.version(frag.version) if frag.seeded else None
+
+    def seed(
+        self, index: int, specs: Sequence[TensorSpec], values: Sequence[torch.Tensor]
+    ) -> tuple[bool, pb.FragmentVersion]:
+        """Whether the seed was taken (the first wins) and the fragment's version after it."""
+        with self._cond:
+            accepted = self.state.seed(index, specs, values)
+            self._dirty |= accepted
+            return accepted, self.version(self.state.fragments[index].version)
+
+    def admit_push(self, key: PushKey, fragment: int, specs: Sequence[TensorSpec]) -> tuple[PushResult | None, int]:
+        """Checks a push header before its data is read: a duplicate's result (None to read on) and the most
+        bytes the data may take. The island counts as live from here."""
+        with self._cond:
+            early = self.state.check_push(key, fragment, specs)
+            self.state.touch(key.island, self.clock())
+            return early, self.state.fragments[fragment].nbytes
+
+    def submit_push(
+        self,
+        key: PushKey,
+        fragment: int,
+        specs: Sequence[TensorSpec],
+        delta: Sequence[torch.Tensor],
+        tokens: int,
+        inner_steps: int,
+    ) -> PushResult:
+        """Takes a decoded push and wakes the merge thread, which may find the fragment due now."""
+        with self._cond:
+            result = self.state.submit(key, fragment, specs, delta, tokens, inner_steps, self.clock())
+            self._dirty |= not result.duplicate
+            self._cond.notify_all()
+            return result
+
+    def pull(self, request: pb.PullRequest, encoding: Encoding, delta_encoding: Encoding | None) -> ServedPull | None:
+        """The Pull reply to `request`, None when the island holds the newest version: a difference in
+        `delta_encoding` when the island asked for one and the shard knows what it holds, else the full
+        values in `encoding`. The island counts as live; a difference is encoded outside the lock."""
+        with self._cond:
+            self.state.touch(request.island_id, self.clock())
+            frag = self.state.seeded_fragment(request.fragment_id)
+            if (request.have.incarnation, request.have.version) == (self.state.incarnation, frag.version):
+                return None
+            if delta_encoding is not None and (held := self._held_reference(request)) is not None:
+                version = frag.version
+                differences = [torch.sub(v, h) for v, h in zip(frag.values, held.values)]
+            else:
+                _, messages, nbytes = self._pull_reply(request.fragment_id, encoding)
+                if delta_encoding is not None and request.island_id and encoding is Encoding.FP32:
+                    self._record_full(request.island_id, request.fragment_id)
+                return ServedPull(messages, nbytes, delta=False)
+        return self._delta_reply(request, held, differences, version, delta_encoding)
+
+    def leave(self, island: str) -> None:
+        """The island has finished: it no longer caps the quorum, so a merge that waited only for it is due."""
+        with self._cond:
+            self.state.leave(island)
+            self._cond.notify_all()
+
+    def status(self) -> pb.StatusReply:
+        with self._cond:
+            st = self.state
+            return pb.StatusReply(
+                shard_index=st.shard_index,
+                num_shards=st.num_shards,
+                live_islands=st.live_islands(self.clock()),
+                left_islands=sorted(st.left),
+                rejected_pushes=st.rejected_pushes,
+                fragments=[
+                    pb.FragmentStatus(
+                        fragment_id=f.index,
+                        seeded=f.seeded,
+                        version=_version(st.incarnation, f.version),
+                        pending=len(f.pending),
+                        last_contributors=f.last_contributors,
+                        last_merge_unix=f.last_merge_unix,
+                        max_staleness_seen=f.max_staleness_seen,
+                        tokens_merged=f.tokens_merged,
+                    )
+                    for f in st.fragments.values()
+                ],
+            )
+
+    def count_refusal(self, refusal: Refused) -> None:
+        """Counts a refused call where operators look: the status reply, the metrics and the debug log."""
+        with self._cond:
+            self.state.rejected_pushes += 1
+        self.metrics.rejected.labels(refusal.reason).inc()
+        log.debug("refused", extra={"reason": refusal.reason, "detail": refusal.message})
+
+    # What the calls above share; the caller holds the lock unless said otherwise
+
+    def _pull_reply(self, index: int, encoding: Encoding) -> tuple[int, list[bytes], int]:
         """The serialized Pull reply for the fragment's current values in `encoding` (version, messages,
-        tensor bytes), built once per version; the caller holds the lock."""
+        tensor bytes), built once per version."""
         frag = self.state.seeded_fragment(index)
         cached = self._replies.get((index, encoding))
         if cached is None or cached[0] != frag.version:
@@ -239,9 +364,9 @@ class SyncerServer:
             self._replies[(index, encoding)] = cached
         return cached
 
-    def full_reference(self, index: int) -> Reference:
+    def _full_reference(self, index: int) -> Reference:
         """The fragment's current float32 values as a reference, one copy per version shared by every island
-        that pulls them in full; the caller holds the lock."""
+        that pulls them in full."""
         frag = self.state.seeded_fragment(index)
         ref = self._full_references.get(index)
         if ref is None or (ref.incarnation, ref.version) != (self.state.incarnation, frag.version):
@@ -250,30 +375,35 @@ class SyncerServer:
             self._full_references[index] = ref
         return ref
 
-    def record_full(self, island: str, index: int) -> None:
-        """Notes that `island` is being sent the fragment's current values in full; the caller holds the lock."""
-        self._references.record(island, index, self.full_reference(index))
+    def _record_full(self, island: str, index: int) -> None:
+        """Notes that `island` is being sent the fragment's current values in full."""
+        self._references.record(island, index, self._full_reference(index))
 
-    def held_reference(self, request: pb.PullRequest) -> Reference | None:
-        """What the island holds, when it asks for a difference and the shard knows exactly those values: what
-        it last served the island, or (version unknown) the newest values themselves; the caller holds the lock."""
-        if not (request.HasField("held") and request.delta_encoding and request.island_id):
+    def _held_reference(self, request: pb.PullRequest) -> Reference | None:
+        """What the island holds, when it says so and the shard knows exactly those values: what it last
+        served the island, or (version unknown) the newest values themselves."""
+        if not (request.HasField("held") and request.island_id):
             return None
         held = request.held
         if not held.HasField("version"):
-            newest = self.full_reference(request.fragment_id)
+            newest = self._full_reference(request.fragment_id)
             return newest if newest.digest == held.digest else None
         return self._references.match(
             request.island_id, request.fragment_id, held.version.incarnation, held.version.version, held.digest
         )
 
-    def delta_reply(
-        self, request: pb.PullRequest, held: Reference, differences: list[torch.Tensor], version: int
-    ) -> tuple[list[bytes], int]:
-        """The serialized difference from `held` to the values of `version` (and its tensor bytes); records
-        what the island will hold once it applies it. Encodes outside the lock."""
+    def _delta_reply(
+        self,
+        request: pb.PullRequest,
+        held: Reference,
+        differences: list[torch.Tensor],
+        version: int,
+        encoding: Encoding,
+    ) -> ServedPull:
+        """The difference from `held` to the values of `version` in `encoding`; records what the island will
+        hold once it applies it. Called without the lock: it encodes, and takes the lock to record."""
         frag = self.state.fragments[request.fragment_id]
-        encoding, block_size = request.delta_encoding, self.config.block_size
+        block_size = self.config.block_size
         named = [(spec.name, d) for spec, d in zip(frag.specs, differences)]
         payloads, blobs = wire.tensor_payloads(named, encoding, block_size)
         for payload, spec in zip(payloads, frag.specs):
@@ -285,34 +415,33 @@ class SyncerServer:
         messages = wire.fragment_messages(
             request.fragment_id, _version(ref.incarnation, version), payloads, blobs, delta_base=request.held.version
         )
-        return list(messages), sum(len(b) for b in blobs)
+        return ServedPull(list(messages), sum(len(b) for b in blobs), delta=True)
 
     def _count_unauthenticated(self, method: str) -> None:
         """A wrong or missing token is refused before any handler runs; count it where operators look."""
         self.metrics.rejected.labels("unauthenticated").inc()
         log.debug("refused", extra={"reason": "unauthenticated", "detail": method})
 
-    def refuse(self, refusal: Refused, context: grpc.ServicerContext) -> None:
-        with self._cond:
-            self.state.rejected_pushes += 1
-        self.metrics.rejected.labels(refusal.reason).inc()
-        log.debug("refused", extra={"reason": refusal.reason, "detail": refusal.message})
-        context.abort(refusal.code, refusal.message)
-
 
 def _first_header(parts: Iterator[wire.Part], header_type: type[H]) -> H:
     """The header that must open a stream, read before any data is buffered."""
     first = next(parts, None)
     if not isinstance(first, header_type):
-        raise Refused(
-            grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"the stream must start with a {header_type.__name__}"
-        )
+        raise Refused(Refusal.INVALID, "malformed", f"the stream must start with a {header_type.__name__}")
     return first
 
 
+def _requested_encoding(value: int, what: str) -> Encoding:
+    """An encoding a Pull request names, refused as malformed when it is not in the contract."""
+    try:
+        return encoding_of(value)
+    except EncodingError:
+        raise Refused(Refusal.INVALID, "malformed", f"unknown {what} {value}") from None
+
+
 def _wire_refusal(error: wire.WireError) -> Refused:
-    reason = "oversize" if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "malformed"
-    return Refused(error.code, reason, error.message)
+    reason = "oversize" if error.kind is Refusal.TOO_LARGE else "malformed"
+    return Refused(error.kind, reason, error.message)
 
 
 def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
@@ -341,51 +470,47 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
 
 
 class _Servicer:
+    """The diloco.v1.Syncer calls in gRPC terms: reads and checks the streams, answers refusals with their
+    status codes, and leaves the shard's state to the server's calls."""
+
     def __init__(self, server: SyncerServer) -> None:
         self.s = server
 
+    def _refuse(self, refusal: Refused, context: grpc.ServicerContext) -> NoReturn:
+        """Counts the refusal and aborts the call with its status code; the abort raises, ending the handler."""
+        self.s.count_refusal(refusal)
+        context.abort(status_code(refusal.kind), refusal.message)
+
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
-        s = self.s
-        try:
-            if request.num_fragments != s.config.fragments:
-                raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+        fragments = self.s.config.fragments
+        if request.num_fragments != fragments:
+            self._refuse(
+                Refused(
+                    Refusal.INVALID,
                     "layout",
-                    f"the island has {request.num_fragments} fragments, the job {s.config.fragments}",
-                )
-        except Refused as refusal:
-            s.refuse(refusal, context)
-        with s._cond:
-            s.state.join(request.island_id, s.clock())
-            return pb.JoinReply(
-                shard_index=s.state.shard_index,
-                num_shards=s.state.num_shards,
-                owned_fragments=sorted(s.state.fragments),
-                unseeded_fragments=s.state.unseeded(),
-                max_chunk_bytes=wire.MAX_CHUNK_BYTES,
+                    f"the island has {request.num_fragments} fragments, the job {fragments}",
+                ),
+                context,
             )
+        return self.s.join(request.island_id)
 
     def Seed(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.SeedReply:
         s = self.s
         try:
             first = _first_header(request_iterator, pb.FragmentHeader)
             index = first.fragment_id
-            with s._cond:
-                frag = s.state.fragment(index)
-                if frag.seeded:
-                    return pb.SeedReply(accepted=False, version=_version(s.state.incarnation, frag.version))
+            seeded = s.seeded_version(index)
+            if seeded is not None:
+                return pb.SeedReply(accepted=False, version=seeded)
             _header, tensors = wire.read_fragment_stream(
                 itertools.chain([first], request_iterator), max_total_bytes=s.max_fragment_bytes
             )
             specs = _specs(p for p, _ in tensors)
-            with s._cond:
-                accepted = s.state.seed(index, specs, [t for _, t in tensors])
-                s._dirty |= accepted
-                version = _version(s.state.incarnation, s.state.fragments[index].version)
+            accepted, version = s.seed(index, specs, [t for _, t in tensors])
         except wire.WireError as error:
-            s.refuse(_wire_refusal(error), context)
+            self._refuse(_wire_refusal(error), context)
         except Refused as refusal:
-            s.refuse(refusal, context)
+            self._refuse(refusal, context)
         s.metrics.bytes_in.inc(sum(p.byte_length for p, _ in tensors))
         if accepted:
             log.info("fragment seeded", extra={"fragment": index, "tensors": len(specs)})
@@ -398,98 +523,45 @@ class _Servicer:
             key = PushKey(h.island_id, h.base.incarnation, h.base.version, h.sequence)
             specs = _specs(h.tensors)
             if not h.island_id:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "a push must name its island")
-            with s._cond:
-                early = s.state.check_push(key, h.fragment_id, specs)
-                s.state.touch(h.island_id, s.clock())
-                limit = s.state.fragments[h.fragment_id].nbytes
+                raise Refused(Refusal.INVALID, "malformed", "a push must name its island")
+            early, limit = s.admit_push(key, h.fragment_id, specs)
             if early is None:
                 _, tensors = wire.read_push_stream(itertools.chain([h], request_iterator), max_total_bytes=limit)
-                with s._cond:
-                    result = s.state.submit(
-                        key, h.fragment_id, specs, [t for _, t in tensors], h.tokens, h.inner_steps, s.clock()
-                    )
-                    s._dirty |= not result.duplicate
-                    s._cond.notify_all()
+                result = s.submit_push(key, h.fragment_id, specs, [t for _, t in tensors], h.tokens, h.inner_steps)
                 s.metrics.bytes_in.inc(sum(p.byte_length for p, _ in tensors))
             else:
                 result = early
         except wire.WireError as error:
-            s.refuse(_wire_refusal(error), context)
+            self._refuse(_wire_refusal(error), context)
         except Refused as refusal:
-            s.refuse(refusal, context)
+            self._refuse(refusal, context)
         s.metrics.pushes.labels("duplicate" if result.duplicate else "accepted").inc()
         if not result.duplicate:
             s.metrics.staleness.observe(result.staleness)
-        return pb.PushReply(
-            duplicate=result.duplicate,
-            current=_version(s.state.incarnation, result.version),
-            staleness=result.staleness,
-        )
+        return pb.PushReply(duplicate=result.duplicate, current=s.version(result.version), staleness=result.staleness)
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         s = self.s
-        encoding = request.encoding or pb.FP32
-        held = None
         try:
-            if encoding not in ENCODINGS:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"unknown encoding {encoding}")
-            if request.delta_encoding and request.delta_encoding not in ENCODINGS:
-                raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"unknown delta encoding {request.delta_encoding}"
-                )
-            with s._cond:
-                s.state.touch(request.island_id, s.clock())
-                frag = s.state.seeded_fragment(request.fragment_id)
-                if (request.have.incarnation, request.have.version) == (s.state.incarnation, frag.version):
-                    return
-                version = frag.version
-                held = s.held_reference(request)
-                if held is not None:
-                    differences = [torch.sub(v, h) for v, h in zip(frag.values, held.values)]
-                else:
-                    _, messages, nbytes = s.pull_reply(request.fragment_id, encoding)
-                    if request.delta_encoding and request.island_id and encoding == pb.FP32:
-                        s.record_full(request.island_id, request.fragment_id)
+            encoding = _requested_encoding(request.encoding, "encoding") if request.encoding else Encoding.FP32
+            delta_encoding = (
+                _requested_encoding(request.delta_encoding, "delta encoding") if request.delta_encoding else None
+            )
+            served = s.pull(request, encoding, delta_encoding)
         except Refused as refusal:
-            s.refuse(refusal, context)
-        if held is not None:
-            messages, nbytes = s.delta_reply(request, held, differences, version)
-        yield from messages
-        s.metrics.pulls.labels("full" if held is None else "delta").inc()
-        s.metrics.bytes_out.inc(nbytes)
+            self._refuse(refusal, context)
+        if served is None:
+            return
+        yield from served.messages
+        s.metrics.pulls.labels("delta" if served.delta else "full").inc()
+        s.metrics.bytes_out.inc(served.nbytes)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
-        s = self.s
         if not request.island_id:
-            s.refuse(Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "a leave must name its island"), context)
-        with s._cond:
-            s.state.leave(request.island_id)
-            s._cond.notify_all()  # a merge that waited only for this island is due now
+            self._refuse(Refused(Refusal.INVALID, "malformed", "a leave must name its island"), context)
+        self.s.leave(request.island_id)
         log.info("island left", extra={"island": request.island_id})
         return pb.LeaveReply()
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
-        s = self.s
-        with s._cond:
-            st = s.state
-            return pb.StatusReply(
-                shard_index=st.shard_index,
-                num_shards=st.num_shards,
-                live_islands=st.live_islands(s.clock()),
-                left_islands=sorted(st.left),
-                rejected_pushes=st.rejected_pushes,
-                fragments=[
-                    pb.FragmentStatus(
-                        fragment_id=f.index,
-                        seeded=f.seeded,
-                        version=_version(st.incarnation, f.version),
-                        pending=len(f.pending),
-                        last_contributors=f.last_contributors,
-                        last_merge_unix=f.last_merge_unix,
-                        max_staleness_seen=f.max_staleness_seen,
-                        tokens_merged=f.tokens_merged,
-                    )
-                    for f in st.fragments.values()
-                ],
-            )
+        return self.s.status()

@@ -2,8 +2,8 @@
 
 No I/O, no threads and no clock: every method takes `now`, so tests drive it with explicit times, and the
 server wraps it in a lock, a merge thread and checkpoints. Refusals are raised as `Refused`, carrying the
-gRPC status the server answers with and a short reason used as a metrics label; a refused call never
-changes the state.
+kind of refusal (the transport answers each kind with its status code) and a short reason used as a
+metrics label; a refused call never changes the state.
 """
 
 from __future__ import annotations
@@ -12,23 +12,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import torch
 
 from diloco.core.config import TrainingConfig
 from diloco.core.fragments import owned_fragments
 from diloco.core.merge import Contribution, is_too_stale, merge_deltas
 from diloco.core.outer_optimizer import init_momentum, outer_step
+from diloco.core.refusal import Refusal
 
 CHECKPOINT_FORMAT = 1
 
 
 class Refused(Exception):
-    """A call the shard will not take; `code` is the gRPC status, `reason` a metrics label."""
+    """A call the shard will not take: its kind of refusal, and `reason` a metrics label."""
 
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+    def __init__(self, kind: Refusal, reason: str, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.kind = kind
         self.reason = reason
         self.message = message
 
@@ -75,7 +75,10 @@ class MergeRecord:
 
 
 @dataclass
-class FragmentState:
+class ShardFragment:
+    """One fragment as its shard holds it: the global values and momentum, their version, the pending
+    contributions to the next merge, and counters for the status reply."""
+
     index: int
     specs: tuple[TensorSpec, ...] = ()
     values: list[torch.Tensor] = field(default_factory=list)
@@ -108,7 +111,7 @@ class ShardState:
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.incarnation = incarnation
-        self.fragments = {p: FragmentState(p) for p in owned_fragments(shard_index, num_shards, config.fragments)}
+        self.fragments = {p: ShardFragment(p) for p in owned_fragments(shard_index, num_shards, config.fragments)}
         self.islands: dict[str, float] = {}
         self.left: set[str] = set()
         self.rejected_pushes = 0
@@ -140,23 +143,21 @@ class ShardState:
 
     # Fragments
 
-    def fragment(self, index: int) -> FragmentState:
+    def fragment(self, index: int) -> ShardFragment:
         try:
             return self.fragments[index]
         except KeyError:
             raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Refusal.INVALID,
                 "unknown_fragment",
                 f"fragment {index} is not owned by shard {self.shard_index} of {self.num_shards} "
                 f"(owned: {sorted(self.fragments)})",
             ) from None
 
-    def seeded_fragment(self, index: int) -> FragmentState:
+    def seeded_fragment(self, index: int) -> ShardFragment:
         frag = self.fragment(index)
         if not frag.seeded:
-            raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION, "not_seeded", f"fragment {index} has not been seeded yet"
-            )
+            raise Refused(Refusal.OUT_OF_STEP, "not_seeded", f"fragment {index} has not been seeded yet")
         return frag
 
     def unseeded(self) -> list[int]:
@@ -168,7 +169,7 @@ class ShardState:
         if frag.seeded:
             return False
         if not specs:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty", f"seed of fragment {index} has no tensors")
+            raise Refused(Refusal.INVALID, "empty", f"seed of fragment {index} has no tensors")
         frag.specs = tuple(specs)
         frag.values = [v.detach().to(torch.float32).clone() for v in values]
         frag.momentum = init_momentum(frag.values)
@@ -216,46 +217,46 @@ class ShardState:
         self.touch(key.island, now)
         return PushResult(duplicate=False, version=frag.version, staleness=staleness)
 
-    def _check_specs(self, frag: FragmentState, specs: Sequence[TensorSpec]) -> None:
+    def _check_specs(self, frag: ShardFragment, specs: Sequence[TensorSpec]) -> None:
         if len(specs) != len(frag.specs):
             raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Refusal.INVALID,
                 "shape",
                 f"fragment {frag.index} has {len(frag.specs)} tensors, the push has {len(specs)}",
             )
         for got, want in zip(specs, frag.specs):
             if got.name != want.name or got.shape != want.shape:
                 raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Refusal.INVALID,
                     "shape",
                     f"fragment {frag.index}: expected tensor {want.name} of shape {list(want.shape)}, "
                     f"got {got.name} of shape {list(got.shape)}",
                 )
             if got.dtype != want.dtype:
                 raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Refusal.INVALID,
                     "dtype",
                     f"fragment {frag.index}: tensor {want.name} has dtype {want.dtype}, the push says {got.dtype}",
                 )
 
-    def _staleness(self, frag: FragmentState, key: PushKey) -> int:
+    def _staleness(self, frag: ShardFragment, key: PushKey) -> int:
         if key.incarnation != self.incarnation:
             raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Refusal.OUT_OF_STEP,
                 "incarnation",
                 f"fragment {frag.index}: base is from incarnation {key.incarnation}, the shard is at "
                 f"{self.incarnation} after a restart; pull the fragment again",
             )
         if key.base_version > frag.version:
             raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Refusal.OUT_OF_STEP,
                 "ahead",
                 f"fragment {frag.index}: base version {key.base_version} is ahead of {frag.version}; pull again",
             )
         staleness = frag.version - key.base_version
         if is_too_stale(staleness, self.config.max_staleness):
             raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Refusal.OUT_OF_STEP,
                 "stale",
                 f"fragment {frag.index}: base version {key.base_version} is {staleness} versions behind "
                 f"{frag.version}, beyond maxStaleness {self.config.max_staleness}; pull again",
@@ -349,7 +350,7 @@ class ShardState:
             "clean": clean,
             "islands": dict(self.islands),
             "left": sorted(self.left),
-            "fragments": {p: _fragment_state(f) for p, f in self.fragments.items()},
+            "fragments": {p: _saved_fragment(f) for p, f in self.fragments.items()},
         }
 
     @classmethod
@@ -382,7 +383,7 @@ class ShardState:
         return shard
 
 
-def _fragment_state(frag: FragmentState) -> dict[str, Any]:
+def _saved_fragment(frag: ShardFragment) -> dict[str, Any]:
     return {
         "specs": [(s.name, list(s.shape), s.dtype) for s in frag.specs],
         "values": [v.clone() for v in frag.values],
@@ -405,7 +406,7 @@ def _fragment_state(frag: FragmentState) -> dict[str, Any]:
     }
 
 
-def _restore_fragment(frag: FragmentState, saved: dict[str, Any], keep_pushes: bool) -> None:
+def _restore_fragment(frag: ShardFragment, saved: dict[str, Any], keep_pushes: bool) -> None:
     """Fills a fresh fragment from its checkpoint; pending pushes and keys survive only a clean stop,
     since after a crash their bases belong to an incarnation that no longer exists."""
     frag.specs = tuple(TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in saved["specs"])

@@ -38,7 +38,7 @@ from diloco.worker.island import Island
 from diloco.worker.stats import LearnerStats, StatsRecorder, Version
 from diloco.worker.sync import (
     FragmentSync,
-    Outcome,
+    RoundOutcome,
     SyncRequest,
     fragment_values,
     held_values,
@@ -49,10 +49,10 @@ from diloco.worker.sync import (
 log = logging.getLogger("diloco.worker")
 
 _OUTCOME_COUNTERS = {
-    Outcome.MERGED: "syncs_merged",
-    Outcome.RESYNCED: "syncs_resynced",
-    Outcome.ABANDONED: "syncs_abandoned",
-    Outcome.FAILED: "syncs_failed",
+    RoundOutcome.MERGED: "syncs_merged",
+    RoundOutcome.RESYNCED: "syncs_resynced",
+    RoundOutcome.ABANDONED: "syncs_abandoned",
+    RoundOutcome.FAILED: "syncs_failed",
 }
 
 
@@ -63,12 +63,12 @@ class RoundReport:
 
     fragment: int
     began_at_step: int
-    outcome: Outcome
+    outcome: RoundOutcome
     version: int | None = None  # the global version adopted, when the outcome adopts one
 
 
 @dataclass
-class _FragmentState:
+class _IslandFragment:
     """One fragment as this rank tracks it; `base`, `base_version` and `sequence` are used on rank 0 only."""
 
     plan: Fragment
@@ -134,14 +134,14 @@ class Learner:
         self._token = token
         if compressed_pulls is None:
             compressed_pulls = env_default("COMPRESSED_PULLS", "1") != "0"
-        self._pull_encoding = config.encoding.wire if compressed_pulls else None
+        self._pull_encoding = config.encoding if compressed_pulls else None
         self._client_options = {"timeout": rpc_timeout, "retry_for": retry_for, "backoff": backoff}
         # Names must be the same on every island, whether or not it wraps its model in DDP ("module." prefix).
         named_model = model.module if isinstance(model, DistributedDataParallel) else model
         params = {name: p for name, p in named_model.named_parameters() if p.requires_grad}
         plan = plan_fragments([(name, tuple(p.shape)) for name, p in params.items()], config.fragments)
         self._fragments = [
-            _FragmentState(f, [params[name] for name in f.names], shard_of(f.index, len(self.syncers))) for f in plan
+            _IslandFragment(f, [params[name] for name in f.names], shard_of(f.index, len(self.syncers))) for f in plan
         ]
         self._clients: list[SyncerClient] = []
         self._rounds: dict[int, FragmentSync] = {}
@@ -352,7 +352,7 @@ class Learner:
             client.close()
         log.info("learner closed", extra={"island": self.island_id, "rank": self.island.rank, **asdict(self.stats)})
 
-    def _begin_round(self, f: _FragmentState) -> None:
+    def _begin_round(self, f: _IslandFragment) -> None:
         f.mixable_at = self._step + self.config.overlap_steps
         f.began_at = self._step
         tokens = self.island.sum(f.tokens)
@@ -372,7 +372,7 @@ class Learner:
         round_ = FragmentSync(
             self._clients[f.shard],
             request,
-            encoding=self.config.encoding.wire,
+            encoding=self.config.encoding,
             block_size=self.config.block_size,
             timeout=self.sync_timeout,
             stopping=self._stopping,
@@ -408,7 +408,7 @@ class Learner:
             code, incarnation, version = decisions[index].tolist()
             if code == 0:
                 continue
-            outcome = Outcome(code)
+            outcome = RoundOutcome(code)
             f.mixable_at = None
             if self.on_round is not None:
                 self.on_round(
@@ -425,7 +425,7 @@ class Learner:
                 self._rounds.pop(index)
             self._stats.add(**{_OUTCOME_COUNTERS[outcome]: 1})
 
-    def _mix(self, f: _FragmentState, version: Version) -> None:
+    def _mix(self, f: _IslandFragment, version: Version) -> None:
         """θ ← α·θ + (1−α)·global on rank 0, then its result on every rank; the global values become the base."""
         if self.island.is_leader:
             result = self._rounds.pop(f.plan.index).result

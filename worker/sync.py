@@ -1,10 +1,11 @@
 """One fragment's round trip to the syncer shard that owns it, run off the training thread.
 
 A round pushes the outer gradient Δ = base − local, then polls for the merge that takes it in. A push the
-shard refuses with FAILED_PRECONDITION (a base that is stale, from an older incarnation, or ahead of the
-shard) turns into a fresh pull, so the island re-bases instead of stalling. Every other failure ends the
-round: the learner drops it and trains on, and the next due step pushes again. With a pull encoding, pulls
-are compressed: the shard sends the difference from the island's base (`diloco.core.compressed_pull`).
+shard refuses as out of step (a base that is stale, from an older incarnation, or ahead of the shard;
+FAILED_PRECONDITION on the wire) turns into a fresh pull, so the island re-bases instead of stalling. Every
+other failure ends the round: the learner drops it and trains on, and the next due step pushes again. With a
+pull encoding, pulls are compressed: the shard sends the difference from the island's base
+(`diloco.core.compressed_pull`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import grpc
 import torch
 
 from diloco.core.compressed_pull import values_digest
-from diloco.core.encoding import encoded_nbytes
+from diloco.core.encoding import Encoding, encoded_nbytes
+from diloco.core.refusal import Refusal
 from diloco.transport.client import Held, Pulled, SyncerClient
+from diloco.transport.codes import refusal_of
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.stats import StatsRecorder
 
@@ -31,7 +34,7 @@ POLL_INITIAL_SECONDS = 0.02
 POLL_MAX_SECONDS = 1.0
 
 
-class Outcome(enum.IntEnum):
+class RoundOutcome(enum.IntEnum):
     """How a round ended; the values travel in the island's broadcast, 0 meaning "still running"."""
 
     MERGED = 1  # a version newer than the one the push was taken at arrived
@@ -42,7 +45,7 @@ class Outcome(enum.IntEnum):
     @property
     def adopts(self) -> bool:
         """Whether the round brought global values to mix in."""
-        return self in (Outcome.MERGED, Outcome.RESYNCED)
+        return self in (RoundOutcome.MERGED, RoundOutcome.RESYNCED)
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class SyncRequest:
 
 @dataclass(frozen=True)
 class SyncResult:
-    outcome: Outcome
+    outcome: RoundOutcome
     version: pb.FragmentVersion | None = None
     values: list[torch.Tensor] | None = None
 
@@ -78,12 +81,12 @@ class FragmentSync:
         client: SyncerClient,
         request: SyncRequest,
         *,
-        encoding: int,
+        encoding: Encoding,
         block_size: int,
         timeout: float,
         stopping: threading.Event,
         stats: StatsRecorder,
-        pull_encoding: int | None = None,
+        pull_encoding: Encoding | None = None,
     ) -> None:
         """`pull_encoding`: the encoding of compressed pulls, None for full float32 ones."""
         self.client = client
@@ -118,7 +121,7 @@ class FragmentSync:
                 log.debug("sync interrupted by close", extra=self._fields(), exc_info=True)
             else:
                 log.exception("sync failed", extra=self._fields())
-            self._result = SyncResult(Outcome.FAILED)
+            self._result = SyncResult(RoundOutcome.FAILED)
 
     def _fields(self, **more: object) -> dict[str, object]:
         return {"fragment": self.request.fragment, "target": self.client.target, **more}
@@ -138,7 +141,7 @@ class FragmentSync:
                 block_size=self.block_size,
             )
         except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            if refusal_of(error.code()) is Refusal.OUT_OF_STEP:
                 log.debug("push refused, pulling afresh", extra=self._fields(detail=error.details()))
                 return self._fresh()
             return self._failed("push", error)
@@ -170,10 +173,10 @@ class FragmentSync:
             except grpc.RpcError as error:
                 return self._failed("pull", error)
             if pulled is not None:
-                return self._adopt(Outcome.MERGED, pulled)
+                return self._adopt(RoundOutcome.MERGED, pulled)
             if time.monotonic() + delay > deadline or self._stopping.wait(delay):
                 log.debug("no merge in time, round abandoned", extra=self._fields(have=have.version))
-                return SyncResult(Outcome.ABANDONED)
+                return SyncResult(RoundOutcome.ABANDONED)
             delay = min(delay * 2, POLL_MAX_SECONDS)
 
     def _fresh(self) -> SyncResult:
@@ -185,7 +188,7 @@ class FragmentSync:
             try:
                 pulled = pull_values(self.client, r.fragment, None, self._held(), self.pull_encoding)
             except grpc.RpcError as error:
-                if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                if refusal_of(error.code()) is not Refusal.OUT_OF_STEP:
                     raise
                 seeded = self.client.seed(r.fragment, list(zip(r.names, r.base)))
                 log.info("re-seeded fragment", extra=self._fields(accepted=seeded.accepted))
@@ -194,7 +197,7 @@ class FragmentSync:
             return self._failed("pull", error)
         if pulled is None:
             raise RuntimeError(f"fragment {r.fragment}: a pull without a version came back empty")
-        return self._adopt(Outcome.RESYNCED, pulled)
+        return self._adopt(RoundOutcome.RESYNCED, pulled)
 
     def _held(self) -> Held | None:
         """The island's base, named for a compressed pull."""
@@ -202,7 +205,7 @@ class FragmentSync:
             return None
         return held_values(self.request.base_version, self.request.base)
 
-    def _adopt(self, outcome: Outcome, pulled: Pulled) -> SyncResult:
+    def _adopt(self, outcome: RoundOutcome, pulled: Pulled) -> SyncResult:
         values = fragment_values(self.request.fragment, self.request.names, pulled.tensors)
         self._stats.add(bytes_pulled=pulled.wire_bytes)
         log.debug(
@@ -220,7 +223,7 @@ class FragmentSync:
             "sync call failed, round dropped",
             extra=self._fields(call=call, code=error.code().name, detail=error.details()),
         )
-        return SyncResult(Outcome.FAILED)
+        return SyncResult(RoundOutcome.FAILED)
 
 
 def held_values(version: pb.FragmentVersion | None, values: Sequence[torch.Tensor]) -> Held:
@@ -233,7 +236,7 @@ def pull_values(
     fragment: int,
     have: pb.FragmentVersion | None,
     held: Held | None,
-    pull_encoding: int | None,
+    pull_encoding: Encoding | None,
 ) -> Pulled | None:
     """A fragment's newest values (None when `have` is the newest): compressed against `held` when
     `pull_encoding` is set, else in full float32."""

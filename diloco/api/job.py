@@ -16,6 +16,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic.config import JsonDict, JsonValue
 
 from diloco.core.config import CamelModel, TrainingConfig
 
@@ -62,9 +63,9 @@ MSG_RESERVED_ISLAND = (
 MSG_SYNCER_PORTS = "spec.syncer.port and spec.syncer.metricsPort must differ"
 
 
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
     """One `x-kubernetes-validations` entry; `field_path` points the API server's error at the field."""
-    entry = {"rule": rule, "message": message}
+    entry: JsonDict = {"rule": rule, "message": message}
     if field_path:
         entry["fieldPath"] = field_path
     return entry
@@ -270,7 +271,7 @@ class StopCondition(CamelModel):
     tokens: int | None = Field(None, ge=1, description="Tokens every fragment's merges must account for.")
 
 
-def _spec_rules() -> list[dict[str, str]]:
+def _spec_rules() -> list[JsonValue]:
     return [
         cel(
             "self.training.quorum <= size(self.islands)",

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco.core.encoding import decode
+from diloco.core.encoding import Encoding, decode
 
 
 def values_digest(values: Sequence[torch.Tensor]) -> int:
@@ -28,7 +28,7 @@ def values_digest(values: Sequence[torch.Tensor]) -> int:
     for value in values:
         if value.dtype != torch.float32:
             raise ValueError(f"held values must be float32, got {value.dtype}")
-        digest.update(value.detach().cpu().contiguous().reshape(-1).numpy())
+        digest.update(value.detach().cpu().contiguous().reshape(-1).numpy().data)
     return int.from_bytes(digest.digest(), "little")
 
 
@@ -45,7 +45,7 @@ def apply_delta(held: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) ->
 
 
 def held_after(
-    held: Sequence[torch.Tensor], blobs: Sequence[bytes], encoding: int, block_size: int
+    held: Sequence[torch.Tensor], blobs: Sequence[bytes], encoding: Encoding, block_size: int
 ) -> list[torch.Tensor]:
     """What an island holds after applying encoded differences to `held`: the shard's side of the agreement
     (the island decodes the same bytes from the stream and calls `apply_delta`)."""

@@ -4,10 +4,11 @@ Outer gradients are what islands send most often, so shrinking them is the main 
 traffic. Quantisation is symmetric per block so that one outlier only coarsens its own block, and every
 encoding has a fixed byte length given the element count, which lets a receiver validate a declared length
 before it buffers anything. All layouts are little-endian; quantised layouts put the scales first, then the
-values. Encodings are identified by the protobuf enum `diloco.v1.Encoding` so that this module and the wire
-contract cannot disagree.
+values. The wire contract names each `Encoding` by a protobuf value; `diloco.transport.codes` maps between
+the two.
 """
 
+import enum
 import math
 import sys
 from collections.abc import Sequence
@@ -15,10 +16,17 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from diloco.transport.v1 import syncer_pb2 as pb
 
-_QMAX = {pb.INT8: 127, pb.INT4: 7}
-_KNOWN = (pb.FP32, pb.BF16, pb.INT8, pb.INT4)
+class Encoding(str, enum.Enum):
+    """How an outer gradient is encoded on the wire (INT8 and INT4 carry one float32 scale per block)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+_QMAX = {Encoding.INT8: 127, Encoding.INT4: 7}
 _TINY = torch.finfo(torch.float32).tiny
 _SCALE_BYTES = 4
 
@@ -30,26 +38,24 @@ class EncodingError(ValueError):
     """Data or parameters that no valid encoder produces: wrong length, unknown encoding, NaN or Inf."""
 
 
-def _check(encoding: int, block_size: int) -> None:
-    if encoding not in _KNOWN:
-        raise EncodingError(f"unknown encoding {encoding}")
+def _check(encoding: Encoding, block_size: int) -> None:
     if encoding in _QMAX:
         if block_size <= 0:
-            raise EncodingError(f"block_size must be positive for {pb.Encoding.Name(encoding)}, got {block_size}")
-        if encoding == pb.INT4 and block_size % 2:
+            raise EncodingError(f"block_size must be positive for {encoding.name}, got {block_size}")
+        if encoding is Encoding.INT4 and block_size % 2:
             # Even blocks keep the padded value array even, so nibbles pair up without a second pad.
             raise EncodingError(f"block_size must be even for INT4, got {block_size}")
 
 
-def encoded_nbytes(numel: int, encoding: int, block_size: int) -> int:
+def encoded_nbytes(numel: int, encoding: Encoding, block_size: int) -> int:
     """Exact byte length of an encoded tensor, so a receiver can check a declared length up front."""
     _check(encoding, block_size)
-    if encoding == pb.FP32:
+    if encoding is Encoding.FP32:
         return 4 * numel
-    if encoding == pb.BF16:
+    if encoding is Encoding.BF16:
         return 2 * numel
     scales = _SCALE_BYTES * math.ceil(numel / block_size)
-    return scales + (numel if encoding == pb.INT8 else (numel + 1) // 2)
+    return scales + (numel if encoding is Encoding.INT8 else (numel + 1) // 2)
 
 
 def _blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -78,22 +84,22 @@ def _all_finite(tensor: torch.Tensor) -> bool:
 
 def _host_bytes(tensor: torch.Tensor) -> memoryview:
     """A tensor's memory on the host, without a copy when it already lives there."""
-    return memoryview(tensor.cpu().numpy())
+    return tensor.cpu().numpy().data
 
 
-def encode(tensor: torch.Tensor, encoding: int, block_size: int) -> bytes:
+def encode(tensor: torch.Tensor, encoding: Encoding, block_size: int) -> bytes:
     """Encode a tensor of any shape as flat bytes; runs on the tensor's device and moves only the result.
 
     Raises EncodingError when the values are not finite (including bf16 overflow): the syncer refuses them
     anyway, and the sender learns why before any byte is sent.
     """
     _check(encoding, block_size)
-    if encoding in (pb.FP32, pb.BF16):
-        dtype = torch.float32 if encoding == pb.FP32 else torch.bfloat16
+    if encoding in (Encoding.FP32, Encoding.BF16):
+        dtype = torch.float32 if encoding is Encoding.FP32 else torch.bfloat16
         flat = tensor.detach().reshape(-1).to(dtype)
         if not _all_finite(flat):
             raise EncodingError("cannot encode NaN or Inf values (or values beyond the encoding's range)")
-        return _host_bytes(flat.view(torch.int16) if encoding == pb.BF16 else flat).tobytes()
+        return _host_bytes(flat.view(torch.int16) if encoding is Encoding.BF16 else flat).tobytes()
     qmax = _QMAX[encoding]
     numel = tensor.numel()
     blocks = _blocks(_flat32(tensor), block_size)
@@ -102,7 +108,7 @@ def encode(tensor: torch.Tensor, encoding: int, block_size: int) -> bytes:
         raise EncodingError("cannot encode NaN or Inf values")
     divisor = torch.where(scales > 0, scales, 1.0).unsqueeze(1)
     q = torch.div(blocks, divisor).round_().clamp_(-qmax, qmax).to(torch.int8).view(-1)
-    if encoding == pb.INT8:
+    if encoding is Encoding.INT8:
         values = q[:numel]
     else:
         nibbles = q.view(torch.uint8) & 0x0F
@@ -119,7 +125,7 @@ def _int4_values(packed: torch.Tensor) -> torch.Tensor:
 
 
 def decode(
-    data: bytes | bytearray | memoryview | torch.Tensor, shape: Sequence[int], encoding: int, block_size: int
+    data: bytes | bytearray | memoryview | torch.Tensor, shape: Sequence[int], encoding: Encoding, block_size: int
 ) -> torch.Tensor:
     """Decode bytes from `encode` into a float32 tensor of `shape`, refusing anything malformed.
 
@@ -139,9 +145,9 @@ def decode(
     else:
         raw = torch.empty(expected, dtype=torch.uint8)
         raw.numpy()[:] = np.frombuffer(data.numpy() if isinstance(data, torch.Tensor) else data, dtype=np.uint8)
-    if encoding == pb.FP32:
+    if encoding is Encoding.FP32:
         out = raw.view(torch.float32)
-    elif encoding == pb.BF16:
+    elif encoding is Encoding.BF16:
         out = raw.view(torch.bfloat16).to(torch.float32)
     else:
         nblocks = math.ceil(numel / block_size)
@@ -149,7 +155,7 @@ def decode(
         scales = raw[:split].view(torch.float32)
         if not _all_finite(scales):
             raise EncodingError("NaN or Inf scale")
-        q = raw[split:].view(torch.int8) if encoding == pb.INT8 else _int4_values(raw[split:])
+        q = raw[split:].view(torch.int8) if encoding is Encoding.INT8 else _int4_values(raw[split:])
         padded = torch.zeros(nblocks * block_size, dtype=torch.float32)
         padded[:numel] = q[:numel]
         out = padded.view(nblocks, block_size).mul_(scales.unsqueeze(1)).view(-1)[:numel]
@@ -158,16 +164,16 @@ def decode(
     return out.view(shape)
 
 
-def error_bound(tensor: torch.Tensor, encoding: int, block_size: int) -> torch.Tensor:
+def error_bound(tensor: torch.Tensor, encoding: Encoding, block_size: int) -> torch.Tensor:
     """Per-element absolute error that a round trip through `encoding` may introduce, for tests and checks.
 
     Includes a small slack for float32 rounding in the scale arithmetic and for subnormals.
     """
     _check(encoding, block_size)
     flat = _flat32(tensor)
-    if encoding == pb.FP32:
+    if encoding is Encoding.FP32:
         return torch.zeros(tensor.shape, dtype=torch.float32, device=flat.device)
-    if encoding == pb.BF16:
+    if encoding is Encoding.BF16:
         return (flat.abs() * 2.0**-8 + _TINY).view(tensor.shape)
     absmax = _absmax(_blocks(flat, block_size))
     per_block = absmax / (2 * _QMAX[encoding]) + absmax * 2.0**-20 + _TINY

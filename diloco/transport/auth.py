@@ -7,11 +7,18 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
+from diloco.core.refusal import Refusal
+from diloco.transport.codes import status_code
+
 METADATA_KEY = "authorization"
 EXEMPT_PREFIX = "/grpc.health.v1.Health/"
+
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
 
 
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
@@ -27,13 +34,13 @@ def token_matches(metadata: tuple[tuple[str, str | bytes], ...] | None, token: s
     return False
 
 
-def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _denying(handler: grpc.RpcMethodHandler[_Request, _Response]) -> grpc.RpcMethodHandler[_Request, _Response]:
     """A handler of the same shape as `handler` that refuses the call before reading anything."""
 
-    def deny(_request_or_iterator: object, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+    def deny(_request_or_iterator: object, context: grpc.ServicerContext) -> NoReturn:
+        context.abort(status_code(Refusal.UNAUTHENTICATED), "missing or wrong bearer token")
 
-    kinds: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
+    kinds: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,
         (True, False): grpc.stream_unary_rpc_method_handler,
@@ -59,9 +66,9 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[_Request, _Response] | None],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> grpc.RpcMethodHandler[_Request, _Response] | None:
         handler = continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(EXEMPT_PREFIX):
             return handler

@@ -19,13 +19,15 @@ from typing import TypeVar
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from diloco.core.compressed_pull import apply_delta
+from diloco.core.encoding import Encoding
+from diloco.core.refusal import Refusal
 from diloco.transport import wire
 from diloco.transport.auth import bearer_metadata
+from diloco.transport.codes import wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
-from diloco.transport.v1 import syncer_pb2_grpc as pb_grpc
 
 log = logging.getLogger("diloco.transport.client")
 
@@ -85,6 +87,9 @@ def _method(name: str) -> str:
     return f"/{pb.DESCRIPTOR.services_by_name['Syncer'].full_name}/{name}"
 
 
+_HEALTH_CHECK = f"/{health_pb2.DESCRIPTOR.services_by_name['Health'].full_name}/Check"
+
+
 class SyncerClient:
     def __init__(
         self,
@@ -110,14 +115,24 @@ class SyncerClient:
         self._metadata = bearer_metadata(token)
         self._rng = random.Random(seed)
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.SyncerStub(self._channel)
-        # The tensor-carrying calls skip message objects: serialized chunks out, zero-copy views in.
-        self._seed = self._channel.stream_unary(_method("Seed"), None, pb.SeedReply.FromString)
-        self._push = self._channel.stream_unary(_method("PushDelta"), None, pb.PushReply.FromString)
-        self._pull = self._channel.unary_stream(
-            _method("Pull"), pb.PullRequest.SerializeToString, wire.parse_fragment_chunk
+        # Every call is made from its method and (de)serializers, as the generated stubs would, but typed. The
+        # tensor-carrying calls skip message objects: serialized chunks out, zero-copy views in.
+        channel = self._channel
+        self._join = channel.unary_unary(_method("Join"), pb.JoinRequest.SerializeToString, pb.JoinReply.FromString)
+        self._seed: grpc.StreamUnaryMultiCallable[bytes, pb.SeedReply] = channel.stream_unary(
+            _method("Seed"), None, pb.SeedReply.FromString
         )
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._push: grpc.StreamUnaryMultiCallable[bytes, pb.PushReply] = channel.stream_unary(
+            _method("PushDelta"), None, pb.PushReply.FromString
+        )
+        self._pull = channel.unary_stream(_method("Pull"), pb.PullRequest.SerializeToString, wire.parse_fragment_chunk)
+        self._leave = channel.unary_unary(_method("Leave"), pb.LeaveRequest.SerializeToString, pb.LeaveReply.FromString)
+        self._status = channel.unary_unary(
+            _method("Status"), pb.StatusRequest.SerializeToString, pb.StatusReply.FromString
+        )
+        self._health_check = channel.unary_unary(
+            _HEALTH_CHECK, health_pb2.HealthCheckRequest.SerializeToString, health_pb2.HealthCheckResponse.FromString
+        )
 
     def close(self) -> None:
         self._channel.close()
@@ -153,7 +168,7 @@ class SyncerClient:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                reply = self._health_check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return True
             except grpc.RpcError:
@@ -163,10 +178,10 @@ class SyncerClient:
 
     def join(self, num_fragments: int) -> pb.JoinReply:
         request = pb.JoinRequest(island_id=self.island_id, num_fragments=num_fragments)
-        return self._retrying("Join", lambda: self._stub.Join(request, timeout=self.timeout, metadata=self._metadata))
+        return self._retrying("Join", lambda: self._join(request, timeout=self.timeout, metadata=self._metadata))
 
     def seed(self, fragment_id: int, named: Sequence[tuple[str, torch.Tensor]]) -> pb.SeedReply:
-        payloads, blobs = wire.tensor_payloads(named, pb.FP32, 0)
+        payloads, blobs = wire.tensor_payloads(named, Encoding.FP32, 0)
         unset = pb.FragmentVersion()
         return self._retrying(
             "Seed",
@@ -186,7 +201,7 @@ class SyncerClient:
         inner_steps: int,
         sequence: int,
         delta: Sequence[tuple[str, torch.Tensor]],
-        encoding: int,
+        encoding: Encoding,
         block_size: int,
     ) -> pb.PushReply:
         """Streams one outer gradient; encoded once, re-sent whole on a retry, counted once by the shard."""
@@ -207,17 +222,20 @@ class SyncerClient:
         )
 
     def pull(
-        self, fragment_id: int, have: pb.FragmentVersion | None = None, encoding: int = pb.FP32
+        self, fragment_id: int, have: pb.FragmentVersion | None = None, encoding: Encoding = Encoding.FP32
     ) -> tuple[pb.FragmentVersion, list[tuple[str, torch.Tensor]]] | None:
         """The fragment's newest values, or None when `have` is already the newest."""
         request = pb.PullRequest(
-            fragment_id=fragment_id, have=have or pb.FragmentVersion(), encoding=encoding, island_id=self.island_id
+            fragment_id=fragment_id,
+            have=have or pb.FragmentVersion(),
+            encoding=wire_encoding(encoding),
+            island_id=self.island_id,
         )
         pulled = self._retrying("Pull", lambda: self._pull_attempt(request, None))
         return None if pulled is None else (pulled.version, pulled.tensors)
 
     def pull_delta(
-        self, fragment_id: int, *, have: pb.FragmentVersion | None, held: Held | None, encoding: int
+        self, fragment_id: int, *, have: pb.FragmentVersion | None, held: Held | None, encoding: Encoding
     ) -> Pulled | None:
         """Like `pull`, but the shard may answer with the difference, in `encoding`, from the `held` values
         (what a pull of this client returned, or values of unknown version that may be the newest) to the
@@ -227,9 +245,9 @@ class SyncerClient:
         request = pb.PullRequest(
             fragment_id=fragment_id,
             have=have or pb.FragmentVersion(),
-            encoding=pb.FP32,
+            encoding=wire_encoding(Encoding.FP32),
             island_id=self.island_id,
-            delta_encoding=encoding,
+            delta_encoding=wire_encoding(encoding),
         )
         if held is not None:
             request.held.SetInParent()
@@ -250,8 +268,7 @@ class SyncerClient:
             return Pulled(header.version, named, wire_bytes, delta=False)
         if held is None or header.delta_base != (held.version or pb.FragmentVersion()):
             raise wire.WireError(
-                grpc.StatusCode.INTERNAL,
-                f"fragment {request.fragment_id}: a difference to values this island does not hold",
+                Refusal.INVALID, f"fragment {request.fragment_id}: a difference to values this island does not hold"
             )
         values = apply_delta(held.values, [t for _, t in named])
         return Pulled(header.version, [(name, v) for (name, _), v in zip(named, values)], wire_bytes, delta=True)
@@ -260,9 +277,9 @@ class SyncerClient:
         """Tells the shard this island has finished. Tried once: a shard that misses it times the island out
         of its live set (islandTimeoutSeconds) as it would a dead one."""
         request = pb.LeaveRequest(island_id=self.island_id)
-        self._stub.Leave(request, timeout=min(timeout, self.timeout), metadata=self._metadata)
+        self._leave(request, timeout=min(timeout, self.timeout), metadata=self._metadata)
 
     def status(self) -> pb.StatusReply:
         return self._retrying(
-            "Status", lambda: self._stub.Status(pb.StatusRequest(), timeout=self.timeout, metadata=self._metadata)
+            "Status", lambda: self._status(pb.StatusRequest(), timeout=self.timeout, metadata=self._metadata)
         )

@@ -4,8 +4,8 @@ gRPC caps message sizes, so a fragment travels as one header (names, shapes, dty
 lengths) followed by data messages of at most `MAX_CHUNK_BYTES`. Both the worker (pushing deltas, seeding)
 and the syncer (serving pulls, receiving pushes and seeds) build and read streams here, so the two sides
 cannot drift apart. Readers treat the peer as untrusted: every declared length is checked against what the
-encoding implies before data is buffered, and every refusal is a `WireError` carrying the gRPC status code
-that the contract prescribes.
+encoding implies before data is buffered, and every refusal is a `WireError` carrying its kind of `Refusal`
+(and so the status code that the contract prescribes).
 """
 
 import math
@@ -17,17 +17,19 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from diloco.core.encoding import EncodingError, decode, encode, encoded_nbytes
+from diloco.core.encoding import Encoding, EncodingError, decode, encode, encoded_nbytes
+from diloco.core.refusal import Refusal
+from diloco.transport.codes import encoding_of, status_code, wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
 
 _DTYPES = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16}
-_QUANTISED = (pb.INT8, pb.INT4)
+_QUANTISED = (Encoding.INT8, Encoding.INT4)
 
 _DATA_TAG = b"\x12"  # field 2 (`data`), length-delimited: the same in PushChunk and FragmentChunk
 
-_Header = pb.FragmentHeader | pb.PushHeader
+_Header = TypeVar("_Header", pb.FragmentHeader, pb.PushHeader)
 _Chunk = TypeVar("_Chunk", pb.FragmentChunk, pb.PushChunk)
 
 
@@ -41,20 +43,25 @@ _PARTS = (pb.FragmentHeader, pb.PushHeader, memoryview, _Undecodable)
 
 
 class WireError(Exception):
-    """A malformed or oversize stream, with the status code the server aborts the call with."""
+    """A malformed or oversize stream: its kind of refusal, and so the status code a server aborts the call with."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
+    def __init__(self, kind: Refusal, message: str) -> None:
+        super().__init__(f"{status_code(kind).name}: {message}")
+        self.kind = kind
         self.message = message
+
+    @property
+    def code(self) -> grpc.StatusCode:
+        """The status code the contract prescribes for this refusal."""
+        return status_code(self.kind)
 
 
 def _invalid(message: str) -> WireError:
-    return WireError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    return WireError(Refusal.INVALID, message)
 
 
 def tensor_payloads(
-    named: Sequence[tuple[str, torch.Tensor]], encoding: int, block_size: int
+    named: Sequence[tuple[str, torch.Tensor]], encoding: Encoding, block_size: int
 ) -> tuple[list[pb.TensorPayload], list[bytes]]:
     """Describe and encode tensors for a header: one TensorPayload and one byte string per tensor, in order."""
     payload_block = block_size if encoding in _QUANTISED else 0
@@ -68,7 +75,7 @@ def tensor_payloads(
                 name=name,
                 shape=list(tensor.shape),
                 dtype=_DTYPES[tensor.dtype],
-                encoding=encoding,
+                encoding=wire_encoding(encoding),
                 block_size=payload_block,
                 byte_length=len(blob),
             )
@@ -113,10 +120,11 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _messages(chunk_type: type[_Chunk], header: _Header, blobs: Sequence[bytes], max_chunk: int) -> Iterator[bytes]:
-    """Serialized chunk messages. A data message is written straight from the encoded bytes (tag, length,
-    payload: exactly what protobuf would write), sparing the copies that building message objects costs."""
-    yield chunk_type(header=header).SerializeToString()
+def _messages(header: pb.FragmentChunk | pb.PushChunk, blobs: Sequence[bytes], max_chunk: int) -> Iterator[bytes]:
+    """Serialized chunk messages: `header` (the chunk that holds the header), then the data. A data message is
+    written straight from the encoded bytes (tag, length, payload: exactly what protobuf would write), sparing
+    the copies that building message objects costs."""
+    yield header.SerializeToString()
     for parts in _pieces(blobs, max_chunk):
         size = sum(len(p) for p in parts)
         yield b"".join((_DATA_TAG, _varint(size), *parts))
@@ -136,7 +144,7 @@ def fragment_messages(
     them without encoding again. With `delta_base`, the tensors are differences to the values of that version.
     """
     header = pb.FragmentHeader(fragment_id=fragment_id, version=version, tensors=payloads, delta_base=delta_base)
-    return _messages(pb.FragmentChunk, header, blobs, max_chunk)
+    return _messages(pb.FragmentChunk(header=header), blobs, max_chunk)
 
 
 def push_messages(
@@ -150,7 +158,7 @@ def push_messages(
     filled.CopyFrom(header)
     del filled.tensors[:]
     filled.tensors.extend(payloads)
-    return _messages(pb.PushChunk, filled, blobs, max_chunk)
+    return _messages(pb.PushChunk(header=filled), blobs, max_chunk)
 
 
 def _parser(chunk_type: type[_Chunk]) -> Callable[[bytes], "Part"]:
@@ -179,7 +187,7 @@ def _read_varint(raw: bytes, offset: int) -> tuple[int, int]:
     return -1, offset
 
 
-def _part(chunk: _Chunk) -> "Part":
+def _part(chunk: pb.FragmentChunk | pb.PushChunk) -> Part:
     kind = chunk.WhichOneof("part")
     if kind == "header":
         return chunk.header
@@ -203,7 +211,7 @@ def _declared_total(payloads: Iterable[pb.TensorPayload]) -> int:
         if p.dtype not in _DTYPES.values():
             raise _invalid(f"tensor {p.name!r}: unknown dtype {p.dtype}")
         try:
-            expected = encoded_nbytes(math.prod(p.shape), p.encoding, p.block_size)
+            expected = encoded_nbytes(math.prod(p.shape), encoding_of(p.encoding), p.block_size)
         except EncodingError as e:
             raise _invalid(f"tensor {p.name!r}: {e}") from None
         if p.byte_length != expected:
@@ -216,18 +224,21 @@ def _declared_total(payloads: Iterable[pb.TensorPayload]) -> int:
 
 
 def _read_stream(
-    items: Iterable["Part | _Chunk"], max_chunk: int, max_total_bytes: int | None
+    items: Iterable[Part | pb.FragmentChunk | pb.PushChunk],
+    header_type: type[_Header],
+    max_chunk: int,
+    max_total_bytes: int | None,
 ) -> tuple[_Header, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     parts = (item if isinstance(item, _PARTS) else _part(item) for item in items)
     header = next(parts, None)
     if header is None:
         raise _invalid("empty stream: expected a header")
-    if not isinstance(header, (pb.FragmentHeader, pb.PushHeader)):
+    if not isinstance(header, header_type):
         raise _invalid("first message is not a header")
     total = _declared_total(header.tensors)
     if max_total_bytes is not None and total > max_total_bytes:
         raise WireError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            Refusal.TOO_LARGE,
             f"header declares {total} bytes, more than the limit of {max_total_bytes}",
         )
     # Uninitialised memory: its pages are committed only as data lands, so a header that lies costs nothing.
@@ -241,7 +252,7 @@ def _read_stream(
             raise _invalid("message with neither header nor data, or not a chunk message at all")
         if len(part) > max_chunk:
             raise WireError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Refusal.TOO_LARGE,
                 f"data message of {len(part)} bytes exceeds the chunk limit of {max_chunk}",
             )
         if received + len(part) > total:
@@ -255,7 +266,7 @@ def _read_stream(
     offset = 0
     for p in header.tensors:
         try:
-            values = decode(buffer[offset : offset + p.byte_length], p.shape, p.encoding, p.block_size)
+            values = decode(buffer[offset : offset + p.byte_length], p.shape, encoding_of(p.encoding), p.block_size)
         except EncodingError as e:
             raise _invalid(f"tensor {p.name!r}: {e}") from None
         tensors.append((p, values))
@@ -268,11 +279,11 @@ def read_fragment_stream(
 ) -> tuple[pb.FragmentHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     """Read a Seed request or Pull reply (messages, or parts from `parse_fragment_chunk`) into its header
     and float32 tensors; raises WireError if malformed."""
-    return _read_stream(chunks, max_chunk, max_total_bytes)
+    return _read_stream(chunks, pb.FragmentHeader, max_chunk, max_total_bytes)
 
 
 def read_push_stream(
     chunks: Iterable["Part | pb.PushChunk"], *, max_chunk: int = MAX_CHUNK_BYTES, max_total_bytes: int | None = None
 ) -> tuple[pb.PushHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     """Read a PushDelta request into its header and float32 tensors; raises WireError if malformed."""
-    return _read_stream(chunks, max_chunk, max_total_bytes)
+    return _read_stream(chunks, pb.PushHeader, max_chunk, max_total_bytes)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diloco.core.compressed_pull import apply_delta, held_after, values_digest
-from diloco.core.encoding import error_bound
+from diloco.core.encoding import Encoding, error_bound
 from diloco.transport import wire
 from diloco.transport.v1 import syncer_pb2 as pb
 
@@ -45,7 +45,7 @@ class TestChecksum:
 
 
 class TestAgreement:
-    @pytest.mark.parametrize("encoding", [pb.FP32, pb.BF16, pb.INT8, pb.INT4])
+    @pytest.mark.parametrize("encoding", [Encoding.FP32, Encoding.BF16, Encoding.INT8, Encoding.INT4])
     def test_island_and_shard_compute_the_same_values_bit_for_bit(self, encoding):
         held = _random(1)
         new = [h + d for h, d in zip(held, _random(2, 0.01))]
@@ -85,13 +85,13 @@ def test_error_feedback_keeps_the_island_within_one_step_of_the_shard_over_many_
         previous = theta
         theta = [t + u for t, u in zip(theta, update)]
         differences = [t - h for t, h in zip(theta, held)]
-        blobs, _ = _through_the_wire(differences, pb.INT4, block)
-        held = held_after(held, blobs, pb.INT4, block)
+        blobs, _ = _through_the_wire(differences, Encoding.INT4, block)
+        held = held_after(held, blobs, Encoding.INT4, block)
         for t, h, d in zip(theta, held, differences):
-            bound = error_bound(d, pb.INT4, block) + t.abs() * 2.0**-23  # and the rounding of the sum
+            bound = error_bound(d, Encoding.INT4, block) + t.abs() * 2.0**-23  # and the rounding of the sum
             worst_ratio = max(worst_ratio, float(((t - h).abs() / bound).max()))
-        naive_blobs, _ = _through_the_wire([t - p for t, p in zip(theta, previous)], pb.INT4, block)
-        naive = held_after(naive, naive_blobs, pb.INT4, block)
+        naive_blobs, _ = _through_the_wire([t - p for t, p in zip(theta, previous)], Encoding.INT4, block)
+        naive = held_after(naive, naive_blobs, Encoding.INT4, block)
         naive_error = max(float((t - n).abs().max()) for t, n in zip(theta, naive))
     assert worst_ratio <= 1.0
     final_error = max(float((t - h).abs().max()) for t, h in zip(theta, held))

@@ -10,7 +10,6 @@ from diloco.core.config import (
     OuterOptimizerConfig,
     TrainingConfig,
 )
-from diloco.transport.v1 import syncer_pb2 as pb
 
 
 def test_defaults():
@@ -32,8 +31,7 @@ def test_every_field_has_a_description():
             assert field.description, f"{model.__name__}.{name} has no description"
 
 
-def test_encoding_wire_values():
-    assert [e.wire for e in Encoding] == [pb.FP32, pb.BF16, pb.INT8, pb.INT4]
+def test_encodings_are_named_by_their_values():
     assert Encoding("int8") is Encoding.INT8
 
 

@@ -7,11 +7,10 @@ import warnings
 import pytest
 import torch
 
-from diloco.core.encoding import EncodingError, decode, encode, encoded_nbytes, error_bound
-from diloco.transport.v1 import syncer_pb2 as pb
+from diloco.core.encoding import Encoding, EncodingError, decode, encode, encoded_nbytes, error_bound
 
-ALL = [pb.FP32, pb.BF16, pb.INT8, pb.INT4]
-QUANTISED = [pb.INT8, pb.INT4]
+ALL = [Encoding.FP32, Encoding.BF16, Encoding.INT8, Encoding.INT4]
+QUANTISED = [Encoding.INT8, Encoding.INT4]
 SHAPES = [(), (1,), (0,), (7,), (64,), (65,), (3, 5), (2, 3, 11), (1000,), (0, 4)]
 
 
@@ -32,20 +31,20 @@ def _assert_round_trip(x, encoding, block_size):
     return y
 
 
-@pytest.mark.parametrize("encoding", ALL, ids=pb.Encoding.Name)
+@pytest.mark.parametrize("encoding", ALL)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("block_size", [4, 64])
 def test_round_trip_within_bound(encoding, shape, block_size):
     _assert_round_trip(_random(shape), encoding, block_size)
 
 
-@pytest.mark.parametrize("encoding", ALL, ids=pb.Encoding.Name)
+@pytest.mark.parametrize("encoding", ALL)
 @pytest.mark.parametrize("magnitude", [1e-30, 1e-3, 1e6, 1e30])
 def test_round_trip_across_magnitudes(encoding, magnitude):
     _assert_round_trip(_random((3, 67), seed=1, magnitude=magnitude), encoding, 32)
 
 
-@pytest.mark.parametrize("encoding", QUANTISED, ids=pb.Encoding.Name)
+@pytest.mark.parametrize("encoding", QUANTISED)
 def test_one_outlier_only_coarsens_its_own_block(encoding):
     x = _random((256,), seed=2)
     x[3] = 1e4
@@ -54,7 +53,7 @@ def test_one_outlier_only_coarsens_its_own_block(encoding):
     assert (y[:128] - x[:128]).abs().max() > (y[128:] - x[128:]).abs().max()
 
 
-@pytest.mark.parametrize("encoding", QUANTISED, ids=pb.Encoding.Name)
+@pytest.mark.parametrize("encoding", QUANTISED)
 def test_all_zero_block_decodes_to_zero_with_zero_scale(encoding):
     x = torch.cat([torch.zeros(8), _random((8,), seed=3)])
     data = encode(x, encoding, 8)
@@ -65,16 +64,16 @@ def test_all_zero_block_decodes_to_zero_with_zero_scale(encoding):
 
 def test_fp32_is_exact_and_raw():
     x = _random((5, 7), seed=4)
-    data = encode(x, pb.FP32, 0)
+    data = encode(x, Encoding.FP32, 0)
     assert data == x.numpy().astype("<f4").tobytes()
-    assert torch.equal(decode(data, x.shape, pb.FP32, 0), x)
+    assert torch.equal(decode(data, x.shape, Encoding.FP32, 0), x)
 
 
 def test_bf16_is_raw_round_to_nearest():
     x = torch.tensor([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5])
-    data = encode(x, pb.BF16, 0)
+    data = encode(x, Encoding.BF16, 0)
     assert data == x.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
-    assert torch.equal(decode(data, [4], pb.BF16, 0), x.to(torch.bfloat16).float())
+    assert torch.equal(decode(data, [4], Encoding.BF16, 0), x.to(torch.bfloat16).float())
 
 
 def test_input_dtypes_and_layouts_are_accepted():
@@ -86,35 +85,35 @@ def test_input_dtypes_and_layouts_are_accepted():
 
 def test_int8_layout_scales_then_values():
     x = torch.tensor([127.0, -63.5, 0.0, 254.0, 1.0])
-    data = encode(x, pb.INT8, 3)
+    data = encode(x, Encoding.INT8, 3)
     assert data[:8] == struct.pack("<2f", 1.0, 2.0)
     assert list(struct.unpack("<5b", data[8:])) == [127, -64, 0, 127, 0]
 
 
 def test_int4_nibble_packing_matches_hand_computation():
-    data = encode(torch.tensor([1.0, -1.0, 7.0, -7.0]), pb.INT4, 4)
+    data = encode(torch.tensor([1.0, -1.0, 7.0, -7.0]), Encoding.INT4, 4)
     # scale 7/7 = 1; element 2i in the low nibble, 2i+1 in the high one: (1, -1) -> 0xF1, (7, -7) -> 0x97.
     assert data == struct.pack("<f", 1.0) + bytes([0xF1, 0x97])
-    assert decode(data, [4], pb.INT4, 4).tolist() == [1.0, -1.0, 7.0, -7.0]
+    assert decode(data, [4], Encoding.INT4, 4).tolist() == [1.0, -1.0, 7.0, -7.0]
 
 
 def test_int4_odd_numel_pads_with_a_zero_nibble():
-    data = encode(torch.tensor([2.0, -7.0, 7.0]), pb.INT4, 4)
+    data = encode(torch.tensor([2.0, -7.0, 7.0]), Encoding.INT4, 4)
     assert data == struct.pack("<f", 1.0) + bytes([0x92, 0x07])
-    assert decode(data, [3], pb.INT4, 4).tolist() == [2.0, -7.0, 7.0]
+    assert decode(data, [3], Encoding.INT4, 4).tolist() == [2.0, -7.0, 7.0]
 
 
 @pytest.mark.parametrize(
     ("numel", "encoding", "block_size", "expected"),
     [
-        (10, pb.FP32, 0, 40),
-        (10, pb.BF16, 0, 20),
-        (10, pb.INT8, 4, 3 * 4 + 10),
-        (10, pb.INT8, 10, 4 + 10),
-        (11, pb.INT4, 4, 3 * 4 + 6),
-        (12, pb.INT4, 4, 3 * 4 + 6),
-        (0, pb.INT4, 4, 0),
-        (1, pb.INT4, 128, 4 + 1),
+        (10, Encoding.FP32, 0, 40),
+        (10, Encoding.BF16, 0, 20),
+        (10, Encoding.INT8, 4, 3 * 4 + 10),
+        (10, Encoding.INT8, 10, 4 + 10),
+        (11, Encoding.INT4, 4, 3 * 4 + 6),
+        (12, Encoding.INT4, 4, 3 * 4 + 6),
+        (0, Encoding.INT4, 4, 0),
+        (1, Encoding.INT4, 128, 4 + 1),
     ],
 )
 def test_encoded_nbytes_is_exact(numel, encoding, block_size, expected):
@@ -123,12 +122,14 @@ def test_encoded_nbytes_is_exact(numel, encoding, block_size, expected):
 
 def test_int4_compresses_at_least_seven_times_against_fp32():
     numel = 1 << 16
-    assert encoded_nbytes(numel, pb.FP32, 0) / encoded_nbytes(numel, pb.INT4, 128) >= 7
+    assert encoded_nbytes(numel, Encoding.FP32, 0) / encoded_nbytes(numel, Encoding.INT4, 128) >= 7
     x = _random((numel,), seed=6)
-    assert len(encode(x, pb.FP32, 0)) / len(encode(x, pb.INT4, 128)) >= 7
+    assert len(encode(x, Encoding.FP32, 0)) / len(encode(x, Encoding.INT4, 128)) >= 7
 
 
-@pytest.mark.parametrize(("encoding", "block_size"), [(pb.INT8, 0), (pb.INT8, -4), (pb.INT4, 0), (pb.INT4, 5)])
+@pytest.mark.parametrize(
+    ("encoding", "block_size"), [(Encoding.INT8, 0), (Encoding.INT8, -4), (Encoding.INT4, 0), (Encoding.INT4, 5)]
+)
 def test_bad_block_size_is_a_value_error(encoding, block_size):
     with pytest.raises(ValueError, match="block_size"):
         encoded_nbytes(8, encoding, block_size)
@@ -136,15 +137,7 @@ def test_bad_block_size_is_a_value_error(encoding, block_size):
         encode(torch.ones(8), encoding, block_size)
 
 
-@pytest.mark.parametrize("encoding", [pb.ENCODING_UNSPECIFIED, 99])
-def test_unknown_encoding_is_refused(encoding):
-    with pytest.raises(EncodingError, match="unknown encoding"):
-        encode(torch.ones(4), encoding, 4)
-    with pytest.raises(EncodingError, match="unknown encoding"):
-        decode(b"\0" * 16, [4], encoding, 4)
-
-
-@pytest.mark.parametrize("encoding", ALL, ids=pb.Encoding.Name)
+@pytest.mark.parametrize("encoding", ALL)
 @pytest.mark.parametrize("delta", [-1, 1])
 def test_decode_refuses_wrong_length(encoding, delta):
     data = encode(_random((10,)), encoding, 4)
@@ -155,20 +148,20 @@ def test_decode_refuses_wrong_length(encoding, delta):
 
 def test_decode_refuses_negative_dimension():
     with pytest.raises(EncodingError, match="negative"):
-        decode(b"", [-1, 0], pb.FP32, 0)
+        decode(b"", [-1, 0], Encoding.FP32, 0)
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_decode_refuses_non_finite_fp32_and_bf16_values(bad):
-    assert isinstance(decode(struct.pack("<2f", 1.0, 2.0), [2], pb.FP32, 0), torch.Tensor)
+    assert isinstance(decode(struct.pack("<2f", 1.0, 2.0), [2], Encoding.FP32, 0), torch.Tensor)
     with pytest.raises(EncodingError, match="NaN or Inf"):
-        decode(struct.pack("<2f", 1.0, bad), [2], pb.FP32, 0)
+        decode(struct.pack("<2f", 1.0, bad), [2], Encoding.FP32, 0)
     bf16 = torch.tensor([1.0, bad]).to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
     with pytest.raises(EncodingError, match="NaN or Inf"):
-        decode(bf16, [2], pb.BF16, 0)
+        decode(bf16, [2], Encoding.BF16, 0)
 
 
-@pytest.mark.parametrize("encoding", QUANTISED, ids=pb.Encoding.Name)
+@pytest.mark.parametrize("encoding", QUANTISED)
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_decode_refuses_non_finite_scales(encoding, bad):
     data = bytearray(encode(_random((8,)), encoding, 4))
@@ -177,7 +170,7 @@ def test_decode_refuses_non_finite_scales(encoding, bad):
         decode(data, [8], encoding, 4)
 
 
-@pytest.mark.parametrize("encoding", QUANTISED, ids=pb.Encoding.Name)
+@pytest.mark.parametrize("encoding", QUANTISED)
 def test_decode_refuses_values_that_overflow_when_scaled(encoding):
     data = bytearray(encode(torch.tensor([1.0, -1.0, 1.0, -1.0]), encoding, 4))
     struct.pack_into("<f", data, 0, 3e38)
@@ -185,7 +178,7 @@ def test_decode_refuses_values_that_overflow_when_scaled(encoding):
         decode(data, [4], encoding, 4)
 
 
-@pytest.mark.parametrize("encoding", ALL, ids=pb.Encoding.Name)
+@pytest.mark.parametrize("encoding", ALL)
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_encode_refuses_non_finite_input(encoding, bad):
     x = _random((9,))
@@ -196,7 +189,7 @@ def test_encode_refuses_non_finite_input(encoding, bad):
 
 def test_encode_refuses_bf16_overflow():
     with pytest.raises(EncodingError, match="NaN or Inf"):
-        encode(torch.tensor([3.4e38]), pb.BF16, 0)
+        encode(torch.tensor([3.4e38]), Encoding.BF16, 0)
 
 
 def test_decode_accepts_every_buffer_type_without_warnings_or_aliasing():
@@ -225,10 +218,10 @@ def test_encode_does_not_modify_its_input():
 
 def test_a_uint8_tensor_is_decoded_in_place_when_aligned_and_copied_when_not():
     values = torch.randn(33)
-    encoded = torch.frombuffer(bytearray(b"\0" + encode(values, pb.FP32, 0)), dtype=torch.uint8)
+    encoded = torch.frombuffer(bytearray(b"\0" + encode(values, Encoding.FP32, 0)), dtype=torch.uint8)
     aligned = encoded[1:].clone()
-    decoded = decode(aligned, (33,), pb.FP32, 0)
+    decoded = decode(aligned, (33,), Encoding.FP32, 0)
     assert torch.equal(decoded, values)
     assert decoded.untyped_storage().data_ptr() == aligned.untyped_storage().data_ptr(), "no copy"
-    misaligned = decode(encoded[1:], (33,), pb.FP32, 0)
+    misaligned = decode(encoded[1:], (33,), Encoding.FP32, 0)
     assert torch.equal(misaligned, values)

@@ -24,6 +24,7 @@ from syncer_harness import (
     wait_until,
 )
 
+from diloco.core.encoding import Encoding
 from diloco.syncer.server import SyncerServer
 from diloco.transport import wire
 from diloco.transport.client import SyncerClient
@@ -81,7 +82,7 @@ def scene(start_server) -> Scene:
                 inner_steps=10,
                 sequence=r,
                 delta=delta,
-                encoding=pb.FP32,
+                encoding=Encoding.FP32,
                 block_size=0,
             )
             round_deltas.append((delta, tokens))
@@ -96,7 +97,7 @@ def scene(start_server) -> Scene:
         inner_steps=10,
         sequence=100,
         delta=pending_a[0],
-        encoding=pb.FP32,
+        encoding=Encoding.FP32,
         block_size=0,
     )
     islands["c"].push(
@@ -106,7 +107,7 @@ def scene(start_server) -> Scene:
         inner_steps=10,
         sequence=0,
         delta=random_values(201, 0.1),
-        encoding=pb.FP32,
+        encoding=Encoding.FP32,
         block_size=0,
     )
     channel = grpc.insecure_channel(
@@ -192,7 +193,7 @@ def push_header(
     )
 
 
-def push_stream(scene, island, named=None, encoding=pb.FP32, block_size=0, **header) -> list[pb.PushChunk]:
+def push_stream(scene, island, named=None, encoding=Encoding.FP32, block_size=0, **header) -> list[pb.PushChunk]:
     payloads, blobs = wire.tensor_payloads(named or valid_delta(), encoding, block_size)
     return [push_header(scene, island, payloads, **header), pb.PushChunk(data=b"".join(blobs))]  # one chunk: small
 
@@ -201,7 +202,7 @@ def with_data(scene, island, payloads, data: bytes) -> list[pb.PushChunk]:
     return [push_header(scene, island, payloads), pb.PushChunk(data=data)]
 
 
-def corrupt_first_value(encoding: int, block_size: int, raw: bytes) -> Callable:
+def corrupt_first_value(encoding: Encoding, block_size: int, raw: bytes) -> Callable:
     """A stream whose first tensor's first 4 (or 2) bytes — a value, or the first block's scale — are `raw`."""
 
     def build(scene, island):
@@ -213,7 +214,10 @@ def corrupt_first_value(encoding: int, block_size: int, raw: bytes) -> Callable:
 
 
 def with_payload_changes(
-    change: Callable[[list[pb.TensorPayload]], None], extra: bytes = b"", encoding: int = pb.FP32, block_size: int = 0
+    change: Callable[[list[pb.TensorPayload]], None],
+    extra: bytes = b"",
+    encoding: Encoding = Encoding.FP32,
+    block_size: int = 0,
 ) -> Callable:
     def build(scene, island):
         payloads, blobs = wire.tensor_payloads(valid_delta(), encoding, block_size)
@@ -252,20 +256,20 @@ def data_first(scene, island):
 
 def oversize_message(scene, island):
     """A valid header, then one data message of 6 MiB: beyond the 4 MiB chunks plus any slack for framing."""
-    payloads, _ = wire.tensor_payloads(valid_delta(), pb.FP32, 0)
+    payloads, _ = wire.tensor_payloads(valid_delta(), Encoding.FP32, 0)
     return with_data(scene, island, payloads, b"\0" * (6 * MiB))
 
 
 def oversize_chunk(scene, island):
     """One data message a byte over the contract's 4 MiB chunk limit (small enough for gRPC's own limit)."""
-    payloads, _ = wire.tensor_payloads(valid_delta(), pb.FP32, 0)
+    payloads, _ = wire.tensor_payloads(valid_delta(), Encoding.FP32, 0)
     return with_data(scene, island, payloads, b"\0" * (4 * MiB + 1))
 
 
 def beyond_fragment_size(scene, island):
     """A header consistent in itself (int8 with one scale per element: 5 bytes per element) that declares more
     bytes than the fragment holds in float32 (4 per element): refused as oversize before any data is read."""
-    return push_stream(scene, island, encoding=pb.INT8, block_size=1)
+    return push_stream(scene, island, encoding=Encoding.INT8, block_size=1)
 
 
 NAN32, INF32 = struct.pack("<f", math.nan), struct.pack("<f", math.inf)
@@ -282,16 +286,19 @@ PUSH_CASES = {
         INVALID,
     ),
     "unknown dtype": (with_payload_changes(set_field(0, dtype=7)), INVALID),
-    "NaN in fp32 data": (corrupt_first_value(pb.FP32, 0, NAN32), INVALID),
-    "Inf in fp32 data": (corrupt_first_value(pb.FP32, 0, INF32), INVALID),
-    "-Inf in fp32 data": (corrupt_first_value(pb.FP32, 0, struct.pack("<f", -math.inf)), INVALID),
-    "NaN in bf16 data": (corrupt_first_value(pb.BF16, 0, b"\xc0\x7f"), INVALID),
-    "Inf scale in int8 data": (corrupt_first_value(pb.INT8, 32, INF32), INVALID),
-    "NaN scale in int4 data": (corrupt_first_value(pb.INT4, 32, NAN32), INVALID),
+    "NaN in fp32 data": (corrupt_first_value(Encoding.FP32, 0, NAN32), INVALID),
+    "Inf in fp32 data": (corrupt_first_value(Encoding.FP32, 0, INF32), INVALID),
+    "-Inf in fp32 data": (corrupt_first_value(Encoding.FP32, 0, struct.pack("<f", -math.inf)), INVALID),
+    "NaN in bf16 data": (corrupt_first_value(Encoding.BF16, 0, b"\xc0\x7f"), INVALID),
+    "Inf scale in int8 data": (corrupt_first_value(Encoding.INT8, 32, INF32), INVALID),
+    "NaN scale in int4 data": (corrupt_first_value(Encoding.INT4, 32, NAN32), INVALID),
     "unknown encoding": (with_payload_changes(set_field(0, encoding=9)), INVALID),
-    "odd int4 block size": (with_payload_changes(set_field(0, block_size=3), encoding=pb.INT4, block_size=32), INVALID),
+    "odd int4 block size": (
+        with_payload_changes(set_field(0, block_size=3), encoding=Encoding.INT4, block_size=32),
+        INVALID,
+    ),
     "int8 without a block size": (
-        with_payload_changes(set_field(0, block_size=0), encoding=pb.INT8, block_size=32),
+        with_payload_changes(set_field(0, block_size=0), encoding=Encoding.INT8, block_size=32),
         INVALID,
     ),
     "unknown fragment": (lambda s, i: push_stream(s, i, fragment=7), INVALID),
@@ -349,7 +356,14 @@ def test_refused_pushes_never_reach_a_merge(scene):
     for i, name in enumerate("bc"):
         delta, tokens = random_values(400 + i, 0.1), 50 * (i + 1)
         reply = scene.islands[name].push(
-            0, base=scene.base(), tokens=tokens, inner_steps=10, sequence=9, delta=delta, encoding=pb.FP32, block_size=0
+            0,
+            base=scene.base(),
+            tokens=tokens,
+            inner_steps=10,
+            sequence=9,
+            delta=delta,
+            encoding=Encoding.FP32,
+            block_size=0,
         )
         assert not reply.duplicate
         contributions.append((delta, tokens))
@@ -369,11 +383,11 @@ def seed_chunks(fragment, payloads, blobs) -> list[pb.FragmentChunk]:
 
 
 def seed_stream(named, fragment=2) -> list[pb.FragmentChunk]:
-    return seed_chunks(fragment, *wire.tensor_payloads(named, pb.FP32, 0))
+    return seed_chunks(fragment, *wire.tensor_payloads(named, Encoding.FP32, 0))
 
 
 def seed_with_nan():
-    payloads, blobs = wire.tensor_payloads(random_values(5), pb.FP32, 0)
+    payloads, blobs = wire.tensor_payloads(random_values(5), Encoding.FP32, 0)
     blobs[1] = NAN32 + blobs[1][4:]
     return seed_chunks(2, payloads, blobs)
 

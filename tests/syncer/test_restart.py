@@ -21,6 +21,7 @@ from syncer_harness import (
     wait_until,
 )
 
+from diloco.core.encoding import Encoding
 from diloco.syncer import checkpoint
 from diloco.transport.v1 import syncer_pb2 as pb
 
@@ -92,7 +93,7 @@ class Worker(threading.Thread):
                         inner_steps=10,
                         sequence=sequence,
                         delta=delta,
-                        encoding=pb.INT8,
+                        encoding=Encoding.INT8,
                         block_size=32,
                     )
                 except grpc.RpcError as error:
@@ -223,7 +224,7 @@ class Islands:
             inner_steps=10,
             sequence=sequence,
             delta=delta,
-            encoding=pb.FP32,
+            encoding=Encoding.FP32,
             block_size=0,
         )
 
@@ -344,7 +345,7 @@ def test_an_interrupted_checkpoint_write_does_not_stop_a_restart(syncer_process)
             inner_steps=10,
             sequence=0,
             delta=random_values(5, 0.1),
-            encoding=pb.FP32,
+            encoding=Encoding.FP32,
             block_size=0,
         )
         wait_until(lambda: saved_versions(process).get(0) == 1, timeout=30, interval=0.1)
@@ -370,7 +371,7 @@ def test_an_interrupted_checkpoint_write_does_not_stop_a_restart(syncer_process)
             inner_steps=10,
             sequence=1,
             delta=random_values(6, 0.1),
-            encoding=pb.FP32,
+            encoding=Encoding.FP32,
             block_size=0,
         )
         wait_until(lambda: saved_versions(process).get(0) == 2, timeout=30, interval=0.1)

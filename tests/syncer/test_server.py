@@ -24,7 +24,7 @@ from syncer_harness import (
     wait_until,
 )
 
-from diloco.core.encoding import decode, encode, error_bound
+from diloco.core.encoding import Encoding, decode, encode, error_bound
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.transport.auth import bearer_metadata
 from diloco.transport.v1 import syncer_pb2 as pb
@@ -33,7 +33,7 @@ from diloco.transport.v1 import syncer_pb2_grpc
 pytestmark = pytest.mark.process
 
 
-def push(client, fragment, base, delta, *, tokens=100, sequence=0, encoding=pb.FP32, block_size=32):
+def push(client, fragment, base, delta, *, tokens=100, sequence=0, encoding=Encoding.FP32, block_size=32):
     return client.push(
         fragment,
         base=base,
@@ -111,14 +111,15 @@ class TestQuorumAndGrace:
         assert status.version.version == 0 and status.pending == 1
 
         # b's delta goes int8 on the wire: the shard merges what it decoded.
-        push(islands["b"], 0, base, db, tokens=300, encoding=pb.INT8, block_size=config.block_size)
+        push(islands["b"], 0, base, db, tokens=300, encoding=Encoding.INT8, block_size=config.block_size)
         wait_until(lambda: fragment_status(islands["a"], 0).version.version >= 1)
         status = fragment_status(islands["a"], 0)
         assert (status.version.version, status.pending, status.last_contributors) == (1, 0, 2)
         assert status.tokens_merged == 400 and status.last_merge_unix > 0
 
         db_decoded = [
-            (n, decode(encode(t, pb.INT8, config.block_size), t.shape, pb.INT8, config.block_size)) for n, t in db
+            (n, decode(encode(t, Encoding.INT8, config.block_size), t.shape, Encoding.INT8, config.block_size))
+            for n, t in db
         ]
         reference = ReferenceFragment(config, seeded[0])
         reference.merge([(da, 100), (db_decoded, 300)], live=3)  # c is live: the merge is 2/3 of a round
@@ -224,7 +225,7 @@ class TestIdempotency:
 
 
 class TestPull:
-    @pytest.mark.parametrize("encoding", [pb.FP32, pb.BF16, pb.INT8, pb.INT4], ids=pb.Encoding.Name)
+    @pytest.mark.parametrize("encoding", [Encoding.FP32, Encoding.BF16, Encoding.INT8, Encoding.INT4])
     def test_pull_sends_nothing_when_current_and_the_values_otherwise(self, start_server, encoding):
         config = config_for(block_size=32)
         server = start_server(config, seed=False)
@@ -236,8 +237,8 @@ class TestPull:
             for (name, got), (_, want) in zip(values, seeded[1]):
                 assert got.shape == want.shape and got.dtype == torch.float32
                 bound = error_bound(want, encoding, config.block_size)
-                assert torch.all((got - want).abs() <= bound), f"{name} beyond the {pb.Encoding.Name(encoding)} bound"
-                if encoding == pb.FP32:
+                assert torch.all((got - want).abs() <= bound), f"{name} beyond the {encoding.name} bound"
+                if encoding == Encoding.FP32:
                     assert torch.equal(got, want)
 
             assert client.pull(1, have=version, encoding=encoding) is None
@@ -279,7 +280,7 @@ class TestConcurrentIslands:
                                 random_values(100 * index + 10 * r + p, 0.01),
                                 tokens=10 + index,
                                 sequence=r,
-                                encoding=pb.INT4,
+                                encoding=Encoding.INT4,
                             )
                             replies[name].append((p, reply))
             except Exception as error:  # reported below, with the island's name

@@ -13,7 +13,7 @@ import torch
 from syncer_harness import TOKEN, config_for, make_client, random_values, wait_until
 
 from diloco.core.compressed_pull import values_digest
-from diloco.core.encoding import encoded_nbytes, error_bound
+from diloco.core.encoding import Encoding, encoded_nbytes, error_bound
 from diloco.transport.client import Held
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.v1 import syncer_pb2_grpc
@@ -37,7 +37,7 @@ def _merge_once(pusher, fragment: int, version: pb.FragmentVersion, seed: int) -
         inner_steps=10,
         sequence=seed,
         delta=random_values(seed, 0.05),
-        encoding=pb.FP32,
+        encoding=Encoding.FP32,
         block_size=0,
     )
     want = version.version + 1
@@ -61,21 +61,21 @@ def shard(start_server):
 
 def test_after_one_full_pull_each_version_comes_as_an_int4_difference_within_one_step(shard):
     server, island, pusher, observer = shard
-    first = island.pull_delta(0, have=None, held=None, encoding=pb.INT4)
+    first = island.pull_delta(0, have=None, held=None, encoding=Encoding.INT4)
     assert not first.delta and first.wire_bytes == sum(4 * t.numel() for _, t in first.tensors)
     held, version = _held(first), first.version
     numel = sum(t.numel() for t in held.values)
     for step in range(12):
         version = _merge_once(pusher, 0, version, seed=step)
-        pulled = island.pull_delta(0, have=held.version, held=held, encoding=pb.INT4)
+        pulled = island.pull_delta(0, have=held.version, held=held, encoding=Encoding.INT4)
         assert pulled.delta, f"version {version.version} came in full"
         assert pulled.version == version
-        assert pulled.wire_bytes == sum(encoded_nbytes(t.numel(), pb.INT4, BLOCK) for t in held.values)
+        assert pulled.wire_bytes == sum(encoded_nbytes(t.numel(), Encoding.INT4, BLOCK) for t in held.values)
         assert pulled.wire_bytes < 4 * numel / 6
         truth = _true_values(observer, 0)
         got = [t for _, t in pulled.tensors]
         for g, t, h in zip(got, truth, held.values):
-            bound = error_bound(t - h, pb.INT4, BLOCK) + t.abs() * 2.0**-23  # and the rounding of the sum
+            bound = error_bound(t - h, Encoding.INT4, BLOCK) + t.abs() * 2.0**-23  # and the rounding of the sum
             assert torch.all((g - t).abs() <= bound), "more than one quantisation step off"
         held = _held(pulled)
     # The shard recorded exactly what the island holds: its record's checksum is the island's.
@@ -88,30 +88,30 @@ def test_initial_values_equal_to_the_newest_come_back_as_a_difference_others_in_
     them with its newest values and sends only a (zero) difference. Other initial values get full values."""
     _, island, pusher, observer = shard
     seeded = _true_values(observer, 0)
-    same = island.pull_delta(0, have=None, held=Held(None, seeded, values_digest(seeded)), encoding=pb.INT4)
+    same = island.pull_delta(0, have=None, held=Held(None, seeded, values_digest(seeded)), encoding=Encoding.INT4)
     assert same.delta and same.wire_bytes < sum(4 * t.numel() for t in seeded) / 6
     assert all(torch.equal(g, t) for (_, g), t in zip(same.tensors, seeded))
     other = [t + 1.0 for t in seeded]
-    full = pusher.pull_delta(0, have=None, held=Held(None, other, values_digest(other)), encoding=pb.INT4)
+    full = pusher.pull_delta(0, have=None, held=Held(None, other, values_digest(other)), encoding=Encoding.INT4)
     assert not full.delta and all(torch.equal(g, t) for (_, g), t in zip(full.tensors, seeded))
     # either way the shard now knows what each holds: the next version is a difference for both
     version = _merge_once(pusher, 0, same.version, seed=9)
     for client, pulled in ((island, same), (pusher, full)):
-        again = client.pull_delta(0, have=pulled.version, held=_held(pulled), encoding=pb.INT4)
+        again = client.pull_delta(0, have=pulled.version, held=_held(pulled), encoding=Encoding.INT4)
         assert again.delta and again.version == version
 
 
 def test_an_island_that_is_current_gets_nothing(shard):
     _, island, _, _ = shard
-    first = island.pull_delta(0, have=None, held=None, encoding=pb.INT4)
+    first = island.pull_delta(0, have=None, held=None, encoding=Encoding.INT4)
     held = _held(first)
-    assert island.pull_delta(0, have=held.version, held=held, encoding=pb.INT4) is None
+    assert island.pull_delta(0, have=held.version, held=held, encoding=Encoding.INT4) is None
 
 
 @pytest.mark.parametrize("lie", ["checksum", "version", "island"])
 def test_values_the_shard_did_not_serve_this_island_get_full_values(shard, lie):
     server, island, pusher, observer = shard
-    first = island.pull_delta(0, have=None, held=None, encoding=pb.INT4)
+    first = island.pull_delta(0, have=None, held=None, encoding=Encoding.INT4)
     held = _held(first)
     version = _merge_once(pusher, 0, first.version, seed=1)
     if lie == "checksum":
@@ -121,12 +121,12 @@ def test_values_the_shard_did_not_serve_this_island_get_full_values(shard, lie):
         version = _merge_once(pusher, 0, version, seed=2)
     else:
         island = make_client(server.port, "stranger")
-    pulled = island.pull_delta(0, have=held.version, held=held, encoding=pb.INT4)
+    pulled = island.pull_delta(0, have=held.version, held=held, encoding=Encoding.INT4)
     assert not pulled.delta and pulled.version == version
     assert all(torch.equal(g, t) for (_, g), t in zip(pulled.tensors, _true_values(observer, 0)))
     # and, from what it now holds, the next version is a difference again
     again = _merge_once(pusher, 0, version, seed=3)
-    assert island.pull_delta(0, have=pulled.version, held=_held(pulled), encoding=pb.INT4).version == again
+    assert island.pull_delta(0, have=pulled.version, held=_held(pulled), encoding=Encoding.INT4).version == again
     if lie == "island":
         island.close()
 
@@ -152,15 +152,15 @@ def test_a_real_shard_process_serves_differences_and_full_values_after_a_restart
     island = make_client(process.port, "island")
     pusher = make_client(process.port, "pusher")
     try:
-        first = island.pull_delta(1, have=None, held=None, encoding=pb.INT4)
+        first = island.pull_delta(1, have=None, held=None, encoding=Encoding.INT4)
         version = _merge_once(pusher, 1, first.version, seed=5)
-        pulled = island.pull_delta(1, have=first.version, held=_held(first), encoding=pb.INT4)
+        pulled = island.pull_delta(1, have=first.version, held=_held(first), encoding=Encoding.INT4)
         assert pulled.delta and pulled.version == version
         held = _held(pulled)
         version = _merge_once(pusher, 1, version, seed=6)
         assert process.signal(signal.SIGTERM) == 0
         process.start()
-        after = island.pull_delta(1, have=held.version, held=held, encoding=pb.INT4)
+        after = island.pull_delta(1, have=held.version, held=held, encoding=Encoding.INT4)
         assert not after.delta and after.version == version, "a clean restart keeps the incarnation and version"
         with make_client(process.port) as observer:
             assert all(torch.equal(g, t) for (_, g), t in zip(after.tensors, _true_values(observer, 1)))

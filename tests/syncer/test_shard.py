@@ -6,6 +6,7 @@ import torch
 
 from diloco.core.config import TrainingConfig
 from diloco.syncer.shard import PushKey, Refused, ShardState, TensorSpec
+from diloco.transport.codes import status_code
 from diloco.transport.v1 import syncer_pb2 as pb
 
 SPECS = (TensorSpec("w", (2,), pb.FLOAT32), TensorSpec("b", (1,), pb.FLOAT32))
@@ -41,14 +42,14 @@ class TestSeed:
         shard = ShardState(TrainingConfig(fragments=1, inner_steps=10, overlap_steps=1), 0, 1, INCARNATION)
         with pytest.raises(Refused) as refused:
             shard.check_push(PushKey("a", INCARNATION, 0, 0), 0, SPECS)
-        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert status_code(refused.value.kind) == grpc.StatusCode.FAILED_PRECONDITION
 
     def test_unknown_fragment_is_invalid(self):
         shard = ShardState(TrainingConfig(fragments=4, inner_steps=8, overlap_steps=1), 1, 2, INCARNATION)
         assert sorted(shard.fragments) == [1, 3]
         with pytest.raises(Refused) as refused:
             shard.fragment(2)
-        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert status_code(refused.value.kind) == grpc.StatusCode.INVALID_ARGUMENT
         assert refused.value.reason == "unknown_fragment"
 
 
@@ -168,7 +169,9 @@ class TestStalenessAndIdempotency:
         before = shard.fragments[0].values[0].clone()
         with pytest.raises(Refused) as refused:
             push(shard, "b", 1.0, base=1)
-        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and refused.value.reason == "stale"
+        assert (
+            status_code(refused.value.kind) == grpc.StatusCode.FAILED_PRECONDITION and refused.value.reason == "stale"
+        )
         assert shard.fragments[0].pending == {}
         assert torch.equal(shard.fragments[0].values[0], before)
 
@@ -197,7 +200,7 @@ class TestStalenessAndIdempotency:
         with pytest.raises(Refused) as foreign:
             shard.submit(other, 0, SPECS, [torch.zeros(2), torch.zeros(1)], 1, 1, 0.0)
         assert (ahead.value.reason, foreign.value.reason) == ("ahead", "incarnation")
-        assert ahead.value.code == foreign.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert status_code(ahead.value.kind) == status_code(foreign.value.kind) == grpc.StatusCode.FAILED_PRECONDITION
 
     @pytest.mark.parametrize(
         "specs, reason",
@@ -211,7 +214,7 @@ class TestStalenessAndIdempotency:
         shard = make_shard()
         with pytest.raises(Refused) as refused:
             shard.check_push(PushKey("a", INCARNATION, 0, 0), 0, specs)
-        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and refused.value.reason == reason
+        assert status_code(refused.value.kind) == grpc.StatusCode.INVALID_ARGUMENT and refused.value.reason == reason
 
 
 class TestCheckpointState:

@@ -4,7 +4,9 @@ import grpc
 import pytest
 import torch
 
-from diloco.core.encoding import encode, error_bound
+from diloco.core.encoding import Encoding, encode, error_bound
+from diloco.core.refusal import Refusal
+from diloco.transport.codes import encoding_of, wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.wire import (
     MAX_CHUNK_BYTES,
@@ -56,7 +58,7 @@ def _assert_decoded(named, decoded, encoding, block_size):
     for (name, tensor), (payload, values) in zip(named, decoded, strict=True):
         assert values.dtype == torch.float32 and values.shape == tensor.shape
         assert list(payload.shape) == list(tensor.shape)
-        assert payload.encoding == encoding
+        assert payload.encoding == wire_encoding(encoding)
         err = (values - tensor.float()).abs()
         assert bool((err <= error_bound(tensor, encoding, block_size)).all()), name
 
@@ -65,7 +67,7 @@ def _data_sizes(chunks):
     return [len(c.data) for c in chunks if c.WhichOneof("part") == "data"]
 
 
-def _fragment_chunks(named=None, encoding=pb.INT8, block_size=16, max_chunk=MAX_CHUNK_BYTES):
+def _fragment_chunks(named=None, encoding=Encoding.INT8, block_size=16, max_chunk=MAX_CHUNK_BYTES):
     return list(fragment_stream(5, VERSION, named or _named(), encoding, block_size, max_chunk))
 
 
@@ -93,15 +95,15 @@ def _refusal(read, chunks, **kwargs):
 
 def test_tensor_payloads_describe_each_tensor():
     named = _named()
-    payloads, blobs = tensor_payloads(named, pb.INT4, 32)
+    payloads, blobs = tensor_payloads(named, Encoding.INT4, 32)
     assert [p.dtype for p in payloads] == [pb.FLOAT32, pb.BFLOAT16, pb.FLOAT32, pb.FLOAT16, pb.FLOAT32]
     for (name, tensor), p, blob in zip(named, payloads, blobs, strict=True):
         assert p.name == name and list(p.shape) == list(tensor.shape)
         assert p.encoding == pb.INT4 and p.block_size == 32 and p.byte_length == len(blob)
-        assert blob == encode(tensor, pb.INT4, 32)
+        assert blob == encode(tensor, Encoding.INT4, 32)
 
 
-@pytest.mark.parametrize("encoding", [pb.FP32, pb.BF16])
+@pytest.mark.parametrize("encoding", [Encoding.FP32, Encoding.BF16])
 def test_unquantised_payloads_carry_block_size_zero(encoding):
     payloads, _ = tensor_payloads(_named(), encoding, 128)
     assert {p.block_size for p in payloads} == {0}
@@ -109,7 +111,7 @@ def test_unquantised_payloads_carry_block_size_zero(encoding):
 
 def test_tensor_payloads_refuse_dtypes_the_wire_cannot_carry():
     with pytest.raises(ValueError, match="dtype"):
-        tensor_payloads([("steps", torch.arange(4))], pb.FP32, 0)
+        tensor_payloads([("steps", torch.arange(4))], Encoding.FP32, 0)
 
 
 @pytest.mark.parametrize("max_chunk", [1, 3, 7, 16, 100])
@@ -144,11 +146,11 @@ def test_push_stream_copies_the_header_and_fills_its_tensors():
     header.tensors.add(name="stale")
     original = pb.PushHeader()
     original.CopyFrom(header)
-    chunks = list(push_stream(header, _named(), pb.BF16, 0, max_chunk=64))
+    chunks = list(push_stream(header, _named(), Encoding.BF16, 0, max_chunk=64))
     assert header == original
     sent = chunks[0].header
     expected = _push_header()
-    expected.tensors.extend(tensor_payloads(_named(), pb.BF16, 0)[0])
+    expected.tensors.extend(tensor_payloads(_named(), Encoding.BF16, 0)[0])
     assert sent == expected
     assert [p.name for p in sent.tensors] == [name for name, _ in _named()]
     assert max(_data_sizes(chunks)) <= 64
@@ -156,7 +158,7 @@ def test_push_stream_copies_the_header_and_fills_its_tensors():
 
 def test_streams_encode_at_call_time():
     named = _named()
-    stream = fragment_stream(0, VERSION, named, pb.FP32, 0)
+    stream = fragment_stream(0, VERSION, named, Encoding.FP32, 0)
     expected = [t.float().clone() for _, t in named]
     for _, tensor in named:
         tensor.add_(1)
@@ -167,7 +169,7 @@ def test_streams_encode_at_call_time():
 # --- round trips ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("encoding", [pb.FP32, pb.BF16, pb.INT8, pb.INT4], ids=pb.Encoding.Name)
+@pytest.mark.parametrize("encoding", [Encoding.FP32, Encoding.BF16, Encoding.INT8, Encoding.INT4])
 @pytest.mark.parametrize("max_chunk", [MAX_CHUNK_BYTES, 1000, 7])
 def test_fragment_round_trip(encoding, max_chunk):
     named = _named()
@@ -178,7 +180,7 @@ def test_fragment_round_trip(encoding, max_chunk):
     _assert_decoded(named, decoded, encoding, 16)
 
 
-@pytest.mark.parametrize("encoding", [pb.FP32, pb.BF16, pb.INT8, pb.INT4], ids=pb.Encoding.Name)
+@pytest.mark.parametrize("encoding", [Encoding.FP32, Encoding.BF16, Encoding.INT8, Encoding.INT4])
 def test_push_round_trip(encoding):
     named = _named(seed=1)
     chunks = list(push_stream(_push_header(), named, encoding, 8, max_chunk=50))
@@ -190,7 +192,7 @@ def test_push_round_trip(encoding):
 def test_tensor_larger_than_a_chunk_spans_several_chunks():
     big = torch.randn(MAX_CHUNK_BYTES // 4 + 1000)
     named = [("small", torch.randn(10)), ("big", big), ("tail", torch.randn(3))]
-    chunks = _fragment_chunks(named, pb.FP32, 0)
+    chunks = _fragment_chunks(named, Encoding.FP32, 0)
     sizes = _data_sizes(chunks)
     assert len(sizes) == 2 and sizes[0] == MAX_CHUNK_BYTES
     _, decoded = read_fragment_stream(chunks)
@@ -201,7 +203,9 @@ def test_mixed_encodings_in_one_stream():
     named = _named(seed=2)
     payloads, blobs = [], []
     for (name, tensor), (encoding, block_size) in zip(
-        named, [(pb.INT4, 8), (pb.FP32, 0), (pb.INT8, 3), (pb.BF16, 0), (pb.INT4, 2)], strict=True
+        named,
+        [(Encoding.INT4, 8), (Encoding.FP32, 0), (Encoding.INT8, 3), (Encoding.BF16, 0), (Encoding.INT4, 2)],
+        strict=True,
     ):
         p, b = tensor_payloads([(name, tensor)], encoding, block_size)
         payloads += p
@@ -210,12 +214,12 @@ def test_mixed_encodings_in_one_stream():
     chunks = [pb.FragmentChunk(header=header), *(pb.FragmentChunk(data=d) for d in split(blobs, 11))]
     _, decoded = read_fragment_stream(chunks)
     for (name, tensor), (payload, values) in zip(named, decoded, strict=True):
-        bound = error_bound(tensor, payload.encoding, payload.block_size)
+        bound = error_bound(tensor, encoding_of(payload.encoding), payload.block_size)
         assert bool(((values - tensor.float()).abs() <= bound).all()), name
 
 
 def test_stream_of_empty_tensors_is_just_a_header():
-    chunks = _fragment_chunks([("empty", torch.zeros(0))], pb.FP32, 0)
+    chunks = _fragment_chunks([("empty", torch.zeros(0))], Encoding.FP32, 0)
     assert len(chunks) == 1
     _, decoded = read_fragment_stream(chunks)
     assert len(decoded) == 1 and decoded[0][1].shape == (0,)
@@ -229,8 +233,8 @@ def test_empty_data_messages_are_tolerated():
 
 def test_reader_accepts_a_generator():
     named = _named()
-    _, decoded = read_push_stream(iter(push_stream(_push_header(), named, pb.INT8, 16)))
-    _assert_decoded(named, decoded, pb.INT8, 16)
+    _, decoded = read_push_stream(iter(push_stream(_push_header(), named, Encoding.INT8, 16)))
+    _assert_decoded(named, decoded, Encoding.INT8, 16)
 
 
 # --- refusals ---------------------------------------------------------------------------------------------
@@ -251,7 +255,7 @@ def test_stream_must_start_with_a_header():
 
 
 def test_second_header_is_refused():
-    chunks = list(push_stream(_push_header(), _named(), pb.FP32, 0, max_chunk=100))
+    chunks = list(push_stream(_push_header(), _named(), Encoding.FP32, 0, max_chunk=100))
     error = _refusal(read_push_stream, [chunks[0], chunks[1], chunks[0], *chunks[2:]], max_chunk=100)
     assert error.code == INVALID and "header after the first message" in error.message
 
@@ -325,7 +329,7 @@ def test_header_declaring_too_much_is_resource_exhausted_before_any_data():
     assert error.code == EXHAUSTED and str(declared) in error.message
 
 
-@pytest.mark.parametrize("encoding", [pb.FP32, pb.INT8])
+@pytest.mark.parametrize("encoding", [Encoding.FP32, Encoding.INT8])
 def test_non_finite_values_are_refused(encoding):
     named = [("w", torch.ones(8))]
     good = list(fragment_stream(0, VERSION, named, encoding, 4))
@@ -340,13 +344,13 @@ def test_non_finite_values_are_refused(encoding):
 
 
 def test_wire_error_carries_code_and_message():
-    error = WireError(INVALID, "bad thing")
+    error = WireError(Refusal.INVALID, "bad thing")
     assert error.code == INVALID and error.message == "bad thing"
     assert "bad thing" in str(error)
 
 
 def test_serialized_data_messages_are_exactly_what_protobuf_writes():
-    payloads, blobs = tensor_payloads(_named(), pb.INT8, 16)
+    payloads, blobs = tensor_payloads(_named(), Encoding.INT8, 16)
     messages = list(push_messages(_push_header(), payloads, blobs, max_chunk=300))
     for raw in messages[1:]:
         assert pb.PushChunk(data=pb.PushChunk.FromString(raw).data).SerializeToString() == raw
@@ -361,7 +365,7 @@ def test_serialized_data_messages_are_exactly_what_protobuf_writes():
 )
 def test_zero_copy_parts_read_like_messages(parse, build):
     named = _named()
-    payloads, blobs = tensor_payloads(named, pb.FP32, 0)
+    payloads, blobs = tensor_payloads(named, Encoding.FP32, 0)
     parts = [parse(raw) for raw in build(payloads, blobs)]
     assert all(isinstance(part, memoryview) for part in parts[1:])
     read = read_fragment_stream if parse is parse_fragment_chunk else read_push_stream
