@@ -8,16 +8,25 @@ way it arrives (manifest, JSON file, command line).
 
 from __future__ import annotations
 
+import enum
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
-
-from diloco.core.encoding import Encoding
 
 
 class CamelModel(BaseModel):
     """Immutable model that reads and writes camelCase keys, accepts snake_case too, and refuses unknown keys."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class Encoding(str, enum.Enum):
+    """How an outer gradient is encoded on the wire (INT8 and INT4 carry one float32 scale per block)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    INT8 = "int8"
+    INT4 = "int4"
 
 
 class InnerOptimizerConfig(CamelModel):

@@ -8,7 +8,6 @@ values. The wire contract names each `Encoding` by a protobuf value; `diloco.tra
 the two.
 """
 
-import enum
 import math
 import sys
 from collections.abc import Sequence
@@ -16,15 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-
-class Encoding(str, enum.Enum):
-    """How an outer gradient is encoded on the wire (INT8 and INT4 carry one float32 scale per block)."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    INT8 = "int8"
-    INT4 = "int4"
-
+from diloco.core.config import Encoding as Encoding  # re-exported: the knob names the encodings defined here
 
 _QMAX = {Encoding.INT8: 127, Encoding.INT4: 7}
 _TINY = torch.finfo(torch.float32).tiny
