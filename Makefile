@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test unit e2e e2e-kind cluster-up protos bench-syncer bench-comm bench-simulator syncer images clean
+.PHONY: run test lint unit e2e e2e-kind cluster-up protos bench-syncer bench-comm bench-simulator syncer images clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,12 @@ run: $(STAMP)  ## the embedded default: a syncer and 4 islands on loopback train
 
 test: $(STAMP)  ## every test tier that runs on this machine
 	$(BIN)/python -m pytest
+
+lint: $(STAMP)  ## static checks: ruff (lint and format), mypy strict on core/transport/api, the import layers
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 unit: $(STAMP)  ## only the pure-logic tests
 	$(BIN)/python -m pytest -m "not process"
