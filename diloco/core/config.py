@@ -22,6 +22,16 @@ class CamelModel(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
 
+class Mode(str, enum.Enum):
+    """How islands train together: decoupled DiLoCo (the product), or one of the baselines it is measured against:
+    synchronous DiLoCo (a barrier across all islands at every outer step) and data-parallel (an all-reduce of
+    the gradients at every step)."""
+
+    DILOCO = "diloco"
+    SYNC_DILOCO = "sync-diloco"
+    DDP = "ddp"
+
+
 class Encoding(str, enum.Enum):
     """How an outer gradient is encoded on the wire (INT8 and INT4 carry one float32 scale per block)."""
 

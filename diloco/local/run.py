@@ -15,12 +15,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from diloco.core.config import Encoding, TrainingConfig
+from diloco.core.config import Encoding, Mode, TrainingConfig
 from diloco.local.failure_trace import FailureEvent, load_trace, random_trace, save_trace, syncer_target, worker_target
 from diloco.local.goodput import Account, account, load_events
 from diloco.local.launcher import JobResult, LocalJob, RunPlan
-
-MODES = ("diloco", "sync-diloco", "ddp")
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ def mode_config(mode: str, config: TrainingConfig, islands: int) -> TrainingConf
     """The configuration a mode trains with. `sync-diloco` is a barrier across all islands at every outer
     step: K = M, so a shard merges a fragment only once every island alive has pushed it (each island
     blocks on that merge), where decoupled DiLoCo merges with the K it is given and never blocks."""
-    return config.model_copy(update={"quorum": islands}) if mode == "sync-diloco" else config
+    return config.model_copy(update={"quorum": islands}) if mode == Mode.SYNC_DILOCO else config
 
 
 def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, JobResult]:
@@ -241,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     save_trace(args.out / "trace.json", trace)
-    modes = [args.mode] + ([m for m in MODES if m != args.mode] if args.compare else [])
+    modes = [args.mode] + ([m.value for m in Mode if m != args.mode] if args.compare else [])
     print(
         f"diloco run: {args.islands} islands x {args.ranks} ranks, {args.shards} syncer shard(s), "
         f"{args.steps} steps of the {args.preset} preset; H={config.inner_steps} P={config.fragments} "
@@ -281,7 +279,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "run", help="train on this machine: syncers and islands as local processes", description=__doc__
     )
-    p.add_argument("--mode", choices=MODES, default="diloco")
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.DILOCO.value)
     p.add_argument("--compare", action="store_true", help="also run the other modes on the same failure trace")
     p.add_argument("--islands", type=int, default=4)
     p.add_argument("--ranks", type=int, default=1, help="workers per island (gloo data parallelism inside)")

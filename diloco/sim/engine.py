@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from diloco.core.config import Mode
 from diloco.local.failure_trace import FailureEvent, chip_target
 
 SECONDS_PER_YEAR = 365.25 * 86400
@@ -53,6 +54,11 @@ class Policy(str, enum.Enum):
         """The name a reader of the report sees."""
         return _LABELS[self]
 
+    @classmethod
+    def of(cls, mode: Mode | str) -> Policy:
+        """The policy that models a training mode (`diloco run --mode`)."""
+        return _POLICY_OF_MODE[Mode(mode)]
+
 
 _LABELS = {
     Policy.DP: "data-parallel (non-elastic)",
@@ -60,6 +66,7 @@ _LABELS = {
     Policy.SYNC_DILOCO: "synchronous DiLoCo",
     Policy.DECOUPLED_DILOCO: "Decoupled DiLoCo",
 }
+_POLICY_OF_MODE = {Mode.DILOCO: Policy.DECOUPLED_DILOCO, Mode.SYNC_DILOCO: Policy.SYNC_DILOCO, Mode.DDP: Policy.DP}
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from diloco.core.config import TrainingConfig
+from diloco.core.config import Mode, TrainingConfig
 from diloco.local.failure_trace import FailureEvent, load_trace
 from diloco.local.goodput import account, load_events
 from diloco.sim.engine import Policy, SimConfig, simulate
-
-MODES = ("diloco", "sync-diloco", "ddp")
 
 
 @dataclass(frozen=True)
@@ -112,7 +110,9 @@ def measure(
     initial, relaunch = [], []
     for e in first_step.values():
         began = e["t"] - e["seconds"] - started
-        hits = [k for k in trace if k.kind == "worker" and k.at < began and (mode == "ddp" or k.island == e["island"])]
+        hits = [
+            k for k in trace if k.kind == "worker" and k.at < began and (mode == Mode.DDP or k.island == e["island"])
+        ]
         if hits:
             last = max(hits, key=lambda k: k.at)
             relaunch.append(began - (last.at + last.downtime))
@@ -178,13 +178,14 @@ def sim_config(
     )
 
 
-# How each run mode maps onto the simulator: (policy, tau, label). The decoupled worker never waits for a
-# merge (a late reply is mixed at the first step it is in), which the engine spells tau = H; the run's
-# synchronous baseline is a barrier across all islands at every sync (K = M), the engine's SYNC_DILOCO.
+# How each run mode maps onto the simulator, beside its policy (`Policy.of`): (tau, label). The decoupled
+# worker never waits for a merge (a late reply is mixed at the first step it is in), which the engine spells
+# tau = H; the run's synchronous baseline is a barrier across all islands at every sync (K = M), the engine's
+# SYNC_DILOCO.
 MAPPING = {
-    "diloco": (Policy.DECOUPLED_DILOCO, "H", "Decoupled DiLoCo (never waits: tau = H)"),
-    "sync-diloco": (Policy.SYNC_DILOCO, None, "synchronous DiLoCo (K = M barrier)"),
-    "ddp": (Policy.DP, None, "non-elastic data-parallel (the trainer's checkpoints)"),
+    Mode.DILOCO: ("H", "Decoupled DiLoCo (never waits: tau = H)"),
+    Mode.SYNC_DILOCO: (None, "synchronous DiLoCo (K = M barrier)"),
+    Mode.DDP: (None, "non-elastic data-parallel (the trainer's checkpoints)"),
 }
 
 
@@ -195,7 +196,8 @@ def _goodput(m: Measured, config: SimConfig, policy: Policy) -> float:
 
 
 def predict(m: Measured, base: SimConfig) -> Prediction:
-    policy, tau, label = MAPPING[m.mode]
+    policy = Policy.of(m.mode)
+    tau, label = MAPPING[Mode(m.mode)]
     overlap = base.sync_steps if tau == "H" else base.overlap_steps if tau is None else tau
     config = replace(base, policies=(policy,), overlap_steps=overlap)
     return Prediction(m.mode, policy, label, m, _goodput(m, config, policy), config)
@@ -282,12 +284,13 @@ def check(run_dir: Path, tolerance: float) -> Check:
     run_dir = Path(run_dir)
     summaries = {s["mode"]: s for s in json.loads((run_dir / "summary.json").read_text())}
     trace = load_trace(run_dir / "trace.json")
-    modes = [mode for mode in MODES if mode in summaries]
+    modes = [mode.value for mode in Mode if mode.value in summaries]
     config = TrainingConfig.from_json((run_dir / modes[0] / "config.json").read_text())
     islands, ranks = _shape(run_dir / modes[0] / "progress")
     measured = {mode: measure(run_dir, mode, summaries[mode], trace, islands, ranks, config) for mode in modes}
     # Only the blocking baseline waits on merges, so only it shows their latency; it is the same syncer for all.
-    latency = measured["sync-diloco"].sync_latency_s if "sync-diloco" in measured else 0.0
+    sync = measured.get(Mode.SYNC_DILOCO.value)
+    latency = sync.sync_latency_s if sync is not None else 0.0
     predictions = [predict(m, sim_config(m, config, islands, trace, latency)) for m in measured.values()]
     return Check(run_dir, tuple(predictions), tolerance)
 
