@@ -13,6 +13,7 @@ import enum
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from diloco.core.rules import FRAGMENTS_WITHIN_INNER_STEPS, OVERLAP_WITHIN_FRAGMENT_SPACING
 from diloco.transport.v1 import syncer_pb2 as pb
 
 
@@ -132,18 +133,10 @@ class TrainingConfig(CamelModel):
 
     @model_validator(mode="after")
     def _schedule_fits(self) -> TrainingConfig:
-        if self.fragments > self.inner_steps:
-            raise ValueError(
-                f"fragments (P={self.fragments}) must not exceed innerSteps (H={self.inner_steps}): fragment "
-                "syncs are staggered by H/P inner steps, which must be at least one step"
-            )
-        spacing = self.inner_steps // self.fragments
-        if self.overlap_steps >= spacing:
-            raise ValueError(
-                f"overlapSteps (tau={self.overlap_steps}) must be less than innerSteps // fragments "
-                f"({self.inner_steps} // {self.fragments} = {spacing}): a fragment's merged values must be mixed "
-                "in before the next fragment's sync is due, so at most one fragment is in flight at a time"
-            )
+        FRAGMENTS_WITHIN_INNER_STEPS.check(fragments=self.fragments, inner_steps=self.inner_steps)
+        OVERLAP_WITHIN_FRAGMENT_SPACING.check(
+            overlap_steps=self.overlap_steps, inner_steps=self.inner_steps, fragments=self.fragments
+        )
         return self
 
     def to_json(self) -> str:

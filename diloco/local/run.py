@@ -16,6 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from diloco.core.config import Encoding, Mode, TrainingConfig
+from diloco.core.rules import QUORUM_WITHIN_ISLANDS
 from diloco.local.failure_trace import FailureEvent, load_trace, random_trace, save_trace, syncer_target, worker_target
 from diloco.local.goodput import Account, account, load_events
 from diloco.local.launcher import JobResult, LocalJob, RunPlan
@@ -233,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
     slowdowns = tuple(float(x) for x in args.slowdown.split(",")) if args.slowdown else ()
     workers = [worker_target(f"island-{i}", r) for i in range(args.islands) for r in range(args.ranks)]
     try:
+        QUORUM_WITHIN_ISLANDS.check(
+            {"quorum": "--quorum", "islands": "--islands"}, quorum=config.quorum, islands=args.islands
+        )
         trace = build_trace(args, workers)
     except (OSError, ValueError) as error:
         print(f"diloco run: {error}", file=sys.stderr)

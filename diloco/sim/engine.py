@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from diloco.core.config import Mode
+from diloco.core.rules import FRAGMENTS_WITHIN_INNER_STEPS, QUORUM_WITHIN_ISLANDS
 from diloco.local.failure_trace import FailureEvent, chip_target
 
 SECONDS_PER_YEAR = 365.25 * 86400
@@ -119,13 +120,16 @@ class SimConfig:
                 ),
                 "times must be >= 0",
             ),
-            (1 <= self.fragments <= self.sync_steps, "need 1 <= fragments <= sync_steps"),
+            (self.fragments >= 1 and self.quorum >= 1, "need fragments >= 1 and quorum >= 1"),
             (0 <= self.overlap_steps <= self.sync_steps, "need 0 <= overlap_steps <= sync_steps"),
-            (1 <= self.quorum <= self.learners, "need 1 <= quorum <= learners"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        FRAGMENTS_WITHIN_INNER_STEPS.check(
+            {"inner_steps": "sync_steps"}, fragments=self.fragments, inner_steps=self.sync_steps
+        )
+        QUORUM_WITHIN_ISLANDS.check(quorum=self.quorum, islands=self.learners)
         for number, event in enumerate(self.trace or ()):
             try:
                 chip_of(event, self)
