@@ -9,6 +9,7 @@ way it arrives (manifest, JSON file, command line).
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -138,6 +139,10 @@ class TrainingConfig(CamelModel):
             overlap_steps=self.overlap_steps, inner_steps=self.inner_steps, fragments=self.fragments
         )
         return self
+
+    def updated(self, **changes: Any) -> TrainingConfig:
+        """A copy with `changes` (snake_case names) applied and validated, which `model_copy` does not do."""
+        return self.model_validate({**self.model_dump(), **changes})
 
     def to_json(self) -> str:
         """Serialise with camelCase keys, the form the operator writes and `from_json` reads."""

@@ -22,7 +22,7 @@ from pathlib import Path
 from diloco.core.config import Mode, TrainingConfig
 from diloco.local.failure_trace import FailureEvent, load_trace
 from diloco.local.goodput import account, load_events
-from diloco.sim.engine import Policy, SimConfig, simulate
+from diloco.sim.engine import MergeWait, Policy, SimConfig, simulate
 
 
 @dataclass(frozen=True)
@@ -153,8 +153,9 @@ def sim_config(
 ) -> SimConfig:
     """This machine as the simulator sees it: each island a learner of one chip; start-up, each island's
     step time, horizon and merge latency as measured; every failure strikes, even a process that is still
-    starting (as `diloco run`'s supervisor does); the run's H, P, K, grace and island timeout, and the
-    built-in trainer's data-parallel checkpoint interval. Policies and τ are set per mode by `predict`."""
+    starting (as `diloco run`'s supervisor does); the run's training configuration (K capped by the islands),
+    with its island timeout; and the built-in trainer's data-parallel checkpoint interval. Policies and how
+    long a learner waits for a merge are set per mode by `predict`."""
     from diloco.worker.trainer import TrainerSettings  # imports torch: only when predicting
 
     return SimConfig(
@@ -167,25 +168,21 @@ def sim_config(
         restart_s=m.restart_s,
         interrupt_recovery=True,
         checkpoint_steps=TrainerSettings().checkpoint_every,
-        sync_steps=config.inner_steps,
-        fragments=config.fragments,
-        overlap_steps=config.overlap_steps,
-        quorum=min(config.quorum, islands),
-        grace_s=config.grace_seconds,
+        training=config.updated(quorum=min(config.quorum, islands)),
+        instant_failure_detection=False,
         sync_latency_s=sync_latency_s,
-        island_timeout_s=config.island_timeout_seconds,
         trace=tuple(e for e in trace if e.kind == "worker"),
     )
 
 
-# How each run mode maps onto the simulator, beside its policy (`Policy.of`): (tau, label). The decoupled
-# worker never waits for a merge (a late reply is mixed at the first step it is in), which the engine spells
-# tau = H; the run's synchronous baseline is a barrier across all islands at every sync (K = M), the engine's
-# SYNC_DILOCO.
+# How each run mode maps onto the simulator, beside its policy (`Policy.of`): (merge wait, label). The
+# decoupled worker never waits for a merge (a late reply is mixed at the first step it is in), which the
+# engine comes closest to by waiting only a round later; the run's synchronous baseline is a barrier across all
+# islands at every sync (K = M), the engine's SYNC_DILOCO.
 MAPPING = {
-    Mode.DILOCO: ("H", "Decoupled DiLoCo (never waits: tau = H)"),
-    Mode.SYNC_DILOCO: (None, "synchronous DiLoCo (K = M barrier)"),
-    Mode.DDP: (None, "non-elastic data-parallel (the trainer's checkpoints)"),
+    Mode.DILOCO: (MergeWait.ROUND, "Decoupled DiLoCo (never waits within a round)"),
+    Mode.SYNC_DILOCO: (MergeWait.OVERLAP, "synchronous DiLoCo (K = M barrier)"),
+    Mode.DDP: (MergeWait.OVERLAP, "non-elastic data-parallel (the trainer's checkpoints)"),
 }
 
 
@@ -197,9 +194,8 @@ def _goodput(m: Measured, config: SimConfig, policy: Policy) -> float:
 
 def predict(m: Measured, base: SimConfig) -> Prediction:
     policy = Policy.of(m.mode)
-    tau, label = MAPPING[Mode(m.mode)]
-    overlap = base.sync_steps if tau == "H" else base.overlap_steps if tau is None else tau
-    config = replace(base, policies=(policy,), overlap_steps=overlap)
+    merge_wait, label = MAPPING[Mode(m.mode)]
+    config = replace(base, policies=(policy,), merge_wait=merge_wait)
     return Prediction(m.mode, policy, label, m, _goodput(m, config, policy), config)
 
 
@@ -271,8 +267,8 @@ class Check:
                     "predicted_goodput": p.predicted,
                     "error": p.error,
                     "measured": asdict(p.measured),
-                    "simulator_config": {k: v for k, v in asdict(p.config).items() if k != "trace"}
-                    | {"policies": [p.policy.value]},
+                    "simulator_config": {k: v for k, v in asdict(p.config).items() if k not in ("trace", "training")}
+                    | {"training": p.config.training.model_dump(mode="json"), "policies": [p.policy.value]},
                 }
                 for p in self.predictions
             ],
