@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
+from diloco.core.config import Mode
 from diloco.logs import setup_logging
 from diloco.settings import env_default, load_token, load_training_config
 from diloco.worker.metrics import serve_metrics
-from diloco.worker.trainer import MODES, Trainer, TrainerSettings
+from diloco.worker.trainer import Trainer, TrainerSettings
 
 log = logging.getLogger("diloco.worker")
 
@@ -25,7 +26,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="diloco-worker", description=__doc__)
     p.add_argument(
         "--mode",
-        choices=MODES,
+        choices=[m.value for m in Mode],
         default=env("MODE", "diloco"),
         help="diloco (default), sync-diloco (a barrier at every sync) or ddp (all-reduce every step)",
     )

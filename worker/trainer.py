@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from diloco.core.config import InnerOptimizerConfig, TrainingConfig
+from diloco.core.config import InnerOptimizerConfig, Mode, TrainingConfig
 from diloco.progress import (
     CheckpointEvent,
     DoneEvent,
@@ -39,8 +39,6 @@ from diloco.worker.metrics import WorkerSnapshot
 from diloco.worker.model import GPT, build_model, resolve_preset
 
 log = logging.getLogger("diloco.worker")
-
-MODES = ("diloco", "sync-diloco", "ddp")
 
 
 @dataclass(frozen=True)
@@ -65,8 +63,9 @@ class TrainerSettings:
     flush_seconds: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        modes = [m.value for m in Mode]
+        if self.mode not in modes:
+            raise ValueError(f"mode must be one of {', '.join(modes)}, got {self.mode!r}")
         if self.steps < 1 or self.batch_size < 1 or self.eval_every < 1 or self.checkpoint_every < 1:
             raise ValueError("steps, batch size, eval and checkpoint intervals must be positive")
         if self.slowdown < 1.0:

@@ -2,9 +2,10 @@
 the examples.
 
 `deploy/render.py` derives the CRD's OpenAPI schema from these models, so every description, default and
-bound written here is what the API server documents and enforces. Rules that span fields are written twice,
-side by side: as a pydantic validator (so `DiLoCoJobSpec.model_validate` refuses what the API server would)
-and as a CEL rule (`x-kubernetes-validations`) in the model's JSON-schema extras. Both messages name the
+bound written here is what the API server documents and enforces. Rules that span fields are enforced twice:
+by a pydantic validator (so `DiLoCoJobSpec.model_validate` refuses what the API server would) and by a CEL
+rule (`x-kubernetes-validations`) in the model's JSON-schema extras. Those that relate knobs are stated once,
+in `diloco.core.rules`, with both forms; the others are written here side by side. Both messages name the
 field with its full path in the manifest.
 """
 
@@ -19,6 +20,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic.config import JsonDict, JsonValue
 
 from diloco.core.config import CamelModel, TrainingConfig
+from diloco.core.rules import QUORUM_WITHIN_ISLANDS, RULES, SHARDS_WITHIN_FRAGMENTS
 
 API_GROUP = "diloco.dev"
 API_VERSION = "v1alpha1"
@@ -271,30 +273,18 @@ class StopCondition(CamelModel):
     tokens: int | None = Field(None, ge=1, description="Tokens every fragment's merges must account for.")
 
 
+# How the spec's validator names knobs in its messages: by their path in the manifest.
+SPEC_NAMES = {
+    "quorum": "spec.training.quorum",
+    "islands": "spec.islands",
+    "shards": "spec.syncer.shards",
+    "fragments": "spec.training.fragments",
+}
+
+
 def _spec_rules() -> list[JsonValue]:
     return [
-        cel(
-            "self.training.quorum <= size(self.islands)",
-            "spec.training.quorum must not exceed the number of islands in spec.islands",
-            ".training.quorum",
-        ),
-        cel(
-            "self.training.fragments <= self.training.innerSteps",
-            "spec.training.fragments (P) must not exceed spec.training.innerSteps (H)",
-            ".training.fragments",
-        ),
-        cel(
-            "self.training.fragments > self.training.innerSteps || "
-            "self.training.overlapSteps < self.training.innerSteps / self.training.fragments",
-            "spec.training.overlapSteps (tau) must be less than spec.training.innerSteps / spec.training.fragments",
-            ".training.overlapSteps",
-        ),
-        cel(
-            "self.syncer.shards <= self.training.fragments",
-            "spec.syncer.shards must not exceed spec.training.fragments: a shard owns fragments p with "
-            "p mod shards = its index",
-            ".syncer.shards",
-        ),
+        *(cel(rule.cel, rule.message, rule.field_path) for rule in RULES),
         cel(
             "self.training.fragments == oldSelf.training.fragments",
             "spec.training.fragments is immutable: the syncers' state is cut into that many fragments",
@@ -356,16 +346,9 @@ class DiLoCoJobSpec(CamelModel):
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> DiLoCoJobSpec:
-        if self.training.quorum > len(self.islands):
-            raise ValueError(
-                f"spec.training.quorum (K={self.training.quorum}) must not exceed the number of islands in "
-                f"spec.islands ({len(self.islands)})"
-            )
-        if self.syncer.shards > self.training.fragments:
-            raise ValueError(
-                f"spec.syncer.shards ({self.syncer.shards}) must not exceed spec.training.fragments "
-                f"({self.training.fragments}): a shard owns fragments p with p mod shards = its index"
-            )
+        """The rules that involve the islands and shards (TrainingConfig checks those among its own knobs)."""
+        QUORUM_WITHIN_ISLANDS.check(SPEC_NAMES, quorum=self.training.quorum, islands=len(self.islands))
+        SHARDS_WITHIN_FRAGMENTS.check(SPEC_NAMES, shards=self.syncer.shards, fragments=self.training.fragments)
         return self
 
     @property

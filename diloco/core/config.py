@@ -9,15 +9,28 @@ way it arrives (manifest, JSON file, command line).
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+
+from diloco.core.rules import FRAGMENTS_WITHIN_INNER_STEPS, OVERLAP_WITHIN_FRAGMENT_SPACING
 
 
 class CamelModel(BaseModel):
     """Immutable model that reads and writes camelCase keys, accepts snake_case too, and refuses unknown keys."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class Mode(str, enum.Enum):
+    """How islands train together: decoupled DiLoCo (the product), or one of the baselines it is measured against:
+    synchronous DiLoCo (a barrier across all islands at every outer step) and data-parallel (an all-reduce of
+    the gradients at every step)."""
+
+    DILOCO = "diloco"
+    SYNC_DILOCO = "sync-diloco"
+    DDP = "ddp"
 
 
 class Encoding(str, enum.Enum):
@@ -27,6 +40,10 @@ class Encoding(str, enum.Enum):
     BF16 = "bf16"
     INT8 = "int8"
     INT4 = "int4"
+
+
+class EncodingError(ValueError):
+    """Data or parameters that no valid encoder produces: wrong length, unknown encoding, NaN or Inf."""
 
 
 class InnerOptimizerConfig(CamelModel):
@@ -107,19 +124,15 @@ class TrainingConfig(CamelModel):
 
     @model_validator(mode="after")
     def _schedule_fits(self) -> TrainingConfig:
-        if self.fragments > self.inner_steps:
-            raise ValueError(
-                f"fragments (P={self.fragments}) must not exceed innerSteps (H={self.inner_steps}): fragment "
-                "syncs are staggered by H/P inner steps, which must be at least one step"
-            )
-        spacing = self.inner_steps // self.fragments
-        if self.overlap_steps >= spacing:
-            raise ValueError(
-                f"overlapSteps (tau={self.overlap_steps}) must be less than innerSteps // fragments "
-                f"({self.inner_steps} // {self.fragments} = {spacing}): a fragment's merged values must be mixed "
-                "in before the next fragment's sync is due, so at most one fragment is in flight at a time"
-            )
+        FRAGMENTS_WITHIN_INNER_STEPS.check(fragments=self.fragments, inner_steps=self.inner_steps)
+        OVERLAP_WITHIN_FRAGMENT_SPACING.check(
+            overlap_steps=self.overlap_steps, inner_steps=self.inner_steps, fragments=self.fragments
+        )
         return self
+
+    def updated(self, **changes: Any) -> TrainingConfig:
+        """A copy with `changes` (snake_case names) applied and validated, which `model_copy` does not do."""
+        return self.model_validate({**self.model_dump(), **changes})
 
     def to_json(self) -> str:
         """Serialise with camelCase keys, the form the operator writes and `from_json` reads."""

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from diloco.core.config import Encoding as Encoding  # re-exported: the knob names the encodings defined here
+# Re-exported: the training knob names the encodings defined here, and says which values are refused.
+from diloco.core.config import Encoding as Encoding
+from diloco.core.config import EncodingError as EncodingError
 
 _QMAX = {Encoding.INT8: 127, Encoding.INT4: 7}
 _TINY = torch.finfo(torch.float32).tiny
@@ -23,10 +25,6 @@ _SCALE_BYTES = 4
 
 if sys.byteorder != "little":
     raise ImportError("diloco.core.encoding reads and writes tensor memory directly and needs a little-endian host")
-
-
-class EncodingError(ValueError):
-    """Data or parameters that no valid encoder produces: wrong length, unknown encoding, NaN or Inf."""
 
 
 def _check(encoding: Encoding, block_size: int) -> None:

@@ -15,13 +15,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from diloco.core.config import Encoding, TrainingConfig
+from diloco.core.config import Encoding, Mode, TrainingConfig
+from diloco.core.rules import QUORUM_WITHIN_ISLANDS
 from diloco.local.failure_trace import FailureEvent, load_trace, random_trace, save_trace, syncer_target, worker_target
 from diloco.local.goodput import Account, account
 from diloco.local.launcher import JobResult, LocalJob, RunPlan
 from diloco.progress import DoneEvent, EvalEvent, ProgressFollower, StepEvent, read_events
-
-MODES = ("diloco", "sync-diloco", "ddp")
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ def mode_config(mode: str, config: TrainingConfig, islands: int) -> TrainingConf
     """The configuration a mode trains with. `sync-diloco` is a barrier across all islands at every outer
     step: K = M, so a shard merges a fragment only once every island alive has pushed it (each island
     blocks on that merge), where decoupled DiLoCo merges with the K it is given and never blocks."""
-    return config.model_copy(update={"quorum": islands}) if mode == "sync-diloco" else config
+    return config.model_copy(update={"quorum": islands}) if mode == Mode.SYNC_DILOCO else config
 
 
 def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, JobResult]:
@@ -228,13 +227,16 @@ def run(args: argparse.Namespace) -> int:
     slowdowns = tuple(float(x) for x in args.slowdown.split(",")) if args.slowdown else ()
     workers = [worker_target(f"island-{i}", r) for i in range(args.islands) for r in range(args.ranks)]
     try:
+        QUORUM_WITHIN_ISLANDS.check(
+            {"quorum": "--quorum", "islands": "--islands"}, quorum=config.quorum, islands=args.islands
+        )
         trace = build_trace(args, workers)
     except (OSError, ValueError) as error:
         print(f"diloco run: {error}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     save_trace(args.out / "trace.json", trace)
-    modes = [args.mode] + ([m for m in MODES if m != args.mode] if args.compare else [])
+    modes = [args.mode] + ([m.value for m in Mode if m != args.mode] if args.compare else [])
     print(
         f"diloco run: {args.islands} islands x {args.ranks} ranks, {args.shards} syncer shard(s), "
         f"{args.steps} steps of the {args.preset} preset; H={config.inner_steps} P={config.fragments} "
@@ -274,7 +276,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "run", help="train on this machine: syncers and islands as local processes", description=__doc__
     )
-    p.add_argument("--mode", choices=MODES, default="diloco")
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.DILOCO.value)
     p.add_argument("--compare", action="store_true", help="also run the other modes on the same failure trace")
     p.add_argument("--islands", type=int, default=4)
     p.add_argument("--ranks", type=int, default=1, help="workers per island (gloo data parallelism inside)")

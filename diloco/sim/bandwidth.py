@@ -37,17 +37,17 @@ def data_parallel(bits: float = 16) -> SyncScheme:
     return SyncScheme("data-parallel", bits, 1, 1.0, 1)
 
 
-def diloco(sync_steps: int = 100, bits: float = 16) -> SyncScheme:
+def diloco(inner_steps: int = 100, bits: float = 16) -> SyncScheme:
     """The whole outer gradient every H steps, while compute waits."""
-    return SyncScheme(f"DiLoCo H={sync_steps}", bits, sync_steps, 1.0, 0)
+    return SyncScheme(f"DiLoCo H={inner_steps}", bits, inner_steps, 1.0, 0)
 
 
-def streaming_diloco(sync_steps: int = 100, fragments: int = 4, overlap_steps: int = 5, bits: float = 4) -> SyncScheme:
+def streaming_diloco(inner_steps: int = 100, fragments: int = 4, overlap_steps: int = 5, bits: float = 4) -> SyncScheme:
     """One fragment's outer gradient every H/P steps, overlapped with tau steps, in low precision."""
     return SyncScheme(
-        f"Streaming DiLoCo H={sync_steps} P={fragments} tau={overlap_steps} {bits:g}-bit",
+        f"Streaming DiLoCo H={inner_steps} P={fragments} tau={overlap_steps} {bits:g}-bit",
         bits,
-        sync_steps / fragments,
+        inner_steps / fragments,
         1.0 / fragments,
         overlap_steps,
     )

@@ -13,7 +13,8 @@ chip and says how long its replacement takes. Every policy replays the same even
   fragment's progress since that fragment's last push. Merges follow the quorum rule of the syncer: once K
   pushes are pending (K capped by the live learners), wait up to the grace window for the other live
   learners, then merge. A learner that has pushed must see that push merged within `overlap_steps` (tau)
-  inner steps or it waits. Synchronous DiLoCo is the same engine with K = M, never capped, and no grace.
+  inner steps (or within the round, with `MergeWait.ROUND`) or it waits. Synchronous DiLoCo is the same
+  engine with K = M, never capped, and no grace.
 
 Every group first spends `startup_s` starting (0 by default). Interruptions strike only hardware that is
 running: an event on a group that is already down or restarting (or on a replica already out) is absorbed
@@ -35,6 +36,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from diloco.core.config import Mode, TrainingConfig
+from diloco.core.rules import QUORUM_WITHIN_ISLANDS
 from diloco.local.failure_trace import FailureEvent, chip_target
 
 SECONDS_PER_YEAR = 365.25 * 86400
@@ -53,6 +56,11 @@ class Policy(str, enum.Enum):
         """The name a reader of the report sees."""
         return _LABELS[self]
 
+    @classmethod
+    def of(cls, mode: Mode | str) -> Policy:
+        """The policy that models a training mode (`diloco run --mode`)."""
+        return _POLICY_OF_MODE[Mode(mode)]
+
 
 _LABELS = {
     Policy.DP: "data-parallel (non-elastic)",
@@ -60,11 +68,31 @@ _LABELS = {
     Policy.SYNC_DILOCO: "synchronous DiLoCo",
     Policy.DECOUPLED_DILOCO: "Decoupled DiLoCo",
 }
+_POLICY_OF_MODE = {Mode.DILOCO: Policy.DECOUPLED_DILOCO, Mode.SYNC_DILOCO: Policy.SYNC_DILOCO, Mode.DDP: Policy.DP}
+
+
+SIM_TRAINING = TrainingConfig(inner_steps=16, fragments=4, overlap_steps=3)
+"""The DiLoCo knobs the simulator defaults to: a job's defaults but for H = 16 and tau = 3, which were chosen to
+match the published figures (docs/simulator.md). Change them with `SIM_TRAINING.updated(...)`."""
+
+
+class MergeWait(str, enum.Enum):
+    """How far a learner trains past a push that is not merged yet before it waits for that merge."""
+
+    OVERLAP = "overlap"  # tau steps (training.overlap_steps): the published scenarios' learner
+    ROUND = "round"  # a whole round, H steps: `diloco run`'s decoupled worker, which never waits on a reply
 
 
 @dataclass(frozen=True)
 class SimConfig:
-    """A training job, its fleet's reliability, and the knobs of every policy (defaults: see docs/simulator.md)."""
+    """A training job, its fleet's reliability, and the knobs of every policy (defaults: see docs/simulator.md).
+
+    The DiLoCo knobs are the job's own `TrainingConfig` (H, P, tau, K, grace, island timeout); the rest are the
+    fleet, its failures and their costs, and two modelling choices the training knobs do not make:
+    `merge_wait`, and whether the syncer learns of a learner's failure at once (`instant_failure_detection`,
+    as in the published scenarios) or, as the real syncer does, only once the learner has been silent for
+    `training.island_timeout_seconds`.
+    """
 
     chips: int = 1_200_000
     learners: int = 8
@@ -78,15 +106,12 @@ class SimConfig:
     restart_s: float = 55.0
     reform_s: float = 9.0
     checkpoint_steps: int = 1
-    sync_steps: int = 16
-    fragments: int = 4
-    overlap_steps: int = 3
-    quorum: int = 1
-    grace_s: float = 2.0
+    training: TrainingConfig = SIM_TRAINING
+    merge_wait: MergeWait = MergeWait.OVERLAP
+    instant_failure_detection: bool = True
     startup_s: float = 0.0
     interrupt_recovery: bool = False
     sync_latency_s: float = 0.0
-    island_timeout_s: float = 0.0
     trace: tuple[FailureEvent, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -104,21 +129,17 @@ class SimConfig:
                         self.reschedule_s,
                         self.restart_s,
                         self.reform_s,
-                        self.grace_s,
                         self.startup_s,
                         self.sync_latency_s,
-                        self.island_timeout_s,
                     )
                 ),
                 "times must be >= 0",
             ),
-            (1 <= self.fragments <= self.sync_steps, "need 1 <= fragments <= sync_steps"),
-            (0 <= self.overlap_steps <= self.sync_steps, "need 0 <= overlap_steps <= sync_steps"),
-            (1 <= self.quorum <= self.learners, "need 1 <= quorum <= learners"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        QUORUM_WITHIN_ISLANDS.check(quorum=self.training.quorum, islands=self.learners)
         for number, event in enumerate(self.trace or ()):
             try:
                 chip_of(event, self)
@@ -277,7 +298,7 @@ def run_policy(policy: Policy, config: SimConfig, failures: Failures) -> RunResu
         return _run_dp(config, failures)
     if policy is Policy.ELASTIC_DP:
         return _run_elastic(config, failures)
-    return _run_diloco(config, failures, synchronous=policy is Policy.SYNC_DILOCO)
+    return _DilocoRun(config, failures, synchronous=policy is Policy.SYNC_DILOCO).run()
 
 
 def _work_per_step(config: SimConfig) -> tuple[float, list[float], list[int]]:
@@ -389,193 +410,281 @@ def _run_elastic(config: SimConfig, failures: Failures) -> RunResult:
     )
 
 
-_RUN, _BLOCKED, _DOWN = 0, 1, 2
-_PUSH, _TAU, _RECOVER, _MERGE, _DELIVER, _EXPIRE = 0, 1, 2, 3, 4, 5
+class _Status(enum.Enum):
+    """Where a DiLoCo learner is."""
+
+    RUN = enum.auto()  # training
+    BLOCKED = enum.auto()  # up, waiting for the merge of its push
+    DOWN = enum.auto()  # failed, or not started yet: down until its RECOVER event
 
 
-def _run_diloco(config: SimConfig, failures: Failures, synchronous: bool) -> RunResult:
-    """M learners and a syncer: failures stop one learner; merges follow the quorum and grace rules."""
-    horizon = config.horizon_s
-    m = config.learners
-    sizes = np.diff(config.learner_bounds()).tolist()
-    step = config.learner_steps()
-    h, tau, fragments = float(config.sync_steps), float(config.overlap_steps), config.fragments
-    offsets = [p * h / fragments for p in range(fragments)]
-    quorum = m if synchronous else config.quorum
-    grace = 0.0 if synchronous else config.grace_s
-    latency, timeout = config.sync_latency_s, config.island_timeout_s
-    learner_of = (np.searchsorted(config.learner_bounds(), failures.chips, side="right") - 1).tolist()
+class _Event(enum.IntEnum):
+    """What the DiLoCo engine schedules. The values order events that fall at the same time."""
 
-    status = [_RUN] * m
-    phase = [0.0] * m  # inner steps since the learner's last round push (or restart)
-    since_restart = [0.0] * m
-    last = [0.0] * m  # time `phase` was last brought up to date
-    up_since = [0.0] * m
-    epoch = [0] * m  # invalidates a learner's scheduled events when its state changes
-    awaiting = [False] * m  # pushed, and that push not merged yet
-    pushes = [0] * m  # round pushes so far: a delayed merge reply names the push it answers
-    down_since = [-math.inf] * m  # when it went down: the syncer counts it live `timeout` seconds longer
-    steps_run = [0.0] * m
-    steps_lost = [0.0] * m
-    up_time = [0.0] * m
-    pending: set[int] = set()
-    down = m  # learners down (all, until their start-up is over)
-    timer_at: float | None = None
-    timer_epoch = 0
-    merges = contributors = 0
-    struck = absorbed = 0
-    heap: list[tuple[float, int, int, int]] = []
+    PUSH = 0  # a learner's next round push is due
+    TAU = 1  # tau steps after a push: the learner waits if that push is still unmerged
+    RECOVER = 2  # a learner is back up after a failure (or its start-up)
+    MERGE = 3  # the grace window is over: merge what is pending
+    DELIVER = 4  # a merge's result reaches a learner that pushed to it (after the sync latency)
+    EXPIRE = 5  # the syncer stops counting a learner that went silent (the island timeout)
 
-    def advance(i: int, t: float) -> None:
-        if status[i] == _RUN:
-            done = (t - last[i]) / step[i]
-            phase[i] += done
-            since_restart[i] += done
-            steps_run[i] += done
-        last[i] = t
 
-    def schedule(i: int, t: float) -> None:
-        """The learner's next own event: the τ check on its unmerged push, or its next round push."""
-        if awaiting[i]:
-            deadline = t + (tau - phase[i]) * step[i]
-            if timer_at is None or timer_at + latency > deadline:
-                if phase[i] >= tau:
-                    status[i] = _BLOCKED
-                    epoch[i] += 1
-                else:
-                    heapq.heappush(heap, (deadline, _TAU, i, epoch[i]))
-                return
-        heapq.heappush(heap, (t + (h - phase[i]) * step[i], _PUSH, i, epoch[i]))
+# The members under short names: on Python 3.11 reading a member off its enum class costs ~50 ns, which the
+# event loop would pay millions of times per run (it made the engine 1.5x slower).
+_RUN, _BLOCKED, _DOWN = _Status.RUN, _Status.BLOCKED, _Status.DOWN
+_PUSH, _TAU, _RECOVER = _Event.PUSH, _Event.TAU, _Event.RECOVER
+_MERGE, _DELIVER, _EXPIRE = _Event.MERGE, _Event.DELIVER, _Event.EXPIRE
 
-    def deliver(j: int, t: float) -> None:
-        """The merge that took learner j's push in reaches it; if it was waiting for that, it trains on."""
-        awaiting[j] = False
-        if status[j] == _BLOCKED:
-            status[j] = _RUN
-            last[j] = t
-            epoch[j] += 1
-            schedule(j, t)
 
-    def merge(t: float) -> None:
-        nonlocal timer_at, timer_epoch, merges, contributors
-        merges += 1
-        contributors += len(pending)
-        for j in pending:
-            if latency > 0:
-                heapq.heappush(heap, (t + latency, _DELIVER, j, pushes[j]))
+@dataclass(slots=True)
+class _Learner:
+    """One DiLoCo learner's state, and what it has done so far."""
+
+    step_s: float
+    chips: int
+    status: _Status = _DOWN  # every learner starts the way it restarts: down until it is up
+    phase: float = 0.0  # inner steps since its last round push (or restart)
+    since_restart: float = 0.0  # inner steps since it last came up
+    last: float = 0.0  # time `phase` was last brought up to date
+    up_since: float = 0.0
+    epoch: int = 0  # invalidates its scheduled events when its state changes
+    awaiting: bool = False  # pushed, and that push not merged yet
+    pushes: int = 0  # round pushes so far: a delayed merge reply names the push it answers
+    down_since: float = -math.inf  # when it went down: the syncer counts it live `timeout` seconds longer
+    steps_run: float = 0.0
+    steps_lost: float = 0.0
+    up_time: float = 0.0
+
+    def advance(self, t: float) -> None:
+        """Brings its progress up to time `t`: steps while it trains, nothing while it waits or is down."""
+        if self.status is _RUN:
+            done = (t - self.last) / self.step_s
+            self.phase += done
+            self.since_restart += done
+            self.steps_run += done
+        self.last = t
+
+    def restarted(self, t: float) -> None:
+        """Up again at `t`, from the latest global fragments."""
+        self.status = _RUN
+        self.phase = self.since_restart = 0.0
+        self.last = self.up_since = t
+        self.epoch += 1
+
+    def block(self) -> None:
+        """Waits for the merge of its push."""
+        self.status = _BLOCKED
+        self.epoch += 1
+
+    def unblock(self, t: float) -> None:
+        """Its push is merged: it trains on from `t`."""
+        self.status = _RUN
+        self.last = t
+        self.epoch += 1
+
+
+class _DilocoRun:
+    """M learners and a syncer replaying one failure sequence: failures stop one learner; merges follow the
+    quorum and grace rules. Each event of `_Event` has its method; `run` replays them in time order."""
+
+    def __init__(self, config: SimConfig, failures: Failures, synchronous: bool) -> None:
+        training = config.training
+        self.config = config
+        self.failures = failures
+        self.synchronous = synchronous
+        self.m = config.learners
+        self.h, self.fragments = float(training.inner_steps), training.fragments
+        self.tau = float(training.overlap_steps) if config.merge_wait is MergeWait.OVERLAP else self.h
+        self.offsets = [p * self.h / self.fragments for p in range(self.fragments)]
+        self.quorum = self.m if synchronous else training.quorum
+        self.grace = 0.0 if synchronous else training.grace_seconds
+        self.latency = config.sync_latency_s
+        self.timeout = 0.0 if config.instant_failure_detection else training.island_timeout_seconds
+        sizes = np.diff(config.learner_bounds()).tolist()
+        self.learners = [_Learner(step, chips) for step, chips in zip(config.learner_steps(), sizes)]
+        self.learner_of = (np.searchsorted(config.learner_bounds(), failures.chips, side="right") - 1).tolist()
+        self.pending: set[int] = set()  # learners whose push waits for the next merge
+        self.down = self.m  # learners down (all, until their start-up is over)
+        self.timer_at: float | None = None  # when the running grace window ends
+        self.timer_epoch = 0  # invalidates a grace window's MERGE event once it has merged
+        self.merges = self.contributors = 0
+        self.struck = self.absorbed = 0
+        self.heap: list[tuple[float, _Event, int, int]] = []
+
+    # --- the syncer: quorum, grace window, merge ---
+
+    def deliver(self, i: int, t: float) -> None:
+        """The merge that took learner i's push in reaches it; if it was waiting for that, it trains on."""
+        learner = self.learners[i]
+        learner.awaiting = False
+        if learner.status is _BLOCKED:
+            learner.unblock(t)
+            self.schedule(i, t)
+
+    def merge(self, t: float) -> None:
+        self.merges += 1
+        self.contributors += len(self.pending)
+        for i in self.pending:
+            if self.latency > 0:
+                heapq.heappush(self.heap, (t + self.latency, _DELIVER, i, self.learners[i].pushes))
             else:
-                deliver(j, t)
-        pending.clear()
-        timer_at = None
-        timer_epoch += 1
+                self.deliver(i, t)
+        self.pending.clear()
+        self.timer_at = None
+        self.timer_epoch += 1
 
-    def maybe_merge(t: float) -> None:
-        nonlocal timer_at
-        if not pending:
+    def maybe_merge(self, t: float) -> None:
+        """Merges once the quorum is in and either every live learner has pushed or the grace is over."""
+        if not self.pending:
             return
+        learners = self.learners
         # Live: what the syncer counts, which includes a learner down for less than `timeout`.
-        live = [j for j in range(m) if status[j] != _DOWN or t < down_since[j] + timeout] if timeout > 0 else None
-        alive = m - down if live is None else len(live)
-        needed = quorum if synchronous else max(1, min(quorum, alive))
-        if len(pending) < needed:
+        live = (
+            [i for i, lr in enumerate(learners) if lr.status is not _DOWN or t < lr.down_since + self.timeout]
+            if self.timeout > 0
+            else None
+        )
+        alive = self.m - self.down if live is None else len(live)
+        needed = self.quorum if self.synchronous else max(1, min(self.quorum, alive))
+        if len(self.pending) < needed:
             return
-        if grace <= 0 or (
-            sum(1 for j in pending if status[j] != _DOWN) == alive if live is None else pending.issuperset(live)
-        ):
-            merge(t)
-        elif timer_at is None:
-            timer_at = t + grace
-            heapq.heappush(heap, (timer_at, _MERGE, -1, timer_epoch))
+        if live is None:
+            everyone = sum(1 for i in self.pending if learners[i].status is not _DOWN) == alive
+        else:
+            everyone = self.pending.issuperset(live)
+        if self.grace <= 0 or everyone:
+            self.merge(t)
+        elif self.timer_at is None:
+            self.timer_at = t + self.grace
+            heapq.heappush(self.heap, (self.timer_at, _MERGE, -1, self.timer_epoch))
 
-    def rollback(i: int) -> float:
-        """Progress lost by restarting from the global fragments: each fragment's steps since its own push."""
-        a, cap = phase[i], since_restart[i]
-        return sum(min((a - o) % h, cap) for o in offsets) / fragments
+    # --- a learner's events ---
 
-    for i in range(m):  # every learner starts the way it restarts: down until it is up
-        status[i] = _DOWN
-        heapq.heappush(heap, (config.startup_s, _RECOVER, i, epoch[i]))
-    times, downtimes = failures.times.tolist(), failures.downtimes.tolist()
-    next_failure, total = 0, len(times)
-    while True:
-        t_event = heap[0][0] if heap else math.inf
-        t_failure = times[next_failure] if next_failure < total else math.inf
-        if min(t_event, t_failure) >= horizon:
-            break
-        if t_failure <= t_event:
-            t, i = t_failure, learner_of[next_failure]
-            downtime = downtimes[next_failure]
-            next_failure += 1
-            if status[i] == _DOWN:
-                if config.interrupt_recovery:  # its replacement is struck: the recovery starts over
-                    struck += 1
-                    epoch[i] += 1
-                    heapq.heappush(heap, (t + downtime + config.reform_s, _RECOVER, i, epoch[i]))
+    def schedule(self, i: int, t: float) -> None:
+        """The learner's next own event: the τ check on its unmerged push, or its next round push."""
+        learner = self.learners[i]
+        if learner.awaiting:
+            deadline = t + (self.tau - learner.phase) * learner.step_s
+            if self.timer_at is None or self.timer_at + self.latency > deadline:
+                if learner.phase >= self.tau:
+                    learner.block()
                 else:
-                    absorbed += 1
-                continue
-            struck += 1
-            advance(i, t)
-            steps_lost[i] += rollback(i)
-            up_time[i] += t - up_since[i]
-            status[i] = _DOWN
-            awaiting[i] = False
-            epoch[i] += 1
-            down_since[i] = t
-            down += 1
-            heapq.heappush(heap, (t + downtime + config.reform_s, _RECOVER, i, epoch[i]))
-            if timeout > 0:
-                heapq.heappush(heap, (t + timeout, _EXPIRE, i, 0))
-            maybe_merge(t)
-            continue
-        t, kind, i, tag = heapq.heappop(heap)
-        if kind == _MERGE:
-            if tag == timer_epoch:
-                merge(t)
-            continue
-        if kind == _DELIVER:
-            if awaiting[i] and pushes[i] == tag:
-                deliver(i, t)
-            continue
-        if kind == _EXPIRE:  # the syncer stops counting a silent learner: a merge may be due now
-            maybe_merge(t)
-            continue
-        if tag != epoch[i]:
-            continue
-        if kind == _RECOVER:
-            status[i] = _RUN
-            down -= 1
-            phase[i] = since_restart[i] = 0.0
-            last[i] = up_since[i] = t
-            epoch[i] += 1
-            schedule(i, t)
-        elif kind == _PUSH:
-            advance(i, t)
-            phase[i] = 0.0
-            pending.add(i)
-            awaiting[i] = True
-            pushes[i] += 1
-            maybe_merge(t)
-            schedule(i, t)
-        else:  # _TAU: its push is still unmerged after tau steps, so it waits for the merge
-            advance(i, t)
-            if awaiting[i]:
-                status[i] = _BLOCKED
-                epoch[i] += 1
-            else:
-                schedule(i, t)
+                    heapq.heappush(self.heap, (deadline, _TAU, i, learner.epoch))
+                return
+        heapq.heappush(self.heap, (t + (self.h - learner.phase) * learner.step_s, _PUSH, i, learner.epoch))
 
-    for i in range(m):
-        advance(i, horizon)
-        if status[i] != _DOWN:
-            up_time[i] += horizon - up_since[i]
-    total_chip_time = config.chips * horizon
-    useful = sum(c * s * (run - lost) for c, s, run, lost in zip(sizes, step, steps_run, steps_lost))
-    return RunResult(
-        goodput=useful / total_chip_time,
-        uptime=sum(c * u for c, u in zip(sizes, up_time)) / total_chip_time,
-        failures=struck,
-        absorbed=absorbed,
-        merges=merges,
-        contributors_per_merge=contributors / merges if merges else 0.0,
-    )
+    def rollback(self, learner: _Learner) -> float:
+        """Progress lost by restarting from the global fragments: each fragment's steps since its own push."""
+        a, cap = learner.phase, learner.since_restart
+        return sum(min((a - o) % self.h, cap) for o in self.offsets) / self.fragments
+
+    def strike(self, i: int, t: float, downtime: float) -> None:
+        """A failure hits learner i: it loses its unpushed progress and is down until it recovers."""
+        config, learner = self.config, self.learners[i]
+        if learner.status is _DOWN:
+            if config.interrupt_recovery:  # its replacement is struck: the recovery starts over
+                self.struck += 1
+                learner.epoch += 1
+                heapq.heappush(self.heap, (t + downtime + config.reform_s, _RECOVER, i, learner.epoch))
+            else:
+                self.absorbed += 1
+            return
+        self.struck += 1
+        learner.advance(t)
+        learner.steps_lost += self.rollback(learner)
+        learner.up_time += t - learner.up_since
+        learner.status = _DOWN
+        learner.awaiting = False
+        learner.epoch += 1
+        learner.down_since = t
+        self.down += 1
+        heapq.heappush(self.heap, (t + downtime + config.reform_s, _RECOVER, i, learner.epoch))
+        if self.timeout > 0:
+            heapq.heappush(self.heap, (t + self.timeout, _EXPIRE, i, 0))
+        self.maybe_merge(t)
+
+    def recover(self, i: int, t: float) -> None:
+        self.learners[i].restarted(t)
+        self.down -= 1
+        self.schedule(i, t)
+
+    def push(self, i: int, t: float) -> None:
+        """Learner i pushes its round: the syncer may merge, and it trains on towards its τ check."""
+        learner = self.learners[i]
+        learner.advance(t)
+        learner.phase = 0.0
+        self.pending.add(i)
+        learner.awaiting = True
+        learner.pushes += 1
+        self.maybe_merge(t)
+        self.schedule(i, t)
+
+    def tau_reached(self, i: int, t: float) -> None:
+        """τ steps after its push: if that push is still unmerged, learner i waits for the merge."""
+        learner = self.learners[i]
+        learner.advance(t)
+        if learner.awaiting:
+            learner.block()
+        else:
+            self.schedule(i, t)
+
+    def handle(self, t: float, event: _Event, i: int, tag: int) -> None:
+        """One scheduled event. A learner's own events carry its epoch and are dropped once it is stale."""
+        if event is _MERGE:
+            if tag == self.timer_epoch:
+                self.merge(t)
+            return
+        if event is _DELIVER:
+            learner = self.learners[i]
+            if learner.awaiting and learner.pushes == tag:
+                self.deliver(i, t)
+            return
+        if event is _EXPIRE:  # the syncer stops counting a silent learner: a merge may be due now
+            self.maybe_merge(t)
+            return
+        if tag != self.learners[i].epoch:
+            return
+        if event is _RECOVER:
+            self.recover(i, t)
+        elif event is _PUSH:
+            self.push(i, t)
+        else:
+            self.tau_reached(i, t)
+
+    # --- the run ---
+
+    def run(self) -> RunResult:
+        """Replays the failures and the scheduled events in time order up to the horizon."""
+        horizon = self.config.horizon_s
+        for i in range(self.m):  # every learner starts the way it restarts: down until it is up
+            heapq.heappush(self.heap, (self.config.startup_s, _RECOVER, i, 0))
+        times, downtimes = self.failures.times.tolist(), self.failures.downtimes.tolist()
+        next_failure, total = 0, len(times)
+        heap = self.heap
+        while True:
+            t_event = heap[0][0] if heap else math.inf
+            t_failure = times[next_failure] if next_failure < total else math.inf
+            if min(t_event, t_failure) >= horizon:
+                break
+            if t_failure <= t_event:
+                self.strike(self.learner_of[next_failure], t_failure, downtimes[next_failure])
+                next_failure += 1
+            else:
+                self.handle(*heapq.heappop(heap))
+        return self.result(horizon)
+
+    def result(self, horizon: float) -> RunResult:
+        for learner in self.learners:
+            learner.advance(horizon)
+            if learner.status is not _DOWN:
+                learner.up_time += horizon - learner.up_since
+        total_chip_time = self.config.chips * horizon
+        useful = sum(lr.chips * lr.step_s * (lr.steps_run - lr.steps_lost) for lr in self.learners)
+        return RunResult(
+            goodput=useful / total_chip_time,
+            uptime=sum(lr.chips * lr.up_time for lr in self.learners) / total_chip_time,
+            failures=self.struck,
+            absorbed=self.absorbed,
+            merges=self.merges,
+            contributors_per_merge=self.contributors / self.merges if self.merges else 0.0,
+        )

@@ -19,13 +19,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from diloco.core.config import TrainingConfig
+from diloco.core.config import Mode, TrainingConfig
 from diloco.local.failure_trace import FailureEvent, load_trace
 from diloco.local.goodput import account
 from diloco.progress import DoneEvent, StepEvent, read_events
-from diloco.sim.engine import Policy, SimConfig, simulate
-
-MODES = ("diloco", "sync-diloco", "ddp")
+from diloco.sim.engine import MergeWait, Policy, SimConfig, simulate
 
 
 @dataclass(frozen=True)
@@ -114,7 +112,9 @@ def measure(
     for e in first_step.values():
         began = e.t - e.seconds - started
         hits = [
-            k for k in trace if k.kind == "worker" and k.at < began and (mode == "ddp" or k.island == e.source.island)
+            k
+            for k in trace
+            if k.kind == "worker" and k.at < began and (mode == Mode.DDP or k.island == e.source.island)
         ]
         if hits:
             last = max(hits, key=lambda k: k.at)
@@ -158,8 +158,9 @@ def sim_config(
 ) -> SimConfig:
     """This machine as the simulator sees it: each island a learner of one chip; start-up, each island's
     step time, horizon and merge latency as measured; every failure strikes, even a process that is still
-    starting (as `diloco run`'s supervisor does); the run's H, P, K, grace and island timeout, and the
-    built-in trainer's data-parallel checkpoint interval. Policies and τ are set per mode by `predict`."""
+    starting (as `diloco run`'s supervisor does); the run's training configuration (K capped by the islands),
+    with its island timeout; and the built-in trainer's data-parallel checkpoint interval. Policies and how
+    long a learner waits for a merge are set per mode by `predict`."""
     from diloco.worker.trainer import TrainerSettings  # imports torch: only when predicting
 
     return SimConfig(
@@ -172,24 +173,21 @@ def sim_config(
         restart_s=m.restart_s,
         interrupt_recovery=True,
         checkpoint_steps=TrainerSettings().checkpoint_every,
-        sync_steps=config.inner_steps,
-        fragments=config.fragments,
-        overlap_steps=config.overlap_steps,
-        quorum=min(config.quorum, islands),
-        grace_s=config.grace_seconds,
+        training=config.updated(quorum=min(config.quorum, islands)),
+        instant_failure_detection=False,
         sync_latency_s=sync_latency_s,
-        island_timeout_s=config.island_timeout_seconds,
         trace=tuple(e for e in trace if e.kind == "worker"),
     )
 
 
-# How each run mode maps onto the simulator: (policy, tau, label). The decoupled worker never waits for a
-# merge (a late reply is mixed at the first step it is in), which the engine spells tau = H; the run's
-# synchronous baseline is a barrier across all islands at every sync (K = M), the engine's SYNC_DILOCO.
+# How each run mode maps onto the simulator, beside its policy (`Policy.of`): (merge wait, label). The
+# decoupled worker never waits for a merge (a late reply is mixed at the first step it is in), which the
+# engine comes closest to by waiting only a round later; the run's synchronous baseline is a barrier across all
+# islands at every sync (K = M), the engine's SYNC_DILOCO.
 MAPPING = {
-    "diloco": (Policy.DECOUPLED_DILOCO, "H", "Decoupled DiLoCo (never waits: tau = H)"),
-    "sync-diloco": (Policy.SYNC_DILOCO, None, "synchronous DiLoCo (K = M barrier)"),
-    "ddp": (Policy.DP, None, "non-elastic data-parallel (the trainer's checkpoints)"),
+    Mode.DILOCO: (MergeWait.ROUND, "Decoupled DiLoCo (never waits within a round)"),
+    Mode.SYNC_DILOCO: (MergeWait.OVERLAP, "synchronous DiLoCo (K = M barrier)"),
+    Mode.DDP: (MergeWait.OVERLAP, "non-elastic data-parallel (the trainer's checkpoints)"),
 }
 
 
@@ -200,9 +198,9 @@ def _goodput(m: Measured, config: SimConfig, policy: Policy) -> float:
 
 
 def predict(m: Measured, base: SimConfig) -> Prediction:
-    policy, tau, label = MAPPING[m.mode]
-    overlap = base.sync_steps if tau == "H" else base.overlap_steps if tau is None else tau
-    config = replace(base, policies=(policy,), overlap_steps=overlap)
+    policy = Policy.of(m.mode)
+    merge_wait, label = MAPPING[Mode(m.mode)]
+    config = replace(base, policies=(policy,), merge_wait=merge_wait)
     return Prediction(m.mode, policy, label, m, _goodput(m, config, policy), config)
 
 
@@ -274,8 +272,8 @@ class Check:
                     "predicted_goodput": p.predicted,
                     "error": p.error,
                     "measured": asdict(p.measured),
-                    "simulator_config": {k: v for k, v in asdict(p.config).items() if k != "trace"}
-                    | {"policies": [p.policy.value]},
+                    "simulator_config": {k: v for k, v in asdict(p.config).items() if k not in ("trace", "training")}
+                    | {"training": p.config.training.model_dump(mode="json"), "policies": [p.policy.value]},
                 }
                 for p in self.predictions
             ],
@@ -287,12 +285,13 @@ def check(run_dir: Path, tolerance: float) -> Check:
     run_dir = Path(run_dir)
     summaries = {s["mode"]: s for s in json.loads((run_dir / "summary.json").read_text())}
     trace = load_trace(run_dir / "trace.json")
-    modes = [mode for mode in MODES if mode in summaries]
+    modes = [mode.value for mode in Mode if mode.value in summaries]
     config = TrainingConfig.from_json((run_dir / modes[0] / "config.json").read_text())
     islands, ranks = _shape(run_dir / modes[0] / "progress")
     measured = {mode: measure(run_dir, mode, summaries[mode], trace, islands, ranks, config) for mode in modes}
     # Only the blocking baseline waits on merges, so only it shows their latency; it is the same syncer for all.
-    latency = measured["sync-diloco"].sync_latency_s if "sync-diloco" in measured else 0.0
+    sync = measured.get(Mode.SYNC_DILOCO.value)
+    latency = sync.sync_latency_s if sync is not None else 0.0
     predictions = [predict(m, sim_config(m, config, islands, trace, latency)) for m in measured.values()]
     return Check(run_dir, tuple(predictions), tolerance)
 

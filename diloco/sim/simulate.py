@@ -26,7 +26,16 @@ from tqdm import tqdm
 from diloco.local.failure_trace import load_trace, save_trace
 from diloco.logs import setup_logging
 from diloco.sim import bandwidth
-from diloco.sim.engine import Policy, PolicyResult, SimConfig, SimResult, sample_failures, simulate
+from diloco.sim.engine import (
+    SIM_TRAINING,
+    MergeWait,
+    Policy,
+    PolicyResult,
+    SimConfig,
+    SimResult,
+    sample_failures,
+    simulate,
+)
 
 log = logging.getLogger("diloco.sim.simulate")
 
@@ -191,7 +200,8 @@ def bandwidth_table(
 ) -> str:
     """One row per scheme: Gbit/s per site needed for `utilisation`, then the utilisation `link_gbps` gives."""
     schemes = [bandwidth.data_parallel(), bandwidth.diloco(100), bandwidth.streaming_diloco(100, 4, 5)]
-    simulated = bandwidth.streaming_diloco(config.sync_steps, config.fragments, config.overlap_steps)
+    training = config.training
+    simulated = bandwidth.streaming_diloco(training.inner_steps, training.fragments, training.overlap_steps)
     if simulated not in schemes:
         schemes.append(simulated)
     steps = [step_s if step_s is not None else bandwidth.step_seconds(params) for params in params_list]
@@ -277,6 +287,7 @@ def reproduces_published(config: SimConfig, trace_path: str | None) -> bool:
 
 
 def settings_line(config: SimConfig, trace_path: str | None) -> str:
+    training = config.training
     failures = (
         f"trace {trace_path}"
         if trace_path
@@ -286,10 +297,15 @@ def settings_line(config: SimConfig, trace_path: str | None) -> str:
         f"{failures}; horizon {config.horizon_hours:g} h; step {', '.join(f'{s:g}' for s in config.step_seconds)} s; "
         f"replacement ready after {config.reschedule_s:g} s; full restart {config.restart_s:g} s; re-form "
         f"{config.reform_s:g} s; checkpoint every {config.checkpoint_steps} step(s); a failure takes out "
-        f"{config.failure_chips} chips (elastic); DiLoCo H={config.sync_steps}, P={config.fragments}, "
-        f"tau={config.overlap_steps}, K={config.quorum}, grace {config.grace_s:g} s"
+        f"{config.failure_chips} chips (elastic); DiLoCo H={training.inner_steps}, P={training.fragments}, "
+        f"tau={training.overlap_steps}, K={training.quorum}, grace {training.grace_seconds:g} s"
+        + ("; a learner waits for a merge only a round after its push" if config.merge_wait is MergeWait.ROUND else "")
         + (f"; merge reaches learners after {config.sync_latency_s:g} s" if config.sync_latency_s else "")
-        + (f"; a down learner counts as live for {config.island_timeout_s:g} s" if config.island_timeout_s else "")
+        + (
+            ""
+            if config.instant_failure_detection
+            else f"; a down learner counts as live for {training.island_timeout_seconds:g} s"
+        )
         + (f"; start-up {config.startup_s:g} s" if config.startup_s else "")
         + ("; failures during a recovery start it over" if config.interrupt_recovery else "")
     )
@@ -367,7 +383,8 @@ def assumptions_md() -> str:
         return interval * (100 / figures[policy] - 1)
 
     step = d.step_seconds[0]
-    learner_cost = d.reschedule_s + d.reform_s + d.sync_steps / 2 * step
+    h = d.training.inner_steps
+    learner_cost = d.reschedule_s + d.reform_s + h / 2 * step
     long_h_cost = d.reschedule_s + d.reform_s + 50 * step
     return "\n".join(
         [
@@ -386,8 +403,8 @@ def assumptions_md() -> str:
             f"- elastic data-parallel: two re-forms of {d.reform_s:g} s (without the failed replica, then with its "
             f"replacement), each losing half a step ≈ {2 * (d.reform_s + step / 2):g} s;",
             f"- Decoupled DiLoCo: replacement {d.reschedule_s:g} s + re-form {d.reform_s:g} s + each fragment's "
-            f"progress since its last push (H/2 = {d.sync_steps / 2:g} steps of {step:g} s) ≈ {learner_cost:g} s, "
-            f"on the failed learner only. H = {d.sync_steps} is short for DiLoCo: with H = 100 the rollback alone "
+            f"progress since its last push (H/2 = {h / 2:g} steps of {step:g} s) ≈ {learner_cost:g} s, "
+            f"on the failed learner only. H = {h} is short for DiLoCo: with H = 100 the rollback alone "
             f"would cost ≈ {50 * step:g} s and Decoupled DiLoCo would land below "
             f"{100 / (1 + long_h_cost / (d.learners * gap)):.0f}% at {d.chips / 1e6:g}M chips.",
             "- Interruptions strike running hardware only: a group already down absorbs them. If failures during "
@@ -415,6 +432,15 @@ def _policies(text: str) -> tuple[Policy, ...]:
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """The base configuration; chips and learners are set per point of the sweep."""
+    timeout = args.island_timeout_seconds
+    training = SIM_TRAINING.updated(
+        inner_steps=args.inner_steps,
+        fragments=args.fragments,
+        overlap_steps=args.overlap_steps,
+        quorum=args.quorum,
+        grace_seconds=args.grace_seconds,
+        **({} if timeout is None else {"island_timeout_seconds": timeout}),
+    )
     return SimConfig(
         chips=max(args.chips),
         learners=args.learners[0],
@@ -428,15 +454,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         restart_s=args.restart_s,
         reform_s=args.reform_s,
         checkpoint_steps=args.checkpoint_steps,
-        sync_steps=args.sync_steps,
-        fragments=args.fragments,
-        overlap_steps=args.overlap_steps,
-        quorum=args.quorum,
-        grace_s=args.grace_s,
+        training=training,
+        merge_wait=MergeWait(args.merge_wait),
+        instant_failure_detection=timeout is None,
         startup_s=args.startup_s,
         interrupt_recovery=args.interrupt_recovery,
         sync_latency_s=args.sync_latency_s,
-        island_timeout_s=args.island_timeout_s,
     )
 
 
@@ -551,11 +574,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "also the bandwidth table's step time, which otherwise follows from compute",
     )
     add("--checkpoint-steps", type=int, default=d.checkpoint_steps, help="data-parallel checkpoint interval")
-    add("--sync-steps", type=int, default=d.sync_steps, help="H: inner steps between two pushes of a fragment")
-    add("--fragments", type=int, default=d.fragments, help="P: fragments, pushed staggered by H/P steps")
-    add("--overlap-steps", type=int, default=d.overlap_steps, help="tau: steps a push may stay unmerged")
-    add("--quorum", type=int, default=d.quorum, help="K: pushes a merge waits for (capped by live learners)")
-    add("--grace-s", type=float, default=d.grace_s, help="seconds a merge waits for more once K are in")
+    job = d.training
+    add("--inner-steps", type=int, default=job.inner_steps, help="H: inner steps between two pushes of a fragment")
+    add("--fragments", type=int, default=job.fragments, help="P: fragments, pushed staggered by H/P steps")
+    add("--overlap-steps", type=int, default=job.overlap_steps, help="tau: steps a push may stay unmerged")
+    add(
+        "--merge-wait",
+        default=d.merge_wait.value,
+        choices=[w.value for w in MergeWait],
+        help="overlap: a learner waits for its push's merge after tau steps; round: only a round later, when the "
+        "fragment is due again (diloco run's decoupled worker)",
+    )
+    add("--quorum", type=int, default=job.quorum, help="K: pushes a merge waits for (capped by live learners)")
+    add("--grace-seconds", type=float, default=job.grace_seconds, help="seconds a merge waits for more once K are in")
     add(
         "--sync-latency-s",
         type=float,
@@ -563,10 +594,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="seconds from a merge until the learners that pushed have its result",
     )
     add(
-        "--island-timeout-s",
+        "--island-timeout-seconds",
         type=float,
-        default=d.island_timeout_s,
-        help="seconds the syncer still counts a learner that went down as live (quorum cap, grace window)",
+        default=None,
+        help="seconds the syncer still counts a learner that went down as live (quorum cap, grace window); "
+        "by default it learns of a failure at once",
     )
     bw = parser.add_argument_group("bandwidth")
     add = bw.add_argument

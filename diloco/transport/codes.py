@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import grpc
 
-from diloco.core.encoding import Encoding, EncodingError
+from diloco.core.config import Encoding, EncodingError
 from diloco.core.refusal import Refusal
 from diloco.transport.v1 import syncer_pb2 as pb
 

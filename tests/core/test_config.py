@@ -176,3 +176,12 @@ def test_from_json_refuses_invalid_documents():
     with pytest.raises(ValidationError) as err:
         TrainingConfig.from_json('{"innerSteps": 10, "fragments": 2, "overlapSteps": 5}')
     assert "overlapSteps" in err.value.errors()[0]["msg"]
+
+
+def test_updated_is_a_validated_copy():
+    cfg = TrainingConfig(inner_steps=16, fragments=4, overlap_steps=3, quorum=2)
+    changed = cfg.updated(inner_steps=20, grace_seconds=0.5)
+    assert (changed.inner_steps, changed.grace_seconds, changed.quorum, cfg.inner_steps) == (20, 0.5, 2, 16)
+    with pytest.raises(ValidationError) as err:
+        cfg.updated(overlap_steps=4)
+    assert "overlapSteps (tau=4)" in err.value.errors()[0]["msg"]

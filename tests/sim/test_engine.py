@@ -1,6 +1,7 @@
 """The failure simulator's event engine against closed forms, hand-computed traces and its own invariants."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -8,7 +9,9 @@ import pytest
 from diloco.local.failure_trace import FailureEvent, load_trace, save_trace
 from diloco.sim.engine import (
     SECONDS_PER_YEAR,
+    SIM_TRAINING,
     Failures,
+    MergeWait,
     Policy,
     SimConfig,
     run_policy,
@@ -69,7 +72,10 @@ def test_each_decoupled_learner_is_a_repairable_unit_that_keeps_whole_rounds():
     # With one fragment, K = 1 and a grace window shorter than tau steps no learner ever waits, so each is
     # a repairable unit (down reschedule + reform) that keeps H·floor(U / H) steps of each up-time U.
     config = SimConfig(
-        chips=400_000, learners=4, horizon_hours=24 * 30, fragments=1, sync_steps=20, overlap_steps=3, grace_s=2.0
+        chips=400_000,
+        learners=4,
+        horizon_hours=24 * 30,
+        training=SIM_TRAINING.updated(fragments=1, inner_steps=20, overlap_steps=3, grace_seconds=2.0),
     )
     rate = config.fleet_rate / config.learners
     downtime = config.reschedule_s + config.reform_s
@@ -82,7 +88,9 @@ def test_each_decoupled_learner_is_a_repairable_unit_that_keeps_whole_rounds():
 def test_streaming_fragments_lose_half_a_round_on_average():
     # With P staggered fragments a failure loses each fragment's steps since its own push: H/2 on average
     # when failures are rare against H, so the loss is rate·(H/2)·step per unit of up-time.
-    config = SimConfig(chips=100_000, learners=4, horizon_hours=24 * 30, sync_steps=16, fragments=4)
+    config = SimConfig(
+        chips=100_000, learners=4, horizon_hours=24 * 30, training=SIM_TRAINING.updated(inner_steps=16, fragments=4)
+    )
     rate = config.fleet_rate / config.learners
     downtime = config.reschedule_s + config.reform_s
     run = one(Policy.DECOUPLED_DILOCO, config)
@@ -187,11 +195,17 @@ def test_quorum_and_grace_make_learners_wait():
     # With no overlap a learner waits after each push until its push is merged. K = 1 merges at once; a
     # larger quorum makes it wait for others' pushes (not monotonically in K: a quorum of all phase-locks the
     # learners, a quorum of half does not). Capping K by the live learners keeps even K = M above synchronous.
-    base = SimConfig(chips=1_200_000, learners=8, horizon_hours=6, overlap_steps=0, grace_s=0.0)
+    base = SimConfig(
+        chips=1_200_000, learners=8, horizon_hours=6, training=SIM_TRAINING.updated(overlap_steps=0, grace_seconds=0.0)
+    )
     failures = sample_failures(base, 1)
-    free = run_policy(Policy.DECOUPLED_DILOCO, SimConfig(**{**base.__dict__, "quorum": 1}), failures)
-    half = run_policy(Policy.DECOUPLED_DILOCO, SimConfig(**{**base.__dict__, "quorum": 4}), failures)
-    everyone = run_policy(Policy.DECOUPLED_DILOCO, SimConfig(**{**base.__dict__, "quorum": 8}), failures)
+
+    def quorum(k: int) -> SimConfig:
+        return replace(base, training=base.training.updated(quorum=k))
+
+    free = run_policy(Policy.DECOUPLED_DILOCO, quorum(1), failures)
+    half = run_policy(Policy.DECOUPLED_DILOCO, quorum(4), failures)
+    everyone = run_policy(Policy.DECOUPLED_DILOCO, quorum(8), failures)
     sync = run_policy(Policy.SYNC_DILOCO, base, failures)
     assert free.goodput > max(half.goodput, everyone.goodput)
     assert everyone.goodput > sync.goodput
@@ -200,10 +214,14 @@ def test_quorum_and_grace_make_learners_wait():
 
 
 def test_a_long_grace_window_makes_a_quorum_of_one_wait():
-    base = SimConfig(chips=1_200_000, learners=8, horizon_hours=6, overlap_steps=3)
+    base = SimConfig(chips=1_200_000, learners=8, horizon_hours=6, training=SIM_TRAINING.updated(overlap_steps=3))
     failures = sample_failures(base, 2)
-    short = run_policy(Policy.DECOUPLED_DILOCO, SimConfig(**{**base.__dict__, "grace_s": 2.0}), failures)
-    long = run_policy(Policy.DECOUPLED_DILOCO, SimConfig(**{**base.__dict__, "grace_s": 10.0}), failures)
+    short = run_policy(
+        Policy.DECOUPLED_DILOCO, replace(base, training=base.training.updated(grace_seconds=2.0)), failures
+    )
+    long = run_policy(
+        Policy.DECOUPLED_DILOCO, replace(base, training=base.training.updated(grace_seconds=10.0)), failures
+    )
     assert long.goodput < short.goodput
     assert long.contributors_per_merge > short.contributors_per_merge
 
@@ -322,14 +340,13 @@ def test_an_elastic_replica_struck_while_out_rejoins_later():
 def test_merge_latency_is_waited_out_by_a_learner_that_blocks_on_its_push():
     # tau = 0: a learner waits after each push until the merge reaches it. K = 1 and no grace merge at once,
     # and the reply takes 0.5 s: every round of 10 one-second steps costs 10.5 s, 100 rounds in 1050 s.
+    # A learner that waits only a round later (as `diloco run`'s worker, which never blocks) has its reply
+    # long before that.
     config = SimConfig(
         chips=2,
         learners=2,
         horizon_hours=1050 / 3600,
-        sync_steps=10,
-        fragments=1,
-        overlap_steps=0,
-        grace_s=0.0,
+        training=SIM_TRAINING.updated(inner_steps=10, fragments=1, overlap_steps=0, grace_seconds=0.0),
         sync_latency_s=0.5,
         trace=(),
         policies=(Policy.DECOUPLED_DILOCO,),
@@ -337,28 +354,26 @@ def test_merge_latency_is_waited_out_by_a_learner_that_blocks_on_its_push():
     run = simulate(config)[Policy.DECOUPLED_DILOCO].runs[0]
     assert run.goodput == pytest.approx(1000 / 1050)
     assert run.merges == 200
-    never_waits = SimConfig(**{**config.__dict__, "overlap_steps": 10})
+    never_waits = replace(config, merge_wait=MergeWait.ROUND)
     assert simulate(never_waits)[Policy.DECOUPLED_DILOCO].goodput == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(
-    "timeout, goodput", [(0.0, (50 + 1000) / 2000), (1.5, (50 + 999.5) / 2000), (60.0, (50 + 990) / 2000)]
+    "timeout, goodput", [(None, (50 + 1000) / 2000), (1.5, (50 + 999.5) / 2000), (60.0, (50 + 990) / 2000)]
 )
 def test_a_dead_learner_holds_merges_for_the_grace_window_until_the_syncer_times_it_out(timeout, goodput):
     # Learner 0 dies at 59 s, 9 steps after its push at 50 s (50 steps kept), and stays down. Learner 1
-    # blocks on its push at 60 s (tau = 0). With no timeout the syncer knows learner 0 is gone and merges at
-    # once; with a 1.5 s timeout it counts learner 0 live until 60.5 s and waits for it until then (the 2 s
-    # grace window would end at 62 s), so learner 1 loses 0.5 s; with 60 s it waits out the grace, 2 s, at
-    # each of its pushes until 119 s (at 60, 72, 84, 96 and 108 s): 10 s.
+    # blocks on its push at 60 s (tau = 0). With instant failure detection (no timeout) the syncer knows
+    # learner 0 is gone and merges at once; with a 1.5 s timeout it counts learner 0 live until 60.5 s and
+    # waits for it until then (the 2 s grace window would end at 62 s), so learner 1 loses 0.5 s; with 60 s
+    # it waits out the grace, 2 s, at each of its pushes until 119 s (at 60, 72, 84, 96 and 108 s): 10 s.
+    training = SIM_TRAINING.updated(inner_steps=10, fragments=1, overlap_steps=0, grace_seconds=2.0)
     config = SimConfig(
         chips=2,
         learners=2,
         horizon_hours=1000 / 3600,
-        sync_steps=10,
-        fragments=1,
-        overlap_steps=0,
-        grace_s=2.0,
-        island_timeout_s=timeout,
+        training=training if timeout is None else training.updated(island_timeout_seconds=timeout),
+        instant_failure_detection=timeout is None,
         trace=(chip(59.0, 0, 5000.0),),
         policies=(Policy.DECOUPLED_DILOCO,),
     )
@@ -366,21 +381,23 @@ def test_a_dead_learner_holds_merges_for_the_grace_window_until_the_syncer_times
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    "overrides, knobs",
     [
-        {"quorum": 9},
-        {"chips": 4},
-        {"fragments": 17},
-        {"overlap_steps": 17},
-        {"step_seconds": (0.0,)},
-        {"seeds": ()},
-        {"startup_s": -1.0},
-        {"sync_latency_s": -0.1},
-        {"island_timeout_s": -1.0},
-        {"startup_s": float("nan")},
-        {"step_seconds": (1.0, float("nan"))},
+        ({}, {"quorum": 9}),
+        ({"chips": 4}, {}),
+        ({}, {"fragments": 17}),
+        ({}, {"overlap_steps": 17}),
+        ({"step_seconds": (0.0,)}, {}),
+        ({"seeds": ()}, {}),
+        ({"startup_s": -1.0}, {}),
+        ({"sync_latency_s": -0.1}, {}),
+        ({}, {"island_timeout_seconds": -1.0}),
+        ({"startup_s": float("nan")}, {}),
+        ({"step_seconds": (1.0, float("nan"))}, {}),
     ],
 )
-def test_impossible_configurations_are_refused(overrides):
+def test_impossible_configurations_are_refused(overrides, knobs):
+    # Simulator knobs are refused by SimConfig, training knobs by the TrainingConfig it is given (or, for the
+    # quorum against the learners, by SimConfig).
     with pytest.raises(ValueError):
-        SimConfig(**{"chips": 1000, "learners": 8, **overrides})
+        SimConfig(**{"chips": 1000, "learners": 8, **overrides}, training=SIM_TRAINING.updated(**knobs))

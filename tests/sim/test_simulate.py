@@ -6,7 +6,7 @@ import pytest
 
 from diloco.cli import main
 from diloco.local.failure_trace import FailureEvent, load_trace, save_trace
-from diloco.sim.engine import Policy, SimConfig, simulate
+from diloco.sim.engine import SIM_TRAINING, Policy, SimConfig, simulate
 from diloco.sim.simulate import sweep
 
 SMALL = [
@@ -139,7 +139,7 @@ def test_a_run_trace_replays_its_islands_as_learners(tmp_path, capsys):
         str(100 / 3600),
         "--step-seconds",
         "0.5",
-        "--sync-steps",
+        "--inner-steps",
         "10",
         "--fragments",
         "2",
@@ -165,9 +165,7 @@ def test_a_run_trace_replays_its_islands_as_learners(tmp_path, capsys):
         learners=2,
         horizon_hours=100 / 3600,
         step_seconds=(0.5,),
-        sync_steps=10,
-        fragments=2,
-        overlap_steps=2,
+        training=SIM_TRAINING.updated(inner_steps=10, fragments=2, overlap_steps=2),
         reform_s=4,
         startup_s=5,
         interrupt_recovery=True,

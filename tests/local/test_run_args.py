@@ -1,0 +1,10 @@
+"""`diloco run` refuses a job the cluster would refuse, before it starts a process."""
+
+from diloco.cli import main
+
+
+def test_a_quorum_above_the_islands_is_refused(tmp_path, capsys):
+    args = ["run", "--islands", "2", "--quorum", "3", "--quiet", "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    assert "--quorum (K=3) must not exceed the number of islands in --islands (2)" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
