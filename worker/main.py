@@ -27,7 +27,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mode",
         choices=[m.value for m in Mode],
-        default=env("MODE", "diloco"),
+        default=env("MODE", Mode.DILOCO.value),
         help="diloco (default), sync-diloco (a barrier at every sync) or ddp (all-reduce every step)",
     )
     p.add_argument("--island", default=env("ISLAND"), help="this island's id (DILOCO_ISLAND)")
@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint_every=args.checkpoint_every,
         )
         config = load_training_config(args.config)
-        needs_syncers = settings.mode != "ddp"
+        needs_syncers = settings.mode != Mode.DDP
         token = load_token(args.token_file) if needs_syncers else ""
         if needs_syncers and not (syncers and args.island):
             raise ValueError("a DiLoCo worker needs --syncers and --island (DILOCO_SYNCERS, DILOCO_ISLAND)")

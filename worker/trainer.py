@@ -45,7 +45,7 @@ log = logging.getLogger("diloco.worker")
 class TrainerSettings:
     """What the built-in trainer does, apart from the DiLoCo knobs (TrainingConfig) and the syncers."""
 
-    mode: str = "diloco"
+    mode: str = Mode.DILOCO.value
     preset: str = "tiny"
     data: str | None = None
     max_data_bytes: int = 8 * 1024 * 1024
@@ -147,8 +147,8 @@ class Trainer:
                 token=token,
                 island_id=island,
                 process_group=self.group,
-                synchronous=settings.mode == "sync-diloco",
-                sync_timeout=600.0 if settings.mode == "sync-diloco" else 60.0,
+                synchronous=settings.mode == Mode.SYNC_DILOCO,
+                sync_timeout=600.0 if settings.mode == Mode.SYNC_DILOCO else 60.0,
                 on_round=self._on_round,
             )
         self.step = 0

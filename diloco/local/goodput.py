@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from diloco.core.config import Mode
 from diloco.progress import EvalEvent, ProgressEvent, RoundEvent, StepEvent
 
 
@@ -94,7 +95,7 @@ def account(
     silent_slots = max(0, slots - len(ends))  # never reported anything: allocated all along all the same
     allocated = sum(end - started_at for end in ends.values()) + silent_slots * (job_end - started_at)
     steps = [e for e in events if isinstance(e, StepEvent)]
-    useful = ddp_useful_seconds(events) if mode == "ddp" else diloco_useful_seconds(events, fragments)
+    useful = ddp_useful_seconds(events) if mode == Mode.DDP else diloco_useful_seconds(events, fragments)
     return Account(
         mode=mode,
         slots=slots,

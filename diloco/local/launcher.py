@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diloco.core.config import TrainingConfig
+from diloco.core.config import Mode, TrainingConfig
 from diloco.local.failure_trace import FailureEvent, syncer_target, worker_target
 
 log = logging.getLogger("diloco.local.launcher")
@@ -139,7 +139,7 @@ class LocalJob:
         self.syncer_ports = [free_port() for _ in range(plan.shards)]
         self.metrics_ports = [free_port() for _ in range(plan.shards)]
         self.island_ports = [free_port() for _ in range(plan.islands)]
-        self.syncers = [] if plan.mode == "ddp" else [self._syncer(i) for i in range(plan.shards)]
+        self.syncers = [] if plan.mode == Mode.DDP else [self._syncer(i) for i in range(plan.shards)]
         self.workers = {
             worker_target(plan.island_name(i), r): self._worker(i, r)
             for i in range(plan.islands)
@@ -185,7 +185,7 @@ class LocalJob:
     def _worker(self, island: int, rank: int) -> _Proc:
         p = self.plan
         name = p.island_name(island)
-        ddp = p.mode == "ddp"
+        ddp = p.mode == Mode.DDP
         env = {
             **self._base_env(),
             "RANK": str(island * p.ranks + rank if ddp else rank),
@@ -232,7 +232,7 @@ class LocalJob:
 
     def _island_of(self, target: str) -> list[_Proc]:
         """The processes that fail together with `target`: its island, or everyone in data-parallel."""
-        if self.plan.mode == "ddp":
+        if self.plan.mode == Mode.DDP:
             return list(self.workers.values())
         island = target.rsplit("/", 1)[0]
         return [proc for name, proc in self.workers.items() if name.rsplit("/", 1)[0] == island]

@@ -94,7 +94,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         started_at=result.started_at,
         tokens_per_eval_step=workers * plan.batch_size * _context(plan.preset),
     )
-    if plan.mode == "ddp":
+    if plan.mode == Mode.DDP:
         finals = [e.loss for e in events if isinstance(e, DoneEvent)]
         final = finals[-1] if finals else math.nan
         comm = ddp_comm_bytes(_parameters(plan.preset), workers, acct.steps_executed / workers)
@@ -145,11 +145,11 @@ def print_summary(summaries: list[ModeSummary]) -> None:
             f"{s.islands_per_merge:>13.2f}" + ("  (timed out)" if s.timed_out else "")
         )
     by_mode = {s.mode: s for s in summaries}
-    if "diloco" in by_mode and len(by_mode) > 1:
-        ours = by_mode["diloco"]
+    if Mode.DILOCO in by_mode and len(by_mode) > 1:
+        ours = by_mode[Mode.DILOCO]
         print()
         for other in summaries:
-            if other.mode == "diloco":
+            if other.mode == Mode.DILOCO:
                 continue
             comm = other.comm_bytes_per_token / ours.comm_bytes_per_token if ours.comm_bytes_per_token else math.nan
             good = ours.goodput / other.goodput if other.goodput else math.inf
