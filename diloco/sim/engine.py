@@ -95,7 +95,7 @@ class SimConfig:
     """
 
     chips: int = 1_200_000
-    learners: int = 8
+    islands: int = 8
     mtbi_years: float = 1.0
     horizon_hours: float = 72.0
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -116,7 +116,7 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.chips >= self.learners >= 1, "need chips >= learners >= 1"),
+            (self.chips >= self.islands >= 1, "need chips >= islands >= 1"),
             (self.mtbi_years > 0 and self.horizon_hours > 0, "mtbi_years and horizon_hours must be positive"),
             (len(self.seeds) > 0 or self.trace is not None, "need at least one seed (or a trace)"),
             (len(self.policies) > 0, "need at least one policy"),
@@ -139,7 +139,7 @@ class SimConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        QUORUM_WITHIN_ISLANDS.check(quorum=self.training.quorum, islands=self.learners)
+        QUORUM_WITHIN_ISLANDS.check(quorum=self.training.quorum, islands=self.islands)
         for number, event in enumerate(self.trace or ()):
             try:
                 chip_of(event, self)
@@ -157,11 +157,11 @@ class SimConfig:
 
     def learner_bounds(self) -> np.ndarray:
         """First chip of each learner, plus the chip count: learners differ in size by at most one chip."""
-        return (np.arange(self.learners + 1, dtype=np.int64) * self.chips) // self.learners
+        return (np.arange(self.islands + 1, dtype=np.int64) * self.chips) // self.islands
 
     def learner_steps(self) -> list[float]:
         """Step time of each learner: the generations of `step_seconds` are dealt round-robin."""
-        return [self.step_seconds[i % len(self.step_seconds)] for i in range(self.learners)]
+        return [self.step_seconds[i % len(self.step_seconds)] for i in range(self.islands)]
 
 
 @dataclass(frozen=True)
@@ -264,8 +264,8 @@ def chip_of(event: FailureEvent, config: SimConfig) -> int:
         index = int(numbered.group(1))
     elif kind != "learner":
         raise ValueError("the simulator does not model syncer failures; leave them out of its trace")
-    if index >= config.learners:
-        raise ValueError(f"learner {index} is outside 0..{config.learners - 1}")
+    if index >= config.islands:
+        raise ValueError(f"learner {index} is outside 0..{config.islands - 1}")
     return int(config.learner_bounds()[index])
 
 
@@ -492,7 +492,7 @@ class _DilocoRun:
         self.config = config
         self.failures = failures
         self.synchronous = synchronous
-        self.m = config.learners
+        self.m = config.islands
         self.h, self.fragments = float(training.inner_steps), training.fragments
         self.tau = float(training.overlap_steps) if config.merge_wait is MergeWait.OVERLAP else self.h
         self.offsets = [p * self.h / self.fragments for p in range(self.fragments)]

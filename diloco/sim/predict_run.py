@@ -165,7 +165,7 @@ def sim_config(
 
     return SimConfig(
         chips=islands,
-        learners=islands,
+        islands=islands,
         horizon_hours=m.training_s / 3600,
         step_seconds=m.island_step_s,
         startup_s=m.startup_s,

@@ -1,6 +1,6 @@
 """`diloco simulate`: goodput, uptime and link bandwidth of a training job at datacenter scale, per policy.
 
-Sizes a job before paying for it: N chips in M learners under per-chip interruptions, replayed through
+Sizes a job before paying for it: N chips in M islands under per-chip interruptions, replayed through
 non-elastic and elastic data-parallel, synchronous DiLoCo and Decoupled DiLoCo (`diloco.sim.engine`), plus
 the bandwidth each scheme needs to keep compute busy (`diloco.sim.bandwidth`). With no arguments it reproduces
 the published Decoupled DiLoCo scenarios and writes a table, a PNG and a short report under out/simulate/.
@@ -40,10 +40,10 @@ from diloco.sim.engine import (
 log = logging.getLogger("diloco.sim.simulate")
 
 DEFAULT_CHIPS = (150_000, 300_000, 600_000, 900_000, 1_200_000, 1_800_000, 2_400_000)
-DEFAULT_LEARNERS = (8, 16)
+DEFAULT_ISLANDS = (8, 16)
 DEFAULT_MODEL_PARAMS = (1e9, 1e10, 1e11)
 
-# Decoupled DiLoCo (arXiv 2604.21428), one-year per-chip MTBI: goodput in percent by (chips, learners).
+# Decoupled DiLoCo (arXiv 2604.21428), one-year per-chip MTBI: goodput in percent by (chips, islands).
 PUBLISHED: dict[tuple[int, int], dict[Policy, float]] = {
     (1_200_000, 8): {Policy.DP: 27, Policy.ELASTIC_DP: 58, Policy.DECOUPLED_DILOCO: 88},
     (2_400_000, 8): {Policy.DP: 18, Policy.ELASTIC_DP: 40, Policy.DECOUPLED_DILOCO: 80},
@@ -57,23 +57,23 @@ class Point:
     """One policy at one fleet size and learner count."""
 
     chips: int
-    learners: int
+    islands: int
     result: PolicyResult
 
     @property
     def line(self) -> str:
-        return line_label(self.result.policy, self.learners)
+        return line_label(self.result.policy, self.islands)
 
 
-def line_label(policy: Policy, learners: int) -> str:
+def line_label(policy: Policy, islands: int) -> str:
     """Data-parallel lines do not depend on M; DiLoCo lines are one per learner count."""
-    return policy.label if policy in _DP_POLICIES else f"{policy.label} M={learners}"
+    return policy.label if policy in _DP_POLICIES else f"{policy.label} M={islands}"
 
 
 def sweep(
     base: SimConfig,
     chips: Sequence[int],
-    learners: Sequence[int],
+    islands: Sequence[int],
     trace_path: str | None = None,
     jobs: int = 1,
     progress: Callable[[int], None] | None = None,
@@ -83,19 +83,19 @@ def sweep(
     Data-parallel policies run only at the first M, since M does not change them.
     """
     trace = tuple(load_trace(trace_path)) if trace_path else None
-    configs = []  # the costliest (most learners) first, so parallel workers finish together
-    for index, m in sorted(enumerate(learners), key=lambda pair: -pair[1]):
+    configs = []  # the costliest (most islands) first, so parallel workers finish together
+    for index, m in sorted(enumerate(islands), key=lambda pair: -pair[1]):
         policies = tuple(p for p in base.policies if index == 0 or p not in _DP_POLICIES)
         for n in chips if policies else ():
-            configs.append(replace(base, chips=n, learners=m, policies=policies, trace=trace))
+            configs.append(replace(base, chips=n, islands=m, policies=policies, trace=trace))
     points: list[Point] = []
     seconds: dict[int, float] = {}
 
     def collect(result: SimResult, elapsed: float) -> None:
         config = result.config
-        points.extend(Point(config.chips, config.learners, r) for r in result.policies)
+        points.extend(Point(config.chips, config.islands, r) for r in result.policies)
         seconds[config.chips] = seconds.get(config.chips, 0.0) + elapsed
-        log.debug("simulated", extra={"chips": config.chips, "learners": config.learners, "seconds": elapsed})
+        log.debug("simulated", extra={"chips": config.chips, "islands": config.islands, "seconds": elapsed})
         if progress is not None:
             progress(sum(len(r.runs) for r in result.policies))
 
@@ -106,7 +106,7 @@ def sweep(
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             for future in as_completed([pool.submit(_timed_simulate, c) for c in configs]):
                 collect(*future.result())
-    points.sort(key=lambda p: (p.chips, p.learners, list(Policy).index(p.result.policy)))
+    points.sort(key=lambda p: (p.chips, p.islands, list(Policy).index(p.result.policy)))
     return points, seconds
 
 
@@ -116,12 +116,12 @@ def _timed_simulate(config: SimConfig) -> tuple[SimResult, float]:
     return result, time.perf_counter() - started
 
 
-def runs_in(base: SimConfig, chips: Sequence[int], learners: Sequence[int], traced: bool) -> int:
+def runs_in(base: SimConfig, chips: Sequence[int], islands: Sequence[int], traced: bool) -> int:
     """How many (seed, policy) runs `sweep` will make, for the progress bar."""
     samples = 1 if traced else len(base.seeds)
     dp = sum(1 for p in base.policies if p in _DP_POLICIES)
     diloco = len(base.policies) - dp
-    return samples * len(chips) * (dp + diloco * len(learners))
+    return samples * len(chips) * (dp + diloco * len(islands))
 
 
 def _pct(value: float, spread: float | None = None) -> str:
@@ -154,14 +154,14 @@ class Comparison:
     """A published figure beside what this simulator gives for the same scenario."""
 
     chips: int
-    learners: int
+    islands: int
     line: str
     published: float
     ours: PolicyResult
 
     @property
     def scenario(self) -> str:
-        return f"{self.chips / 1e6:g}M chips, M={self.learners}"
+        return f"{self.chips / 1e6:g}M chips, M={self.islands}"
 
 
 def published_comparison(points: Sequence[Point]) -> list[Comparison]:
@@ -170,7 +170,7 @@ def published_comparison(points: Sequence[Point]) -> list[Comparison]:
     for (n, m), figures in PUBLISHED.items():
         for policy, published in figures.items():
             for p in points:
-                if p.chips == n and p.result.policy is policy and (p.learners == m or policy in _DP_POLICIES):
+                if p.chips == n and p.result.policy is policy and (p.islands == m or policy in _DP_POLICIES):
                     found.append(Comparison(n, m, line_label(policy, m), published, p.result))
                     break
     return found
@@ -264,13 +264,13 @@ def plot(points: Sequence[Point], path: Path, title: str, with_published: bool) 
 def write_csv(points: Sequence[Point], path: Path) -> None:
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["chips", "learners", "policy", "goodput", "goodput_std", "uptime", "uptime_std", "runs"])
+        writer.writerow(["chips", "islands", "policy", "goodput", "goodput_std", "uptime", "uptime_std", "runs"])
         for p in points:
             r = p.result
             writer.writerow(
                 [
                     p.chips,
-                    p.learners,
+                    p.islands,
                     r.policy.value,
                     f"{r.goodput:.5f}",
                     f"{r.goodput_std:.5f}",
@@ -300,7 +300,7 @@ def settings_line(config: SimConfig, trace_path: str | None) -> str:
         f"{config.failure_chips} chips (elastic); DiLoCo H={training.inner_steps}, P={training.fragments}, "
         f"tau={training.overlap_steps}, K={training.quorum}, grace {training.grace_seconds:g} s"
         + ("; a learner waits for a merge only a round after its push" if config.merge_wait is MergeWait.ROUND else "")
-        + (f"; merge reaches learners after {config.sync_latency_s:g} s" if config.sync_latency_s else "")
+        + (f"; merge reaches islands after {config.sync_latency_s:g} s" if config.sync_latency_s else "")
         + (
             ""
             if config.instant_failure_detection
@@ -363,7 +363,7 @@ def report(
         "- Decoupled DiLoCo stops one learner in M: its loss per failure is 1/M of the fleet's, and no merge "
         "waits for a dead learner. Synchronous DiLoCo has the same per-learner loss but every learner waits "
         "at each outer step for the slowest, so a failure anywhere still stalls everyone.",
-        "- More learners help Decoupled DiLoCo (each failure idles a smaller share) at the price of more "
+        "- More islands help Decoupled DiLoCo (each failure idles a smaller share) at the price of more "
         "syncer traffic; the bandwidth table shows what the sync schedule costs on the link.",
         "",
         f"Simulated in {seconds:.1f} s of wall-clock time on this machine; the largest fleet ({largest[0]:,} "
@@ -377,7 +377,7 @@ def assumptions_md() -> str:
     """Which defaults were chosen to match the published figures, and what the figures actually pin down."""
     d = SimConfig()
     gap = 1 / d.fleet_rate  # seconds between interruptions of the default 1.2M-chip fleet
-    figures = PUBLISHED[(d.chips, d.learners)]
+    figures = PUBLISHED[(d.chips, d.islands)]
 
     def cost(policy: Policy, interval: float) -> float:
         return interval * (100 / figures[policy] - 1)
@@ -394,8 +394,8 @@ def assumptions_md() -> str:
             "figure pins one number, the chip time an interruption costs, through goodput ≈ 1 / (1 + cost / "
             f"interval): {figures[Policy.DP]}% for data-parallel means ≈ {cost(Policy.DP, gap):.0f} s of the whole "
             f"fleet, {figures[Policy.ELASTIC_DP]}% for elastic data-parallel ≈ {cost(Policy.ELASTIC_DP, gap):.0f} s "
-            f"of the whole fleet, {figures[Policy.DECOUPLED_DILOCO]}% for Decoupled DiLoCo with {d.learners} learners "
-            f"≈ {cost(Policy.DECOUPLED_DILOCO, d.learners * gap):.0f} s of one learner. The defaults split these "
+            f"of the whole fleet, {figures[Policy.DECOUPLED_DILOCO]}% for Decoupled DiLoCo with {d.islands} islands "
+            f"≈ {cost(Policy.DECOUPLED_DILOCO, d.islands * gap):.0f} s of one island. The defaults split these "
             "totals as follows; the split is our choice, only the totals are constrained.",
             "",
             f"- data-parallel: replacement {d.reschedule_s:g} s + full job restart {d.restart_s:g} s + half a step "
@@ -406,7 +406,7 @@ def assumptions_md() -> str:
             f"progress since its last push (H/2 = {h / 2:g} steps of {step:g} s) ≈ {learner_cost:g} s, "
             f"on the failed learner only. H = {h} is short for DiLoCo: with H = 100 the rollback alone "
             f"would cost ≈ {50 * step:g} s and Decoupled DiLoCo would land below "
-            f"{100 / (1 + long_h_cost / (d.learners * gap)):.0f}% at {d.chips / 1e6:g}M chips.",
+            f"{100 / (1 + long_h_cost / (d.islands * gap)):.0f}% at {d.chips / 1e6:g}M chips.",
             "- Interruptions strike running hardware only: a group already down absorbs them. If failures during "
             "a recovery extended it instead, non-elastic data-parallel would keep only e^(−N·cost/MTBI) ≈ "
             f"{100 * math.exp(-(d.reschedule_s + d.restart_s) / gap):.0f}%, far below the published "
@@ -431,7 +431,7 @@ def _policies(text: str) -> tuple[Policy, ...]:
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
-    """The base configuration; chips and learners are set per point of the sweep."""
+    """The base configuration; chips and islands are set per point of the sweep."""
     timeout = args.island_timeout_seconds
     training = SIM_TRAINING.updated(
         inner_steps=args.inner_steps,
@@ -443,7 +443,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
     return SimConfig(
         chips=max(args.chips),
-        learners=args.learners[0],
+        islands=args.islands[0],
         mtbi_years=args.mtbi_years,
         horizon_hours=args.horizon_hours,
         seeds=tuple(range(args.seeds)),
@@ -480,15 +480,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    log.info("simulating", extra={"chips": list(args.chips), "learners": list(args.learners), "out": str(out)})
+    log.info("simulating", extra={"chips": list(args.chips), "islands": list(args.islands), "out": str(out)})
 
-    total = runs_in(base, args.chips, args.learners, traced=args.trace is not None)
+    total = runs_in(base, args.chips, args.islands, traced=args.trace is not None)
     bar = tqdm(
         total=total, desc="simulate", unit="run", file=sys.stderr, disable=args.no_progress or not sys.stderr.isatty()
     )
     started = time.perf_counter()
     try:
-        points, per_fleet = sweep(base, args.chips, args.learners, args.trace, args.jobs, bar.update)
+        points, per_fleet = sweep(base, args.chips, args.islands, args.trace, args.jobs, bar.update)
     except (OSError, ValueError) as error:
         print(f"diloco simulate: {error}", file=sys.stderr)
         return 2
@@ -533,7 +533,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fleet = parser.add_argument_group("fleet and failures")
     add = fleet.add_argument
     add("--chips", type=_ints, default=DEFAULT_CHIPS, help="chip counts, comma-separated")
-    add("--learners", type=_ints, default=DEFAULT_LEARNERS, help="learner counts M, comma-separated")
+    add("--islands", type=_ints, default=DEFAULT_ISLANDS, help="island counts M, comma-separated")
     add("--mtbi-years", type=float, default=d.mtbi_years, help="mean time between interruptions of one chip")
     add(
         "--trace",
@@ -570,7 +570,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--step-seconds",
         type=_floats,
         default=None,
-        help="step time per hardware generation, dealt to learners round-robin (default 1); the first one is "
+        help="step time per hardware generation, dealt to islands round-robin (default 1); the first one is "
         "also the bandwidth table's step time, which otherwise follows from compute",
     )
     add("--checkpoint-steps", type=int, default=d.checkpoint_steps, help="data-parallel checkpoint interval")
@@ -585,13 +585,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="overlap: a learner waits for its push's merge after tau steps; round: only a round later, when the "
         "fragment is due again (diloco run's decoupled worker)",
     )
-    add("--quorum", type=int, default=job.quorum, help="K: pushes a merge waits for (capped by live learners)")
+    add("--quorum", type=int, default=job.quorum, help="K: pushes a merge waits for (capped by live islands)")
     add("--grace-seconds", type=float, default=job.grace_seconds, help="seconds a merge waits for more once K are in")
     add(
         "--sync-latency-s",
         type=float,
         default=d.sync_latency_s,
-        help="seconds from a merge until the learners that pushed have its result",
+        help="seconds from a merge until the islands that pushed have its result",
     )
     add(
         "--island-timeout-seconds",

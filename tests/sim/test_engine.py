@@ -45,7 +45,7 @@ def test_single_repairable_unit_uptime_and_goodput():
     # uptime = MTBF / (MTBF + MTTR) = 1 / (1 + λD); goodput also loses the steps since the last checkpoint.
     config = SimConfig(
         chips=1000,
-        learners=1,
+        islands=1,
         mtbi_years=0.001,
         horizon_hours=24 * 30,
         checkpoint_steps=10,
@@ -62,7 +62,7 @@ def test_single_repairable_unit_uptime_and_goodput():
 
 def test_non_elastic_goodput_is_one_over_one_plus_n_r_over_m():
     # With short steps (nothing lost to rollback) non-elastic DP keeps 1 / (1 + N·r/m) of its chip time.
-    config = SimConfig(chips=1_200_000, learners=8, horizon_hours=24 * 7, step_seconds=(0.01,))
+    config = SimConfig(chips=1_200_000, islands=8, horizon_hours=24 * 7, step_seconds=(0.01,))
     r = config.reschedule_s + config.restart_s
     expected = 1 / (1 + config.chips * r / (config.mtbi_years * SECONDS_PER_YEAR))
     assert one(Policy.DP, config).goodput == pytest.approx(expected, abs=0.01)
@@ -73,11 +73,11 @@ def test_each_decoupled_learner_is_a_repairable_unit_that_keeps_whole_rounds():
     # a repairable unit (down reschedule + reform) that keeps H·floor(U / H) steps of each up-time U.
     config = SimConfig(
         chips=400_000,
-        learners=4,
+        islands=4,
         horizon_hours=24 * 30,
         training=SIM_TRAINING.updated(fragments=1, inner_steps=20, overlap_steps=3, grace_seconds=2.0),
     )
-    rate = config.fleet_rate / config.learners
+    rate = config.fleet_rate / config.islands
     downtime = config.reschedule_s + config.reform_s
     run = one(Policy.DECOUPLED_DILOCO, config)
     assert run.uptime == pytest.approx(1 / (1 + rate * downtime), rel=0.005)
@@ -89,9 +89,9 @@ def test_streaming_fragments_lose_half_a_round_on_average():
     # With P staggered fragments a failure loses each fragment's steps since its own push: H/2 on average
     # when failures are rare against H, so the loss is rate·(H/2)·step per unit of up-time.
     config = SimConfig(
-        chips=100_000, learners=4, horizon_hours=24 * 30, training=SIM_TRAINING.updated(inner_steps=16, fragments=4)
+        chips=100_000, islands=4, horizon_hours=24 * 30, training=SIM_TRAINING.updated(inner_steps=16, fragments=4)
     )
-    rate = config.fleet_rate / config.learners
+    rate = config.fleet_rate / config.islands
     downtime = config.reschedule_s + config.reform_s
     run = one(Policy.DECOUPLED_DILOCO, config)
     assert run.goodput == pytest.approx((1 - rate * 8.0) / (1 + rate * downtime), rel=0.002)
@@ -101,7 +101,7 @@ def test_elastic_replica_is_a_repairable_unit_when_reforming_is_free():
     # With no re-forming pause, each replica of f chips is out for D after each of its failures (rate f/m).
     config = SimConfig(
         chips=400_000,
-        learners=4,
+        islands=4,
         horizon_hours=24 * 30,
         reform_s=0.0,
         failure_chips=256,
@@ -117,7 +117,7 @@ def test_elastic_replica_is_a_repairable_unit_when_reforming_is_free():
 def test_without_failures_only_lockstep_wastes_mixed_generations():
     # Generations of 1 s and 1.5 s steps dealt to 4 learners: lockstep (DP, synchronous DiLoCo) runs at the
     # slow pace, so fast chips idle: goodput = Σ c·s / (N·s_max) = (1 + 1.5) / (2 · 1.5). Decoupled: 1.
-    config = SimConfig(chips=1000, learners=4, mtbi_years=1e12, horizon_hours=3, step_seconds=(1.0, 1.5))
+    config = SimConfig(chips=1000, islands=4, mtbi_years=1e12, horizon_hours=3, step_seconds=(1.0, 1.5))
     result = simulate(SimConfig(**{**config.__dict__, "seeds": (0,)}))
     lockstep = (1 + 1.5) / (2 * 1.5)
     assert result[Policy.DP].goodput == pytest.approx(lockstep)
@@ -132,7 +132,7 @@ def test_without_failures_only_lockstep_wastes_mixed_generations():
 
 def test_one_failure_hand_computed():
     # 8 chips, 2 learners of 4, 1 s steps, 1000 s; chip 0 fails at 100.5 s, its replacement ready 50 s later.
-    config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, failure_chips=2, trace=(chip(100.5, 0, 50.0),))
+    config = SimConfig(chips=8, islands=2, horizon_hours=1000 / 3600, failure_chips=2, trace=(chip(100.5, 0, 50.0),))
     result = simulate(config)
     # DP: 100 whole steps kept, down until 100.5 + 50 + 55 = 205.5, then 794 steps.
     assert result[Policy.DP].goodput == pytest.approx((100 + 794) / 1000)
@@ -154,7 +154,7 @@ def test_one_failure_hand_computed():
 
 def test_failure_on_a_group_already_down_is_absorbed():
     trace = (chip(100.5, 0, 50.0), chip(120.0, 1, 50.0))
-    config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, failure_chips=2, trace=trace)
+    config = SimConfig(chips=8, islands=2, horizon_hours=1000 / 3600, failure_chips=2, trace=trace)
     result = simulate(config)
     counts = {p.policy: (p.runs[0].failures, p.runs[0].absorbed) for p in result.policies}
     # DP and learner 0 are down until 205.5 and 159.5; for elastic, chip 1 is in the replica of chips 0-1,
@@ -165,7 +165,7 @@ def test_failure_on_a_group_already_down_is_absorbed():
 
 def test_failure_on_another_learner_costs_only_that_learner():
     trace = (chip(100.5, 0, 50.0), chip(120.0, 4, 50.0))
-    config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, trace=trace)
+    config = SimConfig(chips=8, islands=2, horizon_hours=1000 / 3600, trace=trace)
     result = simulate(config)
     assert result[Policy.DECOUPLED_DILOCO].runs[0].failures == 2
     # DP absorbs the second one (the whole job is still down), so it stops once.
@@ -176,7 +176,7 @@ def test_failure_on_another_learner_costs_only_that_learner():
 
 
 def test_synchronous_diloco_is_decoupled_with_one_learner():
-    config = SimConfig(chips=100_000, learners=1, mtbi_years=0.05, horizon_hours=12)
+    config = SimConfig(chips=100_000, islands=1, mtbi_years=0.05, horizon_hours=12)
     failures = sample_failures(config, 3)
     sync = run_policy(Policy.SYNC_DILOCO, config, failures)
     decoupled = run_policy(Policy.DECOUPLED_DILOCO, config, failures)
@@ -184,7 +184,7 @@ def test_synchronous_diloco_is_decoupled_with_one_learner():
 
 
 def test_policies_rank_as_their_coupling_on_the_same_failures():
-    config = SimConfig(chips=1_200_000, learners=8, horizon_hours=6)
+    config = SimConfig(chips=1_200_000, islands=8, horizon_hours=6)
     failures = sample_failures(config, 7)
     goodput = {p: run_policy(p, config, failures).goodput for p in Policy}
     assert goodput[Policy.DP] < goodput[Policy.ELASTIC_DP] < goodput[Policy.DECOUPLED_DILOCO]
@@ -196,7 +196,7 @@ def test_quorum_and_grace_make_learners_wait():
     # larger quorum makes it wait for others' pushes (not monotonically in K: a quorum of all phase-locks the
     # learners, a quorum of half does not). Capping K by the live learners keeps even K = M above synchronous.
     base = SimConfig(
-        chips=1_200_000, learners=8, horizon_hours=6, training=SIM_TRAINING.updated(overlap_steps=0, grace_seconds=0.0)
+        chips=1_200_000, islands=8, horizon_hours=6, training=SIM_TRAINING.updated(overlap_steps=0, grace_seconds=0.0)
     )
     failures = sample_failures(base, 1)
 
@@ -214,7 +214,7 @@ def test_quorum_and_grace_make_learners_wait():
 
 
 def test_a_long_grace_window_makes_a_quorum_of_one_wait():
-    base = SimConfig(chips=1_200_000, learners=8, horizon_hours=6, training=SIM_TRAINING.updated(overlap_steps=3))
+    base = SimConfig(chips=1_200_000, islands=8, horizon_hours=6, training=SIM_TRAINING.updated(overlap_steps=3))
     failures = sample_failures(base, 2)
     short = run_policy(
         Policy.DECOUPLED_DILOCO, replace(base, training=base.training.updated(grace_seconds=2.0)), failures
@@ -230,7 +230,7 @@ def test_a_long_grace_window_makes_a_quorum_of_one_wait():
 
 
 def test_sampled_failures_are_a_poisson_process_over_the_fleet():
-    config = SimConfig(chips=2_400_000, learners=8, horizon_hours=72)
+    config = SimConfig(chips=2_400_000, islands=8, horizon_hours=72)
     failures = sample_failures(config, 0)
     expected = config.fleet_rate * config.horizon_s  # ≈ 19,700
     assert abs(len(failures) - expected) < 5 * math.sqrt(expected)
@@ -241,7 +241,7 @@ def test_sampled_failures_are_a_poisson_process_over_the_fleet():
 
 
 def test_saved_trace_replays_the_sampled_run_exactly(tmp_path):
-    config = SimConfig(chips=600_000, learners=8, horizon_hours=4, seeds=(5,))
+    config = SimConfig(chips=600_000, islands=8, horizon_hours=4, seeds=(5,))
     sampled = simulate(config)
     path = tmp_path / "trace.json"
     save_trace(path, sample_failures(config, 5).events())
@@ -257,7 +257,7 @@ def test_saved_trace_replays_the_sampled_run_exactly(tmp_path):
 def test_learner_and_island_targets_strike_that_learners_first_chip():
     # The trace `diloco run` replays names workers of islands `island-<i>`: in the simulator the island is
     # learner i, and any of its ranks takes the whole learner out, as in the run.
-    config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600)
+    config = SimConfig(chips=8, islands=2, horizon_hours=1000 / 3600)
     trace = (FailureEvent(300.0, "worker:island-1/3", 50.0), FailureEvent(100.5, "learner:0", 50.0))
     failures = Failures.from_events(trace, config)
     assert failures.times.tolist() == [100.5, 300.0] and failures.chips.tolist() == [0, 4]
@@ -279,7 +279,7 @@ def test_learner_and_island_targets_strike_that_learners_first_chip():
 )
 def test_trace_events_the_fleet_cannot_have_are_refused(target, message):
     with pytest.raises(ValueError, match=f"trace event 1 \\({target} at 7 s\\): {message}"):
-        SimConfig(chips=8, learners=2, trace=(chip(1.0, 0, 1.0), FailureEvent(7.0, target, 1.0)))
+        SimConfig(chips=8, islands=2, trace=(chip(1.0, 0, 1.0), FailureEvent(7.0, target, 1.0)))
 
 
 # --- what `diloco run` needs: start-up, and failures that strike a recovery ----------------------------------
@@ -287,7 +287,7 @@ def test_trace_events_the_fleet_cannot_have_are_refused(target, message):
 
 def test_startup_is_paid_once_by_everyone_before_the_first_step():
     # 10 s of start-up out of 1000 s, no failures: 990 steps of 1 s, for every policy.
-    config = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, startup_s=10.0, trace=())
+    config = SimConfig(chips=8, islands=2, horizon_hours=1000 / 3600, startup_s=10.0, trace=())
     result = simulate(config)
     for policy in Policy:
         assert result[policy].goodput == pytest.approx(0.99, abs=1e-9), policy
@@ -298,7 +298,7 @@ def test_a_failure_during_a_recovery_is_absorbed_or_starts_it_over():
     # DP (checkpoint every step): chip 0 fails at 100.5 s (down 50 s + restart 55 s, until 205.5 s), again at
     # 150 s, inside that recovery. Absorbed: as with one failure. Interrupting: up at 150 + 50 + 55 = 255 s.
     trace = (chip(100.5, 0, 50.0), chip(150.0, 5, 50.0))
-    base = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, trace=trace, policies=(Policy.DP,))
+    base = SimConfig(chips=8, islands=2, horizon_hours=1000 / 3600, trace=trace, policies=(Policy.DP,))
     absorbed = simulate(base)[Policy.DP].runs[0]
     restarted = simulate(SimConfig(**{**base.__dict__, "interrupt_recovery": True}))[Policy.DP].runs[0]
     assert absorbed.goodput == pytest.approx((100 + 794) / 1000) and absorbed.absorbed == 1
@@ -310,7 +310,7 @@ def test_a_learner_struck_while_restarting_is_back_later_and_loses_nothing_more(
     # Decoupled, learner 0 fails at 100.5 s and is due back at 100.5 + 50 + 9 = 159.5 s; struck again at
     # 150 s it is back at 150 + 50 + 9 = 209 s instead: 49.5 s more down, no progress lost twice.
     trace = (chip(100.5, 0, 50.0), chip(150.0, 1, 50.0))
-    base = SimConfig(chips=8, learners=2, horizon_hours=1000 / 3600, trace=trace, policies=(Policy.DECOUPLED_DILOCO,))
+    base = SimConfig(chips=8, islands=2, horizon_hours=1000 / 3600, trace=trace, policies=(Policy.DECOUPLED_DILOCO,))
     absorbed = simulate(base)[Policy.DECOUPLED_DILOCO].runs[0]
     restarted = simulate(SimConfig(**{**base.__dict__, "interrupt_recovery": True}))[Policy.DECOUPLED_DILOCO].runs[0]
     assert absorbed.goodput == pytest.approx(4 * (100.5 - 6.5 + 840.5 + 1000) / 8000)
@@ -325,7 +325,7 @@ def test_an_elastic_replica_struck_while_out_rejoins_later():
     trace = (chip(100.5, 0, 50.0), chip(120.0, 1, 50.0))
     config = SimConfig(
         chips=8,
-        learners=2,
+        islands=2,
         horizon_hours=1000 / 3600,
         failure_chips=2,
         trace=trace,
@@ -344,7 +344,7 @@ def test_merge_latency_is_waited_out_by_a_learner_that_blocks_on_its_push():
     # long before that.
     config = SimConfig(
         chips=2,
-        learners=2,
+        islands=2,
         horizon_hours=1050 / 3600,
         training=SIM_TRAINING.updated(inner_steps=10, fragments=1, overlap_steps=0, grace_seconds=0.0),
         sync_latency_s=0.5,
@@ -370,7 +370,7 @@ def test_a_dead_learner_holds_merges_for_the_grace_window_until_the_syncer_times
     training = SIM_TRAINING.updated(inner_steps=10, fragments=1, overlap_steps=0, grace_seconds=2.0)
     config = SimConfig(
         chips=2,
-        learners=2,
+        islands=2,
         horizon_hours=1000 / 3600,
         training=training if timeout is None else training.updated(island_timeout_seconds=timeout),
         instant_failure_detection=timeout is None,
@@ -398,6 +398,6 @@ def test_a_dead_learner_holds_merges_for_the_grace_window_until_the_syncer_times
 )
 def test_impossible_configurations_are_refused(overrides, knobs):
     # Simulator knobs are refused by SimConfig, training knobs by the TrainingConfig it is given (or, for the
-    # quorum against the learners, by SimConfig).
+    # quorum against the islands, by SimConfig).
     with pytest.raises(ValueError):
-        SimConfig(**{"chips": 1000, "learners": 8, **overrides}, training=SIM_TRAINING.updated(**knobs))
+        SimConfig(**{"chips": 1000, "islands": 8, **overrides}, training=SIM_TRAINING.updated(**knobs))

@@ -12,7 +12,7 @@ from diloco.sim.simulate import sweep
 SMALL = [
     "--chips",
     "20000,40000",
-    "--learners",
+    "--islands",
     "4",
     "--seeds",
     "2",
@@ -60,7 +60,7 @@ def test_saved_trace_drives_the_same_numbers(tmp_path):
     common = [
         "--chips",
         "40000",
-        "--learners",
+        "--islands",
         "4",
         "--horizon-hours",
         "2",
@@ -89,7 +89,7 @@ def test_default_grid_compares_with_the_published_figures(tmp_path, capsys):
         "simulate",
         "--chips",
         "1200000",
-        "--learners",
+        "--islands",
         "8",
         "--horizon-hours",
         "2",
@@ -118,7 +118,7 @@ def test_processes_give_the_same_points_as_one():
     assert one == two
     assert set(seconds) == {20_000, 30_000}
     # Data-parallel policies only at the first M; DiLoCo policies at every M.
-    assert sorted((p.learners, p.result.policy.value) for p in one if p.chips == 20_000) == sorted(
+    assert sorted((p.islands, p.result.policy.value) for p in one if p.chips == 20_000) == sorted(
         [(4, p.value) for p in Policy] + [(8, "sync-diloco"), (8, "decoupled-diloco")]
     )
 
@@ -133,7 +133,7 @@ def test_a_run_trace_replays_its_islands_as_learners(tmp_path, capsys):
         "simulate",
         "--chips",
         "2",
-        "--learners",
+        "--islands",
         "2",
         "--horizon-hours",
         str(100 / 3600),
@@ -162,7 +162,7 @@ def test_a_run_trace_replays_its_islands_as_learners(tmp_path, capsys):
     table = {r["policy"]: r["goodput"] for r in rows(out / "goodput.csv")}
     same = SimConfig(
         chips=2,
-        learners=2,
+        islands=2,
         horizon_hours=100 / 3600,
         step_seconds=(0.5,),
         training=SIM_TRAINING.updated(inner_steps=10, fragments=2, overlap_steps=2),
@@ -180,7 +180,7 @@ def test_a_run_trace_replays_its_islands_as_learners(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--quorum", "9", "--learners", "8"], "quorum"),
+        (["--quorum", "9", "--islands", "8"], "quorum"),
         (["--trace", "/nonexistent/trace.json"], "No such file"),
     ],
 )
