@@ -5,18 +5,18 @@ a failure trace (`diloco.local.failure_trace`, the format `diloco run` replays t
 chip and says how long its replacement takes. Every policy replays the same events:
 
 - `dp`: non-elastic data-parallel. Every chip stops until the replacement is in and the whole job has
-  restarted (`reschedule_s + restart_s`), and rolls back to its last checkpoint.
-- `elastic-dp`: the job re-forms without the failed replica (`reform_s`, everyone paused, the in-flight step
+  restarted (`reschedule_seconds + restart_seconds`), and rolls back to its last checkpoint.
+- `elastic-dp`: the job re-forms without the failed replica (`reform_seconds`, everyone paused, the in-flight step
   lost), trains on with fewer chips, and re-forms again to take the replacement back.
 - `sync-diloco` / `decoupled-diloco`: chips are split into M learners. A failure stops only its learner, for
-  `reschedule_s + reform_s`, and the learner restarts from the latest global fragments, losing each
+  `reschedule_seconds + reform_seconds`, and the learner restarts from the latest global fragments, losing each
   fragment's progress since that fragment's last push. Merges follow the quorum rule of the syncer: once K
   pushes are pending (K capped by the live learners), wait up to the grace window for the other live
   learners, then merge. A learner that has pushed must see that push merged within `overlap_steps` (tau)
   inner steps (or within the round, with `MergeWait.ROUND`) or it waits. Synchronous DiLoCo is the same
   engine with K = M, never capped, and no grace.
 
-Every group first spends `startup_s` starting (0 by default). Interruptions strike only hardware that is
+Every group first spends `startup_seconds` starting (0 by default). Interruptions strike only hardware that is
 running: an event on a group that is already down or restarting (or on a replica already out) is absorbed
 and counted, unless `interrupt_recovery` is set, in which case it starts that group's recovery over, as a
 supervisor that kills the replacement process too does (`diloco run`). Goodput is the share of wall-clock
@@ -102,16 +102,16 @@ class SimConfig:
     policies: tuple[Policy, ...] = tuple(Policy)
     step_seconds: tuple[float, ...] = (1.0,)
     failure_chips: int = 256
-    reschedule_s: float = 10.0
-    restart_s: float = 55.0
-    reform_s: float = 9.0
+    reschedule_seconds: float = 10.0
+    restart_seconds: float = 55.0
+    reform_seconds: float = 9.0
     checkpoint_steps: int = 1
     training: TrainingConfig = SIM_TRAINING
     merge_wait: MergeWait = MergeWait.OVERLAP
     instant_failure_detection: bool = True
-    startup_s: float = 0.0
+    startup_seconds: float = 0.0
     interrupt_recovery: bool = False
-    sync_latency_s: float = 0.0
+    sync_latency_seconds: float = 0.0
     trace: tuple[FailureEvent, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -126,11 +126,11 @@ class SimConfig:
                 all(
                     t >= 0
                     for t in (
-                        self.reschedule_s,
-                        self.restart_s,
-                        self.reform_s,
-                        self.startup_s,
-                        self.sync_latency_s,
+                        self.reschedule_seconds,
+                        self.restart_seconds,
+                        self.reform_seconds,
+                        self.startup_seconds,
+                        self.sync_latency_seconds,
                     )
                 ),
                 "times must be >= 0",
@@ -275,7 +275,7 @@ def sample_failures(config: SimConfig, seed: int) -> Failures:
     count = int(rng.poisson(config.fleet_rate * config.horizon_s))
     times = np.sort(rng.uniform(0.0, config.horizon_s, count))
     chips = rng.integers(0, config.chips, count, dtype=np.int64)
-    return Failures(times, chips, np.full(count, config.reschedule_s))
+    return Failures(times, chips, np.full(count, config.reschedule_seconds))
 
 
 def simulate(config: SimConfig) -> SimResult:
@@ -316,13 +316,13 @@ def _run_dp(config: SimConfig, failures: Failures) -> RunResult:
     every = config.checkpoint_steps
     kept_steps = 0
     up_time = 0.0
-    up_since = config.startup_s
+    up_since = config.startup_seconds
     struck = absorbed = 0
     for t, downtime in zip(failures.times.tolist(), failures.downtimes.tolist()):
         if t < up_since:
             if config.interrupt_recovery:  # the restarting job is struck again: its recovery starts over
                 struck += 1
-                up_since = t + downtime + config.restart_s
+                up_since = t + downtime + config.restart_seconds
             else:
                 absorbed += 1
             continue
@@ -330,7 +330,7 @@ def _run_dp(config: SimConfig, failures: Failures) -> RunResult:
         done = math.floor((t - up_since) / step)
         kept_steps += every * (done // every)
         up_time += t - up_since
-        up_since = t + downtime + config.restart_s
+        up_since = t + downtime + config.restart_seconds
     if up_since < horizon:
         kept_steps += math.floor((horizon - up_since) / step)
         up_time += horizon - up_since
@@ -352,7 +352,7 @@ def _run_elastic(config: SimConfig, failures: Failures) -> RunResult:
     active_chips = config.chips
     out: dict[int, float] = {}  # replicas out, and when each rejoins
     rejoins: list[tuple[float, int]] = []
-    running_since = config.startup_s
+    running_since = config.startup_seconds
     useful = chip_up = 0.0
     struck = absorbed = 0
 
@@ -376,7 +376,7 @@ def _run_elastic(config: SimConfig, failures: Failures) -> RunResult:
                 continue
             if when >= running_since:
                 close(when)
-                running_since = when + config.reform_s
+                running_since = when + config.reform_seconds
             chips, work = replica(r)
             del out[r]
             active_chips += chips
@@ -394,7 +394,7 @@ def _run_elastic(config: SimConfig, failures: Failures) -> RunResult:
             heapq.heappush(rejoins, (t + downtime, r))
             continue
         close(t)
-        running_since = max(running_since, t + config.reform_s)
+        running_since = max(running_since, t + config.reform_seconds)
         chips, work = replica(r)
         out[r] = t + downtime
         active_chips -= chips
@@ -498,7 +498,7 @@ class _DilocoRun:
         self.offsets = [p * self.h / self.fragments for p in range(self.fragments)]
         self.quorum = self.m if synchronous else training.quorum
         self.grace = 0.0 if synchronous else training.grace_seconds
-        self.latency = config.sync_latency_s
+        self.latency = config.sync_latency_seconds
         self.timeout = 0.0 if config.instant_failure_detection else training.island_timeout_seconds
         sizes = np.diff(config.learner_bounds()).tolist()
         self.learners = [_Learner(step, chips) for step, chips in zip(config.learner_steps(), sizes)]
@@ -585,7 +585,7 @@ class _DilocoRun:
             if config.interrupt_recovery:  # its replacement is struck: the recovery starts over
                 self.struck += 1
                 learner.epoch += 1
-                heapq.heappush(self.heap, (t + downtime + config.reform_s, _RECOVER, i, learner.epoch))
+                heapq.heappush(self.heap, (t + downtime + config.reform_seconds, _RECOVER, i, learner.epoch))
             else:
                 self.absorbed += 1
             return
@@ -598,7 +598,7 @@ class _DilocoRun:
         learner.epoch += 1
         learner.down_since = t
         self.down += 1
-        heapq.heappush(self.heap, (t + downtime + config.reform_s, _RECOVER, i, learner.epoch))
+        heapq.heappush(self.heap, (t + downtime + config.reform_seconds, _RECOVER, i, learner.epoch))
         if self.timeout > 0:
             heapq.heappush(self.heap, (t + self.timeout, _EXPIRE, i, 0))
         self.maybe_merge(t)
@@ -657,7 +657,7 @@ class _DilocoRun:
         """Replays the failures and the scheduled events in time order up to the horizon."""
         horizon = self.config.horizon_s
         for i in range(self.m):  # every learner starts the way it restarts: down until it is up
-            heapq.heappush(self.heap, (self.config.startup_s, _RECOVER, i, 0))
+            heapq.heappush(self.heap, (self.config.startup_seconds, _RECOVER, i, 0))
         times, downtimes = self.failures.times.tolist(), self.failures.downtimes.tolist()
         next_failure, total = 0, len(times)
         heap = self.heap

@@ -37,11 +37,11 @@ class Measured:
     wind_down_s: float  # median seconds from a slot's last step to its end (final pushes, evaluation)
     step_s: float  # median compute seconds of a step (time blocked on a sync left out)
     island_step_s: tuple[float, ...]  # the same per island, island-0 first (cores are shared: it varies)
-    startup_s: float  # median seconds from the job's launch to a worker's first step
-    restart_s: float  # median seconds from a relaunch after a kill to the first step (start-up if none seen)
-    relaunches: int  # relaunched processes that reached a step (what `restart_s` is measured on)
+    startup_seconds: float  # median seconds from the job's launch to a worker's first step
+    restart_seconds: float  # median seconds from a relaunch after a kill to the first step (start-up if none seen)
+    relaunches: int  # relaunched processes that reached a step (what `restart_seconds` is measured on)
     kills: int
-    sync_latency_s: float  # median over barriers of the shortest wait there: a merge reaching its learners
+    sync_latency_seconds: float  # median over barriers of the shortest wait there: a merge reaching its learners
     blocking_syncs: int  # barriers (steps at which islands blocked on a sync)
     first_slot_end_s: float  # when the first worker slot finished its steps (seconds after launch)
     late_kills: int  # kills at or after that: they find a finished slot, and fall outside the mapping
@@ -142,11 +142,11 @@ def measure(
         wind_down_s=_median(wind_down, 0.0),
         step_s=step,
         island_step_s=tuple(_median(per_island[f"island-{i}"], step) for i in range(islands)),
-        startup_s=startup,
-        restart_s=_median(relaunch, startup),
+        startup_seconds=startup,
+        restart_seconds=_median(relaunch, startup),
         relaunches=len(relaunch),
         kills=summary["kills"],
-        sync_latency_s=_median(latencies, 0.0),
+        sync_latency_seconds=_median(latencies, 0.0),
         blocking_syncs=len(latencies),
         first_slot_end_s=first_end,
         late_kills=sum(1 for k in trace if k.kind == "worker" and k.at >= first_end),
@@ -154,7 +154,7 @@ def measure(
 
 
 def sim_config(
-    m: Measured, config: TrainingConfig, islands: int, trace: Sequence[FailureEvent], sync_latency_s: float
+    m: Measured, config: TrainingConfig, islands: int, trace: Sequence[FailureEvent], sync_latency_seconds: float
 ) -> SimConfig:
     """This machine as the simulator sees it: each island a learner of one chip; start-up, each island's
     step time, horizon and merge latency as measured; every failure strikes, even a process that is still
@@ -168,14 +168,14 @@ def sim_config(
         islands=islands,
         horizon_hours=m.training_s / 3600,
         step_seconds=m.island_step_s,
-        startup_s=m.startup_s,
-        reform_s=m.restart_s,
-        restart_s=m.restart_s,
+        startup_seconds=m.startup_seconds,
+        reform_seconds=m.restart_seconds,
+        restart_seconds=m.restart_seconds,
         interrupt_recovery=True,
         checkpoint_steps=TrainerSettings().checkpoint_every,
         training=config.updated(quorum=min(config.quorum, islands)),
         instant_failure_detection=False,
-        sync_latency_s=sync_latency_s,
+        sync_latency_seconds=sync_latency_seconds,
         trace=tuple(e for e in trace if e.kind == "worker"),
     )
 
@@ -247,9 +247,9 @@ class Check:
         ]
         for p in self.predictions:
             m = p.measured
-            latency = f"{m.sync_latency_s:.2f} ({m.blocking_syncs})" if m.blocking_syncs else "-"
+            latency = f"{m.sync_latency_seconds:.2f} ({m.blocking_syncs})" if m.blocking_syncs else "-"
             lines.append(
-                f"{m.mode:<12} {m.step_s:>7.3f} {m.startup_s:>10.2f} {m.restart_s:>9.2f} "
+                f"{m.mode:<12} {m.step_s:>7.3f} {m.startup_seconds:>10.2f} {m.restart_seconds:>9.2f} "
                 f"{m.relaunches:>10} {m.kills:>5} {m.horizon_s:>9.1f} {m.wind_down_s:>11.2f} {latency:>15}"
             )
         return "\n".join(lines)
@@ -291,7 +291,7 @@ def check(run_dir: Path, tolerance: float) -> Check:
     measured = {mode: measure(run_dir, mode, summaries[mode], trace, islands, ranks, config) for mode in modes}
     # Only the blocking baseline waits on merges, so only it shows their latency; it is the same syncer for all.
     sync = measured.get(Mode.SYNC_DILOCO.value)
-    latency = sync.sync_latency_s if sync is not None else 0.0
+    latency = sync.sync_latency_seconds if sync is not None else 0.0
     predictions = [predict(m, sim_config(m, config, islands, trace, latency)) for m in measured.values()]
     return Check(run_dir, tuple(predictions), tolerance)
 

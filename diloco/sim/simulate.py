@@ -295,18 +295,18 @@ def settings_line(config: SimConfig, trace_path: str | None) -> str:
     )
     return (
         f"{failures}; horizon {config.horizon_hours:g} h; step {', '.join(f'{s:g}' for s in config.step_seconds)} s; "
-        f"replacement ready after {config.reschedule_s:g} s; full restart {config.restart_s:g} s; re-form "
-        f"{config.reform_s:g} s; checkpoint every {config.checkpoint_steps} step(s); a failure takes out "
+        f"replacement ready after {config.reschedule_seconds:g} s; full restart {config.restart_seconds:g} s; re-form "
+        f"{config.reform_seconds:g} s; checkpoint every {config.checkpoint_steps} step(s); a failure takes out "
         f"{config.failure_chips} chips (elastic); DiLoCo H={training.inner_steps}, P={training.fragments}, "
         f"tau={training.overlap_steps}, K={training.quorum}, grace {training.grace_seconds:g} s"
         + ("; a learner waits for a merge only a round after its push" if config.merge_wait is MergeWait.ROUND else "")
-        + (f"; merge reaches islands after {config.sync_latency_s:g} s" if config.sync_latency_s else "")
+        + (f"; merge reaches islands after {config.sync_latency_seconds:g} s" if config.sync_latency_seconds else "")
         + (
             ""
             if config.instant_failure_detection
             else f"; a down learner counts as live for {training.island_timeout_seconds:g} s"
         )
-        + (f"; start-up {config.startup_s:g} s" if config.startup_s else "")
+        + (f"; start-up {config.startup_seconds:g} s" if config.startup_seconds else "")
         + ("; failures during a recovery start it over" if config.interrupt_recovery else "")
     )
 
@@ -384,8 +384,8 @@ def assumptions_md() -> str:
 
     step = d.step_seconds[0]
     h = d.training.inner_steps
-    learner_cost = d.reschedule_s + d.reform_s + h / 2 * step
-    long_h_cost = d.reschedule_s + d.reform_s + 50 * step
+    learner_cost = d.reschedule_seconds + d.reform_seconds + h / 2 * step
+    long_h_cost = d.reschedule_seconds + d.reform_seconds + 50 * step
     return "\n".join(
         [
             "## Assumptions chosen to match the published figures",
@@ -398,18 +398,19 @@ def assumptions_md() -> str:
             f"≈ {cost(Policy.DECOUPLED_DILOCO, d.islands * gap):.0f} s of one island. The defaults split these "
             "totals as follows; the split is our choice, only the totals are constrained.",
             "",
-            f"- data-parallel: replacement {d.reschedule_s:g} s + full job restart {d.restart_s:g} s + half a step "
-            f"rolled back (checkpoint every step, in memory) ≈ {d.reschedule_s + d.restart_s + step / 2:g} s;",
-            f"- elastic data-parallel: two re-forms of {d.reform_s:g} s (without the failed replica, then with its "
-            f"replacement), each losing half a step ≈ {2 * (d.reform_s + step / 2):g} s;",
-            f"- Decoupled DiLoCo: replacement {d.reschedule_s:g} s + re-form {d.reform_s:g} s + each fragment's "
-            f"progress since its last push (H/2 = {h / 2:g} steps of {step:g} s) ≈ {learner_cost:g} s, "
+            f"- data-parallel: replacement {d.reschedule_seconds:g} s + full job restart {d.restart_seconds:g} s + "
+            "half a step rolled back (checkpoint every step, in memory) ≈ "
+            f"{d.reschedule_seconds + d.restart_seconds + step / 2:g} s;",
+            f"- elastic data-parallel: two re-forms of {d.reform_seconds:g} s (without the failed replica, then "
+            f"with its replacement), each losing half a step ≈ {2 * (d.reform_seconds + step / 2):g} s;",
+            f"- Decoupled DiLoCo: replacement {d.reschedule_seconds:g} s + re-form {d.reform_seconds:g} s + each "
+            f"fragment's progress since its last push (H/2 = {h / 2:g} steps of {step:g} s) ≈ {learner_cost:g} s, "
             f"on the failed learner only. H = {h} is short for DiLoCo: with H = 100 the rollback alone "
             f"would cost ≈ {50 * step:g} s and Decoupled DiLoCo would land below "
             f"{100 / (1 + long_h_cost / (d.islands * gap)):.0f}% at {d.chips / 1e6:g}M chips.",
             "- Interruptions strike running hardware only: a group already down absorbs them. If failures during "
             "a recovery extended it instead, non-elastic data-parallel would keep only e^(−N·cost/MTBI) ≈ "
-            f"{100 * math.exp(-(d.reschedule_s + d.restart_s) / gap):.0f}%, far below the published "
+            f"{100 * math.exp(-(d.reschedule_seconds + d.restart_seconds) / gap):.0f}%, far below the published "
             f"{figures[Policy.DP]}%.",
         ]
     )
@@ -450,16 +451,16 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         policies=args.policies,
         step_seconds=args.step_seconds or (1.0,),
         failure_chips=args.failure_chips,
-        reschedule_s=args.reschedule_s,
-        restart_s=args.restart_s,
-        reform_s=args.reform_s,
+        reschedule_seconds=args.reschedule_seconds,
+        restart_seconds=args.restart_seconds,
+        reform_seconds=args.reform_seconds,
         checkpoint_steps=args.checkpoint_steps,
         training=training,
         merge_wait=MergeWait(args.merge_wait),
         instant_failure_detection=timeout is None,
-        startup_s=args.startup_s,
+        startup_seconds=args.startup_seconds,
         interrupt_recovery=args.interrupt_recovery,
-        sync_latency_s=args.sync_latency_s,
+        sync_latency_seconds=args.sync_latency_seconds,
     )
 
 
@@ -549,10 +550,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=d.failure_chips,
         help="chips one interruption takes out of an elastic job (the model replica it belongs to)",
     )
-    add("--reschedule-s", type=float, default=d.reschedule_s, help="seconds until a replacement is ready")
-    add("--restart-s", type=float, default=d.restart_s, help="seconds for a full restart of a non-elastic job")
-    add("--reform-s", type=float, default=d.reform_s, help="seconds to re-form a group after a membership change")
-    add("--startup-s", type=float, default=d.startup_s, help="seconds every group spends starting before step one")
+    add("--reschedule-seconds", type=float, default=d.reschedule_seconds, help="seconds until a replacement is ready")
+    add(
+        "--restart-seconds",
+        type=float,
+        default=d.restart_seconds,
+        help="seconds for a full restart of a non-elastic job",
+    )
+    add(
+        "--reform-seconds",
+        type=float,
+        default=d.reform_seconds,
+        help="seconds to re-form a group after a membership change",
+    )
+    add(
+        "--startup-seconds",
+        type=float,
+        default=d.startup_seconds,
+        help="seconds every group spends starting before step one",
+    )
     add(
         "--interrupt-recovery",
         action="store_true",
@@ -588,9 +604,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--quorum", type=int, default=job.quorum, help="K: pushes a merge waits for (capped by live islands)")
     add("--grace-seconds", type=float, default=job.grace_seconds, help="seconds a merge waits for more once K are in")
     add(
-        "--sync-latency-s",
+        "--sync-latency-seconds",
         type=float,
-        default=d.sync_latency_s,
+        default=d.sync_latency_seconds,
         help="seconds from a merge until the islands that pushed have its result",
     )
     add(

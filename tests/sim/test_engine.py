@@ -49,8 +49,8 @@ def test_single_repairable_unit_uptime_and_goodput():
         mtbi_years=0.001,
         horizon_hours=24 * 30,
         checkpoint_steps=10,
-        reschedule_s=10,
-        restart_s=55,
+        reschedule_seconds=10,
+        restart_seconds=55,
     )
     rate = config.fleet_rate
     downtime = 65.0
@@ -63,7 +63,7 @@ def test_single_repairable_unit_uptime_and_goodput():
 def test_non_elastic_goodput_is_one_over_one_plus_n_r_over_m():
     # With short steps (nothing lost to rollback) non-elastic DP keeps 1 / (1 + N·r/m) of its chip time.
     config = SimConfig(chips=1_200_000, islands=8, horizon_hours=24 * 7, step_seconds=(0.01,))
-    r = config.reschedule_s + config.restart_s
+    r = config.reschedule_seconds + config.restart_seconds
     expected = 1 / (1 + config.chips * r / (config.mtbi_years * SECONDS_PER_YEAR))
     assert one(Policy.DP, config).goodput == pytest.approx(expected, abs=0.01)
 
@@ -78,7 +78,7 @@ def test_each_decoupled_learner_is_a_repairable_unit_that_keeps_whole_rounds():
         training=SIM_TRAINING.updated(fragments=1, inner_steps=20, overlap_steps=3, grace_seconds=2.0),
     )
     rate = config.fleet_rate / config.islands
-    downtime = config.reschedule_s + config.reform_s
+    downtime = config.reschedule_seconds + config.reform_seconds
     run = one(Policy.DECOUPLED_DILOCO, config)
     assert run.uptime == pytest.approx(1 / (1 + rate * downtime), rel=0.005)
     assert run.goodput == pytest.approx(kept_fraction(rate, 20.0) / (1 + rate * downtime), rel=0.005)
@@ -92,7 +92,7 @@ def test_streaming_fragments_lose_half_a_round_on_average():
         chips=100_000, islands=4, horizon_hours=24 * 30, training=SIM_TRAINING.updated(inner_steps=16, fragments=4)
     )
     rate = config.fleet_rate / config.islands
-    downtime = config.reschedule_s + config.reform_s
+    downtime = config.reschedule_seconds + config.reform_seconds
     run = one(Policy.DECOUPLED_DILOCO, config)
     assert run.goodput == pytest.approx((1 - rate * 8.0) / (1 + rate * downtime), rel=0.002)
 
@@ -103,9 +103,9 @@ def test_elastic_replica_is_a_repairable_unit_when_reforming_is_free():
         chips=400_000,
         islands=4,
         horizon_hours=24 * 30,
-        reform_s=0.0,
+        reform_seconds=0.0,
         failure_chips=256,
-        reschedule_s=3600.0,
+        reschedule_seconds=3600.0,
         step_seconds=(0.001,),
     )
     per_replica = 256 * 3600.0 / SECONDS_PER_YEAR
@@ -236,7 +236,7 @@ def test_sampled_failures_are_a_poisson_process_over_the_fleet():
     assert abs(len(failures) - expected) < 5 * math.sqrt(expected)
     assert np.all(np.diff(failures.times) >= 0) and failures.times[-1] < config.horizon_s
     assert failures.chips.min() >= 0 and failures.chips.max() < config.chips
-    assert np.all(failures.downtimes == config.reschedule_s)
+    assert np.all(failures.downtimes == config.reschedule_seconds)
     assert np.array_equal(sample_failures(config, 0).times, failures.times)
 
 
@@ -287,7 +287,7 @@ def test_trace_events_the_fleet_cannot_have_are_refused(target, message):
 
 def test_startup_is_paid_once_by_everyone_before_the_first_step():
     # 10 s of start-up out of 1000 s, no failures: 990 steps of 1 s, for every policy.
-    config = SimConfig(chips=8, islands=2, horizon_hours=1000 / 3600, startup_s=10.0, trace=())
+    config = SimConfig(chips=8, islands=2, horizon_hours=1000 / 3600, startup_seconds=10.0, trace=())
     result = simulate(config)
     for policy in Policy:
         assert result[policy].goodput == pytest.approx(0.99, abs=1e-9), policy
@@ -347,7 +347,7 @@ def test_merge_latency_is_waited_out_by_a_learner_that_blocks_on_its_push():
         islands=2,
         horizon_hours=1050 / 3600,
         training=SIM_TRAINING.updated(inner_steps=10, fragments=1, overlap_steps=0, grace_seconds=0.0),
-        sync_latency_s=0.5,
+        sync_latency_seconds=0.5,
         trace=(),
         policies=(Policy.DECOUPLED_DILOCO,),
     )
@@ -389,10 +389,10 @@ def test_a_dead_learner_holds_merges_for_the_grace_window_until_the_syncer_times
         ({}, {"overlap_steps": 17}),
         ({"step_seconds": (0.0,)}, {}),
         ({"seeds": ()}, {}),
-        ({"startup_s": -1.0}, {}),
-        ({"sync_latency_s": -0.1}, {}),
+        ({"startup_seconds": -1.0}, {}),
+        ({"sync_latency_seconds": -0.1}, {}),
         ({}, {"island_timeout_seconds": -1.0}),
-        ({"startup_s": float("nan")}, {}),
+        ({"startup_seconds": float("nan")}, {}),
         ({"step_seconds": (1.0, float("nan"))}, {}),
     ],
 )
