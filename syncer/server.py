@@ -42,6 +42,8 @@ SERVICE_NAME = "diloco.v1.Syncer"
 HEADER_SLACK_BYTES = 1024 * 1024
 MERGE_POLL_SECONDS = 0.5
 SUMMARY_SECONDS = 30.0
+U32 = 2**32 - 1  # the largest value of the uint32 fields of the StatusReply
+U64 = 2**64 - 1  # the largest value of its uint64 fields
 
 H = TypeVar("H", pb.FragmentHeader, pb.PushHeader)
 
@@ -56,6 +58,12 @@ def _specs(payloads: Iterable[pb.TensorPayload]) -> list[TensorSpec]:
 
 def _version(incarnation: int, version: int) -> pb.FragmentVersion:
     return pb.FragmentVersion(incarnation=incarnation, version=version)
+
+
+def _saturated(count: int, most: int) -> int:
+    """A counter as its unsigned wire field can carry it: at most `most`, so Status answers whatever the
+    state holds (a checkpoint written before tokens were bounded may hold more than 2^64 tokens merged)."""
+    return max(0, min(count, most))
 
 
 @dataclass(frozen=True)
@@ -266,11 +274,13 @@ class SyncerServer:
             self._dirty |= accepted
             return accepted, self.version(self.state.fragments[index].version)
 
-    def admit_push(self, key: PushKey, fragment: int, specs: Sequence[TensorSpec]) -> tuple[PushResult | None, int]:
+    def admit_push(
+        self, key: PushKey, fragment: int, specs: Sequence[TensorSpec], tokens: int, inner_steps: int
+    ) -> tuple[PushResult | None, int]:
         """Checks a push header before its data is read: a duplicate's result (None to read on) and the most
         bytes the data may take. The island counts as live from here."""
         with self._cond:
-            early = self.state.check_push(key, fragment, specs)
+            early = self.state.check_push(key, fragment, specs, tokens, inner_steps)
             self.state.touch(key.island, self.clock())
             return early, self.state.fragments[fragment].nbytes
 
@@ -323,17 +333,17 @@ class SyncerServer:
                 num_shards=st.num_shards,
                 live_islands=st.live_islands(self.clock()),
                 left_islands=sorted(st.left),
-                rejected_pushes=st.rejected_pushes,
+                rejected_pushes=_saturated(st.rejected_pushes, U64),
                 fragments=[
                     pb.FragmentStatus(
                         fragment_id=f.index,
                         seeded=f.seeded,
                         version=_version(st.incarnation, f.version),
-                        pending=len(f.pending),
-                        last_contributors=f.last_contributors,
+                        pending=_saturated(len(f.pending), U32),
+                        last_contributors=_saturated(f.last_contributors, U32),
                         last_merge_unix=f.last_merge_unix,
-                        max_staleness_seen=f.max_staleness_seen,
-                        tokens_merged=f.tokens_merged,
+                        max_staleness_seen=_saturated(f.max_staleness_seen, U32),
+                        tokens_merged=_saturated(f.tokens_merged, U64),
                     )
                     for f in st.fragments.values()
                 ],
@@ -524,7 +534,7 @@ class _Servicer:
             specs = _specs(h.tensors)
             if not h.island_id:
                 raise Refused(Refusal.INVALID, "malformed", "a push must name its island")
-            early, limit = s.admit_push(key, h.fragment_id, specs)
+            early, limit = s.admit_push(key, h.fragment_id, specs, h.tokens, h.inner_steps)
             if early is None:
                 _, tensors = wire.read_push_stream(itertools.chain([h], request_iterator), max_total_bytes=limit)
                 result = s.submit_push(key, h.fragment_id, specs, [t for _, t in tensors], h.tokens, h.inner_steps)

@@ -16,7 +16,7 @@ import torch
 
 from diloco.core.config import TrainingConfig
 from diloco.core.fragments import owned_fragments
-from diloco.core.merge import Contribution, is_too_stale, merge_deltas
+from diloco.core.merge import MAX_TOKENS_PER_INNER_STEP, Contribution, is_too_stale, merge_deltas, tokens_are_possible
 from diloco.core.outer_optimizer import init_momentum, outer_step
 from diloco.core.refusal import Refusal
 
@@ -177,12 +177,21 @@ class ShardState:
 
     # Pushes
 
-    def check_push(self, key: PushKey, fragment: int, specs: Sequence[TensorSpec]) -> PushResult | None:
+    def check_push(
+        self, key: PushKey, fragment: int, specs: Sequence[TensorSpec], tokens: int, inner_steps: int
+    ) -> PushResult | None:
         """Validates a push header before its data is read: a duplicate's result, None to go on, or Refused."""
         frag = self.seeded_fragment(fragment)
         if key in frag.merged_keys or (key.island in frag.pending and frag.pending[key.island].key == key):
             return PushResult(duplicate=True, version=frag.version, staleness=0)
         self._check_specs(frag, specs)
+        if not tokens_are_possible(tokens, inner_steps):
+            raise Refused(
+                Refusal.INVALID,
+                "tokens",
+                f"fragment {frag.index}: {tokens} tokens in {inner_steps} inner steps is more than "
+                f"{MAX_TOKENS_PER_INNER_STEP} tokens per step",
+            )
         self._staleness(frag, key)
         return None
 
@@ -201,7 +210,7 @@ class ShardState:
         An island has at most one pending contribution per fragment: its deltas are cumulative against its
         base, so a newer push replaces an older one, and a late retry of an older push changes nothing.
         """
-        duplicate = self.check_push(key, fragment, specs)
+        duplicate = self.check_push(key, fragment, specs, tokens, inner_steps)
         if duplicate is not None:
             return duplicate
         frag = self.fragments[fragment]

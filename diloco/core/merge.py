@@ -5,6 +5,13 @@ many merges behind the current fragment version they were computed (staleness). 
 is a weighted mean with weights proportional to tokens, optionally decayed with staleness, either plain or
 radial-directional (mean norm along the mean direction, so islands that disagree in direction do not
 shrink the step the way plain averaging does). Pure functions: inputs are never modified.
+
+Tokens are the island's own claim, so what one claim can weigh is bounded twice. A claim no inner steps
+could have produced is impossible and refused (`tokens_are_possible`). Within a merge, a contribution counts
+at most `MAX_TOKEN_RATIO` times the tokens of the lightest one that claims any: islands up to that far apart
+in throughput are weighted exactly by their tokens, and no claim moves a merge of n contributions further
+than a share of R / (R + n - 1) (R = MAX_TOKEN_RATIO), between equal averaging (R = 1) and plain token
+weighting (R unbounded).
 """
 
 from __future__ import annotations
@@ -14,6 +21,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+# A step of more than 2^32 tokens is beyond any batch trained; a push claiming more per inner step is false.
+MAX_TOKENS_PER_INNER_STEP = 2**32
+# Islands differing more than 16x in tokens per push are no longer weighted apart: the larger counts as 16x.
+MAX_TOKEN_RATIO = 16
 
 # Below this many float32 epsilons (relative to the direction weight) the mean direction is rounding noise.
 _DIRECTION_EPS = 4 * torch.finfo(torch.float32).eps
@@ -29,8 +41,14 @@ class Contribution:
     staleness: int
 
 
+def tokens_are_possible(tokens: int, inner_steps: int) -> bool:
+    """Whether `inner_steps` inner steps could have trained on `tokens` tokens (none without a step)."""
+    return 0 <= tokens <= inner_steps * MAX_TOKENS_PER_INNER_STEP
+
+
 def contribution_weights(contributions: Sequence[Contribution], staleness_decay: float) -> list[float]:
-    """Merge weights ∝ tokens × staleness_decay**staleness, summing to 1 (equal when every raw weight is 0)."""
+    """Merge weights ∝ min(tokens, MAX_TOKEN_RATIO × the fewest non-zero tokens) × staleness_decay**staleness,
+    summing to 1 (equal when every raw weight is 0)."""
     if not contributions:
         raise ValueError("cannot weight an empty set of contributions")
     if not 0 < staleness_decay <= 1:
@@ -40,7 +58,8 @@ def contribution_weights(contributions: Sequence[Contribution], staleness_decay:
             raise ValueError(f"contribution from island {c.island!r} has negative tokens ({c.tokens})")
         if c.staleness < 0:
             raise ValueError(f"contribution from island {c.island!r} has negative staleness ({c.staleness})")
-    raw = [c.tokens * staleness_decay**c.staleness for c in contributions]
+    ceiling = MAX_TOKEN_RATIO * min((c.tokens for c in contributions if c.tokens > 0), default=0)
+    raw = [min(c.tokens, ceiling) * staleness_decay**c.staleness for c in contributions]
     total = sum(raw)
     if total == 0:
         return [1.0 / len(contributions)] * len(contributions)

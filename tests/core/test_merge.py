@@ -4,11 +4,14 @@ import pytest
 import torch
 
 from diloco.core.merge import (
+    MAX_TOKEN_RATIO,
+    MAX_TOKENS_PER_INNER_STEP,
     Contribution,
     contribution_weights,
     is_too_stale,
     merge_deltas,
     radial_directional_mean,
+    tokens_are_possible,
     weighted_mean,
 )
 
@@ -41,6 +44,37 @@ def test_staleness_decay():
 def test_zero_tokens():
     assert contribution_weights([c("a", [], tokens=0), c("b", [], tokens=0)], 1.0) == [0.5, 0.5]
     assert contribution_weights([c("a", [], tokens=0), c("b", [], tokens=5)], 1.0) == [0.0, 1.0]
+
+
+def test_one_claim_counts_at_most_max_token_ratio_times_the_lightest():
+    ratio = MAX_TOKEN_RATIO
+    huge = [c("honest", [], tokens=1000), c("claims", [], tokens=2**64 - 1)]
+    assert contribution_weights(huge, 1.0) == pytest.approx([1 / (1 + ratio), ratio / (1 + ratio)])
+    within = [c("small", [], tokens=100), c("large", [], tokens=100 * ratio)]
+    assert contribution_weights(within, 1.0) == pytest.approx([1 / (1 + ratio), ratio / (1 + ratio)])
+
+
+def test_token_ceiling_bounds_a_claims_share_of_n_contributions_and_applies_before_decay():
+    n, ratio = 4, MAX_TOKEN_RATIO
+    contributions = [c(str(i), [], tokens=10) for i in range(n - 1)] + [c("claims", [], tokens=10**30)]
+    assert contribution_weights(contributions, 1.0)[-1] == pytest.approx(ratio / (ratio + n - 1))
+    stale = [c("fresh", [], tokens=10, staleness=0), c("claims", [], tokens=10**30, staleness=1)]
+    assert contribution_weights(stale, 0.5) == pytest.approx([10 / (10 + 5 * ratio), 5 * ratio / (10 + 5 * ratio)])
+
+
+def test_contributions_without_tokens_set_no_ceiling():
+    ratio = MAX_TOKEN_RATIO
+    weights = contribution_weights([c("none", [], tokens=0), c("a", [], tokens=10), c("b", [], tokens=10**30)], 1.0)
+    assert weights == pytest.approx([0.0, 1 / (1 + ratio), ratio / (1 + ratio)])
+
+
+def test_tokens_are_possible_only_within_the_inner_steps_taken():
+    assert tokens_are_possible(0, 0)
+    assert tokens_are_possible(10 * MAX_TOKENS_PER_INNER_STEP, 10)
+    assert not tokens_are_possible(10 * MAX_TOKENS_PER_INNER_STEP + 1, 10)
+    assert not tokens_are_possible(1, 0), "tokens without an inner step"
+    assert not tokens_are_possible(2**64 - 1, 100)
+    assert not tokens_are_possible(-1, 10)
 
 
 def test_weight_errors():

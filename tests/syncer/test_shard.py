@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from diloco.core.config import TrainingConfig
+from diloco.core.merge import MAX_TOKEN_RATIO
 from diloco.syncer.shard import PushKey, Refused, ShardState, TensorSpec
 from diloco.transport.codes import status_code
 from diloco.transport.v1 import syncer_pb2 as pb
@@ -41,7 +42,7 @@ class TestSeed:
     def test_push_to_unseeded_fragment_is_a_failed_precondition(self):
         shard = ShardState(TrainingConfig(fragments=1, inner_steps=10, overlap_steps=1), 0, 1, INCARNATION)
         with pytest.raises(Refused) as refused:
-            shard.check_push(PushKey("a", INCARNATION, 0, 0), 0, SPECS)
+            shard.check_push(PushKey("a", INCARNATION, 0, 0), 0, SPECS, 100, 10)
         assert status_code(refused.value.kind) == grpc.StatusCode.FAILED_PRECONDITION
 
     def test_unknown_fragment_is_invalid(self):
@@ -213,7 +214,7 @@ class TestStalenessAndIdempotency:
     def test_wrong_layout_is_invalid(self, specs, reason):
         shard = make_shard()
         with pytest.raises(Refused) as refused:
-            shard.check_push(PushKey("a", INCARNATION, 0, 0), 0, specs)
+            shard.check_push(PushKey("a", INCARNATION, 0, 0), 0, specs, 100, 10)
         assert status_code(refused.value.kind) == grpc.StatusCode.INVALID_ARGUMENT and refused.value.reason == reason
 
 
@@ -319,3 +320,32 @@ class TestIslandsOutOfPhase:
         assert shard.merge_share(1, 1.0) == 0.25
         assert shard.merge_share(4, 1.0) == 1.0
         assert shard.merge_share(1, 1.0 + shard.config.island_timeout_seconds + 1) == 1.0, "dead islands count not"
+
+
+class TestMergeBounds:
+    """What one island can claim: tokens are bounded at admission and in the merge."""
+
+    def test_tokens_no_inner_steps_could_produce_are_refused_and_change_nothing(self):
+        shard = make_shard()
+        key = PushKey("a", INCARNATION, 0, 0)
+        delta = [torch.ones(2), torch.ones(1)]
+        for tokens, inner_steps in ((2**64 - 1, 10), (1, 0)):
+            with pytest.raises(Refused) as refused:
+                shard.check_push(key, 0, SPECS, tokens, inner_steps)
+            assert status_code(refused.value.kind) == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.reason == "tokens" and f"{tokens} tokens" in refused.value.message
+            with pytest.raises(Refused):
+                shard.submit(key, 0, SPECS, delta, tokens, inner_steps, 0.0)
+        assert shard.fragments[0].pending == {} and shard.islands == {}
+
+    def test_one_claim_weighs_at_most_max_token_ratio_times_another(self):
+        shard = make_shard(quorum=2, grace_seconds=60.0)
+        push(shard, "a", 0.0, delta=1.0, tokens=100)
+        key = PushKey("b", INCARNATION, 0, 0)
+        huge = 10 * 2**32  # as many tokens as 10 inner steps may claim
+        shard.submit(key, 0, SPECS, [torch.full((2,), 5.0), torch.full((1,), 5.0)], huge, 10, 0.0)
+        record = shard.merge(0, 0.0)
+        ratio = MAX_TOKEN_RATIO
+        mean = (1.0 * 100 + 5.0 * 100 * ratio) / (100 + 100 * ratio)
+        assert torch.allclose(shard.fragments[0].values[1], torch.full((1,), outer_lr_first_step(mean, shard.config)))
+        assert record.tokens == 100 + huge and shard.fragments[0].tokens_merged == 100 + huge, "counts what was claimed"

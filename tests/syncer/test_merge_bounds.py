@@ -1,0 +1,101 @@
+"""What one island's push can do to a merge, against a real shard: tokens no inner steps could produce are
+refused, and counters stay within their wire fields so Status always answers (also after a restart from a
+checkpoint, and from one written before tokens were bounded)."""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+import torch
+from syncer_harness import config_for, fragment_values, make_client, wait_until
+
+from diloco.core.encoding import Encoding
+from diloco.syncer import checkpoint
+from diloco.transport.client import SyncerClient
+from diloco.transport.v1 import syncer_pb2 as pb
+
+pytestmark = pytest.mark.process
+
+U64 = 2**64 - 1
+RETRY_SECONDS = 5.0  # a Status the shard cannot answer fails the test instead of being retried for minutes
+
+
+def push(client: SyncerClient, base: pb.FragmentVersion, delta, *, tokens: int, inner_steps: int, sequence: int):
+    return client.push(
+        0,
+        base=base,
+        tokens=tokens,
+        inner_steps=inner_steps,
+        sequence=sequence,
+        delta=delta,
+        encoding=Encoding.FP32,
+        block_size=0,
+    )
+
+
+def fragment_state(observer: SyncerClient) -> tuple:
+    """Fragment 0 as Status reports it, and the values a pull serves."""
+    status = observer.status()
+    f = next(f for f in status.fragments if f.fragment_id == 0)
+    version, values = observer.pull(0)
+    return (f.version.version, f.pending, f.last_contributors, f.tokens_merged), (version.version, values)
+
+
+def test_tokens_no_inner_steps_could_produce_are_refused_and_change_nothing(start_server):
+    server = start_server(config_for(quorum=2, grace_seconds=30.0))
+    with make_client(server.port, "a") as island, make_client(server.port, retry_for=RETRY_SECONDS) as observer:
+        island.join(2)
+        base = observer.pull(0)[0]
+        before = fragment_state(observer)
+        for tokens, inner_steps in ((U64, 10), (1, 0)):
+            with pytest.raises(grpc.RpcError) as refused:
+                push(island, base, fragment_values(0.1), tokens=tokens, inner_steps=inner_steps, sequence=1)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"{tokens} tokens in {inner_steps} inner steps" in refused.value.details()
+        after = fragment_state(observer)
+        assert after[0] == before[0] and after[1][0] == before[1][0]
+        assert all(torch.equal(got, want) for (_, got), (_, want) in zip(after[1][1], before[1][1]))
+        assert observer.status().rejected_pushes == 2
+
+
+def test_status_answers_after_the_largest_claims_before_and_after_a_restart(syncer_process):
+    process = syncer_process(config_for(quorum=2, grace_seconds=30.0))
+    with make_client(process.port) as seeder:
+        seeder.seed(0, fragment_values())
+        seeder.seed(1, fragment_values())
+    islands = {name: make_client(process.port, name) for name in "ab"}
+    with make_client(process.port, retry_for=RETRY_SECONDS) as observer:
+        for client in islands.values():
+            client.join(2)
+        base = observer.pull(0)[0]
+        for client in islands.values():  # as many tokens as the wire carries, in as many inner steps
+            push(client, base, fragment_values(0.1), tokens=U64, inner_steps=U64, sequence=1)
+        wait_until(lambda: observer.pull(0)[0].version == 1)
+        merged = fragment_state(observer)[0]
+        assert merged[2:] == (2, U64), "one merge of 2 × (2^64 - 1) tokens, reported saturated"
+    for client in islands.values():
+        client.close()
+    assert process.signal(signal.SIGTERM) == 0
+    process.start()
+    with make_client(process.port, retry_for=RETRY_SECONDS) as observer:
+        assert fragment_state(observer)[0] == merged
+
+
+def test_status_answers_for_a_checkpoint_written_before_tokens_were_bounded(syncer_process):
+    process = syncer_process(config_for())
+    with make_client(process.port) as seeder:
+        seeder.seed(0, fragment_values())
+        seeder.seed(1, fragment_values())
+    assert process.signal(signal.SIGTERM) == 0
+    path = checkpoint.checkpoint_path(process.checkpoint_dir, 0, 1)
+    saved = checkpoint.load(path)
+    saved["fragments"][0]["tokens_merged"] = 2**70  # what accepting two pushes of 2^69 tokens used to leave
+    saved["fragments"][1]["max_staleness_seen"] = 2**40
+    checkpoint.save(path, saved)
+    process.start()
+    with make_client(process.port, retry_for=RETRY_SECONDS) as observer:
+        fragments = {f.fragment_id: f for f in observer.status().fragments}
+    assert fragments[0].tokens_merged == U64
+    assert fragments[1].max_staleness_seen == 2**32 - 1
