@@ -200,11 +200,18 @@ class SyncerServer:
         for index in self.state.poll(now):
             started = time.perf_counter()
             record = self.state.merge(index, now)
+            self._dirty = True
+            if record.dropped is not None:
+                self.metrics.rejected.labels(record.dropped).inc(len(record.contributors))
+                log.warning(
+                    "merge refused, contributions dropped",
+                    extra={"fragment": index, "reason": record.dropped, "contributors": list(record.contributors)},
+                )
+                continue
             self.metrics.merge_seconds.observe(time.perf_counter() - started)
             self.metrics.merges.labels(str(index)).inc()
             self.metrics.version.labels(str(index)).set(record.version)
             self.metrics.contributors.observe(len(record.contributors))
-            self._dirty = True
             log.debug(
                 "merged",
                 extra={

@@ -16,7 +16,14 @@ import torch
 
 from diloco.core.config import TrainingConfig
 from diloco.core.fragments import owned_fragments
-from diloco.core.merge import MAX_TOKENS_PER_INNER_STEP, Contribution, is_too_stale, merge_deltas, tokens_are_possible
+from diloco.core.merge import (
+    MAX_TOKENS_PER_INNER_STEP,
+    Contribution,
+    all_finite,
+    is_too_stale,
+    merge_deltas,
+    tokens_are_possible,
+)
 from diloco.core.outer_optimizer import init_momentum, outer_step
 from diloco.core.refusal import Refusal
 
@@ -67,11 +74,14 @@ class PushResult:
 
 @dataclass(frozen=True)
 class MergeRecord:
+    """What a merge did; `dropped` names why its contributions were dropped instead (None when applied)."""
+
     fragment: int
     version: int
     contributors: tuple[str, ...]
     tokens: int
     max_staleness: int
+    dropped: str | None
 
 
 @dataclass
@@ -305,7 +315,14 @@ class ShardState:
         return contributors / max(contributors, len(self.live_islands(now)))
 
     def merge(self, index: int, now: float) -> MergeRecord:
-        """Merges the pending contributions into the fragment with the outer optimizer; bumps its version."""
+        """Merges the pending contributions into the fragment with the outer optimizer; bumps its version.
+
+        A merge whose values or momentum would not be finite (finite deltas can still overflow float32) is
+        refused: the fragment, its momentum and version stay as they were, and its contributions are
+        dropped and counted as rejected. Their pushes were already answered as taken; their islands see no
+        newer version for them, so each round ends with the next merge of others or at its timeout, and the
+        island pushes again from its unchanged base. The step is taken on copies, so a refused merge
+        changes nothing: the fragment is held twice for the time of one outer step."""
         frag = self.seeded_fragment(index)
         if not frag.pending:
             raise ValueError(f"fragment {index} has nothing to merge")
@@ -319,31 +336,39 @@ class ShardState:
             radial_directional=self.config.radial_directional,
         )
         outer = self.config.outer
+        values = [v.clone() for v in frag.values]
+        momentum = [m.clone() for m in frag.momentum]
         outer_step(
-            frag.values,
-            frag.momentum,
+            values,
+            momentum,
             outer_grad,
             lr=outer.lr,
             momentum_coef=outer.momentum,
             nesterov=outer.nesterov,
             share=self.merge_share(len(pending), now),
         )
-        frag.version += 1
-        frag.merged_keys |= {p.key for p in pending}
-        oldest_useful = frag.version - self.config.max_staleness
-        frag.merged_keys = {k for k in frag.merged_keys if k.base_version >= oldest_useful}
         frag.pending.clear()
         frag.quorum_since = None
         tokens = sum(p.tokens for p in pending)
-        frag.last_merge_unix = now
-        frag.last_contributors = len(pending)
-        frag.tokens_merged += tokens
+        dropped = None if all_finite(values) and all_finite(momentum) else "non_finite"
+        if dropped is None:
+            frag.values, frag.momentum = values, momentum
+            frag.version += 1
+            frag.merged_keys |= {p.key for p in pending}
+            oldest_useful = frag.version - self.config.max_staleness
+            frag.merged_keys = {k for k in frag.merged_keys if k.base_version >= oldest_useful}
+            frag.last_merge_unix = now
+            frag.last_contributors = len(pending)
+            frag.tokens_merged += tokens
+        else:
+            self.rejected_pushes += len(pending)
         return MergeRecord(
             fragment=index,
             version=frag.version,
             contributors=tuple(p.key.island for p in pending),
             tokens=tokens,
             max_staleness=max(c.staleness for c in contributions),
+            dropped=dropped,
         )
 
     # Checkpoints

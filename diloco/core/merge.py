@@ -138,6 +138,11 @@ def merge_deltas(
     return weighted_mean(deltas, weights)
 
 
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """Whether no element is NaN or Inf: a merge whose result is not finite is refused, not applied."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def is_too_stale(staleness: int, max_staleness: int) -> bool:
     """Whether a contribution `staleness` merges behind the current version exceeds the bound and is refused."""
     if staleness < 0:

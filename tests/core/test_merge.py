@@ -7,6 +7,7 @@ from diloco.core.merge import (
     MAX_TOKEN_RATIO,
     MAX_TOKENS_PER_INNER_STEP,
     Contribution,
+    all_finite,
     contribution_weights,
     is_too_stale,
     merge_deltas,
@@ -75,6 +76,13 @@ def test_tokens_are_possible_only_within_the_inner_steps_taken():
     assert not tokens_are_possible(1, 0), "tokens without an inner step"
     assert not tokens_are_possible(2**64 - 1, 100)
     assert not tokens_are_possible(-1, 10)
+
+
+def test_all_finite():
+    assert all_finite([t(1.0, -3e38), t(0.0)])
+    assert all_finite([])
+    assert not all_finite([t(1.0), t(float("inf"))])
+    assert not all_finite([t(float("nan"))])
 
 
 def test_weight_errors():

@@ -1,6 +1,7 @@
 """What one island's push can do to a merge, against a real shard: tokens no inner steps could produce are
-refused, and counters stay within their wire fields so Status always answers (also after a restart from a
-checkpoint, and from one written before tokens were bounded)."""
+refused, counters stay within their wire fields so Status always answers (also after a restart from a
+checkpoint, and from one written before tokens were bounded), and a merge that would make the fragment
+non-finite is refused with the fragment as it was, while the islands go on."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import signal
 import grpc
 import pytest
 import torch
-from syncer_harness import config_for, fragment_values, make_client, wait_until
+from syncer_harness import ReferenceFragment, config_for, fragment_values, make_client, wait_until
 
 from diloco.core.encoding import Encoding
 from diloco.syncer import checkpoint
@@ -99,3 +100,38 @@ def test_status_answers_for_a_checkpoint_written_before_tokens_were_bounded(sync
         fragments = {f.fragment_id: f for f in observer.status().fragments}
     assert fragments[0].tokens_merged == U64
     assert fragments[1].max_staleness_seen == 2**32 - 1
+
+
+def test_a_merge_that_would_not_be_finite_is_refused_and_the_islands_go_on(start_server):
+    config = config_for(quorum=2, grace_seconds=30.0)
+    server = start_server(config)
+    islands = {name: make_client(server.port, name) for name in "ab"}
+    with make_client(server.port, retry_for=RETRY_SECONDS) as observer:
+        for client in islands.values():
+            client.join(2)
+        base = observer.pull(0)[0]
+        before = fragment_state(observer)
+        for name, client in islands.items():  # finite deltas whose outer step overflows float32
+            reply = push(client, base, fragment_values(3e38), tokens=100, inner_steps=10, sequence=1)
+            assert not reply.duplicate, f"{name}'s push is taken: the merge is refused later, not the push"
+        wait_until(lambda: observer.status().rejected_pushes == 2)
+        after = fragment_state(observer)
+        assert after[0] == before[0], "version, pending, contributors and tokens as they were"
+        assert after[1][0] == before[1][0]
+        for (_, got), (_, want) in zip(after[1][1], before[1][1]):
+            assert torch.equal(got, want) and torch.isfinite(got).all()
+        dropped = server.metrics.registry.get_sample_value(
+            "diloco_syncer_rejected_pushes_total", {"reason": "non_finite"}
+        )
+        assert dropped == 2
+        reference = ReferenceFragment(config, fragment_values())
+        deltas = {"a": (fragment_values(0.1), 100), "b": (fragment_values(-0.3), 300)}
+        for name, client in islands.items():  # the islands push again from the base they hold
+            delta, tokens = deltas[name]
+            assert not push(client, base, delta, tokens=tokens, inner_steps=20, sequence=2).duplicate
+        wait_until(lambda: observer.pull(0)[0].version == 1)
+        reference.merge(list(deltas.values()))
+        reference.assert_matches(observer.pull(0)[1])
+        assert observer.pull(0, have=base)[0].version == 1, "a later pull succeeds"
+    for client in islands.values():
+        client.close()

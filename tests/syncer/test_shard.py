@@ -323,7 +323,8 @@ class TestIslandsOutOfPhase:
 
 
 class TestMergeBounds:
-    """What one island can claim: tokens are bounded at admission and in the merge."""
+    """What one island can claim and send: tokens are bounded at admission and in the merge, and a merge that
+    would make the fragment non-finite is refused with everything as it was."""
 
     def test_tokens_no_inner_steps_could_produce_are_refused_and_change_nothing(self):
         shard = make_shard()
@@ -349,3 +350,33 @@ class TestMergeBounds:
         mean = (1.0 * 100 + 5.0 * 100 * ratio) / (100 + 100 * ratio)
         assert torch.allclose(shard.fragments[0].values[1], torch.full((1,), outer_lr_first_step(mean, shard.config)))
         assert record.tokens == 100 + huge and shard.fragments[0].tokens_merged == 100 + huge, "counts what was claimed"
+
+    @pytest.mark.parametrize("radial", [False, True])
+    def test_a_merge_that_would_not_be_finite_is_refused_and_changes_nothing(self, radial):
+        shard = make_shard(quorum=2, grace_seconds=60.0, radial_directional=radial)
+        push(shard, "a", 0.0, delta=1.0)
+        shard.merge(0, 0.0)
+        frag = shard.fragments[0]
+        before = ([v.clone() for v in frag.values], [m.clone() for m in frag.momentum], frag.version)
+        counters = (frag.last_merge_unix, frag.last_contributors, frag.tokens_merged, set(frag.merged_keys))
+        push(shard, "a", 1.0, seq=1, delta=3e38)  # finite, as is their mean: the outer step overflows
+        push(shard, "b", 1.0, seq=1, delta=3e38)
+        record = shard.merge(0, 2.0)
+        assert record.dropped == "non_finite" and record.contributors == ("a", "b")
+        assert record.version == before[2]
+        assert all(torch.equal(v, w) for v, w in zip(frag.values, before[0]))
+        assert all(torch.equal(m, w) for m, w in zip(frag.momentum, before[1]))
+        assert frag.version == before[2]
+        assert (frag.last_merge_unix, frag.last_contributors, frag.tokens_merged, frag.merged_keys) == counters
+        assert frag.pending == {} and shard.rejected_pushes == 2, "the contributions are dropped and counted"
+
+    def test_islands_go_on_after_a_refused_merge(self):
+        shard = make_shard(quorum=2, grace_seconds=60.0)
+        push(shard, "a", 0.0, delta=3e38)
+        push(shard, "b", 0.0, delta=3e38)
+        assert shard.merge(0, 0.0).dropped == "non_finite"
+        push(shard, "a", 1.0, seq=1, delta=1.0)
+        push(shard, "b", 1.0, seq=1, delta=1.0)
+        record = shard.merge(0, 1.0)
+        assert record.dropped is None and record.version == 1
+        assert torch.allclose(shard.fragments[0].values[0], torch.full((2,), outer_lr_first_step(1.0, shard.config)))
