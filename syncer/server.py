@@ -46,6 +46,7 @@ U32 = 2**32 - 1  # the largest value of the uint32 fields of the StatusReply
 U64 = 2**64 - 1  # the largest value of its uint64 fields
 
 H = TypeVar("H", pb.FragmentHeader, pb.PushHeader)
+M = TypeVar("M", pb.JoinRequest, pb.PullRequest, pb.LeaveRequest, pb.StatusRequest)
 
 
 def _new_incarnation() -> int:
@@ -285,10 +286,12 @@ class SyncerServer:
         self, key: PushKey, fragment: int, specs: Sequence[TensorSpec], tokens: int, inner_steps: int
     ) -> tuple[PushResult | None, int]:
         """Checks a push header before its data is read: a duplicate's result (None to read on) and the most
-        bytes the data may take. The island counts as live from here."""
+        bytes the data may take. A duplicate is answered, so it refreshes the island; a push to read on does
+        when it is taken."""
         with self._cond:
             early = self.state.check_push(key, fragment, specs, tokens, inner_steps)
-            self.state.touch(key.island, self.clock())
+            if early is not None:
+                self.state.touch(key.island, self.clock())
             return early, self.state.fragments[fragment].nbytes
 
     def submit_push(
@@ -310,10 +313,13 @@ class SyncerServer:
     def pull(self, request: pb.PullRequest, encoding: Encoding, delta_encoding: Encoding | None) -> ServedPull | None:
         """The Pull reply to `request`, None when the island holds the newest version: a difference in
         `delta_encoding` when the island asked for one and the shard knows what it holds, else the full
-        values in `encoding`. The island counts as live; a difference is encoded outside the lock."""
+        values in `encoding`. A joined island is refreshed once the pull is answered; a difference is encoded
+        outside the lock."""
         with self._cond:
-            self.state.touch(request.island_id, self.clock())
+            if request.island_id:
+                self.state.check_island(request.island_id)
             frag = self.state.seeded_fragment(request.fragment_id)
+            self.state.touch(request.island_id, self.clock())
             if (request.have.incarnation, request.have.version) == (self.state.incarnation, frag.version):
                 return None
             if delta_encoding is not None and (held := self._held_reference(request)) is not None:
@@ -462,12 +468,13 @@ def _wire_refusal(error: wire.WireError) -> Refused:
 
 
 def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
-    """The diloco.v1.Syncer service with zero-copy chunk deserializers; Pull yields serialized messages."""
+    """The diloco.v1.Syncer service with zero-copy chunk deserializers; Pull yields serialized messages. Bytes
+    that are no request reach the handlers as `wire.Undecodable`, to be refused as invalid."""
     return grpc.method_handlers_generic_handler(
         SERVICE_NAME,
         {
             "Join": grpc.unary_unary_rpc_method_handler(
-                servicer.Join, pb.JoinRequest.FromString, pb.JoinReply.SerializeToString
+                servicer.Join, wire.parse_request(pb.JoinRequest), pb.JoinReply.SerializeToString
             ),
             "Seed": grpc.stream_unary_rpc_method_handler(
                 servicer.Seed, wire.parse_fragment_chunk, pb.SeedReply.SerializeToString
@@ -475,12 +482,12 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
             "PushDelta": grpc.stream_unary_rpc_method_handler(
                 servicer.PushDelta, wire.parse_push_chunk, pb.PushReply.SerializeToString
             ),
-            "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, pb.PullRequest.FromString, None),
+            "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, wire.parse_request(pb.PullRequest), None),
             "Status": grpc.unary_unary_rpc_method_handler(
-                servicer.Status, pb.StatusRequest.FromString, pb.StatusReply.SerializeToString
+                servicer.Status, wire.parse_request(pb.StatusRequest), pb.StatusReply.SerializeToString
             ),
             "Leave": grpc.unary_unary_rpc_method_handler(
-                servicer.Leave, pb.LeaveRequest.FromString, pb.LeaveReply.SerializeToString
+                servicer.Leave, wire.parse_request(pb.LeaveRequest), pb.LeaveReply.SerializeToString
             ),
         },
     )
@@ -498,18 +505,24 @@ class _Servicer:
         self.s.count_refusal(refusal)
         context.abort(status_code(refusal.kind), refusal.message)
 
-    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+    def _decoded(self, request: M | wire.Undecodable, context: grpc.ServicerContext) -> M:
+        """The request, unless its bytes were no such message (a string field that is not UTF-8): the caller's
+        error, refused as invalid (gRPC itself would answer INTERNAL, which clients retry)."""
+        if isinstance(request, wire.Undecodable):
+            self._refuse(Refused(Refusal.INVALID, "malformed", "the request is not a valid message"), context)
+        return request
+
+    def Join(self, request: pb.JoinRequest | wire.Undecodable, context: grpc.ServicerContext) -> pb.JoinReply:
+        join = self._decoded(request, context)
         fragments = self.s.config.fragments
-        if request.num_fragments != fragments:
-            self._refuse(
-                Refused(
-                    Refusal.INVALID,
-                    "layout",
-                    f"the island has {request.num_fragments} fragments, the job {fragments}",
-                ),
-                context,
-            )
-        return self.s.join(request.island_id)
+        try:
+            if join.num_fragments != fragments:
+                raise Refused(
+                    Refusal.INVALID, "layout", f"the island has {join.num_fragments} fragments, the job {fragments}"
+                )
+            return self.s.join(join.island_id)
+        except Refused as refusal:
+            self._refuse(refusal, context)
 
     def Seed(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.SeedReply:
         s = self.s
@@ -539,8 +552,6 @@ class _Servicer:
             h = _first_header(request_iterator, pb.PushHeader)
             key = PushKey(h.island_id, h.base.incarnation, h.base.version, h.sequence)
             specs = _specs(h.tensors)
-            if not h.island_id:
-                raise Refused(Refusal.INVALID, "malformed", "a push must name its island")
             early, limit = s.admit_push(key, h.fragment_id, specs, h.tokens, h.inner_steps)
             if early is None:
                 _, tensors = wire.read_push_stream(itertools.chain([h], request_iterator), max_total_bytes=limit)
@@ -557,8 +568,9 @@ class _Servicer:
             s.metrics.staleness.observe(result.staleness)
         return pb.PushReply(duplicate=result.duplicate, current=s.version(result.version), staleness=result.staleness)
 
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def Pull(self, request: pb.PullRequest | wire.Undecodable, context: grpc.ServicerContext) -> Iterator[bytes]:
         s = self.s
+        request = self._decoded(request, context)
         try:
             encoding = _requested_encoding(request.encoding, "encoding") if request.encoding else Encoding.FP32
             delta_encoding = (
@@ -573,12 +585,15 @@ class _Servicer:
         s.metrics.pulls.labels("delta" if served.delta else "full").inc()
         s.metrics.bytes_out.inc(served.nbytes)
 
-    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
-        if not request.island_id:
-            self._refuse(Refused(Refusal.INVALID, "malformed", "a leave must name its island"), context)
-        self.s.leave(request.island_id)
-        log.info("island left", extra={"island": request.island_id})
+    def Leave(self, request: pb.LeaveRequest | wire.Undecodable, context: grpc.ServicerContext) -> pb.LeaveReply:
+        island = self._decoded(request, context).island_id
+        try:
+            self.s.leave(island)
+        except Refused as refusal:
+            self._refuse(refusal, context)
+        log.info("island left", extra={"island": island})
         return pb.LeaveReply()
 
-    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+    def Status(self, request: pb.StatusRequest | wire.Undecodable, context: grpc.ServicerContext) -> pb.StatusReply:
+        self._decoded(request, context)
         return self.s.status()

@@ -16,6 +16,7 @@ import torch
 
 from diloco.core.config import TrainingConfig
 from diloco.core.fragments import owned_fragments
+from diloco.core.island_id import check_island_id
 from diloco.core.merge import (
     MAX_TOKENS_PER_INNER_STEP,
     Contribution,
@@ -28,6 +29,8 @@ from diloco.core.outer_optimizer import init_momentum, outer_step
 from diloco.core.refusal import Refusal
 
 CHECKPOINT_FORMAT = 1
+MAX_KNOWN_ISLANDS = 4096
+"""Islands a shard remembers, joined or left: 8 times the most a DiLoCoJob admits; keeps Status small."""
 
 
 class Refused(Exception):
@@ -128,20 +131,43 @@ class ShardState:
 
     # Islands
 
+    def check_island(self, island: str) -> None:
+        """Refuses an id outside the island id rule: the first check of every call that names an island."""
+        try:
+            check_island_id(island)
+        except ValueError as error:
+            raise Refused(Refusal.INVALID, "island_id", str(error)) from None
+
     def join(self, island: str, now: float) -> None:
+        """Counts the island live (again, if it had left): the one way an island becomes one merges wait for.
+        A caller with no island id (a probe, a seeder) learns the layout and counts as nobody."""
+        if not island:
+            return
+        self.check_island(island)
+        known = island in self.islands or island in self.left
+        if not known and len(self.islands) + len(self.left) >= MAX_KNOWN_ISLANDS:
+            raise Refused(
+                Refusal.TOO_LARGE, "islands", f"the shard already knows {MAX_KNOWN_ISLANDS} islands, the most it takes"
+            )
         self.left.discard(island)
-        self.touch(island, now)
+        self.islands[island] = now
 
     def touch(self, island: str, now: float) -> None:
-        """Marks an island live; one that left stays gone until it joins again (a late retry is no return)."""
-        if island and island not in self.left:
+        """Refreshes a joined island. Calls of one that never joined make nothing live (an invented id dilutes
+        no merge), and one that left stays gone until it joins again (a late retry is no return)."""
+        if island in self.islands:
             self.islands[island] = now
 
     def leave(self, island: str) -> None:
-        """An island that finished no longer caps the quorum nor holds a grace window open."""
-        if island:
-            self.islands.pop(island, None)
-            self.left.add(island)
+        """An island that finished no longer caps the quorum nor holds a grace window open. Only an island
+        that joined can leave; a retried Leave is answered as the first was."""
+        self.check_island(island)
+        if island in self.left:
+            return
+        if island not in self.islands:
+            raise Refused(Refusal.OUT_OF_STEP, "not_joined", f"island {island!r} never joined this shard")
+        del self.islands[island]
+        self.left.add(island)
 
     def live_islands(self, now: float) -> list[str]:
         horizon = now - self.config.island_timeout_seconds
@@ -191,6 +217,7 @@ class ShardState:
         self, key: PushKey, fragment: int, specs: Sequence[TensorSpec], tokens: int, inner_steps: int
     ) -> PushResult | None:
         """Validates a push header before its data is read: a duplicate's result, None to go on, or Refused."""
+        self.check_island(key.island)
         frag = self.seeded_fragment(fragment)
         if key in frag.merged_keys or (key.island in frag.pending and frag.pending[key.island].key == key):
             return PushResult(duplicate=True, version=frag.version, staleness=0)

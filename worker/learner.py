@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco.core.config import TrainingConfig
 from diloco.core.fragments import Fragment, fragments_due, plan_fragments, resume_step, shard_of
+from diloco.core.island_id import check_island_id
 from diloco.settings import env_default, load_token, load_training_config
 from diloco.transport.client import Backoff, SyncerClient
 from diloco.transport.v1 import syncer_pb2 as pb
@@ -121,6 +122,7 @@ class Learner:
             raise ValueError("a learner needs at least one syncer shard")
         if not island_id:
             raise ValueError("a learner needs an island id: the shards count contributions per island")
+        check_island_id(island_id)
         self.model = model
         self.optimizer = optimizer
         self.config = config

@@ -181,10 +181,11 @@ class FragmentSync:
 
     def _fresh(self) -> SyncResult:
         """The fragment's current values whatever this island holds. A shard that lost its state entirely
-        (restarted without a checkpoint) is unseeded: it is seeded again with the last global values this
-        island received, the first island to do so winning."""
+        (restarted without a checkpoint) knows no island and is unseeded: the island joins it again, and seeds
+        it with the last global values it received, the first island to do so winning."""
         r = self.request
         try:
+            self.client.rejoin()
             try:
                 pulled = pull_values(self.client, r.fragment, None, self._held(), self.pull_encoding)
             except grpc.RpcError as error:
@@ -194,7 +195,7 @@ class FragmentSync:
                 log.info("re-seeded fragment", extra=self._fields(accepted=seeded.accepted))
                 pulled = pull_values(self.client, r.fragment, None, None, self.pull_encoding)
         except grpc.RpcError as error:
-            return self._failed("pull", error)
+            return self._failed("resync", error)
         if pulled is None:
             raise RuntimeError(f"fragment {r.fragment}: a pull without a version came back empty")
         return self._adopt(RoundOutcome.RESYNCED, pulled)

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from diloco.core.config import MAX_BLOCK_SIZE
+
 # Re-exported: the training knob names the encodings defined here, and says which values are refused.
 from diloco.core.config import Encoding as Encoding
 from diloco.core.config import EncodingError as EncodingError
@@ -29,8 +31,8 @@ if sys.byteorder != "little":
 
 def _check(encoding: Encoding, block_size: int) -> None:
     if encoding in _QMAX:
-        if block_size <= 0:
-            raise EncodingError(f"block_size must be positive for {encoding.name}, got {block_size}")
+        if not 0 < block_size <= MAX_BLOCK_SIZE:
+            raise EncodingError(f"block_size must be in 1..{MAX_BLOCK_SIZE} for {encoding.name}, got {block_size}")
         if encoding is Encoding.INT4 and block_size % 2:
             # Even blocks keep the padded value array even, so nibbles pair up without a second pad.
             raise EncodingError(f"block_size must be even for INT4, got {block_size}")
@@ -113,6 +115,17 @@ def _int4_values(packed: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def _dequantised(q: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`q` times its block's scale, as float32 of q's length: whole blocks as rows, the ragged tail apart, so
+    nothing is padded to a whole block (a block may be far larger than the tensor)."""
+    out = q.to(torch.float32)
+    whole = q.numel() // block_size
+    head = whole * block_size
+    out[:head].view(whole, block_size).mul_(scales[:whole].unsqueeze(1))
+    out[head:].mul_(scales[whole:])
+    return out
+
+
 def decode(
     data: bytes | bytearray | memoryview | torch.Tensor, shape: Sequence[int], encoding: Encoding, block_size: int
 ) -> torch.Tensor:
@@ -145,9 +158,7 @@ def decode(
         if not _all_finite(scales):
             raise EncodingError("NaN or Inf scale")
         q = raw[split:].view(torch.int8) if encoding is Encoding.INT8 else _int4_values(raw[split:])
-        padded = torch.zeros(nblocks * block_size, dtype=torch.float32)
-        padded[:numel] = q[:numel]
-        out = padded.view(nblocks, block_size).mul_(scales.unsqueeze(1)).view(-1)[:numel]
+        out = _dequantised(q[:numel], scales, block_size)
     if not _all_finite(out):
         raise EncodingError("NaN or Inf value")
     return out.view(shape)

@@ -114,6 +114,7 @@ class SyncerClient:
         self._stop = stop if stop is not None else threading.Event()
         self._metadata = bearer_metadata(token)
         self._rng = random.Random(seed)
+        self._joined: pb.JoinRequest | None = None
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         # Every call is made from its method and (de)serializers, as the generated stubs would, but typed. The
         # tensor-carrying calls skip message objects: serialized chunks out, zero-copy views in.
@@ -178,7 +179,15 @@ class SyncerClient:
 
     def join(self, num_fragments: int) -> pb.JoinReply:
         request = pb.JoinRequest(island_id=self.island_id, num_fragments=num_fragments)
+        self._joined = request
         return self._retrying("Join", lambda: self._join(request, timeout=self.timeout, metadata=self._metadata))
+
+    def rejoin(self) -> None:
+        """Joins again as last time, if this client joined: a shard that restarted without its state counts
+        only the islands that joined it as live. Joining is idempotent."""
+        request = self._joined
+        if request is not None:
+            self._retrying("Join", lambda: self._join(request, timeout=self.timeout, metadata=self._metadata))
 
     def seed(self, fragment_id: int, named: Sequence[tuple[str, torch.Tensor]]) -> pb.SeedReply:
         payloads, blobs = wire.tensor_payloads(named, Encoding.FP32, 0)

@@ -15,7 +15,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 import torch
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from diloco.core.encoding import Encoding, EncodingError, decode, encode, encoded_nbytes
 from diloco.core.refusal import Refusal
@@ -31,15 +31,17 @@ _DATA_TAG = b"\x12"  # field 2 (`data`), length-delimited: the same in PushChunk
 
 _Header = TypeVar("_Header", pb.FragmentHeader, pb.PushHeader)
 _Chunk = TypeVar("_Chunk", pb.FragmentChunk, pb.PushChunk)
+_Request = TypeVar("_Request", bound=Message)
 
 
-class _Undecodable:
-    """What a deserializer returns for bytes that are no chunk message, so the reader (not gRPC, which
-    would answer INTERNAL) refuses the call with INVALID_ARGUMENT."""
+class Undecodable:
+    """What a deserializer returns for bytes that are no such message (a string field that is not UTF-8, a
+    field cut short), so the reader or handler (not gRPC, which would answer INTERNAL, which clients retry)
+    refuses the call with INVALID_ARGUMENT."""
 
 
-Part = pb.FragmentHeader | pb.PushHeader | memoryview | _Undecodable
-_PARTS = (pb.FragmentHeader, pb.PushHeader, memoryview, _Undecodable)
+Part = pb.FragmentHeader | pb.PushHeader | memoryview | Undecodable
+_PARTS = (pb.FragmentHeader, pb.PushHeader, memoryview, Undecodable)
 
 
 class WireError(Exception):
@@ -170,8 +172,20 @@ def _parser(chunk_type: type[_Chunk]) -> Callable[[bytes], "Part"]:
         try:
             chunk = chunk_type.FromString(raw)
         except DecodeError:
-            return _Undecodable()
+            return Undecodable()
         return _part(chunk)
+
+    return parse
+
+
+def parse_request(message_type: type[_Request]) -> Callable[[bytes], _Request | Undecodable]:
+    """gRPC deserializer of a unary request: the message, or `Undecodable` for bytes that are none."""
+
+    def parse(raw: bytes) -> _Request | Undecodable:
+        try:
+            return message_type.FromString(raw)
+        except DecodeError:
+            return Undecodable()
 
     return parse
 
@@ -193,7 +207,7 @@ def _part(chunk: pb.FragmentChunk | pb.PushChunk) -> Part:
         return chunk.header
     if kind == "data":
         return memoryview(chunk.data)
-    return _Undecodable()
+    return Undecodable()
 
 
 parse_fragment_chunk = _parser(pb.FragmentChunk)
@@ -248,7 +262,7 @@ def _read_stream(
     for part in parts:
         if isinstance(part, (pb.FragmentHeader, pb.PushHeader)):
             raise _invalid("header after the first message")
-        if isinstance(part, _Undecodable):
+        if isinstance(part, Undecodable):
             raise _invalid("message with neither header nor data, or not a chunk message at all")
         if len(part) > max_chunk:
             raise WireError(

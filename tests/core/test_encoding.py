@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 
+from diloco.core.config import MAX_BLOCK_SIZE
 from diloco.core.encoding import Encoding, EncodingError, decode, encode, encoded_nbytes, error_bound
 
 ALL = [Encoding.FP32, Encoding.BF16, Encoding.INT8, Encoding.INT4]
@@ -225,3 +226,27 @@ def test_a_uint8_tensor_is_decoded_in_place_when_aligned_and_copied_when_not():
     assert decoded.untyped_storage().data_ptr() == aligned.untyped_storage().data_ptr(), "no copy"
     misaligned = decode(encoded[1:], (33,), Encoding.FP32, 0)
     assert torch.equal(misaligned, values)
+
+
+@pytest.mark.parametrize("encoding", QUANTISED)
+@pytest.mark.parametrize("block_size", [MAX_BLOCK_SIZE + 2, 2**28, 2**32])
+def test_a_block_size_beyond_the_bound_is_refused_before_anything_is_allocated(encoding, block_size):
+    """The byte length alone cannot tell a block of 2^28 values from one of 64 over a small tensor (both are
+    one scale), so the block size has a bound of its own."""
+    numel = 2048
+    data = struct.pack("<f", 0.01) + b"\x11" * (numel if encoding is Encoding.INT8 else numel // 2)
+    with pytest.raises(EncodingError, match="block_size"):
+        encoded_nbytes(numel, encoding, block_size)
+    with pytest.raises(EncodingError, match="block_size"):
+        decode(data, [numel], encoding, block_size)
+
+
+@pytest.mark.parametrize("encoding", QUANTISED)
+@pytest.mark.parametrize("numel", [1, 3, 64, 65])
+def test_decode_allocates_no_more_than_the_tensor_whatever_the_block_size(encoding, numel):
+    """A block larger than the tensor (the job's block size over a small tensor) is padded by no decoder:
+    the result owns exactly its own values."""
+    x = _random((numel,), seed=8)
+    y = decode(encode(x, encoding, MAX_BLOCK_SIZE), [numel], encoding, MAX_BLOCK_SIZE)
+    assert y.untyped_storage().nbytes() == 4 * numel
+    assert bool(((y - x).abs() <= error_bound(x, encoding, MAX_BLOCK_SIZE)).all())

@@ -466,7 +466,8 @@ CALLS = {
         s.stub.Pull(pb.PullRequest(fragment_id=0, island_id="intruder"), metadata=md, timeout=30)
     ),
     "Status": lambda s, md: s.stub.Status(pb.StatusRequest(), metadata=md, timeout=30),
-    "Leave": lambda s, md: s.stub.Leave(pb.LeaveRequest(island_id="intruder"), metadata=md, timeout=30),
+    # Only an island that joined can leave: c, which the authorised call at the end then makes leave.
+    "Leave": lambda s, md: s.stub.Leave(pb.LeaveRequest(island_id="c"), metadata=md, timeout=30),
 }
 
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from diloco.core.config import TrainingConfig
+from diloco.core.island_id import ISLAND_ID_MAX_CHARS
 from diloco.core.merge import MAX_TOKEN_RATIO
-from diloco.syncer.shard import PushKey, Refused, ShardState, TensorSpec
+from diloco.syncer.shard import MAX_KNOWN_ISLANDS, PushKey, Refused, ShardState, TensorSpec
 from diloco.transport.codes import status_code
 from diloco.transport.v1 import syncer_pb2 as pb
 
@@ -58,7 +59,7 @@ class TestQuorumAndGrace:
     def test_merge_waits_for_quorum(self):
         shard = make_shard(quorum=2, grace_seconds=5.0, island_timeout_seconds=1000.0)
         for island in "abc":
-            shard.touch(island, 0.0)
+            shard.join(island, 0.0)
         push(shard, "a", 1.0)
         assert shard.poll(1.0) == []
         assert shard.poll(100.0) == [], "one push never reaches a quorum of two, however long we wait"
@@ -66,7 +67,7 @@ class TestQuorumAndGrace:
     def test_quorum_then_grace_window_bounds_the_wait(self):
         shard = make_shard(quorum=2, grace_seconds=5.0)
         for island in "abc":
-            shard.touch(island, 0.0)
+            shard.join(island, 0.0)
         push(shard, "a", 1.0)
         push(shard, "b", 2.0)
         assert shard.poll(2.0) == [], "c is live and may still report within the grace window"
@@ -76,6 +77,8 @@ class TestQuorumAndGrace:
 
     def test_merge_is_immediate_when_every_live_island_reported(self):
         shard = make_shard(quorum=1, grace_seconds=60.0)
+        for island in "ab":
+            shard.join(island, 0.0)
         push(shard, "a", 1.0)
         push(shard, "b", 1.0)
         assert shard.poll(1.0) == [0]
@@ -83,7 +86,7 @@ class TestQuorumAndGrace:
     def test_quorum_is_capped_by_live_islands(self):
         shard = make_shard(quorum=3, grace_seconds=0.0, island_timeout_seconds=10.0)
         for island in "abc":
-            shard.touch(island, 0.0)
+            shard.join(island, 0.0)
         push(shard, "a", 20.0)
         assert shard.effective_quorum(20.0) == 1, "b and c have not been heard from for 20 s"
         assert shard.poll(20.0) == [0]
@@ -91,7 +94,7 @@ class TestQuorumAndGrace:
     def test_an_island_that_left_holds_nothing_back(self):
         shard = make_shard(quorum=3, grace_seconds=60.0, island_timeout_seconds=1000.0)
         for island in "abc":
-            shard.touch(island, 0.0)
+            shard.join(island, 0.0)
         shard.leave("c")
         push(shard, "a", 1.0)
         push(shard, "b", 1.0)
@@ -178,8 +181,11 @@ class TestStalenessAndIdempotency:
 
     def test_staleness_within_bound_is_reported_and_down_weighted(self):
         shard = make_shard(max_staleness=2, staleness_decay=0.5)
+        shard.join("a", 0.0)
         push(shard, "a", 0.0)
         shard.merge(0, 0.0)
+        for island in "bc":
+            shard.join(island, 1.0)
         result = push(shard, "b", 1.0, base=0, delta=4.0, tokens=100)
         push(shard, "c", 1.0, base=1, delta=1.0, tokens=100)
         assert result.staleness == 1
@@ -232,8 +238,9 @@ class TestCheckpointState:
 
     def test_resume_remembers_when_islands_were_heard_from(self):
         shard = make_shard(quorum=2, grace_seconds=60.0, island_timeout_seconds=1000.0)
+        shard.join("a", 0.0)
         push(shard, "a", 0.0)
-        shard.touch("b", 0.0)
+        shard.join("b", 0.0)
         for clean in (True, False):
             resumed = ShardState.from_state_dict(shard.config, 0, 1, shard.to_state_dict(clean=clean), 99)
             assert resumed.live_islands(1.0) == ["a", "b"]
@@ -288,7 +295,7 @@ class TestIslandsOutOfPhase:
         local = [torch.zeros(32) for _ in range(islands)]
         base = [(torch.zeros(32), 0) for _ in range(islands)]
         for i in range(islands):
-            shard.touch(f"island-{i}", 0.0)
+            shard.join(f"island-{i}", 0.0)
         for step in range(1, rounds * h + 1):
             due = [i for i in range(islands) if (step + (i * h // islands if out_of_phase else 0)) % h == 0]
             for i in range(islands):
@@ -316,7 +323,7 @@ class TestIslandsOutOfPhase:
     def test_a_merge_is_the_share_of_the_live_islands_it_holds(self):
         shard = make_shard(quorum=1, grace_seconds=0.0)
         for island in "abcd":
-            shard.touch(island, 0.0)
+            shard.join(island, 0.0)
         assert shard.merge_share(1, 1.0) == 0.25
         assert shard.merge_share(4, 1.0) == 1.0
         assert shard.merge_share(1, 1.0 + shard.config.island_timeout_seconds + 1) == 1.0, "dead islands count not"
@@ -380,3 +387,59 @@ class TestMergeBounds:
         record = shard.merge(0, 1.0)
         assert record.dropped is None and record.version == 1
         assert torch.allclose(shard.fragments[0].values[0], torch.full((2,), outer_lr_first_step(1.0, shard.config)))
+
+
+class TestIslandIds:
+    """Only an island that joined counts as live or may leave, and a refused call changes nothing."""
+
+    def test_calls_of_an_island_that_never_joined_make_nothing_live(self):
+        shard = make_shard(quorum=2, grace_seconds=5.0)
+        shard.join("a", 0.0)
+        shard.touch("stranger", 1.0)
+        push(shard, "stranger", 1.0)  # a valid push still counts as a contribution
+        assert shard.live_islands(1.0) == ["a"]
+        assert shard.merge_share(1, 1.0) == 1 / 1, "the stranger dilutes no merge"
+
+    def test_only_an_island_that_joined_can_leave_and_a_retried_leave_is_answered(self):
+        shard = make_shard()
+        shard.join("a", 0.0)
+        before = shard.to_state_dict(clean=True)
+        with pytest.raises(Refused) as refused:
+            shard.leave("stranger")
+        assert status_code(refused.value.kind) == grpc.StatusCode.FAILED_PRECONDITION
+        assert shard.to_state_dict(clean=True)["left"] == before["left"] == []
+        shard.leave("a")
+        shard.leave("a")
+        assert shard.left == {"a"} and shard.live_islands(1.0) == []
+
+    @pytest.mark.parametrize("island", ["a" * (ISLAND_ID_MAX_CHARS + 1), "a b", "a/b", "é", "-a"])
+    def test_an_id_outside_the_rule_is_refused_by_every_call_and_changes_nothing(self, island):
+        shard = make_shard()
+        shard.join("a", 0.0)
+        push(shard, "a", 0.0)
+        before = (dict(shard.islands), set(shard.left), dict(shard.fragments[0].pending))
+        calls = {
+            "join": lambda: shard.join(island, 1.0),
+            "leave": lambda: shard.leave(island),
+            "push header": lambda: shard.check_push(PushKey(island, INCARNATION, 0, 1), 0, SPECS, 100, 10),
+            "push": lambda: push(shard, island, 1.0, seq=1),
+        }
+        for name, call in calls.items():
+            with pytest.raises(Refused) as refused:
+                call()
+            assert status_code(refused.value.kind) == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert (shard.islands, shard.left, shard.fragments[0].pending) == before, name
+
+    def test_a_shard_remembers_a_bounded_number_of_islands(self):
+        shard = make_shard()
+        for i in range(MAX_KNOWN_ISLANDS - 1):
+            shard.join(f"island-{i}", 0.0)
+        shard.join("last", 0.0)
+        shard.leave("last")
+        with pytest.raises(Refused) as refused:
+            shard.join("one-too-many", 1.0)
+        assert status_code(refused.value.kind) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "one-too-many" not in shard.islands
+        shard.join("last", 2.0)  # an island it knows may always join again
+        shard.join("island-0", 2.0)
+        assert len(shard.islands) == MAX_KNOWN_ISLANDS

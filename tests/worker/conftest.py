@@ -67,6 +67,10 @@ class Shards:
             reply = client.status()
         return {f.fragment_id: (f.seeded, f.version.version, f.tokens_merged) for f in reply.fragments}
 
+    def live_islands(self, index: int) -> list[str]:
+        with self.client(index) as client:
+            return list(client.status().live_islands)
+
 
 @pytest.fixture
 def start_shards(tmp_path: Path) -> Iterator[Callable[..., Shards]]:

@@ -215,6 +215,7 @@ def test_a_shard_that_lost_its_state_is_seeded_again(start_shards, island):
     assert all(status[p][0] and status[p][1] >= 1 for p in (0, 1)), status
     assert stats.syncs_resynced == 2 and stats.syncs_failed == 0
     assert all(stats.versions[p].version == status[p][1] for p in (0, 1))
+    assert shards.live_islands(0) == ["island-a"], "the island joined the new shard again"
 
 
 def test_a_dead_shard_costs_rounds_not_steps(start_shards, island):
