@@ -21,7 +21,7 @@ from typing import NoReturn, TypeVar
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from diloco.core.compressed_pull import held_after, values_digest
 from diloco.core.config import TrainingConfig
@@ -31,6 +31,7 @@ from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.references import Reference, References
 from diloco.syncer.shard import PushKey, PushResult, Refused, ShardState, TensorSpec
+from diloco.syncer.streams import CONTROL_WORKERS, MAX_QUEUED_CALLS, STREAM_IDLE_SECONDS, StreamWatch
 from diloco.transport import wire
 from diloco.transport.auth import TokenInterceptor
 from diloco.transport.codes import encoding_of, status_code
@@ -46,6 +47,8 @@ U32 = 2**32 - 1  # the largest value of the uint32 fields of the StatusReply
 U64 = 2**64 - 1  # the largest value of its uint64 fields
 
 H = TypeVar("H", pb.FragmentHeader, pb.PushHeader)
+R = TypeVar("R")
+S = TypeVar("S")
 M = TypeVar("M", pb.JoinRequest, pb.PullRequest, pb.LeaveRequest, pb.StatusRequest)
 
 
@@ -94,8 +97,11 @@ class SyncerServer:
         max_reference_bytes: int = 4 * 1024**3,
         metrics: SyncerMetrics | None = None,
         max_workers: int = 32,
+        stream_idle_seconds: float = STREAM_IDLE_SECONDS,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """`max_workers` threads serve the data calls (Seed, PushDelta, Pull), `CONTROL_WORKERS` more the
+        others; `stream_idle_seconds` is how long a data stream may keep the shard waiting (`streams`)."""
         self.config = config
         self.metrics = metrics or SyncerMetrics()
         self.clock = clock
@@ -112,7 +118,9 @@ class SyncerServer:
         self._replies: dict[tuple[int, Encoding], tuple[int, list[bytes], int]] = {}
         self._full_references: dict[int, Reference] = {}
         self._references = References(max_reference_bytes)
+        self.streams = StreamWatch(stream_idle_seconds, on_cancel=self._count_cancelled)
         self._health = health.HealthServicer()
+        self._control = futures.ThreadPoolExecutor(max_workers=CONTROL_WORKERS, thread_name_prefix="syncer-control")
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="syncer-rpc"),
             interceptors=[TokenInterceptor(token, on_refused=self._count_unauthenticated)],
@@ -121,9 +129,11 @@ class SyncerServer:
                 ("grpc.max_send_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
+            maximum_concurrent_rpcs=max_workers + CONTROL_WORKERS + MAX_QUEUED_CALLS,
         )
-        self._server.add_generic_rpc_handlers((_handlers(_Servicer(self)),))
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._server.add_generic_rpc_handlers(
+            (_handlers(_Servicer(self), self._control), _health_handlers(self._health, self._control))
+        )
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
@@ -148,7 +158,12 @@ class SyncerServer:
 
     def start(self) -> int:
         self._server.start()
-        for target, name in ((self._merge_loop, "syncer-merge"), (self._checkpoint_loop, "syncer-checkpoint")):
+        loops = (
+            (self._merge_loop, "syncer-merge"),
+            (self._checkpoint_loop, "syncer-checkpoint"),
+            (lambda: self.streams.run(self._stopping), "syncer-streams"),
+        )
+        for target, name in loops:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -174,6 +189,7 @@ class SyncerServer:
             self._cond.notify_all()
         for thread in self._threads:
             thread.join()
+        self._control.shutdown()
         self.save_checkpoint(clean=True)
         log.info("syncer shard stopped", extra={"shard": self.state.shard_index})
 
@@ -440,6 +456,11 @@ class SyncerServer:
         )
         return ServedPull(list(messages), sum(len(b) for b in blobs), delta=True)
 
+    def _count_cancelled(self, reason: str, method: str) -> None:
+        """A stream that kept the shard waiting too long was cancelled; count it where operators look."""
+        self.metrics.rejected.labels(reason).inc()
+        log.info("stream cancelled", extra={"reason": reason, "method": method})
+
     def _count_unauthenticated(self, method: str) -> None:
         """A wrong or missing token is refused before any handler runs; count it where operators look."""
         self.metrics.rejected.labels("unauthenticated").inc()
@@ -452,6 +473,11 @@ def _first_header(parts: Iterator[wire.Part], header_type: type[H]) -> H:
     if not isinstance(first, header_type):
         raise Refused(Refusal.INVALID, "malformed", f"the stream must start with a {header_type.__name__}")
     return first
+
+
+def _declared_bytes(tensors: Iterable[pb.TensorPayload]) -> int:
+    """The bytes a stream's header says its data will take (checked against the limits as it is read)."""
+    return sum(t.byte_length for t in tensors)
 
 
 def _requested_encoding(value: int, what: str) -> Encoding:
@@ -467,14 +493,45 @@ def _wire_refusal(error: wire.WireError) -> Refused:
     return Refused(error.kind, reason, error.message)
 
 
-def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
+def _on_pool(behavior: Callable[[R, grpc.ServicerContext], S], pool: futures.Executor) -> Callable[..., S]:
+    """`behavior` run on `pool` instead of the server's threads (gRPC reads `experimental_thread_pool`)."""
+
+    def run(request: R, context: grpc.ServicerContext) -> S:
+        return behavior(request, context)
+
+    run.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return run
+
+
+def _health_handlers(servicer: health.HealthServicer, control: futures.Executor) -> grpc.GenericRpcHandler:
+    """grpc.health.v1 with its Check on the control threads, so probes are answered while every data thread
+    is held; Watch, a long-lived stream, stays on the data threads."""
+    return grpc.method_handlers_generic_handler(
+        "grpc.health.v1.Health",
+        {
+            "Check": grpc.unary_unary_rpc_method_handler(
+                _on_pool(servicer.Check, control),
+                health_pb2.HealthCheckRequest.FromString,
+                health_pb2.HealthCheckResponse.SerializeToString,
+            ),
+            "Watch": grpc.unary_stream_rpc_method_handler(
+                servicer.Watch,
+                health_pb2.HealthCheckRequest.FromString,
+                health_pb2.HealthCheckResponse.SerializeToString,
+            ),
+        },
+    )
+
+
+def _handlers(servicer: _Servicer, control: futures.Executor) -> grpc.GenericRpcHandler:
     """The diloco.v1.Syncer service with zero-copy chunk deserializers; Pull yields serialized messages. Bytes
-    that are no request reach the handlers as `wire.Undecodable`, to be refused as invalid."""
+    that are no request reach the handlers as `wire.Undecodable`, to be refused as invalid. The calls that
+    carry no tensors run on the `control` threads."""
     return grpc.method_handlers_generic_handler(
         SERVICE_NAME,
         {
             "Join": grpc.unary_unary_rpc_method_handler(
-                servicer.Join, wire.parse_request(pb.JoinRequest), pb.JoinReply.SerializeToString
+                _on_pool(servicer.Join, control), wire.parse_request(pb.JoinRequest), pb.JoinReply.SerializeToString
             ),
             "Seed": grpc.stream_unary_rpc_method_handler(
                 servicer.Seed, wire.parse_fragment_chunk, pb.SeedReply.SerializeToString
@@ -484,10 +541,12 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
             ),
             "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, wire.parse_request(pb.PullRequest), None),
             "Status": grpc.unary_unary_rpc_method_handler(
-                servicer.Status, wire.parse_request(pb.StatusRequest), pb.StatusReply.SerializeToString
+                _on_pool(servicer.Status, control),
+                wire.parse_request(pb.StatusRequest),
+                pb.StatusReply.SerializeToString,
             ),
             "Leave": grpc.unary_unary_rpc_method_handler(
-                servicer.Leave, wire.parse_request(pb.LeaveRequest), pb.LeaveReply.SerializeToString
+                _on_pool(servicer.Leave, control), wire.parse_request(pb.LeaveRequest), pb.LeaveReply.SerializeToString
             ),
         },
     )
@@ -527,14 +586,17 @@ class _Servicer:
     def Seed(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.SeedReply:
         s = self.s
         try:
-            first = _first_header(request_iterator, pb.FragmentHeader)
-            index = first.fragment_id
-            seeded = s.seeded_version(index)
-            if seeded is not None:
-                return pb.SeedReply(accepted=False, version=seeded)
-            _header, tensors = wire.read_fragment_stream(
-                itertools.chain([first], request_iterator), max_total_bytes=s.max_fragment_bytes
-            )
+            with s.streams.watching(context, "Seed") as watched:
+                parts = watched.parts(request_iterator)
+                first = _first_header(parts, pb.FragmentHeader)
+                index = first.fragment_id
+                seeded = s.seeded_version(index)
+                if seeded is not None:
+                    return pb.SeedReply(accepted=False, version=seeded)
+                watched.expect(min(_declared_bytes(first.tensors), s.max_fragment_bytes))
+                _header, tensors = wire.read_fragment_stream(
+                    itertools.chain([first], parts), max_total_bytes=s.max_fragment_bytes
+                )
             specs = _specs(p for p, _ in tensors)
             accepted, version = s.seed(index, specs, [t for _, t in tensors])
         except wire.WireError as error:
@@ -549,12 +611,16 @@ class _Servicer:
     def PushDelta(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.PushReply:
         s = self.s
         try:
-            h = _first_header(request_iterator, pb.PushHeader)
-            key = PushKey(h.island_id, h.base.incarnation, h.base.version, h.sequence)
-            specs = _specs(h.tensors)
-            early, limit = s.admit_push(key, h.fragment_id, specs, h.tokens, h.inner_steps)
+            with s.streams.watching(context, "PushDelta") as watched:
+                parts = watched.parts(request_iterator)
+                h = _first_header(parts, pb.PushHeader)
+                key = PushKey(h.island_id, h.base.incarnation, h.base.version, h.sequence)
+                specs = _specs(h.tensors)
+                early, limit = s.admit_push(key, h.fragment_id, specs, h.tokens, h.inner_steps)
+                if early is None:
+                    watched.expect(min(_declared_bytes(h.tensors), limit))
+                    _, tensors = wire.read_push_stream(itertools.chain([h], parts), max_total_bytes=limit)
             if early is None:
-                _, tensors = wire.read_push_stream(itertools.chain([h], request_iterator), max_total_bytes=limit)
                 result = s.submit_push(key, h.fragment_id, specs, [t for _, t in tensors], h.tokens, h.inner_steps)
                 s.metrics.bytes_in.inc(sum(p.byte_length for p, _ in tensors))
             else:
@@ -581,7 +647,11 @@ class _Servicer:
             self._refuse(refusal, context)
         if served is None:
             return
-        yield from served.messages
+        with s.streams.watching(context, "Pull") as watched:
+            watched.expect(served.nbytes)
+            for message in served.messages:
+                with watched.waiting():
+                    yield message
         s.metrics.pulls.labels("delta" if served.delta else "full").inc()
         s.metrics.bytes_out.inc(served.nbytes)
 

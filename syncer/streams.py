@@ -1,0 +1,139 @@
+"""How long a data stream may hold one of the shard's threads, and the watch that cancels those that overstay.
+
+gRPC's synchronous server gives each call a thread for its whole life, and a peer that opens a stream and
+then sends nothing would hold it until its own deadline. A stream the shard waits on (a push or seed whose
+next chunk has not come, a pull whose reader takes no more) is cancelled once it has waited
+`idle_seconds`, and every stream once it has taken longer than its bytes at the slowest throughput a job
+must tolerate. Join, Status, Leave and the health check run on threads of their own (`CONTROL_WORKERS`), so
+they answer even while every data thread is held.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+import grpc
+
+from diloco.transport import wire
+
+log = logging.getLogger("diloco.syncer")
+
+T = TypeVar("T")
+
+MIN_STREAM_BYTES_PER_SECOND = 64 * 1024
+"""The slowest link a stream must fit: 512 kbit/s, below any WAN link a job would train over."""
+STREAM_IDLE_SECONDS = wire.MAX_CHUNK_BYTES / MIN_STREAM_BYTES_PER_SECOND
+"""How long the shard waits on a stream that moves nothing: one full 4 MiB chunk at the slowest link, 64 s."""
+CONTROL_WORKERS = 4
+"""Threads for Join, Status, Leave and the health check, apart from the data calls' threads: these calls
+only take the state lock, so a few answer a job's probes and islands."""
+MAX_QUEUED_CALLS = 1024
+"""Calls that may wait for a data thread: a push and a pull from each of 512 islands (the most a DiLoCoJob
+admits). gRPC refuses calls beyond these and the threads with RESOURCE_EXHAUSTED, before reading them."""
+
+
+def stream_deadline(started: float, nbytes: int, idle_seconds: float) -> float:
+    """When a stream that moves `nbytes` must be done: its bytes at the slowest throughput, plus one idle
+    wait of slack."""
+    return started + idle_seconds + nbytes / MIN_STREAM_BYTES_PER_SECOND
+
+
+def overdue(now: float, waiting_since: float | None, deadline: float, idle_seconds: float) -> str | None:
+    """Why a stream must be cancelled now (a metrics label), None while it may go on."""
+    if now >= deadline:
+        return "slow_stream"
+    if waiting_since is not None and now - waiting_since >= idle_seconds:
+        return "idle_stream"
+    return None
+
+
+class Watched:
+    """One stream under watch: when the shard began waiting on its peer (None while the shard works on it)
+    and its deadline once its size is known."""
+
+    def __init__(self, watch: StreamWatch, context: grpc.ServicerContext, method: str, started: float) -> None:
+        self._watch = watch
+        self.context = context
+        self.method = method
+        self.started = started
+        self.waiting_since: float | None = None
+        self.deadline = math.inf
+
+    def expect(self, nbytes: int) -> None:
+        """The stream is to move `nbytes`: it must be done by `stream_deadline`."""
+        with self._watch.lock:
+            self.deadline = stream_deadline(self.started, nbytes, self._watch.idle_seconds)
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The shard waits on the peer for as long as this lasts: the idle bound runs."""
+        with self._watch.lock:
+            self.waiting_since = self._watch.clock()
+        try:
+            yield
+        finally:
+            with self._watch.lock:
+                self.waiting_since = None
+
+    def parts(self, incoming: Iterator[T]) -> Iterator[T]:
+        """The messages of a client stream, each waited for under the idle bound."""
+        while True:
+            with self.waiting():
+                part = next(incoming, None)
+            if part is None:
+                return
+            yield part
+
+
+class StreamWatch:
+    """The shard's data streams in flight; `run` cancels each one that is overdue (its peer sees CANCELLED),
+    which ends its handler and frees its thread."""
+
+    def __init__(
+        self,
+        idle_seconds: float,
+        on_cancel: Callable[[str, str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`on_cancel(reason, method)` is told of each stream cancelled, to count it where operators look."""
+        self.idle_seconds = idle_seconds
+        self.clock = clock
+        self.lock = threading.Lock()
+        self._on_cancel = on_cancel
+        self._streams: set[Watched] = set()
+
+    @contextmanager
+    def watching(self, context: grpc.ServicerContext, method: str) -> Iterator[Watched]:
+        """Watches the stream for as long as this lasts."""
+        watched = Watched(self, context, method, self.clock())
+        with self.lock:
+            self._streams.add(watched)
+        try:
+            yield watched
+        finally:
+            with self.lock:
+                self._streams.discard(watched)
+
+    def cancel_overdue(self) -> None:
+        now = self.clock()
+        with self.lock:
+            due = [
+                (w, why) for w in self._streams if (why := overdue(now, w.waiting_since, w.deadline, self.idle_seconds))
+            ]
+            for watched, _ in due:
+                self._streams.discard(watched)
+        for watched, why in due:
+            watched.context.cancel()
+            self._on_cancel(why, watched.method)
+
+    def run(self, stopping: threading.Event) -> None:
+        """Checks the streams a few times per idle bound until `stopping` is set."""
+        period = min(1.0, self.idle_seconds / 4)
+        while not stopping.wait(period):
+            self.cancel_overdue()
