@@ -222,6 +222,7 @@ class ShardState:
         if key in frag.merged_keys or (key.island in frag.pending and frag.pending[key.island].key == key):
             return PushResult(duplicate=True, version=frag.version, staleness=0)
         self._check_specs(frag, specs)
+        self._check_room(frag, key.island)
         if not tokens_are_possible(tokens, inner_steps):
             raise Refused(
                 Refusal.INVALID,
@@ -262,6 +263,25 @@ class ShardState:
         frag.max_staleness_seen = max(frag.max_staleness_seen, staleness)
         self.touch(key.island, now)
         return PushResult(duplicate=False, version=frag.version, staleness=staleness)
+
+    def pending_room(self) -> int:
+        """How many pending contributions a fragment holds before it takes no more from islands that have
+        not joined: one per joined island, and at least a quorum's worth (a shard may be pushed to before it
+        hears the joins, e.g. after a restart without its state). Every island holds at most one per fragment,
+        and the shard knows at most MAX_KNOWN_ISLANDS, so the pending deltas of a shard never take more than
+        (MAX_KNOWN_ISLANDS + this) times the fragments' bytes, however many ids push."""
+        return max(len(self.islands), self.config.quorum)
+
+    def _check_room(self, frag: ShardFragment, island: str) -> None:
+        """Refuses a new contribution from an island that has not joined once the fragment is full."""
+        if island in frag.pending or island in self.islands or len(frag.pending) < self.pending_room():
+            return
+        raise Refused(
+            Refusal.TOO_LARGE,
+            "pending",
+            f"fragment {frag.index} already holds {len(frag.pending)} pending contributions, the most it takes "
+            f"from islands that have not joined; join first",
+        )
 
     def _check_specs(self, frag: ShardFragment, specs: Sequence[TensorSpec]) -> None:
         if len(specs) != len(frag.specs):

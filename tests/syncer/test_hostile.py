@@ -585,3 +585,69 @@ def test_a_header_that_lies_about_its_size_costs_no_memory(syncer_process):
     assert growth < declared // 4, f"a 1 KiB stream declaring 1 GiB raised the peak memory by {growth >> 20} MiB"
     with make_client(process.port) as client:
         assert list(client.join(2).unseeded_fragments) == [0, 1]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_ids_that_never_joined_cannot_fill_the_shard_with_pending_deltas(syncer_process):
+    """Many ids that never joined push a 4 MiB delta each: the fragment takes pending contributions from them
+    only up to max(joined islands, quorum) and refuses the rest RESOURCE_EXHAUSTED from the header alone,
+    before any data is read; the pending count, the live islands and the shard's peak memory stay bounded,
+    and the islands that joined still push."""
+    process = syncer_process(config_for(fragments=1, quorum=2, grace_seconds=300.0))
+    named = [("w", torch.zeros(MiB))]  # 4 MiB of float32
+    strangers = 64
+    with (
+        grpc.insecure_channel(
+            f"127.0.0.1:{process.port}",
+            options=[("grpc.max_send_message_length", 8 * MiB), ("grpc.max_receive_message_length", 8 * MiB)],
+        ) as channel,
+        make_client(process.port) as observer,
+    ):
+        stub = syncer_pb2_grpc.SyncerStub(channel)
+        assert observer.seed(0, named).accepted
+        for island in ("a", "b"):
+            with make_client(process.port, island) as client:
+                client.join(1)
+        base = observer.pull(0)[0]
+        payloads, blobs = wire.tensor_payloads([("w", torch.full((MiB,), 0.01))], Encoding.FP32, 0)
+
+        def header(island: str) -> pb.PushChunk:
+            return pb.PushChunk(
+                header=pb.PushHeader(
+                    island_id=island, fragment_id=0, base=base, tokens=100, inner_steps=10, sequence=1, tensors=payloads
+                )
+            )
+
+        def push(island: str) -> pb.PushReply:
+            return stub.PushDelta(iter([header(island), pb.PushChunk(data=blobs[0])]), metadata=AUTH, timeout=30)
+
+        for island in ("x-0", "x-1"):  # room for a quorum's worth, two joined islands' worth
+            assert not push(island).duplicate
+        peak_before = peak_rss_bytes(process.proc.pid)
+        before = observer.status()
+        for i in range(2, strangers):
+            error = refused(lambda i=i: push(f"x-{i}"))
+            assert error.code() == EXHAUSTED, error.details()
+        # Refused from the header alone: a stream that never sends its data is answered all the same.
+        release = threading.Event()
+
+        def header_only():
+            yield header("x-late")
+            release.wait(30)
+
+        try:
+            error = refused(lambda: stub.PushDelta(header_only(), metadata=AUTH, timeout=20))
+        finally:
+            release.set()
+        assert error.code() == EXHAUSTED, error.details()
+        growth = peak_rss_bytes(process.proc.pid) - peak_before
+        after = observer.status()
+        assert [(f.version, f.pending) for f in after.fragments] == [(f.version, f.pending) for f in before.fragments]
+        assert after.fragments[0].pending == 2
+        assert after.live_islands == before.live_islands == ["a", "b"]
+        with make_client(process.port, "a") as island:  # a joined island still has room
+            island.push(
+                0, base=base, tokens=100, inner_steps=10, sequence=1, delta=named, encoding=Encoding.FP32, block_size=0
+            )
+        assert observer.status().fragments[0].pending == 3
+    assert growth < strangers * MiB, f"{strangers} refused 4 MiB pushes raised the peak memory by {growth >> 20} MiB"

@@ -129,6 +129,8 @@ class TestMerge:
 
     def test_contributions_are_weighted_by_tokens(self):
         shard = make_shard()
+        for island in "ab":  # two contributions at quorum 1: the islands joined
+            shard.join(island, 0.0)
         push(shard, "a", 0.0, delta=1.0, tokens=100)
         push(shard, "b", 0.0, delta=5.0, tokens=300)
         shard.merge(0, 0.0)
@@ -222,6 +224,32 @@ class TestStalenessAndIdempotency:
         with pytest.raises(Refused) as refused:
             shard.check_push(PushKey("a", INCARNATION, 0, 0), 0, specs, 100, 10)
         assert status_code(refused.value.kind) == grpc.StatusCode.INVALID_ARGUMENT and refused.value.reason == reason
+
+
+class TestPendingRoom:
+    """Islands that never joined hold at most max(joined islands, quorum) pending deltas of a fragment."""
+
+    def test_a_stranger_beyond_the_room_is_refused_and_changes_nothing(self):
+        shard = make_shard(quorum=2, grace_seconds=60.0)
+        shard.join("a", 0.0)
+        push(shard, "x", 0.0)
+        push(shard, "y", 0.0)
+        with pytest.raises(Refused) as refused:
+            push(shard, "z", 0.0)
+        assert status_code(refused.value.kind) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert sorted(shard.fragments[0].pending) == ["x", "y"]
+        assert shard.islands == {"a": 0.0}
+
+    def test_joined_islands_and_replacements_always_have_room(self):
+        shard = make_shard(quorum=1, grace_seconds=60.0)
+        push(shard, "x", 0.0)
+        push(shard, "x", 0.0, seq=1, delta=2.0)  # a newer push replaces x's own
+        shard.join("a", 0.0)
+        shard.join("b", 0.0)
+        push(shard, "a", 0.0)
+        push(shard, "b", 0.0)
+        assert sorted(shard.fragments[0].pending) == ["a", "b", "x"]
+        assert torch.equal(shard.fragments[0].pending["x"].delta[0], torch.full((2,), 2.0))
 
 
 class TestCheckpointState:
