@@ -1,16 +1,19 @@
 """Tensors to and from the chunked gRPC streams of the Syncer contract, with no channels or servers.
 
 gRPC caps message sizes, so a fragment travels as one header (names, shapes, dtypes, encodings, byte
-lengths) followed by data messages of at most `MAX_CHUNK_BYTES`. Both the worker (pushing deltas, seeding)
-and the syncer (serving pulls, receiving pushes and seeds) build and read streams here, so the two sides
-cannot drift apart. Readers treat the peer as untrusted: every declared length is checked against what the
-encoding implies before data is buffered, and every refusal is a `WireError` carrying its kind of `Refusal`
-(and so the status code that the contract prescribes).
+lengths) followed by data messages of at most `MAX_CHUNK_BYTES`, each carrying its offset in the stream and a
+CRC-32 of its bytes. Both the worker (pushing deltas, seeding) and the syncer (serving pulls, receiving pushes
+and seeds) build and read streams here, so the two sides cannot drift apart. Readers treat the peer as
+untrusted: every declared length is checked against what the encoding implies before data is buffered, every
+chunk's offset and checksum before its bytes are used (a reordered, repeated, lost or damaged chunk would
+otherwise decode as other values), and every refusal is a `WireError` carrying its kind of `Refusal` (and so
+the status code that the contract prescribes).
 """
 
 import math
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import grpc
 import numpy as np
@@ -27,7 +30,10 @@ MAX_CHUNK_BYTES = 4 * 1024 * 1024
 _DTYPES = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16}
 _QUANTISED = (Encoding.INT8, Encoding.INT4)
 
-_DATA_TAG = b"\x12"  # field 2 (`data`), length-delimited: the same in PushChunk and FragmentChunk
+# The data message's fields, numbered alike in PushChunk and FragmentChunk.
+_DATA_TAG = b"\x12"  # field 2 (`data`), length-delimited
+_OFFSET_TAG = b"\x18"  # field 3 (`offset`), varint
+_CRC_TAG = b"\x25"  # field 4 (`crc32`), fixed32 little-endian
 
 _Header = TypeVar("_Header", pb.FragmentHeader, pb.PushHeader)
 _Chunk = TypeVar("_Chunk", pb.FragmentChunk, pb.PushChunk)
@@ -40,8 +46,17 @@ class Undecodable:
     refuses the call with INVALID_ARGUMENT."""
 
 
-Part = pb.FragmentHeader | pb.PushHeader | memoryview | Undecodable
-_PARTS = (pb.FragmentHeader, pb.PushHeader, memoryview, Undecodable)
+class Data(NamedTuple):
+    """A data message as read: its bytes (a view, not a copy), where the sender placed them in the stream and
+    the CRC-32 it computed of them; the reader checks both before using the bytes."""
+
+    view: memoryview
+    offset: int
+    crc32: int
+
+
+Part = pb.FragmentHeader | pb.PushHeader | Data | Undecodable
+_PARTS = (pb.FragmentHeader, pb.PushHeader, Data, Undecodable)
 
 
 class WireError(Exception):
@@ -122,14 +137,26 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+def data_message(parts: Sequence[bytes | memoryview], offset: int) -> bytes:
+    """A serialized data message (FragmentChunk or PushChunk alike) carrying the concatenation of `parts` at
+    byte `offset` of the stream, with its CRC-32. Written straight from the bytes, exactly as protobuf writes
+    the message (fields in number order, zeros left out), sparing the copies that building one costs."""
+    size = crc = 0
+    for part in parts:
+        size += len(part)
+        crc = zlib.crc32(part, crc)
+    placed = _OFFSET_TAG + _varint(offset) if offset else b""
+    checked = _CRC_TAG + crc.to_bytes(4, "little") if crc else b""
+    return b"".join((_DATA_TAG, _varint(size), *parts, placed, checked))
+
+
 def _messages(header: pb.FragmentChunk | pb.PushChunk, blobs: Sequence[bytes], max_chunk: int) -> Iterator[bytes]:
-    """Serialized chunk messages: `header` (the chunk that holds the header), then the data. A data message is
-    written straight from the encoded bytes (tag, length, payload: exactly what protobuf would write), sparing
-    the copies that building message objects costs."""
+    """Serialized chunk messages: `header` (the chunk that holds the header), then the data."""
     yield header.SerializeToString()
+    offset = 0
     for parts in _pieces(blobs, max_chunk):
-        size = sum(len(p) for p in parts)
-        yield b"".join((_DATA_TAG, _varint(size), *parts))
+        yield data_message(parts, offset)
+        offset += sum(len(p) for p in parts)
 
 
 def fragment_messages(
@@ -166,9 +193,10 @@ def push_messages(
 def _parser(chunk_type: type[_Chunk]) -> Callable[[bytes], "Part"]:
     def parse(raw: bytes) -> Part:
         if raw[:1] == _DATA_TAG:
-            size, offset = _read_varint(raw, 1)
-            if offset + size == len(raw):
-                return memoryview(raw)[offset:]
+            size, start = _read_varint(raw, 1)
+            placed = _offset_and_crc(raw, start + size) if size >= 0 else None
+            if placed is not None:
+                return Data(memoryview(raw)[start : start + size], *placed)
         try:
             chunk = chunk_type.FromString(raw)
         except DecodeError:
@@ -201,19 +229,33 @@ def _read_varint(raw: bytes, offset: int) -> tuple[int, int]:
     return -1, offset
 
 
+def _offset_and_crc(raw: bytes, at: int) -> tuple[int, int] | None:
+    """The offset and CRC-32 fields that end a data message written by `data_message`, from `at` (where its
+    payload ends); None if the rest is anything else (protobuf then parses the message)."""
+    offset = crc = 0
+    if raw[at : at + 1] == _OFFSET_TAG:
+        offset, at = _read_varint(raw, at + 1)
+        if offset < 0:
+            return None
+    if raw[at : at + 1] == _CRC_TAG and at + 5 <= len(raw):
+        crc = int.from_bytes(raw[at + 1 : at + 5], "little")
+        at += 5
+    return (offset, crc) if at == len(raw) else None
+
+
 def _part(chunk: pb.FragmentChunk | pb.PushChunk) -> Part:
     kind = chunk.WhichOneof("part")
     if kind == "header":
         return chunk.header
     if kind == "data":
-        return memoryview(chunk.data)
+        return Data(memoryview(chunk.data), chunk.offset, chunk.crc32)
     return Undecodable()
 
 
 parse_fragment_chunk = _parser(pb.FragmentChunk)
-parse_fragment_chunk.__doc__ = "gRPC deserializer of FragmentChunk: a data message becomes a view, not a copy."
+parse_fragment_chunk.__doc__ = "gRPC deserializer of FragmentChunk: a data message becomes `Data`, a view, not a copy."
 parse_push_chunk = _parser(pb.PushChunk)
-parse_push_chunk.__doc__ = "gRPC deserializer of PushChunk: a data message becomes a view, not a copy."
+parse_push_chunk.__doc__ = "gRPC deserializer of PushChunk: a data message becomes `Data`, a view, not a copy."
 
 
 def _declared_total(payloads: Iterable[pb.TensorPayload]) -> int:
@@ -264,16 +306,24 @@ def _read_stream(
             raise _invalid("header after the first message")
         if isinstance(part, Undecodable):
             raise _invalid("message with neither header nor data, or not a chunk message at all")
-        if len(part) > max_chunk:
+        data = part.view
+        if len(data) > max_chunk:
             raise WireError(
                 Refusal.TOO_LARGE,
-                f"data message of {len(part)} bytes exceeds the chunk limit of {max_chunk}",
+                f"data message of {len(data)} bytes exceeds the chunk limit of {max_chunk}",
             )
-        if received + len(part) > total:
+        if part.offset != received:
+            raise _invalid(
+                f"data chunk placed at byte {part.offset} arrived after {received} bytes:"
+                " chunks reordered, repeated or lost"
+            )
+        if received + len(data) > total:
             raise _invalid(f"trailing bytes: more data than the {total} bytes the header declares")
+        if zlib.crc32(data) != part.crc32:  # zlib drops the GIL over large buffers, as numpy's copy below does
+            raise _invalid(f"data chunk at byte {received}: CRC-32 mismatch, its bytes were damaged")
         # numpy copies without holding the GIL (a memoryview copy holds it), so the server's other calls run on.
-        array[received : received + len(part)] = np.frombuffer(part, dtype=np.uint8)
-        received += len(part)
+        array[received : received + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        received += len(data)
     if received != total:
         raise _invalid(f"truncated stream: got {received} of {total} bytes")
     tensors = []
