@@ -26,6 +26,9 @@ from diloco.transport.codes import encoding_of, status_code, wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
+MAX_STREAM_BYTES = 16 * 1024**3
+"""The most one stream may declare unless its reader sets a limit: the largest fragment a shard takes by
+default, so an island reading a pull never tries to reserve what a lying header declares."""
 
 _DTYPES = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16}
 _QUANTISED = (Encoding.INT8, Encoding.INT4)
@@ -283,7 +286,7 @@ def _read_stream(
     items: Iterable[Part | pb.FragmentChunk | pb.PushChunk],
     header_type: type[_Header],
     max_chunk: int,
-    max_total_bytes: int | None,
+    max_total_bytes: int,
 ) -> tuple[_Header, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     parts = (item if isinstance(item, _PARTS) else _part(item) for item in items)
     header = next(parts, None)
@@ -292,7 +295,7 @@ def _read_stream(
     if not isinstance(header, header_type):
         raise _invalid("first message is not a header")
     total = _declared_total(header.tensors)
-    if max_total_bytes is not None and total > max_total_bytes:
+    if total > max_total_bytes:
         raise WireError(
             Refusal.TOO_LARGE,
             f"header declares {total} bytes, more than the limit of {max_total_bytes}",
@@ -339,7 +342,10 @@ def _read_stream(
 
 
 def read_fragment_stream(
-    chunks: Iterable["Part | pb.FragmentChunk"], *, max_chunk: int = MAX_CHUNK_BYTES, max_total_bytes: int | None = None
+    chunks: Iterable["Part | pb.FragmentChunk"],
+    *,
+    max_chunk: int = MAX_CHUNK_BYTES,
+    max_total_bytes: int = MAX_STREAM_BYTES,
 ) -> tuple[pb.FragmentHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     """Read a Seed request or Pull reply (messages, or parts from `parse_fragment_chunk`) into its header
     and float32 tensors; raises WireError if malformed."""
@@ -347,7 +353,10 @@ def read_fragment_stream(
 
 
 def read_push_stream(
-    chunks: Iterable["Part | pb.PushChunk"], *, max_chunk: int = MAX_CHUNK_BYTES, max_total_bytes: int | None = None
+    chunks: Iterable["Part | pb.PushChunk"],
+    *,
+    max_chunk: int = MAX_CHUNK_BYTES,
+    max_total_bytes: int = MAX_STREAM_BYTES,
 ) -> tuple[pb.PushHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     """Read a PushDelta request into its header and float32 tensors; raises WireError if malformed."""
     return _read_stream(chunks, pb.PushHeader, max_chunk, max_total_bytes)

@@ -12,6 +12,7 @@ from diloco.transport.codes import encoding_of, wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.wire import (
     MAX_CHUNK_BYTES,
+    MAX_STREAM_BYTES,
     Data,
     WireError,
     data_message,
@@ -453,3 +454,11 @@ def test_data_messages_in_any_field_order_read_alike():
         assert isinstance(fast, Data) and isinstance(slow, Data)
         assert (bytes(fast.view), fast.offset, fast.crc32) == (bytes(slow.view), slow.offset, slow.crc32)
         assert (bytes(fast.view), fast.offset, fast.crc32) == (b"abcdefg", 4096, zlib.crc32(b"abcdefg"))
+
+
+def test_a_header_declaring_more_than_any_stream_carries_is_refused_without_a_limit_given():
+    """An island reads a pull with no fragment size to hold it to: a reply declaring 4 TiB is still refused
+    as oversize before anything is reserved, never an allocation failure."""
+    huge = pb.TensorPayload(name="w", shape=[2**40], dtype=pb.FLOAT32, encoding=pb.FP32, byte_length=2**42)
+    error = _refusal(read_fragment_stream, [pb.FragmentChunk(header=pb.FragmentHeader(tensors=[huge]))])
+    assert error.code == EXHAUSTED and str(MAX_STREAM_BYTES) in error.message
