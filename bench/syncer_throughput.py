@@ -211,7 +211,7 @@ def _sink_server(port: int, numel: int, ready: mp.Event, counters: mp.Array) -> 
         )
 
     def push(parts, context):
-        count(0, sum(len(part) for part in parts if isinstance(part, memoryview)))
+        count(0, sum(len(part.view) for part in parts if isinstance(part, wire.Data)))
         return pb.PushReply(current=pb.FragmentVersion(version=1))
 
     def pull(request, context):

@@ -93,7 +93,7 @@ class SyncerServer:
         port: int = 0,
         checkpoint_dir: Path | None = None,
         checkpoint_interval: float = 60.0,
-        max_fragment_bytes: int = 16 * 1024**3,
+        max_fragment_bytes: int = wire.MAX_STREAM_BYTES,
         max_reference_bytes: int = 4 * 1024**3,
         metrics: SyncerMetrics | None = None,
         max_workers: int = 32,

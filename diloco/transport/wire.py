@@ -1,16 +1,19 @@
 """Tensors to and from the chunked gRPC streams of the Syncer contract, with no channels or servers.
 
 gRPC caps message sizes, so a fragment travels as one header (names, shapes, dtypes, encodings, byte
-lengths) followed by data messages of at most `MAX_CHUNK_BYTES`. Both the worker (pushing deltas, seeding)
-and the syncer (serving pulls, receiving pushes and seeds) build and read streams here, so the two sides
-cannot drift apart. Readers treat the peer as untrusted: every declared length is checked against what the
-encoding implies before data is buffered, and every refusal is a `WireError` carrying its kind of `Refusal`
-(and so the status code that the contract prescribes).
+lengths) followed by data messages of at most `MAX_CHUNK_BYTES`, each carrying its offset in the stream and a
+CRC-32 of its bytes. Both the worker (pushing deltas, seeding) and the syncer (serving pulls, receiving pushes
+and seeds) build and read streams here, so the two sides cannot drift apart. Readers treat the peer as
+untrusted: every declared length is checked against what the encoding implies before data is buffered, every
+chunk's offset and checksum before its bytes are used (a reordered, repeated, lost or damaged chunk would
+otherwise decode as other values), and every refusal is a `WireError` carrying its kind of `Refusal` (and so
+the status code that the contract prescribes).
 """
 
 import math
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import grpc
 import numpy as np
@@ -23,11 +26,17 @@ from diloco.transport.codes import encoding_of, status_code, wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
+MAX_STREAM_BYTES = 16 * 1024**3
+"""The most one stream may declare unless its reader sets a limit: the largest fragment a shard takes by
+default, so an island reading a pull never tries to reserve what a lying header declares."""
 
 _DTYPES = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16}
 _QUANTISED = (Encoding.INT8, Encoding.INT4)
 
-_DATA_TAG = b"\x12"  # field 2 (`data`), length-delimited: the same in PushChunk and FragmentChunk
+# The data message's fields, numbered alike in PushChunk and FragmentChunk.
+_DATA_TAG = b"\x12"  # field 2 (`data`), length-delimited
+_OFFSET_TAG = b"\x18"  # field 3 (`offset`), varint
+_CRC_TAG = b"\x25"  # field 4 (`crc32`), fixed32 little-endian
 
 _Header = TypeVar("_Header", pb.FragmentHeader, pb.PushHeader)
 _Chunk = TypeVar("_Chunk", pb.FragmentChunk, pb.PushChunk)
@@ -40,8 +49,17 @@ class Undecodable:
     refuses the call with INVALID_ARGUMENT."""
 
 
-Part = pb.FragmentHeader | pb.PushHeader | memoryview | Undecodable
-_PARTS = (pb.FragmentHeader, pb.PushHeader, memoryview, Undecodable)
+class Data(NamedTuple):
+    """A data message as read: its bytes (a view, not a copy), where the sender placed them in the stream and
+    the CRC-32 it computed of them; the reader checks both before using the bytes."""
+
+    view: memoryview
+    offset: int
+    crc32: int
+
+
+Part = pb.FragmentHeader | pb.PushHeader | Data | Undecodable
+_PARTS = (pb.FragmentHeader, pb.PushHeader, Data, Undecodable)
 
 
 class WireError(Exception):
@@ -122,14 +140,26 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+def data_message(parts: Sequence[bytes | memoryview], offset: int) -> bytes:
+    """A serialized data message (FragmentChunk or PushChunk alike) carrying the concatenation of `parts` at
+    byte `offset` of the stream, with its CRC-32. Written straight from the bytes, exactly as protobuf writes
+    the message (fields in number order, zeros left out), sparing the copies that building one costs."""
+    size = crc = 0
+    for part in parts:
+        size += len(part)
+        crc = zlib.crc32(part, crc)
+    placed = _OFFSET_TAG + _varint(offset) if offset else b""
+    checked = _CRC_TAG + crc.to_bytes(4, "little") if crc else b""
+    return b"".join((_DATA_TAG, _varint(size), *parts, placed, checked))
+
+
 def _messages(header: pb.FragmentChunk | pb.PushChunk, blobs: Sequence[bytes], max_chunk: int) -> Iterator[bytes]:
-    """Serialized chunk messages: `header` (the chunk that holds the header), then the data. A data message is
-    written straight from the encoded bytes (tag, length, payload: exactly what protobuf would write), sparing
-    the copies that building message objects costs."""
+    """Serialized chunk messages: `header` (the chunk that holds the header), then the data."""
     yield header.SerializeToString()
+    offset = 0
     for parts in _pieces(blobs, max_chunk):
-        size = sum(len(p) for p in parts)
-        yield b"".join((_DATA_TAG, _varint(size), *parts))
+        yield data_message(parts, offset)
+        offset += sum(len(p) for p in parts)
 
 
 def fragment_messages(
@@ -166,9 +196,10 @@ def push_messages(
 def _parser(chunk_type: type[_Chunk]) -> Callable[[bytes], "Part"]:
     def parse(raw: bytes) -> Part:
         if raw[:1] == _DATA_TAG:
-            size, offset = _read_varint(raw, 1)
-            if offset + size == len(raw):
-                return memoryview(raw)[offset:]
+            size, start = _read_varint(raw, 1)
+            placed = _offset_and_crc(raw, start + size) if size >= 0 else None
+            if placed is not None:
+                return Data(memoryview(raw)[start : start + size], *placed)
         try:
             chunk = chunk_type.FromString(raw)
         except DecodeError:
@@ -201,19 +232,33 @@ def _read_varint(raw: bytes, offset: int) -> tuple[int, int]:
     return -1, offset
 
 
+def _offset_and_crc(raw: bytes, at: int) -> tuple[int, int] | None:
+    """The offset and CRC-32 fields that end a data message written by `data_message`, from `at` (where its
+    payload ends); None if the rest is anything else (protobuf then parses the message)."""
+    offset = crc = 0
+    if raw[at : at + 1] == _OFFSET_TAG:
+        offset, at = _read_varint(raw, at + 1)
+        if offset < 0:
+            return None
+    if raw[at : at + 1] == _CRC_TAG and at + 5 <= len(raw):
+        crc = int.from_bytes(raw[at + 1 : at + 5], "little")
+        at += 5
+    return (offset, crc) if at == len(raw) else None
+
+
 def _part(chunk: pb.FragmentChunk | pb.PushChunk) -> Part:
     kind = chunk.WhichOneof("part")
     if kind == "header":
         return chunk.header
     if kind == "data":
-        return memoryview(chunk.data)
+        return Data(memoryview(chunk.data), chunk.offset, chunk.crc32)
     return Undecodable()
 
 
 parse_fragment_chunk = _parser(pb.FragmentChunk)
-parse_fragment_chunk.__doc__ = "gRPC deserializer of FragmentChunk: a data message becomes a view, not a copy."
+parse_fragment_chunk.__doc__ = "gRPC deserializer of FragmentChunk: a data message becomes `Data`, a view, not a copy."
 parse_push_chunk = _parser(pb.PushChunk)
-parse_push_chunk.__doc__ = "gRPC deserializer of PushChunk: a data message becomes a view, not a copy."
+parse_push_chunk.__doc__ = "gRPC deserializer of PushChunk: a data message becomes `Data`, a view, not a copy."
 
 
 def _declared_total(payloads: Iterable[pb.TensorPayload]) -> int:
@@ -241,7 +286,7 @@ def _read_stream(
     items: Iterable[Part | pb.FragmentChunk | pb.PushChunk],
     header_type: type[_Header],
     max_chunk: int,
-    max_total_bytes: int | None,
+    max_total_bytes: int,
 ) -> tuple[_Header, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     parts = (item if isinstance(item, _PARTS) else _part(item) for item in items)
     header = next(parts, None)
@@ -250,7 +295,7 @@ def _read_stream(
     if not isinstance(header, header_type):
         raise _invalid("first message is not a header")
     total = _declared_total(header.tensors)
-    if max_total_bytes is not None and total > max_total_bytes:
+    if total > max_total_bytes:
         raise WireError(
             Refusal.TOO_LARGE,
             f"header declares {total} bytes, more than the limit of {max_total_bytes}",
@@ -264,16 +309,24 @@ def _read_stream(
             raise _invalid("header after the first message")
         if isinstance(part, Undecodable):
             raise _invalid("message with neither header nor data, or not a chunk message at all")
-        if len(part) > max_chunk:
+        data = part.view
+        if len(data) > max_chunk:
             raise WireError(
                 Refusal.TOO_LARGE,
-                f"data message of {len(part)} bytes exceeds the chunk limit of {max_chunk}",
+                f"data message of {len(data)} bytes exceeds the chunk limit of {max_chunk}",
             )
-        if received + len(part) > total:
+        if part.offset != received:
+            raise _invalid(
+                f"data chunk placed at byte {part.offset} arrived after {received} bytes:"
+                " chunks reordered, repeated or lost"
+            )
+        if received + len(data) > total:
             raise _invalid(f"trailing bytes: more data than the {total} bytes the header declares")
+        if zlib.crc32(data) != part.crc32:  # zlib drops the GIL over large buffers, as numpy's copy below does
+            raise _invalid(f"data chunk at byte {received}: CRC-32 mismatch, its bytes were damaged")
         # numpy copies without holding the GIL (a memoryview copy holds it), so the server's other calls run on.
-        array[received : received + len(part)] = np.frombuffer(part, dtype=np.uint8)
-        received += len(part)
+        array[received : received + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        received += len(data)
     if received != total:
         raise _invalid(f"truncated stream: got {received} of {total} bytes")
     tensors = []
@@ -289,7 +342,10 @@ def _read_stream(
 
 
 def read_fragment_stream(
-    chunks: Iterable["Part | pb.FragmentChunk"], *, max_chunk: int = MAX_CHUNK_BYTES, max_total_bytes: int | None = None
+    chunks: Iterable["Part | pb.FragmentChunk"],
+    *,
+    max_chunk: int = MAX_CHUNK_BYTES,
+    max_total_bytes: int = MAX_STREAM_BYTES,
 ) -> tuple[pb.FragmentHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     """Read a Seed request or Pull reply (messages, or parts from `parse_fragment_chunk`) into its header
     and float32 tensors; raises WireError if malformed."""
@@ -297,7 +353,10 @@ def read_fragment_stream(
 
 
 def read_push_stream(
-    chunks: Iterable["Part | pb.PushChunk"], *, max_chunk: int = MAX_CHUNK_BYTES, max_total_bytes: int | None = None
+    chunks: Iterable["Part | pb.PushChunk"],
+    *,
+    max_chunk: int = MAX_CHUNK_BYTES,
+    max_total_bytes: int = MAX_STREAM_BYTES,
 ) -> tuple[pb.PushHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     """Read a PushDelta request into its header and float32 tensors; raises WireError if malformed."""
     return _read_stream(chunks, pb.PushHeader, max_chunk, max_total_bytes)

@@ -4,15 +4,18 @@ with a unique name, so test modules can import it while other test folders have 
 from __future__ import annotations
 
 import socket
+from typing import TypeVar
 
 import torch
 from support import wait_until  # noqa: F401  (re-exported to the syncer tests)
 
 from diloco.core.config import TrainingConfig
+from diloco.transport import wire
 from diloco.transport.client import Backoff, SyncerClient
 
 TOKEN = "test-token"
 SHAPES = {"w": (64, 32), "b": (32,)}
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -23,6 +26,12 @@ def free_port() -> int:
 
 def fragment_values(fill: float = 0.0) -> list[tuple[str, torch.Tensor]]:
     return [(name, torch.full(shape, fill)) for name, shape in SHAPES.items()]
+
+
+def framed(chunk_type: type[T], data: bytes, offset: int = 0) -> T:
+    """A data message of `chunk_type` (PushChunk or FragmentChunk) carrying `data` at byte `offset` of its
+    stream, placed and checksummed as a well-behaved peer sends it."""
+    return chunk_type.FromString(wire.data_message([data], offset))
 
 
 def make_client(port: int, island: str = "", **kwargs) -> SyncerClient:

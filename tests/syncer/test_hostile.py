@@ -9,7 +9,9 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -19,6 +21,7 @@ from syncer_harness import (
     TOKEN,
     ReferenceFragment,
     config_for,
+    framed,
     make_client,
     random_values,
     wait_until,
@@ -195,11 +198,44 @@ def push_header(
 
 def push_stream(scene, island, named=None, encoding=Encoding.FP32, block_size=0, **header) -> list[pb.PushChunk]:
     payloads, blobs = wire.tensor_payloads(named or valid_delta(), encoding, block_size)
-    return [push_header(scene, island, payloads, **header), pb.PushChunk(data=b"".join(blobs))]  # one chunk: small
+    return [push_header(scene, island, payloads, **header), framed(pb.PushChunk, b"".join(blobs))]  # one chunk: small
 
 
 def with_data(scene, island, payloads, data: bytes) -> list[pb.PushChunk]:
-    return [push_header(scene, island, payloads), pb.PushChunk(data=data)]
+    return [push_header(scene, island, payloads), framed(pb.PushChunk, data)]
+
+
+def chunked_push(scene, island) -> list[pb.PushChunk]:
+    """A valid push whose data travels in chunks of 1 KiB, as the client frames them."""
+    payloads, blobs = wire.tensor_payloads(valid_delta(), Encoding.FP32, 0)
+    header = push_header(scene, island, payloads).header
+    return [pb.PushChunk.FromString(m) for m in wire.push_messages(header, payloads, blobs, max_chunk=1024)]
+
+
+def swap_chunks(chunks: list, first: int = 1, second: int = 2) -> list:
+    """`chunks` with two data messages exchanged: every byte arrives, in the wrong place."""
+    chunks = list(chunks)
+    chunks[first], chunks[second] = chunks[second], chunks[first]
+    return chunks
+
+
+def repeated_chunk(scene, island):
+    """The first data message sent twice and the second never: the stream keeps its declared length."""
+    chunks = chunked_push(scene, island)
+    return [*chunks[:2], chunks[1], *chunks[3:]]
+
+
+def flip_a_byte(chunks: list, index: int = 1) -> list:
+    """`chunks` with one bit flipped in data message `index`: in the lowest byte of its second float32, so the
+    damaged value is still finite and would decode as another value."""
+    chunks = list(chunks)
+    damaged = type(chunks[index])()
+    damaged.CopyFrom(chunks[index])
+    data = bytearray(damaged.data)
+    data[4] ^= 0x01
+    damaged.data = bytes(data)
+    chunks[index] = damaged
+    return chunks
 
 
 def corrupt_first_value(encoding: Encoding, block_size: int, raw: bytes) -> Callable:
@@ -237,11 +273,12 @@ def set_field(index: int, **fields) -> Callable[[list[pb.TensorPayload]], None]:
 
 def truncated(scene, island):
     chunks = push_stream(scene, island)
-    return [chunks[0], pb.PushChunk(data=chunks[1].data[:-100])]
+    return [chunks[0], framed(pb.PushChunk, chunks[1].data[:-100])]
 
 
 def trailing(scene, island):
-    return [*push_stream(scene, island), pb.PushChunk(data=b"\x00" * 8)]
+    chunks = push_stream(scene, island)
+    return [*chunks, framed(pb.PushChunk, b"\x00" * 8, offset=len(chunks[1].data))]
 
 
 def second_header(scene, island):
@@ -322,6 +359,10 @@ PUSH_CASES = {
     ),
     "negative dimension": (with_payload_changes(lambda ps: ps[1].shape.__setitem__(0, -32)), INVALID),
     "truncated stream": (truncated, INVALID),
+    "data chunks reordered": (lambda s, i: swap_chunks(chunked_push(s, i)), INVALID),
+    "a data chunk repeated in place of the next": (repeated_chunk, INVALID),
+    "a flipped byte in the data": (lambda s, i: flip_a_byte(chunked_push(s, i)), INVALID),
+    "a flipped byte in a one-chunk push": (lambda s, i: flip_a_byte(push_stream(s, i)), INVALID),
     "trailing bytes": (trailing, INVALID),
     "second header": (second_header, INVALID),
     "data before the header": (data_first, INVALID),
@@ -377,9 +418,9 @@ def test_refused_pushes_never_reach_a_merge(scene):
 # Seeds: fragment 2 awaits its seed and must still await it after each refusal.
 
 
-def seed_chunks(fragment, payloads, blobs) -> list[pb.FragmentChunk]:
-    header = pb.FragmentHeader(fragment_id=fragment, tensors=payloads)
-    return [pb.FragmentChunk(header=header), pb.FragmentChunk(data=b"".join(blobs))]
+def seed_chunks(fragment, payloads, blobs, max_chunk=wire.MAX_CHUNK_BYTES) -> list[pb.FragmentChunk]:
+    messages = wire.fragment_messages(fragment, pb.FragmentVersion(), payloads, blobs, max_chunk)
+    return [pb.FragmentChunk.FromString(m) for m in messages]
 
 
 def seed_stream(named, fragment=2) -> list[pb.FragmentChunk]:
@@ -395,7 +436,11 @@ def seed_with_nan():
 def seed_declaring_4_tib():
     huge = pb.TensorPayload(name="w", shape=[2**40], dtype=pb.FLOAT32, encoding=pb.FP32, byte_length=2**42)
     header = pb.FragmentHeader(fragment_id=2, tensors=[huge])
-    return [pb.FragmentChunk(header=header), pb.FragmentChunk(data=b"\0" * 1024)]
+    return [pb.FragmentChunk(header=header), framed(pb.FragmentChunk, b"\0" * 1024)]
+
+
+def chunked_seed() -> list[pb.FragmentChunk]:
+    return seed_chunks(2, *wire.tensor_payloads(random_values(5), Encoding.FP32, 0), max_chunk=1024)
 
 
 SEED_CASES = {
@@ -403,6 +448,8 @@ SEED_CASES = {
     "no tensors": (lambda: seed_stream([]), INVALID),
     "header declares more than a fragment may hold": (seed_declaring_4_tib, EXHAUSTED),
     "truncated": (lambda: seed_stream(random_values(5))[:1], INVALID),
+    "data chunks reordered": (lambda: swap_chunks(chunked_seed()), INVALID),
+    "a flipped byte in the data": (lambda: flip_a_byte(chunked_seed()), INVALID),
     "data before the header": (lambda: seed_stream(random_values(5))[::-1], INVALID),
     "unknown fragment": (lambda: seed_stream(random_values(5), fragment=7), INVALID),
     "empty stream": (lambda: [], INVALID),
@@ -435,6 +482,59 @@ def test_hostile_pull_is_refused(scene, request_, code):
     before = snapshot(scene)
     error = refused(lambda: list(scene.stub.Pull(request_, metadata=AUTH, timeout=30)))
     assert error.code() == code, error.details()
+    assert_unchanged(before, snapshot(scene))
+
+
+# Pulls through a link that damages them: the island refuses what it cannot trust, and the shard is untouched.
+
+LARGE = [("w", torch.randn(1_200_000, generator=torch.Generator().manual_seed(9)))]  # 4.8 MB: two data messages
+PULL_DAMAGE = {"data chunks reordered": swap_chunks, "a flipped byte in the data": flip_a_byte}
+
+
+@contextmanager
+def damaging_link(port: int, damage: Callable[[list], list]) -> Iterator[int]:
+    """A gRPC hop in front of the shard that passes each Pull reply on after `damage` rewrote its messages
+    (FragmentChunk, in order); yields the port to pull from."""
+    options = [("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)]
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+    upstream = channel.unary_stream("/diloco.v1.Syncer/Pull")  # serialized bytes in and out
+
+    def pull(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        metadata = [(key, value) for key, value in context.invocation_metadata() if key == "authorization"]
+        replies = [pb.FragmentChunk.FromString(raw) for raw in upstream(request, metadata=metadata, timeout=30)]
+        yield from (chunk.SerializeToString() for chunk in damage(replies))
+
+    handler = grpc.method_handlers_generic_handler(
+        "diloco.v1.Syncer", {"Pull": grpc.unary_stream_rpc_method_handler(pull)}
+    )
+    server = grpc.server(ThreadPoolExecutor(max_workers=2), handlers=[handler], options=options)
+    link_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield link_port
+    finally:
+        server.stop(grace=0)
+        channel.close()
+
+
+def test_a_pull_through_an_intact_link_arrives_whole(scene):
+    assert scene.observer.seed(2, LARGE).accepted
+    passed = []
+    with damaging_link(scene.server.port, lambda chunks: passed.extend(chunks) or chunks) as port:
+        with make_client(port) as island:
+            _version, values = island.pull(2)
+    assert len(passed) == 3  # a header and two data messages: the damages below have something to work on
+    assert torch.equal(values[0][1], LARGE[0][1])
+
+
+@pytest.mark.parametrize("case", list(PULL_DAMAGE))
+def test_a_pull_damaged_on_the_way_is_refused_by_the_island(scene, case):
+    assert scene.observer.seed(2, LARGE).accepted
+    before = snapshot(scene)
+    with damaging_link(scene.server.port, PULL_DAMAGE[case]) as port, make_client(port) as island:
+        with pytest.raises(wire.WireError) as error:
+            island.pull(2)
+    assert error.value.code == INVALID, error.value.message
     assert_unchanged(before, snapshot(scene))
 
 
@@ -504,7 +604,7 @@ def cancelled_push(scene: Scene, chunks: list[pb.PushChunk], data: bytes) -> Non
 
     def stream():
         yield chunks[0]
-        yield pb.PushChunk(data=data)
+        yield framed(pb.PushChunk, data)
         sent.set()
         release.wait(30)
 
@@ -573,7 +673,7 @@ def test_a_header_that_lies_about_its_size_costs_no_memory(syncer_process):
     lying = pb.TensorPayload(name="w", shape=[declared // 4], dtype=pb.FLOAT32, encoding=pb.FP32, byte_length=declared)
     chunks = [
         pb.FragmentChunk(header=pb.FragmentHeader(fragment_id=0, tensors=[lying])),
-        pb.FragmentChunk(data=b"\0" * 1024),
+        framed(pb.FragmentChunk, b"\0" * 1024),
     ]
     with grpc.insecure_channel(f"127.0.0.1:{process.port}") as channel:
         stub = syncer_pb2_grpc.SyncerStub(channel)

@@ -10,7 +10,7 @@ import struct
 import grpc
 import pytest
 import test_hostile
-from syncer_harness import ReferenceFragment, config_for, make_client, random_values, wait_until
+from syncer_harness import ReferenceFragment, config_for, framed, make_client, random_values, wait_until
 from test_hostile import (
     AUTH,
     INVALID,
@@ -73,7 +73,7 @@ def test_invented_islands_pulling_unknown_fragments_dilute_no_merge(start_server
             for island in INVENTED[:50]:
                 header, data = push_stream_for(island, base)
                 error = refused(
-                    lambda: stub.PushDelta(iter([header, pb.PushChunk(data=data[: len(data) // 2])]), metadata=AUTH)
+                    lambda: stub.PushDelta(iter([header, framed(pb.PushChunk, data[: len(data) // 2])]), metadata=AUTH)
                 )
                 assert error.code() == INVALID, error.details()
         assert list(observer.status().live_islands) == live_before == ["island-a", "island-b"]
@@ -218,7 +218,7 @@ def test_an_int4_push_declaring_a_huge_block_size_is_invalid_and_costs_no_memory
         )
         blobs.append(blob)
     header = pb.PushHeader(island_id="island-a", fragment_id=0, base=base, tokens=1, inner_steps=1, tensors=payloads)
-    chunks = [pb.PushChunk(header=header), pb.PushChunk(data=b"".join(blobs))]
+    chunks = [pb.PushChunk(header=header), framed(pb.PushChunk, b"".join(blobs))]
     with grpc.insecure_channel(f"127.0.0.1:{process.port}") as channel:
         stub = syncer_pb2_grpc.SyncerStub(channel)
         stub.Status(pb.StatusRequest(), metadata=AUTH, timeout=30)  # everything a call needs is loaded

@@ -1,5 +1,7 @@
 """Specification of the chunked tensor streams: round trips, chunk bounds, and every refusal with its code."""
 
+import zlib
+
 import grpc
 import pytest
 import torch
@@ -10,7 +12,10 @@ from diloco.transport.codes import encoding_of, wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.wire import (
     MAX_CHUNK_BYTES,
+    MAX_STREAM_BYTES,
+    Data,
     WireError,
+    data_message,
     fragment_messages,
     parse_fragment_chunk,
     parse_push_chunk,
@@ -211,7 +216,8 @@ def test_mixed_encodings_in_one_stream():
         payloads += p
         blobs += b
     header = pb.FragmentHeader(fragment_id=1, version=VERSION, tensors=payloads)
-    chunks = [pb.FragmentChunk(header=header), *(pb.FragmentChunk(data=d) for d in split(blobs, 11))]
+    chunks = [pb.FragmentChunk.FromString(m) for m in fragment_messages(1, VERSION, payloads, blobs, 11)]
+    chunks[0] = pb.FragmentChunk(header=header)
     _, decoded = read_fragment_stream(chunks)
     for (name, tensor), (payload, values) in zip(named, decoded, strict=True):
         bound = error_bound(tensor, encoding_of(payload.encoding), payload.block_size)
@@ -227,7 +233,7 @@ def test_stream_of_empty_tensors_is_just_a_header():
 
 def test_empty_data_messages_are_tolerated():
     chunks = _fragment_chunks(max_chunk=64)
-    chunks.insert(2, pb.FragmentChunk(data=b""))
+    chunks.insert(2, pb.FragmentChunk.FromString(data_message([], len(chunks[1].data))))
     read_fragment_stream(chunks, max_chunk=64)
 
 
@@ -301,7 +307,8 @@ def test_trailing_bytes_are_refused_as_soon_as_they_arrive():
     consumed = []
 
     def stream():
-        for chunk in [*chunks, pb.FragmentChunk(data=b"x"), *chunks[1:]]:
+        declared = sum(p.byte_length for p in chunks[0].header.tensors)
+        for chunk in [*chunks, pb.FragmentChunk.FromString(data_message([b"x"], declared)), *chunks[1:]]:
             consumed.append(chunk)
             yield chunk
 
@@ -337,7 +344,7 @@ def test_non_finite_values_are_refused(encoding):
     poison = encode(torch.full((8,), 2.0), encoding, 4)
     poison = bytearray(poison)
     poison[:4] = b"\x00\x00\xc0\x7f"  # a float32 NaN, in the first value (FP32) or the first scale (INT8)
-    chunks = [good[0], pb.FragmentChunk(data=bytes(poison))]
+    chunks = [good[0], pb.FragmentChunk.FromString(data_message([bytes(poison)], 0))]
     assert payload.byte_length == len(poison)
     error = _refusal(read_fragment_stream, chunks)
     assert error.code == INVALID and "NaN or Inf" in error.message and "'w'" in error.message
@@ -353,7 +360,8 @@ def test_serialized_data_messages_are_exactly_what_protobuf_writes():
     payloads, blobs = tensor_payloads(_named(), Encoding.INT8, 16)
     messages = list(push_messages(_push_header(), payloads, blobs, max_chunk=300))
     for raw in messages[1:]:
-        assert pb.PushChunk(data=pb.PushChunk.FromString(raw).data).SerializeToString() == raw
+        chunk = pb.PushChunk.FromString(raw)
+        assert pb.PushChunk(data=chunk.data, offset=chunk.offset, crc32=chunk.crc32).SerializeToString() == raw
 
 
 @pytest.mark.parametrize(
@@ -367,7 +375,7 @@ def test_zero_copy_parts_read_like_messages(parse, build):
     named = _named()
     payloads, blobs = tensor_payloads(named, Encoding.FP32, 0)
     parts = [parse(raw) for raw in build(payloads, blobs)]
-    assert all(isinstance(part, memoryview) for part in parts[1:])
+    assert all(isinstance(part, Data) and isinstance(part.view, memoryview) for part in parts[1:])
     read = read_fragment_stream if parse is parse_fragment_chunk else read_push_stream
     _, decoded = read(parts, max_chunk=300)
     for (_, want), (_, got) in zip(named, decoded):
@@ -379,3 +387,78 @@ def test_bytes_that_are_no_chunk_are_refused_as_invalid(raw):
     header = pb.FragmentChunk(header=pb.FragmentHeader(fragment_id=1)).SerializeToString()
     error = _refusal(read_fragment_stream, [parse_fragment_chunk(header), parse_fragment_chunk(raw)])
     assert error.code == INVALID
+
+
+# --- self-checking framing: a chunk out of place or damaged is refused before its bytes are used ------------
+
+
+def test_each_data_message_carries_its_offset_and_crc32():
+    chunks = _fragment_chunks(max_chunk=100)
+    offset = 0
+    for chunk in chunks[1:]:
+        assert (chunk.offset, chunk.crc32) == (offset, zlib.crc32(chunk.data))
+        offset += len(chunk.data)
+    assert offset == sum(p.byte_length for p in chunks[0].header.tensors)
+
+
+OUT_OF_PLACE = {
+    "two chunks swapped": lambda c: [c[0], c[2], c[1], *c[3:]],
+    "a chunk repeated": lambda c: [*c[:3], c[2], *c[3:]],
+    "a chunk lost": lambda c: [*c[:2], *c[3:]],
+    "the last chunk first": lambda c: [c[0], c[-1], *c[1:-1]],
+}
+
+
+@pytest.mark.parametrize("case", list(OUT_OF_PLACE))
+@pytest.mark.parametrize("stream", ["fragment", "push"])
+def test_chunks_out_of_place_are_refused(case, stream):
+    if stream == "fragment":
+        read, chunks = read_fragment_stream, _fragment_chunks(max_chunk=100)
+    else:
+        read, chunks = read_push_stream, push_stream(_push_header(), _named(), Encoding.INT8, 16, max_chunk=100)
+    error = _refusal(read, OUT_OF_PLACE[case](chunks), max_chunk=100)
+    assert error.code == INVALID and "reordered, repeated or lost" in error.message
+
+
+def test_every_flipped_bit_of_a_chunk_is_refused():
+    chunks = _fragment_chunks(max_chunk=100)
+    for bit in range(8 * len(chunks[2].data)):
+        damaged = bytearray(chunks[2].data)
+        damaged[bit // 8] ^= 1 << bit % 8
+        forged = pb.FragmentChunk(data=bytes(damaged), offset=chunks[2].offset, crc32=chunks[2].crc32)
+        error = _refusal(read_fragment_stream, [*chunks[:2], forged, *chunks[3:]], max_chunk=100)
+        assert error.code == INVALID and "CRC-32 mismatch" in error.message, bit
+
+
+@pytest.mark.parametrize("field", ["offset", "crc32"])
+def test_a_damaged_offset_or_checksum_is_refused(field):
+    chunks = _fragment_chunks(max_chunk=100)
+    setattr(chunks[2], field, getattr(chunks[2], field) ^ 4)
+    assert _refusal(read_fragment_stream, chunks, max_chunk=100).code == INVALID
+
+
+def test_data_without_offset_and_checksum_is_refused():
+    """What a peer that predates the framing sends: the data alone. A chunk is never taken unchecked."""
+    chunks = _fragment_chunks(max_chunk=100)
+    bare = [chunks[0], *(pb.FragmentChunk(data=c.data) for c in chunks[1:])]
+    assert _refusal(read_fragment_stream, bare, max_chunk=100).code == INVALID
+
+
+def test_data_messages_in_any_field_order_read_alike():
+    """The zero-copy reader knows the field order protobuf writes; any other order parses through protobuf."""
+    raw = data_message([b"abc", b"defg"], 4096)
+    reordered = raw[9:] + raw[:9]  # the offset and CRC fields (the last 8 bytes) first, then the data
+    assert pb.FragmentChunk.FromString(reordered) == pb.FragmentChunk.FromString(raw)
+    for parse in (parse_fragment_chunk, parse_push_chunk):
+        fast, slow = parse(raw), parse(reordered)
+        assert isinstance(fast, Data) and isinstance(slow, Data)
+        assert (bytes(fast.view), fast.offset, fast.crc32) == (bytes(slow.view), slow.offset, slow.crc32)
+        assert (bytes(fast.view), fast.offset, fast.crc32) == (b"abcdefg", 4096, zlib.crc32(b"abcdefg"))
+
+
+def test_a_header_declaring_more_than_any_stream_carries_is_refused_without_a_limit_given():
+    """An island reads a pull with no fragment size to hold it to: a reply declaring 4 TiB is still refused
+    as oversize before anything is reserved, never an allocation failure."""
+    huge = pb.TensorPayload(name="w", shape=[2**40], dtype=pb.FLOAT32, encoding=pb.FP32, byte_length=2**42)
+    error = _refusal(read_fragment_stream, [pb.FragmentChunk(header=pb.FragmentHeader(tensors=[huge]))])
+    assert error.code == EXHAUSTED and str(MAX_STREAM_BYTES) in error.message

@@ -68,12 +68,16 @@ class FragmentHeader(_message.Message):
     def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., delta_base: _Optional[_Union[FragmentVersion, _Mapping]] = ...) -> None: ...
 
 class FragmentChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "offset", "crc32")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     header: FragmentHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[FragmentHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    offset: int
+    crc32: int
+    def __init__(self, header: _Optional[_Union[FragmentHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("island_id", "num_fragments")
@@ -124,12 +128,16 @@ class PushHeader(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., sequence: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ...) -> None: ...
 
 class PushChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "offset", "crc32")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    offset: int
+    crc32: int
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("duplicate", "current", "staleness")
