@@ -20,7 +20,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from diloco.api.job import DiLoCoJobSpec, IslandSpec, ResourceRequirements, Toleration, validate_job_name
+from diloco.api.job import (
+    DiLoCoJobSpec,
+    IslandSpec,
+    PodTemplateOverride,
+    ResourceRequirements,
+    Toleration,
+    validate_job_name,
+)
 from diloco.operator import naming as n
 from diloco.operator.overrides import merge
 
@@ -30,7 +37,6 @@ CHECKPOINT_DIR = "/var/lib/diloco"
 RUN_AS = 10001
 WORKER_COMMAND = ("diloco-worker",)
 SYNCER_COMMAND = ("diloco-syncer",)
-DEFAULT_MODEL = "tiny"
 DEFAULT_DATA = "stdlib"
 
 SPOT_TOLERATIONS: tuple[dict[str, str], ...] = (
@@ -103,6 +109,17 @@ def _container_security(read_only_root: bool) -> dict[str, Any]:
         "readOnlyRootFilesystem": read_only_root,
         "capabilities": {"drop": ["ALL"]},
     }
+
+
+def _overridden(template: dict[str, Any], override: PodTemplateOverride | None) -> dict[str, Any]:
+    """The template with the job's override merged last. The override cannot set security settings (the API
+    model allows none); a container it adds gets the same confinement as the operator's own."""
+    if override is None:
+        return template
+    merged: dict[str, Any] = merge(template, override.patch())
+    for container in merged["spec"]["containers"]:
+        container.setdefault("securityContext", _container_security(read_only_root=False))
+    return merged
 
 
 def _env(values: Mapping[str, str]) -> list[dict[str, Any]]:
@@ -260,8 +277,7 @@ def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: 
         "metadata": {"labels": labels, "annotations": {n.ANNOTATION_CONFIG_HASH: config_hash(spec)}},
         "spec": pod_spec,
     }
-    if syncer.pod_template:
-        template = merge(template, syncer.pod_template)
+    template = _overridden(template, syncer.pod_template)
     return _stamped(
         {
             "apiVersion": "apps/v1",
@@ -315,8 +331,8 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
         "DILOCO_METRICS_PORT": str(spec.trainer.metrics_port),
         "DILOCO_ACCELERATORS_PER_POD": str(island.accelerators_per_pod),
     }
-    if spec.trainer.command is None:
-        values["DILOCO_MODEL"] = spec.trainer.model.value if spec.trainer.model else DEFAULT_MODEL
+    if spec.trainer.preset is not None:
+        values["DILOCO_MODEL"] = spec.trainer.preset.value
         values["DILOCO_DATA"] = spec.trainer.data or DEFAULT_DATA
     values |= {
         "WORLD_SIZE": str(island.replicas),
@@ -374,7 +390,7 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> d
         },
         "spec": pod_spec,
     }
-    return merge(template, island.pod_template) if island.pod_template else template
+    return _overridden(template, island.pod_template)
 
 
 def island_statefulset(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, replicas: int) -> dict[str, Any]:

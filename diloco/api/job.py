@@ -39,8 +39,10 @@ DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 RESERVED_ISLAND_NAME = r"^syncer-[0-9]+$"
 MAX_ISLANDS = 512
 MAX_SHARDS = 64
+# Kubernetes' quantity syntax without the minus sign: no resource or volume size is negative (the API server
+# would refuse the child at every pass, long after it accepted the job).
 QUANTITY = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 QUALIFIED_NAME = (
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -81,10 +83,13 @@ def validate_job_name(name: str) -> str:
 
 
 Quantity = Annotated[
-    int | Annotated[str, Field(pattern=QUANTITY)],
+    Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=QUANTITY)],
     Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
 ]
-"""A Kubernetes resource quantity: an integer or a string such as `500m`, `16Gi`."""
+"""A non-negative Kubernetes resource quantity: an integer or a string such as `500m`, `16Gi`."""
+
+Command = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+"""A container command: at least one word, none of them empty (an empty word is never an executable)."""
 
 FreeForm = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
 """An object passed through to Kubernetes as written (validated by the API server when it is applied)."""
@@ -97,6 +102,27 @@ class ModelSize(str, enum.Enum):
     SMALL = "small"
     MEDIUM = "medium"
     LARGE = "large"
+
+
+PRESET_TENSORS: dict[ModelSize, int] = {
+    ModelSize.TINY: 52,
+    ModelSize.SMALL: 100,
+    ModelSize.MEDIUM: 148,
+    ModelSize.LARGE: 292,
+}
+"""Trainable tensors of each preset (`diloco.worker.model`; tests/worker/test_model.py checks they agree): a
+fragment holds whole tensors, so the built-in trainer cannot cut a preset into more fragments than these."""
+
+MSG_FRAGMENTS_WITHIN_TENSORS = (
+    "spec.training.fragments (P) must not exceed the number of tensors of the built-in trainer's model preset ("
+    + ", ".join(f"{size.value}: {count}" for size, count in PRESET_TENSORS.items())
+    + "): every fragment holds at least one whole tensor"
+)
+FRAGMENTS_WITHIN_TENSORS_RULE = (
+    "has(self.trainer.command) || self.training.fragments <= {"
+    + ", ".join(f"'{size.value}': {count}" for size, count in PRESET_TENSORS.items())
+    + f"}}[has(self.trainer.model) ? self.trainer.model : '{ModelSize.TINY.value}']"
+)
 
 
 class Toleration(CamelModel):
@@ -120,6 +146,126 @@ class ResourceRequirements(CamelModel):
     limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources, e.g. memory: 64Gi.")
 
 
+class EnvVar(CamelModel):
+    """An environment variable of a container, as in a pod spec."""
+
+    name: str = Field(min_length=1, description="Variable name.")
+    value: str | None = Field(None, description="Literal value.")
+    value_from: FreeForm | None = Field(
+        None, description="A secretKeyRef, configMapKeyRef, fieldRef or resourceFieldRef, as in a pod spec."
+    )
+
+
+class VolumeMount(CamelModel):
+    """Where a container mounts one of the pod's volumes."""
+
+    name: str = Field(min_length=1, description="Name of a volume of the pod.")
+    mount_path: str = Field(min_length=1, description="Path inside the container.")
+    read_only: bool | None = Field(None, description="Mount read-only.")
+    sub_path: str | None = Field(None, description="Sub-path of the volume to mount instead of its root.")
+
+
+class ContainerOverride(CamelModel):
+    """Changes to a container of the pod, found by name; another name adds a container (a sidecar), which
+    runs under the same security settings as the operator's containers."""
+
+    name: str = Field(min_length=1, description="'trainer' or 'syncer' changes the operator's container.")
+    image: str | None = Field(None, min_length=1, description="Container image.")
+    command: Command | None = Field(None, description="Container command.")
+    args: list[str] = Field(default_factory=list, description="Container arguments.")
+    env: list[EnvVar] = Field(default_factory=list, description="Variables added or replaced, by name.")
+    env_from: list[FreeForm] = Field(
+        default_factory=list, description="ConfigMaps and Secrets whose keys become variables, as in a pod spec."
+    )
+    resources: ResourceRequirements | None = Field(None, description="Requests and limits.")
+    volume_mounts: list[VolumeMount] = Field(default_factory=list, description="Mounts added or replaced, by name.")
+
+
+SAFE_VOLUME_SOURCES = ("emptyDir", "configMap", "secret", "persistentVolumeClaim", "csi")
+"""Volume kinds an override may add: none reaches the node's filesystem or the API server's credentials."""
+
+MSG_ONE_VOLUME_SOURCE = (
+    f"spec.*.podTemplate.spec.volumes[] must each set exactly one of {', '.join(SAFE_VOLUME_SOURCES)}"
+)
+
+
+class VolumeOverride(CamelModel):
+    """A volume added to (or replacing, by name, one of) the pod's volumes, of a kind that stays inside the
+    pod: no hostPath, no projected service-account token."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    " + ".join(f"(has(self.{source}) ? 1 : 0)" for source in SAFE_VOLUME_SOURCES) + " == 1",
+                    MSG_ONE_VOLUME_SOURCE,
+                )
+            ]
+        }
+    )
+
+    name: str = Field(min_length=1, description="Volume name, referred to by volumeMounts.")
+    empty_dir: FreeForm | None = Field(None, description="Scratch space (medium, sizeLimit), as in a pod spec.")
+    config_map: FreeForm | None = Field(None, description="A ConfigMap's keys as files, as in a pod spec.")
+    secret: FreeForm | None = Field(None, description="A Secret's keys as files, as in a pod spec.")
+    persistent_volume_claim: FreeForm | None = Field(
+        None, description="A PersistentVolumeClaim of the job's namespace (claimName, readOnly)."
+    )
+    csi: FreeForm | None = Field(None, description="An inline ephemeral CSI volume, as in a pod spec.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> VolumeOverride:
+        if sum(getattr(self, name) is not None for name in type(self).model_fields if name != "name") != 1:
+            raise ValueError(MSG_ONE_VOLUME_SOURCE)
+        return self
+
+
+class LocalObjectReference(CamelModel):
+    """An object of the job's namespace, by name."""
+
+    name: str = Field(min_length=1, description="Object name.")
+
+
+class PodSpecOverride(CamelModel):
+    """The pod-spec fields an override may set. Host namespaces, host paths, security contexts, service
+    accounts and node names are not among them: they are refused, never merged."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods require.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of the pods.")
+    affinity: FreeForm | None = Field(None, description="Node, pod and anti-affinity, as in a pod spec.")
+    topology_spread_constraints: list[FreeForm] = Field(
+        default_factory=list, description="How the pods spread across zones or nodes, as in a pod spec."
+    )
+    priority_class_name: str | None = Field(None, min_length=1, description="PriorityClass of the pods.")
+    termination_grace_period_seconds: int | None = Field(
+        None, ge=0, description="Seconds a pod has to exit after SIGTERM."
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, description="Secrets with registry credentials for the pods' images."
+    )
+    containers: list[ContainerOverride] = Field(default_factory=list, description="Containers changed or added.")
+    volumes: list[VolumeOverride] = Field(default_factory=list, description="Volumes added or replaced.")
+
+
+class PodMetadataOverride(CamelModel):
+    """Labels and annotations added to the pods."""
+
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels added to the pods.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations added to the pods.")
+
+
+class PodTemplateOverride(CamelModel):
+    """What a job may change in the pods the operator generates: an allowlist, so a manifest cannot give its
+    pods the node's network, processes or filesystem, root, or capabilities."""
+
+    metadata: PodMetadataOverride = Field(default_factory=PodMetadataOverride, description="Pod labels, annotations.")
+    spec: PodSpecOverride = Field(default_factory=PodSpecOverride, description="Pod spec fields.")
+
+    def patch(self) -> dict[str, Any]:
+        """The merge patch: only what was set (an empty list or map changes nothing)."""
+        return self.model_dump(by_alias=True, exclude_defaults=True)
+
+
 class TrainerSpec(CamelModel):
     """What each island pod runs: the built-in `diloco-worker` (a model preset and a data source) or a
     command of your own that uses `diloco.worker.Learner.from_env`."""
@@ -141,9 +287,8 @@ class TrainerSpec(CamelModel):
         description="Built-in trainer: token source inside the container ('stdlib' for the embedded corpus, a "
         ".bin/.npy token file, or a text file); stdlib when unset.",
     )
-    command: list[str] | None = Field(
+    command: Command | None = Field(
         None,
-        min_length=1,
         description="Custom trainer: the container command, replacing diloco-worker. It receives the same "
         "DILOCO_* and rendezvous environment.",
     )
@@ -158,6 +303,13 @@ class TrainerSpec(CamelModel):
         if self.command is not None and (self.model is not None or self.data is not None):
             raise ValueError(MSG_BUILTIN_OR_COMMAND)
         return self
+
+    @property
+    def preset(self) -> ModelSize | None:
+        """The built-in trainer's model preset (tiny when unset); None with a custom command."""
+        if self.command is not None:
+            return None
+        return self.model or ModelSize.TINY
 
 
 class IslandSpec(CamelModel):
@@ -199,11 +351,13 @@ class IslandSpec(CamelModel):
         "(GKE, AKS, EKS/Karpenter). Preemptions never count against the restart budget, spot or not.",
     )
     priority_class_name: str | None = Field(None, description="PriorityClass of the island's pods.")
-    pod_template: FreeForm | None = Field(
+    pod_template: PodTemplateOverride | None = Field(
         None,
         description="A PodTemplateSpec fragment merged last into the generated template (RFC 7386 merge patch, "
         "except that lists of objects with a name, such as containers, env and volumes, merge item by "
-        "name). The trainer container is named 'trainer'.",
+        "name). The trainer container is named 'trainer'. Only the fields listed here may be set: "
+        "placement, image, command, env, resources, volumes of safe kinds and their mounts, labels and "
+        "annotations; the pod's security settings are the operator's.",
     )
 
 
@@ -237,10 +391,10 @@ class SyncerSpec(CamelModel):
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the shard pods require.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of the shard pods.")
     priority_class_name: str | None = Field(None, description="PriorityClass of the shard pods.")
-    pod_template: FreeForm | None = Field(
+    pod_template: PodTemplateOverride | None = Field(
         None,
-        description="A PodTemplateSpec fragment merged into each shard's template, as for islands; the "
-        "container is named 'syncer'.",
+        description="A PodTemplateSpec fragment merged into each shard's template, as for islands (the same "
+        "fields may be set); the container is named 'syncer'.",
     )
 
     @model_validator(mode="after")
@@ -285,6 +439,7 @@ SPEC_NAMES = {
 def _spec_rules() -> list[JsonValue]:
     return [
         *(cel(rule.cel, rule.message, rule.field_path) for rule in RULES),
+        cel(FRAGMENTS_WITHIN_TENSORS_RULE, MSG_FRAGMENTS_WITHIN_TENSORS, ".training.fragments"),
         cel(
             "self.training.fragments == oldSelf.training.fragments",
             "spec.training.fragments is immutable: the syncers' state is cut into that many fragments",
@@ -349,6 +504,13 @@ class DiLoCoJobSpec(CamelModel):
         """The rules that involve the islands and shards (TrainingConfig checks those among its own knobs)."""
         QUORUM_WITHIN_ISLANDS.check(SPEC_NAMES, quorum=self.training.quorum, islands=len(self.islands))
         SHARDS_WITHIN_FRAGMENTS.check(SPEC_NAMES, shards=self.syncer.shards, fragments=self.training.fragments)
+        preset = self.trainer.preset
+        if preset is not None and self.training.fragments > PRESET_TENSORS[preset]:
+            raise ValueError(
+                f"spec.training.fragments (P={self.training.fragments}) must not exceed the "
+                f"{PRESET_TENSORS[preset]} tensors of the {preset.value} preset (spec.trainer.model): every "
+                "fragment holds at least one whole tensor"
+            )
         return self
 
     @property

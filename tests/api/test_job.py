@@ -4,6 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from diloco.api.job import (
+    PRESET_TENSORS,
     DiLoCoJob,
     DiLoCoJobSpec,
     DiLoCoJobStatus,
@@ -59,7 +60,7 @@ def test_camel_case_manifest_with_every_section():
                     "tolerations": [{"key": "gpu", "operator": "Exists"}],
                     "resources": {"limits": {"memory": "512Gi", "cpu": 64}},
                     "priorityClassName": "training",
-                    "podTemplate": {"spec": {"hostNetwork": True}},
+                    "podTemplate": {"spec": {"terminationGracePeriodSeconds": 120}},
                 },
                 {"name": "a100", "replicas": 2, "acceleratorResource": "nvidia.com/gpu"},
             ],
@@ -183,3 +184,173 @@ def test_status_defaults_and_final_phases():
     status = DiLoCoJobStatus()
     assert status.phase is Phase.PENDING and status.islands_ready == "0/0" and status.goodput is None
     assert {p for p in Phase if p.finished} == {Phase.SUCCEEDED, Phase.FAILED}
+
+
+# --- pod-template overrides: an allowlist, refused beyond it with the field named ------------------------------
+
+
+def with_override(template, where="islands"):
+    if where == "syncer":
+        return minimal(syncer={"podTemplate": template})
+    return minimal(islands=[{"name": "a", "podTemplate": template}])
+
+
+ALLOWED_OVERRIDES = {
+    "labels-annotations": {"metadata": {"labels": {"team": "llm"}, "annotations": {"note": "x"}}},
+    "placement": {
+        "spec": {
+            "nodeSelector": {"pool": "h100"},
+            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}},
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}],
+            "priorityClassName": "training-high",
+            "terminationGracePeriodSeconds": 120,
+            "imagePullSecrets": [{"name": "registry"}],
+        }
+    },
+    "trainer-container": {
+        "spec": {
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": "registry.example/diloco:1-cu121",
+                    "args": ["--batch-size", "8"],
+                    "env": [
+                        {"name": "NCCL_IB_DISABLE", "value": "1"},
+                        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+                    ],
+                    "envFrom": [{"configMapRef": {"name": "knobs"}}],
+                    "resources": {"limits": {"memory": "64Gi"}},
+                    "volumeMounts": [{"name": "corpus", "mountPath": "/data", "readOnly": True, "subPath": "v1"}],
+                }
+            ]
+        }
+    },
+    "sidecar": {"spec": {"containers": [{"name": "sidecar", "image": "busybox", "command": ["sleep", "inf"]}]}},
+    "safe-volumes": {
+        "spec": {
+            "volumes": [
+                {"name": "scratch", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
+                {"name": "knobs", "configMap": {"name": "knobs"}},
+                {"name": "creds", "secret": {"secretName": "creds"}},
+                {"name": "corpus", "persistentVolumeClaim": {"claimName": "corpus", "readOnly": True}},
+                {"name": "bucket", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "volumeAttributes": {"b": "x"}}},
+            ]
+        }
+    },
+}
+
+
+@pytest.mark.parametrize("where", ["islands", "syncer"])
+@pytest.mark.parametrize("template", ALLOWED_OVERRIDES.values(), ids=ALLOWED_OVERRIDES.keys())
+def test_an_override_may_set_placement_image_env_resources_and_safe_volumes(template, where):
+    spec = DiLoCoJobSpec.model_validate(with_override(template, where))
+    override = spec.islands[0].pod_template if where == "islands" else spec.syncer.pod_template
+    assert override.patch() == template
+
+
+REFUSED_OVERRIDES = [
+    ({"spec": {"hostNetwork": True}}, "podTemplate.spec.hostNetwork"),
+    ({"spec": {"hostPID": True}}, "podTemplate.spec.hostPID"),
+    ({"spec": {"hostIPC": True}}, "podTemplate.spec.hostIPC"),
+    ({"spec": {"securityContext": {"runAsUser": 0}}}, "podTemplate.spec.securityContext"),
+    ({"spec": {"serviceAccountName": "admin"}}, "podTemplate.spec.serviceAccountName"),
+    ({"spec": {"automountServiceAccountToken": True}}, "podTemplate.spec.automountServiceAccountToken"),
+    ({"spec": {"nodeName": "node-1"}}, "podTemplate.spec.nodeName"),
+    ({"spec": {"initContainers": [{"name": "x", "image": "busybox"}]}}, "podTemplate.spec.initContainers"),
+    (
+        {"spec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}},
+        "podTemplate.spec.volumes.0.hostPath",
+    ),
+    (
+        {"spec": {"volumes": [{"name": "sa", "projected": {"sources": [{"serviceAccountToken": {"path": "t"}}]}}]}},
+        "podTemplate.spec.volumes.0.projected",
+    ),
+    (
+        {"spec": {"containers": [{"name": "trainer", "securityContext": {"privileged": True}}]}},
+        "podTemplate.spec.containers.0.securityContext",
+    ),
+    (
+        {"spec": {"containers": [{"name": "trainer", "securityContext": {"capabilities": {"add": ["NET_ADMIN"]}}}]}},
+        "podTemplate.spec.containers.0.securityContext",
+    ),
+    (
+        {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "x",
+                        "volumeMounts": [{"name": "v", "mountPath": "/m", "mountPropagation": "Bidirectional"}],
+                    }
+                ]
+            }
+        },
+        "podTemplate.spec.containers.0.volumeMounts.0.mountPropagation",
+    ),
+    ({"spec": {"containers": [{"image": "busybox"}]}}, "podTemplate.spec.containers.0.name"),
+    ({"spec": {"containers": [{"name": "trainer", "command": [""]}]}}, "podTemplate.spec.containers.0.command.0"),
+    ({"spec": {"volumes": [{"name": "empty"}]}}, "podTemplate.spec.volumes.0"),
+    (
+        {"spec": {"volumes": [{"name": "two", "emptyDir": {}, "configMap": {"name": "c"}}]}},
+        "podTemplate.spec.volumes.0",
+    ),
+    ({"spec": {"terminationGracePeriodSeconds": -1}}, "podTemplate.spec.terminationGracePeriodSeconds"),
+    ({"spec": None}, "podTemplate.spec"),
+    ({"spec": {"containers": None}}, "podTemplate.spec.containers"),
+    ({"metadata": {"name": "x"}}, "podTemplate.metadata.name"),
+]
+
+
+@pytest.mark.parametrize("where", ["islands", "syncer"])
+@pytest.mark.parametrize(("template", "named"), REFUSED_OVERRIDES)
+def test_an_override_beyond_the_allowlist_is_refused_at_the_field(template, named, where):
+    prefix = "islands.0." if where == "islands" else "syncer."
+    lines = refusal(with_override(template, where)).splitlines()
+    assert any(line.startswith(prefix + named + ":") or line.startswith(prefix + named + ".") for line in lines), lines
+
+
+# --- manifests that could never run -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"islands": [{"name": "a", "resources": {"requests": {"cpu": "-1"}}}]}, "islands.0.resources.requests.cpu"),
+        ({"islands": [{"name": "a", "resources": {"requests": {"cpu": -1}}}]}, "islands.0.resources.requests.cpu"),
+        (
+            {"islands": [{"name": "a", "resources": {"limits": {"memory": "-1Gi"}}}]},
+            "islands.0.resources.limits.memory",
+        ),
+        ({"syncer": {"resources": {"limits": {"cpu": "-500m"}}}}, "syncer.resources.limits.cpu"),
+        ({"syncer": {"checkpoint": {"size": "-1Gi"}}}, "syncer.checkpoint.size"),
+        ({"trainer": {"command": [""]}}, "trainer.command.0"),
+        ({"trainer": {"command": ["python", ""]}}, "trainer.command.1"),
+    ],
+)
+def test_negative_quantities_and_empty_command_words_are_refused_at_the_field(change, named):
+    lines = refusal(minimal(**change)).splitlines()
+    assert any(line.startswith(named + ":") or line.startswith(named + ".") for line in lines), lines
+
+
+def test_quantities_that_resources_use_are_accepted():
+    limits = {"cpu": "500m", "memory": "1.5Gi", "ephemeral-storage": "1e3", "nvidia.com/gpu": 0, "x": "+2", "y": "1e-3"}
+    spec = DiLoCoJobSpec.model_validate(minimal(islands=[{"name": "a", "resources": {"limits": limits}}]))
+    assert spec.islands[0].resources.limits == limits
+
+
+@pytest.mark.parametrize("model", list(ModelSize))
+def test_fragments_beyond_the_presets_tensor_count_are_refused(model):
+    tensors = PRESET_TENSORS[model]
+    training = {"innerSteps": tensors + 1, "fragments": tensors + 1, "overlapSteps": 0}
+    message = refusal(minimal(trainer={"model": model.value}, training=training))
+    assert f"spec.training.fragments (P={tensors + 1}) must not exceed the {tensors} tensors" in message, message
+    at_limit = {**training, "fragments": tensors}
+    assert DiLoCoJobSpec.model_validate(minimal(trainer={"model": model.value}, training=at_limit))
+
+
+def test_the_default_preset_bounds_fragments_and_a_custom_trainer_is_not_bounded():
+    tensors = PRESET_TENSORS[ModelSize.TINY]
+    training = {"innerSteps": 100, "fragments": tensors + 1, "overlapSteps": 0}
+    assert f"must not exceed the {tensors} tensors of the tiny preset" in refusal(minimal(training=training))
+    spec = DiLoCoJobSpec.model_validate(minimal(trainer={"command": ["python", "mine.py"]}, training=training))
+    assert spec.training.fragments == tensors + 1

@@ -177,7 +177,19 @@ def test_spec_defaults_reach_every_nested_setting():
     assert spec_schema["properties"]["syncer"]["default"]["checkpoint"] == {"size": "1Gi", "intervalSeconds": 30.0}
     island = spec_schema["properties"]["islands"]["items"]["properties"]
     assert island["acceleratorResource"]["default"] == "nvidia.com/gpu"
-    assert island["podTemplate"]["x-kubernetes-preserve-unknown-fields"] is True
+    # The pod-template override is an allowlist: a structural schema, not free-form.
+    assert "x-kubernetes-preserve-unknown-fields" not in island["podTemplate"]
+    assert set(island["podTemplate"]["properties"]["spec"]["properties"]) == {
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "topologySpreadConstraints",
+        "priorityClassName",
+        "terminationGracePeriodSeconds",
+        "imagePullSecrets",
+        "containers",
+        "volumes",
+    }
     assert island["resources"]["properties"]["limits"]["additionalProperties"]["x-kubernetes-int-or-string"] is True
     assert "default" not in schema()["properties"]["status"]["properties"]["phase"]
 

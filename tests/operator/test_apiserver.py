@@ -110,6 +110,74 @@ def test_bad_manifests_are_refused_naming_the_field(control_plane, name, change,
     assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
+def trainer_override(**fields):
+    return {"islands": [{"name": "a", "podTemplate": {"spec": {"containers": [{"name": "trainer", **fields}]}}}]}
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        (
+            "hostnet",
+            {"islands": [{"name": "a", "podTemplate": {"spec": {"hostNetwork": True}}}]},
+            'unknown field "spec.islands[0].podTemplate.spec.hostNetwork"',
+        ),
+        (
+            "hostpath",
+            {
+                "islands": [
+                    {"name": "a", "podTemplate": {"spec": {"volumes": [{"name": "r", "hostPath": {"path": "/"}}]}}}
+                ]
+            },
+            'unknown field "spec.islands[0].podTemplate.spec.volumes[0].hostPath"',
+        ),
+        (
+            "root",
+            {"syncer": {"shards": 2, "podTemplate": {"spec": {"securityContext": {"runAsUser": 0}}}}},
+            'unknown field "spec.syncer.podTemplate.spec.securityContext"',
+        ),
+        (
+            "caps",
+            trainer_override(securityContext={"capabilities": {"add": ["SYS_ADMIN"]}, "privileged": True}),
+            'unknown field "spec.islands[0].podTemplate.spec.containers[0].securityContext"',
+        ),
+        (
+            "p-tiny",
+            {"training": {"innerSteps": 60, "fragments": 53, "overlapSteps": 0}},
+            "spec.training.fragments: Invalid value: spec.training.fragments (P) must not exceed the number of tensors",
+        ),
+        (
+            "cpu",
+            {"islands": [{"name": "a", "resources": {"requests": {"cpu": "-1"}}}]},
+            "spec.islands[0].resources.requests.cpu",
+        ),
+        ("cmd0", {"trainer": {"command": [""]}}, "spec.trainer.command[0]"),
+        ("cmd1", trainer_override(command=["python", ""]), "spec.islands[0].podTemplate.spec.containers[0].command[1]"),
+    ],
+    ids=lambda value: value if isinstance(value, str) and len(value) < 12 else None,
+)
+def test_unsafe_or_unrunnable_manifests_are_refused_naming_the_field(control_plane, name, change, message):
+    result = control_plane.kubectl("-n", "default", "apply", "-f", "-", stdin=job_manifest(name, **change), check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_an_unsafe_override_sent_without_field_validation_is_dropped_or_refused(control_plane, kube):
+    """Clients that skip strict field validation get the unknown field pruned, never merged into a pod."""
+    change = {"islands": [{"name": "a", "podTemplate": {"spec": {"hostPID": True, "nodeSelector": {"pool": "x"}}}}]}
+    control_plane.kubectl(
+        "-n", "default", "apply", "--validate=false", "-f", "-", stdin=job_manifest("pruned", **change)
+    )
+    stored = kube.get("DiLoCoJob", "default", "pruned")["spec"]["islands"][0]["podTemplate"]
+    assert stored["spec"] == {"nodeSelector": {"pool": "x"}}
+    hostpath = {
+        "islands": [{"name": "a", "podTemplate": {"spec": {"volumes": [{"name": "r", "hostPath": {"path": "/"}}]}}}]
+    }
+    result = control_plane.kubectl(
+        "-n", "default", "apply", "--validate=false", "-f", "-", stdin=job_manifest("pruned2", **hostpath), check=False
+    )
+    assert result.returncode != 0 and "spec.islands[0].podTemplate.spec.volumes[0]" in result.stderr, result.stderr
+
+
 def test_fragments_and_shards_are_immutable(control_plane):
     control_plane.kubectl("-n", "default", "apply", "-f", "-", stdin=job_manifest("fixed"))
     for patch, message in (

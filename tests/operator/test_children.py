@@ -302,7 +302,6 @@ def test_pod_template_override_is_merged_last():
             ],
             "volumes": [{"name": "corpus", "persistentVolumeClaim": {"claimName": "corpus"}}],
             "terminationGracePeriodSeconds": 120,
-            "enableServiceLinks": None,
         },
     }
     spec = make_spec(islands=[{"name": "old", "podTemplate": override}])
@@ -313,11 +312,31 @@ def test_pod_template_override_is_merged_last():
     assert trainer["image"] == "reg.example/diloco:1-cu121" and trainer["command"] == ["diloco-worker"]
     env = env_of(trainer)
     assert env["NCCL_IB_DISABLE"] == "1" and env["DILOCO_DATA"] == "/mnt/override" and env["DILOCO_ISLAND"] == "old"
-    assert sidecar == {"name": "sidecar", "image": "busybox"}
+    assert {k: v for k, v in sidecar.items() if k != "securityContext"} == {"name": "sidecar", "image": "busybox"}
     assert [v["name"] for v in template["spec"]["volumes"]] == ["config", "token", "dshm", "corpus"]
     assert template["spec"]["terminationGracePeriodSeconds"] == 120
-    assert "enableServiceLinks" not in template["spec"]
     k8s.V1PodTemplateSpec.from_dict(template)
+
+
+def test_every_container_of_every_pod_keeps_the_secure_defaults_whatever_the_override_adds():
+    def override(container):
+        return {
+            "spec": {"containers": [{"name": container, "image": "other"}, {"name": "sidecar", "image": "busybox"}]}
+        }
+
+    spec = make_spec(
+        islands=[{"name": "old", "podTemplate": override("trainer")}], syncer={"podTemplate": override("syncer")}
+    )
+    children = render(spec)
+    for key in (("StatefulSet", "demo-old"), ("Deployment", "demo-syncer-0")):
+        pod = children[key]["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert len(pod["containers"]) == 2
+        for container in pod["containers"]:
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False, (key, container["name"])
+            assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}, (key, container["name"])
+        assert not any(k.startswith("host") for k in pod), key
 
 
 def test_merge_semantics():

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from diloco.api.job import PRESET_TENSORS
 from diloco.core.fragments import plan_fragments
 from diloco.worker.data import BatchSampler, load_tokens
 from diloco.worker.model import GPT, PRESETS, ModelPreset, build_model, resolve_preset
@@ -141,3 +142,11 @@ def test_tiny_preset_learns_the_embedded_corpus(one_thread):
         losses.append(loss.item())
     assert losses[0] > 5.0
     assert sum(losses[-5:]) / 5 < 4.0
+
+
+def test_the_api_states_each_presets_tensor_count_as_the_learner_counts_them():
+    """The CRD bounds spec.training.fragments by these counts; the Learner cuts fragments of trainable tensors."""
+    counted = {
+        name: sum(p.requires_grad for p in build_model(name, seed=0, device="meta").parameters()) for name in PRESETS
+    }
+    assert {size.value: count for size, count in PRESET_TENSORS.items()} == counted
