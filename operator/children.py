@@ -1,7 +1,8 @@
 """Every child object of a DiLoCoJob, rendered as plain dicts from the spec: no API calls, no clock.
 
-Per job: a ConfigMap (training config JSON), a Secret (the gRPC bearer token, generated once by the caller
-and passed in), and a NetworkPolicy that admits only the job's own pods (and the operator) to the syncers.
+Per job: a ConfigMap (training config JSON), a Secret (the gRPC bearer token, derived by the caller, see
+`tokens.py`, and passed in; its fingerprint annotates every pod template, so a new token restarts every
+syncer and island together), and a NetworkPolicy that admits only the job's own pods (and the operator) to the syncers.
 Per syncer shard: a Service, a Deployment (one pod, Recreate, so two incarnations never share a
 checkpoint) and a PersistentVolumeClaim. Per island: a headless Service and a StatefulSet whose pods take
 their torch.distributed rank from the ordinal. Replica counts come from the caller's decisions (`Scale`),
@@ -30,6 +31,7 @@ from diloco.api.job import (
 )
 from diloco.operator import naming as n
 from diloco.operator.overrides import merge
+from diloco.operator.tokens import fingerprint
 
 CONFIG_DIR = "/etc/diloco"
 TOKEN_DIR = "/var/run/secrets/diloco"
@@ -152,6 +154,11 @@ def config_hash(spec: DiLoCoJobSpec) -> str:
     return digest(spec.training.to_json())
 
 
+def template_annotations(spec: DiLoCoJobSpec, token: str) -> dict[str, str]:
+    """What rolls a pod when it changes: the training config and the token every syncer and island holds."""
+    return {n.ANNOTATION_CONFIG_HASH: config_hash(spec), n.ANNOTATION_TOKEN_HASH: fingerprint(token)}
+
+
 def config_map(job: n.JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
     return _stamped(
         {
@@ -220,7 +227,7 @@ def _grpc_probe(port: int, period: int, failures: int) -> dict[str, Any]:
     return {"grpc": {"port": port}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 2}
 
 
-def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: int) -> dict[str, Any]:
+def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: int, token: str) -> dict[str, Any]:
     syncer = spec.syncer
     labels = n.shard_labels(job.name, shard)
     env = {
@@ -273,10 +280,7 @@ def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: 
         pod_spec["tolerations"] = _tolerations(syncer.tolerations)
     if syncer.priority_class_name:
         pod_spec["priorityClassName"] = syncer.priority_class_name
-    template = {
-        "metadata": {"labels": labels, "annotations": {n.ANNOTATION_CONFIG_HASH: config_hash(spec)}},
-        "spec": pod_spec,
-    }
+    template = {"metadata": {"labels": labels, "annotations": template_annotations(spec, token)}, "spec": pod_spec}
     template = _overridden(template, syncer.pod_template)
     return _stamped(
         {
@@ -346,7 +350,7 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
     ]
 
 
-def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> dict[str, Any]:
+def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, token: str) -> dict[str, Any]:
     """The pod template of an island, with the island's pod-template override merged in last."""
     accelerators = {island.accelerator_resource: island.accelerators_per_pod} if island.accelerators_per_pod else None
     container = {
@@ -386,14 +390,16 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> d
     template = {
         "metadata": {
             "labels": n.island_labels(job.name, island.name),
-            "annotations": {n.ANNOTATION_CONFIG_HASH: config_hash(spec)},
+            "annotations": template_annotations(spec, token),
         },
         "spec": pod_spec,
     }
     return _overridden(template, island.pod_template)
 
 
-def island_statefulset(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, replicas: int) -> dict[str, Any]:
+def island_statefulset(
+    job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, replicas: int, token: str
+) -> dict[str, Any]:
     """Parallel pod management: ranks start together. OnDelete updates: a template change is rolled out by
     the operator re-forming the whole island, never one rank at a time (which would break the
     torch.distributed world once per pod)."""
@@ -409,7 +415,7 @@ def island_statefulset(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, r
                 "podManagementPolicy": "Parallel",
                 "updateStrategy": {"type": "OnDelete"},
                 "selector": {"matchLabels": n.island_selector(job.name, island.name)},
-                "template": island_template(job, spec, island),
+                "template": island_template(job, spec, island, token),
             },
         }
     )
@@ -454,12 +460,12 @@ def render_children(
         children += [
             syncer_claim(job, spec, shard),
             syncer_service(job, spec, shard),
-            syncer_deployment(job, spec, shard, scale.syncers),
+            syncer_deployment(job, spec, shard, scale.syncers, token),
         ]
     for island in spec.islands:
         children += [
             island_service(job, spec, island),
-            island_statefulset(job, spec, island, scale.islands.get(island.name, 0)),
+            island_statefulset(job, spec, island, scale.islands.get(island.name, 0), token),
         ]
     return children
 

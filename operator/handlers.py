@@ -19,6 +19,7 @@ from diloco.api.job import API_GROUP, API_VERSION, PLURAL
 from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.naming import JobRef
 from diloco.operator.reconcile import Reconciler
+from diloco.operator.tokens import rotation_of
 
 log = logging.getLogger("diloco.operator")
 
@@ -98,7 +99,7 @@ def _handler(
         started = time.perf_counter()
         try:
             outcome = reconciler.reconcile(
-                JobRef(name=name, namespace=namespace, uid=uid),
+                JobRef(name=name, namespace=namespace, uid=uid, token_rotation=rotation_of(meta)),
                 meta.get("generation"),
                 dict(spec),
                 dict(status),

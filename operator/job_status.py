@@ -37,14 +37,36 @@ class FragmentReport:
     last_merge_unix: float
 
 
+REFUSING_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")
+"""Status codes of a shard that answers but refuses the job's token: it serves no island either."""
+
+
 @dataclass(frozen=True)
 class ShardObservation:
-    """One syncer shard: whether its Deployment has a ready pod, and its Status reply (None: unreachable)."""
+    """One syncer shard: whether its Deployment has a ready pod, and its Status reply (None: unreachable,
+    with `error`, `CODE: details`, saying why when the call was made)."""
 
     shard: int
     ready: bool
     fragments: tuple[FragmentReport, ...] | None = None
     live_islands: frozenset[str] = frozenset()
+    error: str | None = None
+
+    @property
+    def refuses(self) -> bool:
+        return self.error is not None and self.error.split(":", 1)[0] in REFUSING_CODES
+
+    @property
+    def serving(self) -> bool:
+        """Ready, and not refusing the job's token: the kubelet's probe alone cannot tell (it sends none)."""
+        return self.ready and not self.refuses
+
+    @property
+    def problem(self) -> str | None:
+        """Why the operator's Status call failed, for the conditions; None when it did not."""
+        if self.error is None:
+            return None
+        return f"syncer shard {self.shard} {'refuses the operator' if self.refuses else 'unreachable'}: {self.error}"
 
 
 @dataclass(frozen=True)
@@ -149,7 +171,7 @@ def _with_syncs_and_losses(
 def _syncer_status(spec: DiLoCoJobSpec, shards: Sequence[ShardObservation]) -> SyncerStatus:
     return SyncerStatus(
         shards=spec.syncer.shards,
-        ready=sum(1 for s in shards if s.ready),
+        ready=sum(1 for s in shards if s.serving),
         reachable=sum(1 for s in shards if s.fragments is not None),
     )
 
@@ -166,7 +188,13 @@ def decide(
     islands = _with_syncs_and_losses([a.status for a in accounts], observed, now)
     fragments = merge_fragments(previous.fragments, observed.shards, spec.syncer.shards)
     syncer = _syncer_status(spec, observed.shards)
-    ready = readiness(islands, [s.shard for s in observed.shards if not s.ready], syncer.ready == spec.syncer.shards)
+    ready = readiness(
+        islands,
+        [s.shard for s in observed.shards if not s.ready],
+        syncer.ready == spec.syncer.shards,
+        [p for s in observed.shards if (p := s.problem)],
+        refused=any(s.refuses for s in observed.shards),
+    )
     change = next_phase(
         previous,
         ready,
@@ -180,7 +208,9 @@ def decide(
     status = DiLoCoJobStatus(
         phase=change.phase,
         observed_generation=generation,
-        conditions=update_conditions(previous.conditions, change.phase, ready.detail, now, generation),
+        conditions=update_conditions(
+            previous.conditions, change.phase, ready.detail, now, generation, ready.degraded_reason, ready.unanswered
+        ),
         islands_ready=ready.islands_ready,
         islands=islands,
         syncer=syncer,

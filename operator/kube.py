@@ -1,4 +1,5 @@
-"""The operator's Kubernetes API calls, all of them: list by label, get, server-side apply, delete.
+"""The operator's Kubernetes API calls, all of them: list by label, get, create, server-side apply, delete,
+and the key the jobs' tokens derive from (`load_token_key`).
 
 Objects travel as plain dicts, the form `children.py` renders and the API returns, so nothing here knows
 about the kinds beyond where their endpoints are. Applying is server-side apply under one field manager,
@@ -8,14 +9,17 @@ taken over, the API server reports the conflict instead.
 
 from __future__ import annotations
 
+import base64
 import json
+import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes import client, config
 
 from diloco.api.job import API_GROUP, API_VERSION, PLURAL
-from diloco.operator.naming import MANAGER
+from diloco.operator.naming import MANAGER, TOKEN_KEY, TOKEN_KEY_SECRET
+from diloco.operator.tokens import KEY_BYTES
 
 RESOURCES: dict[str, tuple[str, str, bool]] = {
     "ConfigMap": ("v1", "configmaps", True),
@@ -64,7 +68,7 @@ def selector(labels: Mapping[str, str]) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
-METHODS = {"list": "GET", "get": "GET", "apply": "PATCH", "delete": "DELETE"}
+METHODS = {"list": "GET", "get": "GET", "create": "POST", "apply": "PATCH", "delete": "DELETE"}
 """HTTP method of each verb the operator uses."""
 RequestObserver = Callable[[str, str, int], None]
 """Told (verb: list, get, apply or delete; kind; HTTP status) of every call made, e.g. to count them as a metric."""
@@ -135,6 +139,22 @@ class Kube:
             raise ApiError(404, f"{obj['kind']} {meta['name']}: the namespace or the kind does not exist")
         return reply
 
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Creates `obj`; None when an object of that name exists already (HTTP 409), left as it is."""
+        meta = obj["metadata"]
+        try:
+            return self._call(
+                "create",
+                obj["kind"],
+                _path(obj["kind"], meta.get("namespace")),
+                body=dict(obj),
+                content_type="application/json",
+            )
+        except ApiError as error:
+            if error.status == 409:
+                return None
+            raise
+
     def delete(self, kind: str, namespace: str | None, name: str) -> None:
         """Deletes in the background (dependents garbage-collected); an object already gone is fine."""
         self._call(
@@ -144,3 +164,33 @@ class Kube:
             body={"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"},
             content_type="application/json",
         )
+
+
+def _key_in(secret: Mapping[str, Any] | None) -> bytes | None:
+    data = (secret or {}).get("data") or {}
+    return base64.b64decode(data[TOKEN_KEY]) if TOKEN_KEY in data else None
+
+
+def load_token_key(kube: Kube, namespace: str) -> bytes:
+    """The operator's token key, from Secret `diloco-operator-token-key` in its own namespace, created with 256
+    random bits by the first replica to look (create, not apply: two replicas starting at once both end up
+    with the one that was stored first)."""
+    key = _key_in(kube.get("Secret", namespace, TOKEN_KEY_SECRET))
+    if key is None:
+        kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {
+                    "name": TOKEN_KEY_SECRET,
+                    "namespace": namespace,
+                    "labels": {"app.kubernetes.io/name": "diloco-operator", "app.kubernetes.io/managed-by": MANAGER},
+                },
+                "type": "Opaque",
+                "data": {TOKEN_KEY: base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode()},
+            }
+        )
+        key = _key_in(kube.get("Secret", namespace, TOKEN_KEY_SECRET))
+    if key is None or len(key) < KEY_BYTES:
+        raise RuntimeError(f"Secret {namespace}/{TOKEN_KEY_SECRET} holds no {KEY_BYTES}-byte key under {TOKEN_KEY!r}")
+    return key

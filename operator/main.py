@@ -18,11 +18,13 @@ import kopf
 from diloco.logs import setup_logging
 from diloco.operator.children import OperatorRef
 from diloco.operator.handlers import PEERING_LIFETIME, register
-from diloco.operator.kube import Kube, load_config
+from diloco.operator.kube import Kube, load_config, load_token_key
 from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.reconcile import PARALLEL_CALLS, Reconciler
 
 PEERING_NAME = "diloco-operator"
+DEFAULT_NAMESPACE = "diloco-system"
+"""Where the operator keeps its token key when it runs outside a pod (POD_NAMESPACE unset)."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -62,6 +64,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="seconds before the other replicas take over from one that stopped keeping alive "
         f"(default {PEERING_LIFETIME})",
     )
+    p.add_argument(
+        "--token-key-namespace",
+        default=os.environ.get("POD_NAMESPACE") or DEFAULT_NAMESPACE,
+        help="namespace of the Secret diloco-operator-token-key every job's token derives from "
+        f"(default: the operator's own, else {DEFAULT_NAMESPACE})",
+    )
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     return p.parse_args(argv)
 
@@ -99,10 +107,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port)
+    kube = Kube(load_config(PARALLEL_CALLS), observe=metrics.api_request)
     reconciler = Reconciler(
-        Kube(load_config(PARALLEL_CALLS), observe=metrics.api_request),
+        kube,
         OperatorRef(namespace=pod_namespace) if pod_namespace else None,
         probe_timeout=args.probe_timeout,
+        token_key=load_token_key(kube, args.token_key_namespace),
     )
     registry = kopf.OperatorRegistry()
     register(registry, reconciler, metrics, args.resync_seconds, args.peering_lifetime)

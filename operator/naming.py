@@ -3,9 +3,10 @@ made by computing it again, never by remembering it."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
-from diloco.api.job import API_GROUP, API_VERSION, KIND
+from diloco.api.job import API_GROUP, API_VERSION, ISLAND_NAME_MAX, JOB_NAME_MAX, KIND
 
 MANAGER = "diloco-operator"
 """Server-side-apply field manager, and the `app.kubernetes.io/managed-by` label value."""
@@ -16,6 +17,10 @@ LABEL_SHARD = f"{API_GROUP}/shard"
 LABEL_ROLE = f"{API_GROUP}/role"
 ANNOTATION_HASH = f"{API_GROUP}/applied-hash"
 ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
+ANNOTATION_TOKEN_HASH = f"{API_GROUP}/token-hash"
+ANNOTATION_ROTATE_TOKEN = f"{API_GROUP}/rotate-token"
+TOKEN_KEY_SECRET = "diloco-operator-token-key"
+"""The Secret, in the operator's namespace, holding the key every job's token derives from."""
 
 COMPONENT_SYNCER = "syncer"
 COMPONENT_ISLAND = "island"
@@ -35,6 +40,8 @@ class JobRef:
     name: str
     namespace: str
     uid: str
+    token_rotation: str = ""
+    """The job's `diloco.dev/rotate-token` annotation (see `tokens.job_token`)."""
 
     def owner_reference(self) -> dict[str, object]:
         """Makes the job the children's controller, so deleting it garbage-collects them."""
@@ -65,9 +72,33 @@ def syncer_name(job: str, shard: int) -> str:
     return f"{job}-syncer-{shard}"
 
 
+ISLAND_CHILD_MAX = JOB_NAME_MAX + 1 + ISLAND_NAME_MAX
+"""The longest island child name, the cap diloco/api/job.py keeps StatefulSet names within."""
+DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
+SUFFIX_CHARS = 4
+"""Base-36 digest characters that tell apart islands whose names contain '-' (36**4: 1.7 million)."""
+
+
+def _suffix(job: str, island: str) -> str:
+    """`0` and a digest of both names: a last segment that no island name (a letter first) and no shard
+    index (no leading zero) can be."""
+    value = int.from_bytes(hashlib.sha256(f"{job}\0{island}".encode()).digest()[:8], "big")
+    chars = []
+    for _ in range(SUFFIX_CHARS):
+        value, digit = divmod(value, len(DIGITS))
+        chars.append(DIGITS[digit])
+    return "0" + "".join(chars)
+
+
 def island_name(job: str, island: str) -> str:
-    """StatefulSet and headless Service of one island."""
-    return f"{job}-{island}"
+    """StatefulSet and headless Service of one island: `<job>-<island>` when the island's name has no '-',
+    so the last '-' splits it back into job and island and no two jobs' islands share a name (nor one a
+    shard's `<job>-syncer-<i>`, whose last segment is digits). An island whose name has a '-' could be
+    read two ways (job `a` island `b-x`, job `a-b` island `x`): its name ends in `_suffix` instead."""
+    if "-" not in island:
+        return f"{job}-{island}"
+    suffix = _suffix(job, island)
+    return f"{f'{job}-{island}'[: ISLAND_CHILD_MAX - len(suffix) - 1]}-{suffix}"
 
 
 def job_selector(job: str) -> dict[str, str]:

@@ -25,6 +25,17 @@ MAX_PARALLEL = 128
 """Probes in flight at once: a pass waits one timeout for up to this many unreachable islands or shards."""
 
 
+MAX_ERROR_CHARS = 200
+"""Of a failed call's details in the job's conditions: enough to say why, not a shard's whole reply."""
+
+
+def rpc_error(error: grpc.RpcError) -> str:
+    """`CODE: details` of a failed call, as the job's conditions name it."""
+    code = error.code() if isinstance(error, grpc.Call) else None
+    details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
+    return f"{code.name if code else 'UNKNOWN'}: {details[:MAX_ERROR_CHARS]}"
+
+
 def shard_status(shard: int, ready: bool, target: str, token: str, timeout: float) -> ShardObservation:
     """One shard's Status reply, or an observation without one when the call fails."""
     if not ready:
@@ -34,8 +45,8 @@ def shard_status(shard: int, ready: bool, target: str, token: str, timeout: floa
             reply = pb_grpc.SyncerStub(channel).Status(
                 pb.StatusRequest(), timeout=timeout, metadata=bearer_metadata(token)
             )
-        except grpc.RpcError:
-            return ShardObservation(shard=shard, ready=True)
+        except grpc.RpcError as error:
+            return ShardObservation(shard=shard, ready=True, error=rpc_error(error))
     fragments = tuple(
         FragmentReport(
             fragment=f.fragment_id,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import datetime
 import logging
-import secrets
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from diloco.api.conditions import Reason
 from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus
 from diloco.operator import naming as n
 from diloco.operator.children import OperatorRef, child_key, render_children
@@ -27,6 +27,7 @@ from diloco.operator.island_accounting import PodObservation, nodes_to_check, ob
 from diloco.operator.job_status import Observation, ShardObservation, decide
 from diloco.operator.kube import ApiError, Kube
 from diloco.operator.probes import shard_statuses, trainer_losses
+from diloco.operator.tokens import job_token
 
 log = logging.getLogger("diloco.operator")
 
@@ -60,6 +61,15 @@ def status_patch(status: DiLoCoJobStatus) -> dict[str, Any]:
 
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences", ()))
+
+
+def foreign_controller(obj: Mapping[str, Any], uid: str) -> str | None:
+    """`Kind/name` of the object's controller when that is not the job `uid`: such an object is never applied
+    over (another job's child, or one someone else manages, that happens to hold the name)."""
+    for ref in obj["metadata"].get("ownerReferences", ()):
+        if ref.get("controller") and ref.get("uid") != uid:
+            return f"{ref.get('kind')}/{ref.get('name')}"
+    return None
 
 
 def read_token(secret: Mapping[str, Any] | None) -> str | None:
@@ -120,8 +130,12 @@ class Reconciler:
         poll_shards: ShardPoller = shard_statuses,
         scrape_losses: LossScraper = trainer_losses,
         parallel_calls: int = PARALLEL_CALLS,
+        *,
+        token_key: bytes,
     ) -> None:
+        """`token_key`: the operator's key every job's token derives from (`kube.load_token_key`)."""
         self.kube = kube
+        self.token_key = token_key
         self.parallel_calls = parallel_calls
         self.operator = operator
         self.probe_timeout = probe_timeout
@@ -154,6 +168,15 @@ class Reconciler:
             )
         pods = listed.pop("Pod")
         return {child_key(obj): obj for found in listed.values() for obj in found}, pods
+
+    def _unlisted(self, job: n.JobRef, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
+        """The objects that hold the names of children missing from the job's lists (another job's, or
+        someone else's, without the job's label): one get per name, only while a child is to be created."""
+        if not keys:
+            return {}
+        with ThreadPoolExecutor(max_workers=max(1, min(self.parallel_calls, len(keys)))) as pool:
+            found = pool.map(lambda key: self.kube.get(key[0], job.namespace, key[1]), keys)
+        return {key: obj for key, obj in zip(keys, found) if obj is not None}
 
     def _observe(
         self,
@@ -218,16 +241,27 @@ class Reconciler:
         spec = DiLoCoJobSpec.model_validate(dict(raw_spec))
         previous = DiLoCoJobStatus.model_validate(dict(raw_status or {}))
         existing, raw_pods = self._list(job)
-        token = read_token(existing.get(("Secret", n.token_secret_name(job.name)))) or secrets.token_urlsafe(32)
+        token = job_token(self.token_key, job, job.token_rotation)
         decision = decide(
             spec, generation, previous, self._observe(job, spec, previous, existing, raw_pods, token), now
         )
         events = list(decision.events)
 
         desired = render_children(job, spec, token, decision.scale, self.operator)
+        others = self._unlisted(job, [child_key(obj) for obj in desired if child_key(obj) not in existing])
         stale: list[tuple[dict[str, Any], bool]] = []
         for obj in desired:
-            live = existing.get(child_key(obj))
+            live = existing.get(child_key(obj)) or others.get(child_key(obj))
+            controller = foreign_controller(live, job.uid) if live is not None else None
+            if controller is not None:
+                events.append(
+                    Event(
+                        "Warning",
+                        Reason.NAME_CONFLICT,
+                        f"{'/'.join(child_key(obj))} is controlled by {controller}: left alone",
+                    )
+                )
+                continue
             mine = live is not None and owned_by(live, job.uid)
             if not (mine and in_sync(live, obj)):
                 stale.append((obj, mine))

@@ -37,6 +37,8 @@ class Reason:
     """Event: the job went to phase Degraded."""
     PARTIALLY_READY: Final = "PartiallyReady"
     """Condition Degraded: some island pods or syncer shards are not ready."""
+    SYNCER_REFUSED: Final = "SyncerRefused"
+    """Condition Degraded: a syncer shard refuses the job's token (its message names the shard and error)."""
     SUSPENDED: Final = "Suspended"
     """Condition Suspended and its Event: spec.suspend became true."""
     NOT_SUSPENDED: Final = "NotSuspended"
@@ -57,6 +59,8 @@ class Reason:
     """Event: the island's pod template changed; the island re-forms to pick it up."""
     ISLAND_REFORMED: Final = "IslandReformed"
     """Event: the re-formed island's pods are started again."""
+    NAME_CONFLICT: Final = "NameConflict"
+    """Event: a child's name is held by an object another owner controls; the operator leaves it alone."""
 
 
 class Message:

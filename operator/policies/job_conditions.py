@@ -22,9 +22,12 @@ class ConditionState:
     message: str = ""
 
 
-def condition_states(phase: Phase, detail: str) -> tuple[ConditionState, ...]:
-    """Each condition for `phase`; `detail` names what is not ready. A condition that does not hold gives the
-    phase as its reason."""
+def condition_states(
+    phase: Phase, detail: str, degraded_reason: str = Reason.PARTIALLY_READY, unanswered: str = ""
+) -> tuple[ConditionState, ...]:
+    """Each condition for `phase`; `detail` names what is not ready, `unanswered` the shards whose Status call
+    failed (also in a Running job's Ready message). A condition that does not hold gives the phase as its
+    reason."""
     running, degraded = phase is Phase.RUNNING, phase is Phase.DEGRADED
     suspended, succeeded, failed = phase is Phase.SUSPENDED, phase is Phase.SUCCEEDED, phase is Phase.FAILED
     return (
@@ -32,12 +35,14 @@ def condition_states(phase: Phase, detail: str) -> tuple[ConditionState, ...]:
             ConditionType.READY,
             running,
             phase.value,
-            Message.ALL_READY if running else detail or f"phase {phase.value}",
+            (f"{Message.ALL_READY}; {unanswered}" if unanswered else Message.ALL_READY)
+            if running
+            else detail or f"phase {phase.value}",
         ),
         ConditionState(
             ConditionType.DEGRADED,
             degraded,
-            Reason.PARTIALLY_READY if degraded else phase.value,
+            degraded_reason if degraded else phase.value,
             detail if degraded else "",
         ),
         ConditionState(ConditionType.SUSPENDED, suspended, Reason.SUSPENDED if suspended else Reason.NOT_SUSPENDED),
@@ -71,10 +76,16 @@ def set_condition(
 
 
 def update_conditions(
-    conditions: Sequence[Condition], phase: Phase, detail: str, now: datetime.datetime, generation: int | None
+    conditions: Sequence[Condition],
+    phase: Phase,
+    detail: str,
+    now: datetime.datetime,
+    generation: int | None,
+    degraded_reason: str = Reason.PARTIALLY_READY,
+    unanswered: str = "",
 ) -> list[Condition]:
     """`conditions` with every condition set for `phase` (see `condition_states`)."""
     updated = list(conditions)
-    for state in condition_states(phase, detail):
+    for state in condition_states(phase, detail, degraded_reason, unanswered):
         updated = set_condition(updated, state.type, state.holds, state.reason, state.message, now, generation)
     return updated

@@ -32,7 +32,11 @@ class Readiness:
     syncers_ready: bool
     """Every syncer shard has a ready pod."""
     detail: str
-    """The islands short of pods and the shards not ready, for the Degraded message."""
+    """The islands short of pods and the shards not ready or not answering, for the conditions' messages."""
+    degraded_reason: str = Reason.PARTIALLY_READY
+    """The Degraded condition's reason: SyncerRefused when a shard refuses the job's token."""
+    unanswered: str = ""
+    """The shards whose Status call failed, with the error: said even while the job is Running."""
 
     @property
     def islands_ready(self) -> str:
@@ -54,27 +58,40 @@ def is_whole(island: IslandStatus) -> bool:
     return bool(island.desired) and island.ready >= island.desired and not island.reform
 
 
-def degraded_detail(islands: Sequence[IslandStatus], unready_shards: Sequence[int]) -> str:
-    """The islands short of pods or re-forming and the shards not ready, the first few named."""
+def degraded_detail(
+    islands: Sequence[IslandStatus], unready_shards: Sequence[int], shard_problems: Sequence[str] = ()
+) -> str:
+    """The islands short of pods or re-forming, the shards not ready and those whose Status call failed (with
+    its error), the first few named."""
     parts = [
         f"island {i.name}: {i.ready}/{i.desired} pods ready" + (f" (re-forming: {i.reform.reason})" if i.reform else "")
         for i in islands
         if i.ready < i.desired or i.reform
     ]
     parts += [f"syncer shard {shard} not ready" for shard in unready_shards]
+    parts += shard_problems
     if len(parts) > MAX_DETAIL_PARTS:
         parts = [*parts[:MAX_DETAIL_PARTS], f"and {len(parts) - MAX_DETAIL_PARTS} more"]
     return "; ".join(parts)
 
 
-def readiness(islands: Sequence[IslandStatus], unready_shards: Sequence[int], syncers_ready: bool) -> Readiness:
-    """The job's readiness from its islands' statuses and its syncer shards."""
+def readiness(
+    islands: Sequence[IslandStatus],
+    unready_shards: Sequence[int],
+    syncers_ready: bool,
+    shard_problems: Sequence[str] = (),
+    refused: bool = False,
+) -> Readiness:
+    """The job's readiness from its islands' statuses and its syncer shards; `refused`: a shard refuses the
+    job's token."""
     return Readiness(
         islands=len(islands),
         running_islands=sum(1 for i in islands if i.desired),
         whole_islands=sum(1 for i in islands if is_whole(i)),
         syncers_ready=syncers_ready,
-        detail=degraded_detail(islands, unready_shards),
+        detail=degraded_detail(islands, unready_shards, shard_problems),
+        degraded_reason=Reason.SYNCER_REFUSED if refused else Reason.PARTIALLY_READY,
+        unanswered="; ".join(shard_problems[:MAX_DETAIL_PARTS]),
     )
 
 

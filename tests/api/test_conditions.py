@@ -32,6 +32,8 @@ def test_reasons_keep_their_values_and_are_camel_case():
         "ISLAND_FAILED": "IslandFailed",
         "ISLAND_UPDATING": "IslandUpdating",
         "ISLAND_REFORMED": "IslandReformed",
+        "SYNCER_REFUSED": "SyncerRefused",
+        "NAME_CONFLICT": "NameConflict",
     }
     assert all(re.fullmatch(r"[A-Z][A-Za-z]*", value) for value in reasons.values())
 

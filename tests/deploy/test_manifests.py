@@ -98,6 +98,20 @@ def test_chart_cluster_wide_rbac_is_deploy_rbac():
 
 def test_chart_for_named_namespaces_grants_only_those():
     chart = render_chart("watchNamespaces={team-a,team-b}", "metrics.enabled=false")
+    # Beside the watched namespaces, only the operator's own key Secret (operator/tokens.py): get that one, create.
+    (key,) = [d for d in chart if d["kind"] == "Role" and d["metadata"]["name"].endswith("-token-key")]
+    assert key["rules"] == (
+        [
+            {
+                "apiGroups": [""],
+                "resources": ["secrets"],
+                "resourceNames": ["diloco-operator-token-key"],
+                "verbs": ["get"],
+            },
+            {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        ]
+    )
+    chart = [d for d in chart if d is not key and d["metadata"]["name"] != key["metadata"]["name"]]
     roles = {d["metadata"]["namespace"]: d for d in chart if d["kind"] == "Role"}
     assert set(roles) == {"team-a", "team-b"}
     cluster_wide = normalised(rules_of(documents(ROOT / "deploy" / "rbac.yaml"), "ClusterRole"))

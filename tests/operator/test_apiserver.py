@@ -380,3 +380,52 @@ def test_a_restarted_operator_changes_nothing(control_plane, kube, operator):
     wait_until(lambda: operator.metric("diloco_operator_reconciles_total", trigger="timer", result="ok") >= 5)
     assert operator.metric("diloco_operator_applied_objects_total") == 0
     assert operator.metric("diloco_operator_deleted_objects_total") == 0
+
+
+def token_of(kube, ns, job):
+    import base64
+
+    secret = kube.get("Secret", ns, f"{job}-token")
+    return secret and base64.b64decode(secret["data"]["token"]).decode()
+
+
+def token_hashes(kube, ns, names):
+    return {
+        kind: kube.get(kind, ns, name)["spec"]["template"]["metadata"]["annotations"].get("diloco.dev/token-hash")
+        for kind, name in names
+    }
+
+
+def test_a_deleted_token_secret_comes_back_with_the_same_token_and_a_rotation_rolls_every_holder(
+    control_plane, kube, operator
+):
+    ns = namespace(control_plane, "e2e-token")
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("keep"))
+    wait_until(lambda: len(children(kube, ns, "keep")) == 13)
+    token = token_of(kube, ns, "keep")
+    holders = (("Deployment", "keep-syncer-0"), ("Deployment", "keep-syncer-1"), ("StatefulSet", "keep-a"))
+    hashes = token_hashes(kube, ns, holders)
+    control_plane.kubectl("-n", ns, "delete", "secret", "keep-token")
+    assert wait_until(lambda: token_of(kube, ns, "keep")) == token
+    assert token_hashes(kube, ns, holders) == hashes and len(set(hashes.values())) == 1
+    control_plane.kubectl("-n", ns, "annotate", "dj", "keep", "diloco.dev/rotate-token=1")
+    rotated = wait_until(lambda: (t := token_of(kube, ns, "keep")) != token and t)
+    wait_until(lambda: len(set(token_hashes(kube, ns, holders).values()) - set(hashes.values())) == 1)
+    assert rotated and token_of(kube, ns, "keep") == rotated
+
+
+def test_jobs_whose_child_names_would_collide_each_keep_their_own(control_plane, kube, operator):
+    ns = namespace(control_plane, "e2e-names")
+    small = {"syncer": {"shards": 1}, "training": {"innerSteps": 20, "fragments": 1, "overlapSteps": 1}}
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("a", islands=[{"name": "b-x"}], **small))
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("a-b", islands=[{"name": "x"}], **small))
+    wait_until(lambda: len(children(kube, ns, "a")) == len(children(kube, ns, "a-b")) == 8)
+    passes = operator.metric("diloco_operator_reconciles_total")
+    wait_until(lambda: operator.metric("diloco_operator_reconciles_total") >= passes + 4)
+    for job in ("a", "a-b"):
+        uid = kube.get("DiLoCoJob", ns, job)["metadata"]["uid"]
+        found = children(kube, ns, job)
+        assert len(found) == 8
+        assert all(obj["metadata"]["ownerReferences"][0]["uid"] == uid for obj in found.values())
+    assert not set(children(kube, ns, "a")) & set(children(kube, ns, "a-b"))
+    assert "ApplyFailed" not in control_plane.kubectl("-n", ns, "get", "events").stdout

@@ -384,3 +384,26 @@ def test_a_job_name_too_long_for_its_children_is_refused():
 def test_children_serialise_to_json():
     for obj in render().values():
         assert json.loads(json.dumps(obj)) == obj
+
+
+def test_pod_templates_carry_a_fingerprint_of_the_token_so_a_new_token_rolls_every_holder():
+    before, after = render(token="first-token"), render(token="second-token")
+    for key in (("Deployment", "demo-syncer-0"), ("StatefulSet", "demo-h100")):
+        old = before[key]["spec"]["template"]["metadata"]["annotations"]["diloco.dev/token-hash"]
+        new = after[key]["spec"]["template"]["metadata"]["annotations"]["diloco.dev/token-hash"]
+        assert old != new and "token" not in old
+    assert render(token="first-token") == before
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(("a", "b-x"), ("a-b", "x")), (("a", "syncer-syncer-0"), ("a-syncer", "x")), (("a", "b-c-d"), ("a-b", "c-d"))],
+)
+def test_child_names_of_two_jobs_never_collide(first, second):
+    def names(job, island):
+        spec = make_spec(islands=[{"name": island, "replicas": 1}], syncer={"shards": 1})
+        ref = n.JobRef(name=job, namespace="ml", uid=job)
+        scale = Scale(islands={island: 1}, syncers=1)
+        return {child_key(obj) for obj in render_children(ref, spec, "t", scale, None)}
+
+    assert not names(*first) & names(*second)

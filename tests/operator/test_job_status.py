@@ -206,3 +206,35 @@ def test_island_status_round_trips_through_json():
     status = run(job_spec(), [healthy(), healthy()])[-1].status
     assert DiLoCoJobStatus.model_validate_json(status.model_dump_json(by_alias=True)) == status
     assert isinstance(status.islands[0], IslandStatus)
+
+
+# --- a syncer that refuses the operator or does not answer ---------------------------------------
+
+
+def two_shards(error: str | None = None) -> Observation:
+    """Shard 0 answers; shard 1's pod is ready and its Status call fails with `error` (None: it answers)."""
+    reports = (FragmentReport(0, 1, 1, 1_767_268_800.0),)
+    second = ShardObservation(1, ready=True, error=error) if error else ShardObservation(1, True, ())
+    return Observation(
+        pods=healthy().pods,
+        shards=[ShardObservation(0, ready=True, fragments=reports, live_islands=frozenset("ab")), second],
+    )
+
+
+def test_a_shard_refusing_the_jobs_token_is_not_ready_and_conditions_name_it():
+    spec = job_spec(syncer={"shards": 2})
+    decision = run(spec, [two_shards(), two_shards("UNAUTHENTICATED: invalid bearer token")])[-1]
+    conditions = {c.type: c for c in decision.status.conditions}
+    assert decision.status.phase is Phase.DEGRADED and conditions["Ready"].status == "False"
+    assert conditions["Degraded"].reason == "SyncerRefused"
+    assert (
+        "syncer shard 1 refuses the operator: UNAUTHENTICATED: invalid bearer token" in conditions["Degraded"].message
+    )
+
+
+def test_an_unreachable_shard_is_named_in_the_conditions():
+    spec = job_spec(syncer={"shards": 2})
+    decision = run(spec, [two_shards(), two_shards("UNAVAILABLE: connection refused")])[-1]
+    conditions = {c.type: c for c in decision.status.conditions}
+    assert decision.status.syncer.reachable == 1
+    assert "syncer shard 1 unreachable: UNAVAILABLE: connection refused" in conditions["Ready"].message

@@ -80,3 +80,10 @@ def test_an_endpoint_without_the_gauge_gives_no_loss():
     finally:
         server.shutdown()
         thread.join(5)
+
+
+def test_a_refused_or_absent_shard_says_why_and_only_a_refusal_makes_it_unserving(shard):
+    refused = shard_status(0, True, shard, "wrong-token", timeout=5)
+    assert refused.error and refused.error.startswith("UNAUTHENTICATED: ") and not refused.serving
+    absent = shard_status(1, True, f"127.0.0.1:{free_port()}", TOKEN, timeout=0.5)
+    assert absent.error and absent.error.startswith(("UNAVAILABLE: ", "DEADLINE_EXCEEDED: ")) and absent.serving

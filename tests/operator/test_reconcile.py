@@ -78,7 +78,9 @@ def probes(calls):
 @pytest.fixture
 def setup():
     kube, calls = FakeKube(), []
-    reconciler = Reconciler(kube, OperatorRef("ops"), poll_shards=probes(calls), scrape_losses=lambda urls, t: {})
+    reconciler = Reconciler(
+        kube, OperatorRef("ops"), poll_shards=probes(calls), scrape_losses=lambda urls, t: {}, token_key=bytes(32)
+    )
     return kube, reconciler, calls
 
 
@@ -207,8 +209,29 @@ def test_objects_the_job_does_not_own_are_neither_deleted_nor_forced(setup):
     kube.refuse.add("demo-config")
     outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
     assert kube.get("ConfigMap", "ml", "demo-notes") == foreign
-    assert ("Warning", "ApplyFailed") in [(e.type, e.reason) for e in outcome.events]
+    # Another controller's object is not even tried (an apply under the shared field manager would succeed).
+    assert ("Warning", "NameConflict") in [(e.type, e.reason) for e in outcome.events]
+    assert not any(write[2] == "demo-config" for write in kube.writes)
     assert "ConfigMap/demo-config" not in outcome.applied and len(outcome.applied) == 12
+
+
+def test_a_child_name_held_by_another_jobs_object_is_left_alone_and_reported(setup):
+    kube, reconciler, _ = setup
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": "demo-a",
+            "namespace": "ml",
+            "labels": {"diloco.dev/job": "demo-x"},
+            "ownerReferences": [{"kind": "DiLoCoJob", "name": "demo-x", "uid": "other-job", "controller": True}],
+        },
+    }
+    kube.add(copy.deepcopy(theirs))
+    outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    assert kube.get("Service", "ml", "demo-a") == theirs and "Service/demo-a" not in outcome.applied
+    (conflict,) = [e for e in outcome.events if e.reason == "NameConflict"]
+    assert conflict.message == "Service/demo-a is controlled by DiLoCoJob/demo-x: left alone"
 
 
 def test_observed_pods_and_syncers_reach_the_status(setup):
