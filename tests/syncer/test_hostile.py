@@ -719,7 +719,7 @@ def test_ids_that_never_joined_cannot_fill_the_shard_with_pending_deltas(syncer_
             )
 
         def push(island: str) -> pb.PushReply:
-            return stub.PushDelta(iter([header(island), pb.PushChunk(data=blobs[0])]), metadata=AUTH, timeout=30)
+            return stub.PushDelta(iter([header(island), framed(pb.PushChunk, blobs[0])]), metadata=AUTH, timeout=30)
 
         for island in ("x-0", "x-1"):  # room for a quorum's worth, two joined islands' worth
             assert not push(island).duplicate
