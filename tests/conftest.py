@@ -3,11 +3,31 @@ started on first use, so tiers that do not ask for it never pay for it."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 
 import pytest
 from cluster.cluster import Cluster, MissingBinaries, start_cluster
+from hypothesis import settings
 from support import missing_binary
+
+# Hypothesis's CI profile replays the same examples on every run; ours draws new ones each run, from the seed
+# the header prints, so CI keeps searching and whatever it finds replays.
+settings.register_profile("diloco-ci", parent=settings.get_profile("ci"), derandomize=False)
+if settings.get_current_profile_name() == "ci":
+    settings.load_profile("diloco-ci")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """The fuzz tier's seed, chosen once per run unless given, so that whatever it finds replays."""
+    if config.getoption("hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = str(random.SystemRandom().randrange(2**32))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    seed = config.option.hypothesis_seed
+    return f"fuzz tier: hypothesis seed {seed} (replay a failure with: pytest --hypothesis-seed={seed})"
 
 
 @pytest.fixture(scope="session")
