@@ -16,6 +16,7 @@ import kopf
 from pydantic import ValidationError
 
 from diloco.api.job import API_GROUP, API_VERSION, PLURAL
+from diloco.operator.events import Event
 from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.naming import JobRef
 from diloco.operator.reconcile import Reconciler
@@ -86,7 +87,6 @@ def _handler(
             lock.release()
 
     def _reconcile(
-        body: kopf.Body,
         meta: kopf.Meta,
         spec: kopf.Spec,
         status: kopf.Status,
@@ -97,17 +97,13 @@ def _handler(
         **_: Any,
     ) -> None:
         started = time.perf_counter()
+        job = JobRef(name=name, namespace=namespace, uid=uid, token_rotation=rotation_of(meta))
+        now = datetime.datetime.now(datetime.UTC)
         try:
-            outcome = reconciler.reconcile(
-                JobRef(name=name, namespace=namespace, uid=uid, token_rotation=rotation_of(meta)),
-                meta.get("generation"),
-                dict(spec),
-                dict(status),
-                datetime.datetime.now(datetime.UTC),
-            )
+            outcome = reconciler.reconcile(job, meta.get("generation"), dict(spec), dict(status), now)
         except ValidationError as error:
             metrics.reconciles.labels(trigger, "invalid").inc()
-            kopf.warn(body, reason="InvalidSpec", message=str(error))
+            reconciler.events.post(job, Event("Warning", "InvalidSpec", str(error)), now)
             raise kopf.PermanentError(f"the spec is invalid: {error}") from error
         except Exception:
             metrics.reconciles.labels(trigger, "error").inc()
@@ -123,7 +119,7 @@ def _handler(
         for event in outcome.events:
             if event.reason in ("ApplyFailed", "DeleteFailed"):
                 metrics.errors.labels(event.reason).inc()
-            kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+            reconciler.events.post(job, event, now)
             log.log(
                 logging.WARNING if event.type == "Warning" else logging.INFO,
                 event.message,

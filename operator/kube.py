@@ -1,4 +1,5 @@
-"""The operator's Kubernetes API calls, all of them: list by label, get, create, server-side apply, delete,
+"""The operator's Kubernetes API calls, all of them: list by label, get, create, server-side apply, merge patch
+(an Event's count), delete,
 and the key the jobs' tokens derive from (`load_token_key`).
 
 Objects travel as plain dicts, the form `children.py` renders and the API returns, so nothing here knows
@@ -27,6 +28,7 @@ RESOURCES: dict[str, tuple[str, str, bool]] = {
     "Service": ("v1", "services", True),
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims", True),
     "Pod": ("v1", "pods", True),
+    "Event": ("v1", "events", True),
     "Node": ("v1", "nodes", False),
     "Deployment": ("apps/v1", "deployments", True),
     "StatefulSet": ("apps/v1", "statefulsets", True),
@@ -68,10 +70,11 @@ def selector(labels: Mapping[str, str]) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
-METHODS = {"list": "GET", "get": "GET", "create": "POST", "apply": "PATCH", "delete": "DELETE"}
+METHODS = {"list": "GET", "get": "GET", "create": "POST", "apply": "PATCH", "patch": "PATCH", "delete": "DELETE"}
 """HTTP method of each verb the operator uses."""
 RequestObserver = Callable[[str, str, int], None]
-"""Told (verb: list, get, apply or delete; kind; HTTP status) of every call made, e.g. to count them as a metric."""
+"""Told (verb: list, get, create, apply, patch or delete; kind; HTTP status) of every call made, e.g. to count
+them as a metric."""
 
 
 class Kube:
@@ -154,6 +157,12 @@ class Kube:
             if error.status == 409:
                 return None
             raise
+
+    def patch(self, kind: str, namespace: str | None, name: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        """JSON merge patch of the object; None when it does not exist."""
+        return self._call(
+            "patch", kind, _path(kind, namespace, name), body=dict(body), content_type="application/merge-patch+json"
+        )
 
     def delete(self, kind: str, namespace: str | None, name: str) -> None:
         """Deletes in the background (dependents garbage-collected); an object already gone is fine."""

@@ -22,6 +22,7 @@ from diloco.api.conditions import Reason
 from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus
 from diloco.operator import naming as n
 from diloco.operator.children import OperatorRef, child_key, render_children
+from diloco.operator.event_recorder import EventRecorder
 from diloco.operator.events import Event
 from diloco.operator.island_accounting import PodObservation, nodes_to_check, observe_node, observe_pod
 from diloco.operator.job_status import Observation, ShardObservation, decide
@@ -135,6 +136,7 @@ class Reconciler:
     ) -> None:
         """`token_key`: the operator's key every job's token derives from (`kube.load_token_key`)."""
         self.kube = kube
+        self.events = EventRecorder(kube)
         self.token_key = token_key
         self.parallel_calls = parallel_calls
         self.operator = operator

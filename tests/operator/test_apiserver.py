@@ -17,7 +17,10 @@ import yaml
 from kubernetes import config as kube_config
 from operator_harness import OperatorProcess, install
 
+from diloco.operator.event_recorder import EventRecorder
+from diloco.operator.events import Event
 from diloco.operator.kube import ApiError, Kube
+from diloco.operator.naming import JobRef
 
 # The API server answers slower than loopback gRPC: poll for a minute, twice a second.
 wait_until = partial(support.wait_until, timeout=60.0, interval=0.5)
@@ -240,6 +243,25 @@ def test_every_call_is_told_to_the_observer_with_its_verb_kind_and_status(contro
         ("get", "Node", 404),
         ("delete", "ConfigMap", 200),
     ]
+
+
+def test_the_same_event_posted_five_times_is_one_event_counted_five_under_the_operators_rbac(control_plane, kube):
+    ns = namespace(control_plane, "events")
+    as_operator = Kube(kube_config.new_client_from_config(config_file=str(install(control_plane))))
+    job = JobRef(name="repeats", namespace=ns, uid="5f0c4a52-0000-4000-8000-000000000001")
+    failed = Event("Warning", "ApplyFailed", "StatefulSet/repeats-a: forbidden")
+    start = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
+    recorder = EventRecorder(as_operator)
+    for minute in range(3):
+        recorder.post(job, failed, start + datetime.timedelta(minutes=minute))
+    restarted = EventRecorder(as_operator)
+    for minute in (3, 4):
+        restarted.post(job, failed, start + datetime.timedelta(minutes=minute))
+    listed = json.loads(control_plane.kubectl("-n", ns, "get", "events", "-o", "json").stdout)["items"]
+    assert [(e["reason"], e["count"]) for e in listed] == [("ApplyFailed", 5)]
+    (event,) = listed
+    assert event["firstTimestamp"] == "2025-01-01T00:00:00Z" and event["lastTimestamp"] == "2025-01-01T00:04:00Z"
+    assert event["involvedObject"]["kind"] == "DiLoCoJob" and event["involvedObject"]["uid"] == job.uid
 
 
 # --- the operator --------------------------------------------------------------------------------

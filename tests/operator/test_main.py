@@ -16,9 +16,19 @@ from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.reconcile import PassOutcome
 
 
+class PostedEvents:
+    """The reconciler's EventRecorder: what the handler posted, as (job, type, reason, message)."""
+
+    def __init__(self):
+        self.posted = []
+
+    def post(self, job, event, now):
+        self.posted.append({"job": job.name, "type": event.type, "reason": event.reason, "message": event.message})
+
+
 class FakeReconciler:
     def __init__(self, outcome=None, error=None):
-        self.outcome, self.error, self.calls = outcome, error, []
+        self.outcome, self.error, self.calls, self.events = outcome, error, [], PostedEvents()
 
     def reconcile(self, job, generation, spec, status, now):
         self.calls.append((job, generation, spec, status))
@@ -60,9 +70,7 @@ def test_every_trigger_runs_the_same_pass():
     assert selectors == {"diloco.dev"}
 
 
-def test_an_outcome_becomes_a_status_patch_events_and_metrics(monkeypatch):
-    posted = []
-    monkeypatch.setattr(kopf, "event", lambda body, **event: posted.append(event))
+def test_an_outcome_becomes_a_status_patch_events_and_metrics():
     outcome = PassOutcome(
         status={"phase": "Running"},
         events=(Event("Warning", "ApplyFailed", "Service/x: no"),),
@@ -72,6 +80,8 @@ def test_an_outcome_becomes_a_status_patch_events_and_metrics(monkeypatch):
     )
     reconciler, metrics = FakeReconciler(outcome), OperatorMetrics()
     kwargs = call(handlers._handler(reconciler, metrics, "timer"))
+    posted = [{k: v for k, v in e.items() if k != "job"} for e in reconciler.events.posted]
+    assert [e["job"] for e in reconciler.events.posted] == ["demo"]
     ((job, generation, _spec, status),) = reconciler.calls
     assert (job.name, job.namespace, job.uid, generation, status) == ("demo", "ml", "u", 3, {"phase": "Pending"})
     assert kwargs["patch"] == {"status": {"phase": "Running"}}
@@ -83,8 +93,7 @@ def test_an_outcome_becomes_a_status_patch_events_and_metrics(monkeypatch):
     assert sample(metrics, "diloco_operator_reconcile_seconds_count") == 1
 
 
-def test_a_deleted_job_gets_no_status_patch(monkeypatch):
-    monkeypatch.setattr(kopf, "event", lambda body, **event: None)
+def test_a_deleted_job_gets_no_status_patch():
     outcome = PassOutcome(status={"phase": "Succeeded"}, events=(), applied=(), deleted=(), job_deleted=True)
     assert call(handlers._handler(FakeReconciler(outcome), OperatorMetrics(), "timer"))["patch"] == {}
 
@@ -99,8 +108,7 @@ def test_a_job_being_deleted_is_left_to_the_garbage_collector():
     assert sample(metrics, "diloco_operator_reconciles_total", trigger="timer", result="ok") == 0
 
 
-def test_a_timer_skips_its_turn_while_a_pass_is_under_way_and_a_change_waits_for_it(monkeypatch):
-    monkeypatch.setattr(kopf, "event", lambda body, **event: None)
+def test_a_timer_skips_its_turn_while_a_pass_is_under_way_and_a_change_waits_for_it():
     outcome = PassOutcome(status={"phase": "Running"}, events=(), applied=(), deleted=(), job_deleted=False)
     reconciler, metrics, locks = FakeReconciler(outcome), OperatorMetrics(), handlers.PassLocks()
     under_way = locks.of("u")
@@ -119,16 +127,17 @@ def test_a_timer_skips_its_turn_while_a_pass_is_under_way_and_a_change_waits_for
     assert len(reconciler.calls) == 2
 
 
-def test_an_invalid_spec_is_reported_and_not_retried(monkeypatch):
-    warned = []
-    monkeypatch.setattr(kopf, "warn", lambda body, **event: warned.append(event))
+def test_an_invalid_spec_is_reported_and_not_retried():
     try:
         DiLoCoJobSpec.model_validate({"image": "x", "islands": []})
     except ValidationError as error:
         invalid = error
     metrics = OperatorMetrics()
+    reconciler = FakeReconciler(error=invalid)
     with pytest.raises(kopf.PermanentError):
-        call(handlers._handler(FakeReconciler(error=invalid), metrics, "update"))
+        call(handlers._handler(reconciler, metrics, "update"))
+    warned = reconciler.events.posted
+    assert warned[0]["type"] == "Warning"
     assert warned[0]["reason"] == "InvalidSpec" and "islands" in warned[0]["message"]
     assert sample(metrics, "diloco_operator_reconciles_total", trigger="update", result="invalid") == 1
 

@@ -50,5 +50,5 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: [list]
 - apiGroups: [""]
   resources: [events]
-  verbs: [create]
+  verbs: [create, get, patch]
 {{- end -}}
