@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from collections.abc import Callable
@@ -28,3 +29,77 @@ def missing_binary(message: str) -> NoReturn:
     if os.environ.get("CI"):
         pytest.fail(message)
     pytest.skip(message)
+
+
+def largest_status() -> dict[str, object]:
+    """The largest status a job can have within the CRD's bounds, as the operator writes it (camelCase JSON):
+    MAX_ISLANDS islands of ISLAND_NAME_MAX characters re-forming, MAX_JOB_PODS pod records with the longest
+    node names and largest counts, MAX_FRAGMENTS fragments and five conditions with the longest message."""
+    from diloco.api.job import (
+        ISLAND_NAME_MAX,
+        MAX_CONDITION_MESSAGE,
+        MAX_ISLANDS,
+        MAX_JOB_PODS,
+        Condition,
+        DiLoCoJobStatus,
+        FragmentProgress,
+        IslandStatus,
+        Phase,
+        PodRecord,
+        Reform,
+    )
+    from diloco.core.config import MAX_FRAGMENTS
+
+    t = datetime.datetime(2026, 11, 24, 23, 59, 59, 999999, tzinfo=datetime.UTC)
+    big = 2**63 - 1
+    pods_per_island = MAX_JOB_PODS // MAX_ISLANDS
+    islands = [
+        IslandStatus(
+            name=f"i{n:0{ISLAND_NAME_MAX - 1}d}",
+            desired=MAX_JOB_PODS,
+            ready=MAX_JOB_PODS,
+            restarts=big,
+            preemptions=big,
+            last_sync=t,
+            loss=1.2345678901234567,
+            reform=Reform(reason="Preemption", since=t, hold_until=t),
+            pods=[
+                PodRecord(
+                    ordinal=MAX_JOB_PODS - 1, uid="0" * 36, restarts=big, node="n" * 253, disrupted=True, failed=True
+                )
+                for _ in range(pods_per_island)
+            ],
+        )
+        for n in range(MAX_ISLANDS)
+    ]
+    status = DiLoCoJobStatus(
+        phase=Phase.DEGRADED,
+        observed_generation=big,
+        conditions=[
+            Condition(
+                type=kind,
+                status="True",
+                reason="RestartBudgetExhausted",
+                message="m" * MAX_CONDITION_MESSAGE,
+                last_transition_time=t,
+                observed_generation=big,
+            )
+            for kind in ("Ready", "Degraded", "Suspended", "Complete", "Failed")
+        ],
+        islands_ready=f"{MAX_ISLANDS}/{MAX_ISLANDS}",
+        islands=islands,
+        fragments=[
+            FragmentProgress(fragment=MAX_FRAGMENTS - 1, shard=63, version=big, tokens=big, last_merge=t)
+            for _ in range(MAX_FRAGMENTS)
+        ],
+        outer_step=big,
+        tokens=big,
+        loss=1.2345678901234567,
+        goodput=0.9876543210987654,
+        ready_pod_seconds=1.2345678901234567e15,
+        desired_pod_seconds=1.2345678901234567e15,
+        last_observed=t,
+        start_time=t,
+        completion_time=t,
+    )
+    return status.model_dump(mode="json", by_alias=True, exclude_none=True)

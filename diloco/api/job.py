@@ -39,6 +39,12 @@ DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 RESERVED_ISLAND_NAME = r"^syncer-[0-9]+$"
 MAX_ISLANDS = 512
 MAX_SHARDS = 64
+# The status keeps an accounting record per island pod, and the whole object (spec and status) must fit in one
+# etcd value (1.5 MiB by default): at these bounds the largest status a job can have stays within
+# STATUS_BYTES_BUDGET (tests/api/test_job_status_size.py builds it), leaving the rest to the spec.
+MAX_JOB_PODS = 2048
+STATUS_BYTES_BUDGET = 1 << 20
+MAX_CONDITION_MESSAGE = 1024
 # Kubernetes' quantity syntax without the minus sign: no resource or volume size is negative (the API server
 # would refuse the child at every pass, long after it accepted the job).
 QUANTITY = (
@@ -63,6 +69,10 @@ MSG_BUILTIN_OR_COMMAND = (
 )
 MSG_RESERVED_ISLAND = (
     "spec.islands[].name must not have the form syncer-<n>: <job>-syncer-<n> names the syncer shard Services"
+)
+MSG_JOB_PODS = (
+    f"spec.islands[].replicas must add up to at most {MAX_JOB_PODS} pods: the job's status keeps a record of each, "
+    "and the job must fit in one object of the API server"
 )
 MSG_SYNCER_PORTS = "spec.syncer.port and spec.syncer.metricsPort must differ"
 
@@ -331,7 +341,9 @@ class IslandSpec(CamelModel):
         description=f"Island name, unique in the job: a DNS-1035 label of at most {ISLAND_NAME_MAX} "
         "characters. The island's StatefulSet and headless Service are named <job>-<name>.",
     )
-    replicas: int = Field(1, ge=1, le=4096, description="Pods in the island; they form one torch.distributed world.")
+    replicas: int = Field(
+        1, ge=1, le=MAX_JOB_PODS, description="Pods in the island; they form one torch.distributed world."
+    )
     accelerators_per_pod: int = Field(0, ge=0, le=64, description="Accelerators each pod requests (0: CPU only).")
     accelerator_resource: str = Field(
         "nvidia.com/gpu",
@@ -440,6 +452,7 @@ def _spec_rules() -> list[JsonValue]:
     return [
         *(cel(rule.cel, rule.message, rule.field_path) for rule in RULES),
         cel(FRAGMENTS_WITHIN_TENSORS_RULE, MSG_FRAGMENTS_WITHIN_TENSORS, ".training.fragments"),
+        cel(f"self.islands.map(i, i.replicas).sum() <= {MAX_JOB_PODS}", MSG_JOB_PODS, ".islands"),
         cel(
             "self.training.fragments == oldSelf.training.fragments",
             "spec.training.fragments is immutable: the syncers' state is cut into that many fragments",
@@ -504,6 +517,9 @@ class DiLoCoJobSpec(CamelModel):
         """The rules that involve the islands and shards (TrainingConfig checks those among its own knobs)."""
         QUORUM_WITHIN_ISLANDS.check(SPEC_NAMES, quorum=self.training.quorum, islands=len(self.islands))
         SHARDS_WITHIN_FRAGMENTS.check(SPEC_NAMES, shards=self.syncer.shards, fragments=self.training.fragments)
+        pods = sum(island.replicas for island in self.islands)
+        if pods > MAX_JOB_PODS:
+            raise ValueError(f"{MSG_JOB_PODS}, got {pods}")
         preset = self.trainer.preset
         if preset is not None and self.training.fragments > PRESET_TENSORS[preset]:
             raise ValueError(
@@ -543,6 +559,14 @@ class Condition(CamelModel):
     message: str = Field("", description="Human-readable detail.")
     last_transition_time: datetime.datetime = Field(description="When status last changed.")
     observed_generation: int | None = Field(None, description="metadata.generation the condition was set for.")
+
+    @field_validator("message")
+    @classmethod
+    def _bounded(cls, message: str) -> str:
+        """Cut to MAX_CONDITION_MESSAGE characters, so that the status stays within its budget."""
+        if len(message) <= MAX_CONDITION_MESSAGE:
+            return message
+        return message[: MAX_CONDITION_MESSAGE - 1] + "…"
 
 
 class PodRecord(CamelModel):

@@ -16,6 +16,10 @@ from pydantic.alias_generators import to_camel
 
 from diloco.core.rules import FRAGMENTS_WITHIN_INNER_STEPS, OVERLAP_WITHIN_FRAGMENT_SPACING
 
+MAX_FRAGMENTS = 512
+"""Each fragment has its own entry in a job's status and its own slot in the sync schedule; 512 is well above
+the tensor count of any built-in model preset (large: 292)."""
+
 
 class CamelModel(BaseModel):
     """Immutable model that reads and writes camelCase keys, accepts snake_case too, and refuses unknown keys."""
@@ -75,7 +79,10 @@ class TrainingConfig(CamelModel):
 
     inner_steps: int = Field(100, ge=1, description="H: inner steps between two syncs of the same fragment.")
     fragments: int = Field(
-        4, ge=1, description="P: fragments the model is cut into; their syncs are staggered by H/P inner steps."
+        4,
+        ge=1,
+        le=MAX_FRAGMENTS,
+        description="P: fragments the model is cut into; their syncs are staggered by H/P inner steps.",
     )
     overlap_steps: int = Field(
         5,

@@ -17,6 +17,7 @@ import yaml
 from kubernetes import config as kube_config
 from operator_harness import OperatorProcess, install
 
+from diloco.api.job import ISLAND_NAME_MAX, MAX_ISLANDS, MAX_JOB_PODS
 from diloco.operator.event_recorder import EventRecorder
 from diloco.operator.events import Event
 from diloco.operator.kube import ApiError, Kube
@@ -105,6 +106,11 @@ def test_examples_are_accepted_with_every_default_filled_in(control_plane, kube)
             "spec.training.mixAlpha",
         ),
         ("a" * 31, {}, "metadata.name: Invalid value: metadata.name must be a DNS-1035 label of at most 30"),
+        (
+            "pods",
+            {"islands": [{"name": "a", "replicas": MAX_JOB_PODS}, {"name": "b"}]},
+            f"spec.islands: Invalid value: spec.islands[].replicas must add up to at most {MAX_JOB_PODS} pods",
+        ),
     ],
     ids=lambda value: value if isinstance(value, str) and len(value) < 12 else None,
 )
@@ -179,6 +185,26 @@ def test_an_unsafe_override_sent_without_field_validation_is_dropped_or_refused(
         "-n", "default", "apply", "--validate=false", "-f", "-", stdin=job_manifest("pruned2", **hostpath), check=False
     )
     assert result.returncode != 0 and "spec.islands[0].podTemplate.spec.volumes[0]" in result.stderr, result.stderr
+
+
+def test_the_largest_job_the_crd_admits_takes_its_largest_status(control_plane, kube, tmp_path):
+    """MAX_ISLANDS islands holding MAX_JOB_PODS pods in all, and the largest status they can have: the API
+    server (and etcd behind it) stores the whole object."""
+    ns = namespace(control_plane, "largest")
+    per_island = MAX_JOB_PODS // MAX_ISLANDS
+    islands = [{"name": f"i{n:0{ISLAND_NAME_MAX - 1}d}", "replicas": per_island} for n in range(MAX_ISLANDS)]
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("largest", islands=islands))
+    try:
+        patch = tmp_path / "status.json"
+        patch.write_text(json.dumps({"status": support.largest_status()}))
+        control_plane.kubectl(
+            "-n", ns, "patch", "dj", "largest", "--subresource=status", "--type=merge", "--patch-file", str(patch)
+        )
+        stored = kube.get("DiLoCoJob", ns, "largest")
+        assert len(stored["status"]["islands"]) == MAX_ISLANDS
+        assert sum(len(i["pods"]) for i in stored["status"]["islands"]) == MAX_JOB_PODS
+    finally:
+        control_plane.kubectl("delete", "namespace", ns, "--wait=false")
 
 
 def test_fragments_and_shards_are_immutable(control_plane):
