@@ -48,6 +48,8 @@ class PodObservation:
     revision: str | None
     ip: str | None = None
     last_exit_clean: bool = False
+    last_exit: str | None = None
+    """How a container last terminated (`exit code 137 (OOMKilled)`), for the messages; None: never seen."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
         revision=labels.get(n.REVISION_LABEL),
         ip=status.get("podIP"),
         last_exit_clean=_last_exit_clean(status.get("containerStatuses") or ()),
+        last_exit=_last_exit(status.get("containerStatuses") or ()),
     )
 
 
@@ -106,6 +109,21 @@ def _last_exit_clean(statuses: Sequence[Mapping[str, Any]]) -> bool:
     exits = [((s.get("lastState") or {}).get("terminated") or {}).get("exitCode") for s in statuses]
     exits = [code for code in exits if code is not None]
     return bool(exits) and all(code == 0 for code in exits)
+
+
+def _last_exit(statuses: Sequence[Mapping[str, Any]]) -> str | None:
+    """The latest termination of any container, current or last, in words; None when none terminated."""
+    ends = [
+        term
+        for s in statuses
+        for term in (((s.get("state") or {}).get("terminated")), ((s.get("lastState") or {}).get("terminated")))
+        if term and term.get("exitCode") is not None
+    ]
+    if not ends:
+        return None
+    last = max(ends, key=lambda t: str(t.get("finishedAt") or ""))
+    reason = last.get("reason")
+    return f"exit code {last['exitCode']}" + (f" ({reason})" if reason else "")
 
 
 def observe_node(node: Mapping[str, Any] | None) -> NodeState:
@@ -130,22 +148,33 @@ def nodes_to_check(previous: Sequence[PodRecord], pods: Sequence[PodObservation]
 
 @dataclass(frozen=True)
 class IslandAccount:
-    """The island's new status, the replicas its StatefulSet should have now, and what to tell the user."""
+    """The island's new status, the replicas its StatefulSet should have now, what to tell the user, and the
+    failure charged on this pass in words (None: none was)."""
 
     status: IslandStatus
     replicas: int
     events: tuple[Event, ...]
+    failure: str | None = None
 
 
 @dataclass
 class _PodLosses:
-    """The island's pods lost on one pass, by ordinal: failures (counted per pod) and preemptions."""
+    """The island's pods lost on one pass, by ordinal: failures (counted per pod, with the last cause seen)
+    and preemptions."""
 
     failures: dict[int, int] = field(default_factory=dict)
+    causes: dict[int, str] = field(default_factory=dict)
     preempted: list[int] = field(default_factory=list)
 
-    def fail(self, ordinal: int, count: int = 1) -> None:
+    def fail(self, ordinal: int, cause: str, count: int = 1) -> None:
         self.failures[ordinal] = self.failures.get(ordinal, 0) + count
+        self.causes[ordinal] = cause
+
+    def charged_cause(self) -> str | None:
+        """The cause of the most failures of any one pod (the one charged), None when none failed."""
+        if not self.failures or self.preempted:
+            return None
+        return self.causes[max(self.failures, key=lambda ordinal: (self.failures[ordinal], -ordinal))]
 
 
 @dataclass(frozen=True)
@@ -166,12 +195,12 @@ class _Judge:
             or ordinal >= self.replicas
         )
 
-    def count(self, losses: _PodLosses, ordinal: int, disrupted: bool, node: str | None) -> None:
-        """A lost pod is preempted when it was disrupted or its node is lost, else it failed."""
+    def count(self, losses: _PodLosses, ordinal: int, disrupted: bool, node: str | None, cause: str) -> None:
+        """A lost pod is preempted when it was disrupted or its node is lost, else it failed (of `cause`)."""
         if disrupted or not self.nodes.get(node or "", HEALTHY).healthy:
             losses.preempted.append(ordinal)
         else:
-            losses.fail(ordinal)
+            losses.fail(ordinal, cause)
 
 
 def _count_vanished_pods(
@@ -183,7 +212,7 @@ def _count_vanished_pods(
         pod = pods.get(ordinal)
         if (pod is not None and pod.uid == record.uid) or record.failed or judge.removed_on_purpose(ordinal):
             continue
-        judge.count(losses, ordinal, record.disrupted, record.node)
+        judge.count(losses, ordinal, record.disrupted, record.node, f"pod {ordinal} vanished")
 
 
 def _count_live_pods(
@@ -202,11 +231,12 @@ def _count_live_pods(
         same = record is not None and record.uid == pod.uid
         seen_restarts = record.restarts if record is not None and same else (pod.restarts if first_sight else 0)
         already_failed = record is not None and same and record.failed
+        how = f", {pod.last_exit}" if pod.last_exit else ""
         if pod.phase == "Failed" and not already_failed:
-            judge.count(losses, ordinal, pod.disrupted, pod.node)
+            judge.count(losses, ordinal, pod.disrupted, pod.node, f"pod {pod.name} failed{how}")
         restarted = pod.restarts - seen_restarts - (1 if pod.last_exit_clean else 0)
         if restarted > 0 and not pod.disrupted:
-            losses.fail(ordinal, restarted)
+            losses.fail(ordinal, f"pod {pod.name} restarted{how}", restarted)
 
 
 def _pod_records(records: Mapping[int, PodRecord], pods: Mapping[int, PodObservation]) -> list[PodRecord]:
@@ -314,4 +344,9 @@ def account_island(
             "pods": _pod_records(records, current),
         }
     )
-    return IslandAccount(status=status, replicas=0 if reform is not None else desired, events=tuple(events))
+    return IslandAccount(
+        status=status,
+        replicas=0 if reform is not None else desired,
+        events=tuple(events),
+        failure=losses.charged_cause() if charged else None,
+    )

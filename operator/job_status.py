@@ -198,7 +198,11 @@ def decide(
     change = next_phase(
         previous,
         ready,
-        failure=restart_budget_exhausted(islands, spec.failure_policy.restart_budget),
+        failure=restart_budget_exhausted(
+            islands,
+            spec.failure_policy.restart_budget,
+            {a.status.name: a.failure for a in accounts if a.failure is not None},
+        ),
         success=stop_reached(spec.stop_condition, fragments, spec.training.fragments),
         suspend=spec.suspend,
         now=now,
@@ -209,7 +213,14 @@ def decide(
         phase=change.phase,
         observed_generation=generation,
         conditions=update_conditions(
-            previous.conditions, change.phase, ready.detail, now, generation, ready.degraded_reason, ready.unanswered
+            previous.conditions,
+            change.phase,
+            ready.detail,
+            now,
+            generation,
+            ready.degraded_reason,
+            ready.unanswered,
+            change.outcome,
         ),
         islands_ready=ready.islands_ready,
         islands=islands,

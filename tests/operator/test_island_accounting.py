@@ -57,6 +57,23 @@ def test_observe_pod_reads_what_accounting_needs():
     assert (observed.node, observed.revision, observed.ip) == ("n-7", "job-a-abc", "10.1.2.3")
 
 
+def test_observe_pod_says_how_a_container_last_ended():
+    observed = observe_pod(
+        raw_pod(
+            containerStatuses=[
+                {"lastState": {"terminated": {"exitCode": 1, "reason": "Error", "finishedAt": "2026-01-01T00:00:01Z"}}},
+                {
+                    "state": {
+                        "terminated": {"exitCode": 137, "reason": "OOMKilled", "finishedAt": "2026-01-01T00:00:09Z"}
+                    }
+                },
+            ]
+        )
+    )
+    assert observed.last_exit == "exit code 137 (OOMKilled)"
+    assert observe_pod(raw_pod()).last_exit is None
+
+
 def test_observe_pod_falls_back_to_the_name_and_skips_foreign_pods():
     assert observe_pod(raw_pod(name="job-a-12")).ordinal == 12
     terminating = raw_pod(conditions=[{"type": "Ready", "status": "True"}])
