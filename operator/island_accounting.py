@@ -6,7 +6,8 @@ Only what exists is observed; the island's status keeps a record of each pod as 
 vanished between two passes is judged by what it was then and counted once, whatever the operator missed
 while it was down. A pod is *preempted* when it carried the DisruptionTarget condition (preemption,
 eviction, taint-based or node-shutdown eviction) or its node is gone, NotReady or cordoned; any other loss,
-a container restart or a pod in phase Failed is a *failure*.
+a container restart or a pod in phase Failed is a *failure*. A pod whose StatefulSet is gone or was replaced
+(deleted by hand, recreated by the operator with a new UID) went with it: neither, like a pod removed on purpose.
 
 A multi-pod island is one torch.distributed world: when one rank dies the others fail with it. So every
 failure or preemption *re-forms* the island (all its pods stopped, then started together, after
@@ -50,6 +51,8 @@ class PodObservation:
     last_exit_clean: bool = False
     last_exit: str | None = None
     """How a container last terminated (`exit code 137 (OOMKilled)`), for the messages; None: never seen."""
+    owner: str | None = None
+    """UID of the StatefulSet that controls the pod (None: none does)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,14 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
         ip=status.get("podIP"),
         last_exit_clean=_last_exit_clean(status.get("containerStatuses") or ()),
         last_exit=_last_exit(status.get("containerStatuses") or ()),
+        owner=next(
+            (
+                ref.get("uid")
+                for ref in meta.get("ownerReferences") or ()
+                if ref.get("kind") == "StatefulSet" and ref.get("controller")
+            ),
+            None,
+        ),
     )
 
 
@@ -185,11 +196,14 @@ class _Judge:
     replicas: int
     nodes: Mapping[str, NodeState]
     active: bool
+    workload: str | None
 
-    def removed_on_purpose(self, ordinal: int) -> bool:
-        """The island is wound down or re-forming, or was scaled below this pod: its loss is no one's fault."""
+    def removed_on_purpose(self, ordinal: int, owner: str | None) -> bool:
+        """The island is wound down or re-forming, was scaled below this pod, or the pod's StatefulSet (`owner`)
+        is no longer the island's (deleted, or recreated with a new UID): its loss is no one's fault."""
         return (
             not self.active
+            or (owner is not None and owner != self.workload)
             or self.previous.reform is not None
             or ordinal >= self.previous.desired
             or ordinal >= self.replicas
@@ -210,7 +224,11 @@ def _count_vanished_pods(
     was already counted (they were seen Failed) or was expected."""
     for ordinal, record in records.items():
         pod = pods.get(ordinal)
-        if (pod is not None and pod.uid == record.uid) or record.failed or judge.removed_on_purpose(ordinal):
+        if (
+            (pod is not None and pod.uid == record.uid)
+            or record.failed
+            or judge.removed_on_purpose(ordinal, record.owner)
+        ):
             continue
         judge.count(losses, ordinal, record.disrupted, record.node, f"pod {ordinal} vanished")
 
@@ -225,7 +243,7 @@ def _count_live_pods(
     """Pods seen in phase Failed for the first time, and container restarts since the last pass (a clean
     exit excepted; on first sight of the island, its history is not charged)."""
     for ordinal, pod in sorted(pods.items()):
-        if judge.removed_on_purpose(ordinal):
+        if judge.removed_on_purpose(ordinal, pod.owner):
             continue
         record = records.get(ordinal)
         same = record is not None and record.uid == pod.uid
@@ -253,6 +271,7 @@ def _pod_records(records: Mapping[int, PodRecord], pods: Mapping[int, PodObserva
                 node=pod.node,
                 disrupted=pod.disrupted or was_disrupted,
                 failed=pod.phase == "Failed",
+                owner=pod.owner,
             )
         )
     return new_records
@@ -305,17 +324,19 @@ def account_island(
     active: bool,
     backoff_seconds: int,
     now: datetime.datetime,
+    workload: str | None = None,
 ) -> IslandAccount:
     """Folds one observation of the island's pods into its status (see the module docstring).
 
     `update_revision` is the StatefulSet's current template revision when the controller has observed
     the latest spec (else None); pods of another revision make the island re-form to pick it up.
-    `active` is false while the job is suspended or finished: the island is then wound down to zero."""
+    `active` is false while the job is suspended or finished: the island is then wound down to zero.
+    `workload` is the UID of the island's StatefulSet now (None: it does not exist)."""
     prev = previous or IslandStatus(name=island.name)
     records = {r.ordinal: r for r in prev.pods}
     current = {p.ordinal: p for p in pods}
 
-    judge = _Judge(previous=prev, replicas=island.replicas, nodes=nodes, active=active)
+    judge = _Judge(previous=prev, replicas=island.replicas, nodes=nodes, active=active, workload=workload)
     losses = _PodLosses()
     _count_vanished_pods(judge, records, current, losses)
     _count_live_pods(judge, records, current, previous is None, losses)

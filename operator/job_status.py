@@ -78,6 +78,8 @@ class Observation:
     update_revisions: Mapping[str, str] = field(default_factory=dict)
     shards: Sequence[ShardObservation] = ()
     losses: Mapping[str, float] = field(default_factory=dict)
+    workloads: Mapping[str, str] = field(default_factory=dict)
+    """The UID of each island's StatefulSet, by island; an island missing has none."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,7 @@ def _account_islands(
             active,
             spec.failure_policy.backoff_seconds,
             now,
+            observed.workloads.get(island.name),
         )
         for island in spec.islands
     ]

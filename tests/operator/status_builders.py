@@ -25,6 +25,7 @@ def pod(
     revision="a-1",
     clean=False,
     exit=None,
+    owner=None,
 ):
     return PodObservation(
         name=f"job-{island}-{ordinal}",
@@ -41,4 +42,5 @@ def pod(
         ip=f"10.0.0.{ordinal + 1}",
         last_exit_clean=clean,
         last_exit=exit,
+        owner=owner,
     )
