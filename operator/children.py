@@ -350,6 +350,23 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
     ]
 
 
+TRAINER_READINESS_PATH = "/readyz"
+"""What diloco-worker answers on its metrics port: 200 while the rank trains (it joined its syncers and
+finished a step recently), 503 otherwise (see diloco.worker.metrics)."""
+
+
+def _trainer_readiness(port: int) -> dict[str, Any]:
+    """The built-in worker is Ready while it trains, so a crash-looping or hung island is never Ready. No
+    liveness probe: a slow step is not a dead process, and a kill would be charged to the restart budget.
+    A custom trainer command need not serve the path, so it gets none (its pod template may add one)."""
+    return {
+        "httpGet": {"path": TRAINER_READINESS_PATH, "port": port},
+        "periodSeconds": 5,
+        "failureThreshold": 3,
+        "timeoutSeconds": 2,
+    }
+
+
 def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, token: str) -> dict[str, Any]:
     """The pod template of an island, with the island's pod-template override merged in last."""
     accelerators = {island.accelerator_resource: island.accelerators_per_pod} if island.accelerators_per_pod else None
@@ -369,6 +386,8 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
     }
     if spec.trainer.args:
         container["args"] = list(spec.trainer.args)
+    if not spec.trainer.command:
+        container["readinessProbe"] = _trainer_readiness(spec.trainer.metrics_port)
     tolerations = _tolerations(island.tolerations) + (list(SPOT_TOLERATIONS) if island.spot else [])
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,

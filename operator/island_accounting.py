@@ -6,7 +6,8 @@ Only what exists is observed; the island's status keeps a record of each pod as 
 vanished between two passes is judged by what it was then and counted once, whatever the operator missed
 while it was down. A pod is *preempted* when it carried the DisruptionTarget condition (preemption,
 eviction, taint-based or node-shutdown eviction) or its node is gone, NotReady or cordoned; any other loss,
-a container restart or a pod in phase Failed is a *failure*.
+a container restart or a pod in phase Failed is a *failure*. A pod whose StatefulSet is gone or was replaced
+(deleted by hand, recreated by the operator with a new UID) went with it: neither, like a pod removed on purpose.
 
 A multi-pod island is one torch.distributed world: when one rank dies the others fail with it. So every
 failure or preemption *re-forms* the island (all its pods stopped, then started together, after
@@ -48,6 +49,10 @@ class PodObservation:
     revision: str | None
     ip: str | None = None
     last_exit_clean: bool = False
+    last_exit: str | None = None
+    """How a container last terminated (`exit code 137 (OOMKilled)`), for the messages; None: never seen."""
+    owner: str | None = None
+    """UID of the StatefulSet that controls the pod (None: none does)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,15 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
         revision=labels.get(n.REVISION_LABEL),
         ip=status.get("podIP"),
         last_exit_clean=_last_exit_clean(status.get("containerStatuses") or ()),
+        last_exit=_last_exit(status.get("containerStatuses") or ()),
+        owner=next(
+            (
+                ref.get("uid")
+                for ref in meta.get("ownerReferences") or ()
+                if ref.get("kind") == "StatefulSet" and ref.get("controller")
+            ),
+            None,
+        ),
     )
 
 
@@ -106,6 +120,21 @@ def _last_exit_clean(statuses: Sequence[Mapping[str, Any]]) -> bool:
     exits = [((s.get("lastState") or {}).get("terminated") or {}).get("exitCode") for s in statuses]
     exits = [code for code in exits if code is not None]
     return bool(exits) and all(code == 0 for code in exits)
+
+
+def _last_exit(statuses: Sequence[Mapping[str, Any]]) -> str | None:
+    """The latest termination of any container, current or last, in words; None when none terminated."""
+    ends = [
+        term
+        for s in statuses
+        for term in (((s.get("state") or {}).get("terminated")), ((s.get("lastState") or {}).get("terminated")))
+        if term and term.get("exitCode") is not None
+    ]
+    if not ends:
+        return None
+    last = max(ends, key=lambda t: str(t.get("finishedAt") or ""))
+    reason = last.get("reason")
+    return f"exit code {last['exitCode']}" + (f" ({reason})" if reason else "")
 
 
 def observe_node(node: Mapping[str, Any] | None) -> NodeState:
@@ -130,22 +159,33 @@ def nodes_to_check(previous: Sequence[PodRecord], pods: Sequence[PodObservation]
 
 @dataclass(frozen=True)
 class IslandAccount:
-    """The island's new status, the replicas its StatefulSet should have now, and what to tell the user."""
+    """The island's new status, the replicas its StatefulSet should have now, what to tell the user, and the
+    failure charged on this pass in words (None: none was)."""
 
     status: IslandStatus
     replicas: int
     events: tuple[Event, ...]
+    failure: str | None = None
 
 
 @dataclass
 class _PodLosses:
-    """The island's pods lost on one pass, by ordinal: failures (counted per pod) and preemptions."""
+    """The island's pods lost on one pass, by ordinal: failures (counted per pod, with the last cause seen)
+    and preemptions."""
 
     failures: dict[int, int] = field(default_factory=dict)
+    causes: dict[int, str] = field(default_factory=dict)
     preempted: list[int] = field(default_factory=list)
 
-    def fail(self, ordinal: int, count: int = 1) -> None:
+    def fail(self, ordinal: int, cause: str, count: int = 1) -> None:
         self.failures[ordinal] = self.failures.get(ordinal, 0) + count
+        self.causes[ordinal] = cause
+
+    def charged_cause(self) -> str | None:
+        """The cause of the most failures of any one pod (the one charged), None when none failed."""
+        if not self.failures or self.preempted:
+            return None
+        return self.causes[max(self.failures, key=lambda ordinal: (self.failures[ordinal], -ordinal))]
 
 
 @dataclass(frozen=True)
@@ -156,22 +196,25 @@ class _Judge:
     replicas: int
     nodes: Mapping[str, NodeState]
     active: bool
+    workload: str | None
 
-    def removed_on_purpose(self, ordinal: int) -> bool:
-        """The island is wound down or re-forming, or was scaled below this pod: its loss is no one's fault."""
+    def removed_on_purpose(self, ordinal: int, owner: str | None) -> bool:
+        """The island is wound down or re-forming, was scaled below this pod, or the pod's StatefulSet (`owner`)
+        is no longer the island's (deleted, or recreated with a new UID): its loss is no one's fault."""
         return (
             not self.active
+            or (owner is not None and owner != self.workload)
             or self.previous.reform is not None
             or ordinal >= self.previous.desired
             or ordinal >= self.replicas
         )
 
-    def count(self, losses: _PodLosses, ordinal: int, disrupted: bool, node: str | None) -> None:
-        """A lost pod is preempted when it was disrupted or its node is lost, else it failed."""
+    def count(self, losses: _PodLosses, ordinal: int, disrupted: bool, node: str | None, cause: str) -> None:
+        """A lost pod is preempted when it was disrupted or its node is lost, else it failed (of `cause`)."""
         if disrupted or not self.nodes.get(node or "", HEALTHY).healthy:
             losses.preempted.append(ordinal)
         else:
-            losses.fail(ordinal)
+            losses.fail(ordinal, cause)
 
 
 def _count_vanished_pods(
@@ -181,9 +224,13 @@ def _count_vanished_pods(
     was already counted (they were seen Failed) or was expected."""
     for ordinal, record in records.items():
         pod = pods.get(ordinal)
-        if (pod is not None and pod.uid == record.uid) or record.failed or judge.removed_on_purpose(ordinal):
+        if (
+            (pod is not None and pod.uid == record.uid)
+            or record.failed
+            or judge.removed_on_purpose(ordinal, record.owner)
+        ):
             continue
-        judge.count(losses, ordinal, record.disrupted, record.node)
+        judge.count(losses, ordinal, record.disrupted, record.node, f"pod {ordinal} vanished")
 
 
 def _count_live_pods(
@@ -196,17 +243,18 @@ def _count_live_pods(
     """Pods seen in phase Failed for the first time, and container restarts since the last pass (a clean
     exit excepted; on first sight of the island, its history is not charged)."""
     for ordinal, pod in sorted(pods.items()):
-        if judge.removed_on_purpose(ordinal):
+        if judge.removed_on_purpose(ordinal, pod.owner):
             continue
         record = records.get(ordinal)
         same = record is not None and record.uid == pod.uid
         seen_restarts = record.restarts if record is not None and same else (pod.restarts if first_sight else 0)
         already_failed = record is not None and same and record.failed
+        how = f", {pod.last_exit}" if pod.last_exit else ""
         if pod.phase == "Failed" and not already_failed:
-            judge.count(losses, ordinal, pod.disrupted, pod.node)
+            judge.count(losses, ordinal, pod.disrupted, pod.node, f"pod {pod.name} failed{how}")
         restarted = pod.restarts - seen_restarts - (1 if pod.last_exit_clean else 0)
         if restarted > 0 and not pod.disrupted:
-            losses.fail(ordinal, restarted)
+            losses.fail(ordinal, f"pod {pod.name} restarted{how}", restarted)
 
 
 def _pod_records(records: Mapping[int, PodRecord], pods: Mapping[int, PodObservation]) -> list[PodRecord]:
@@ -223,6 +271,7 @@ def _pod_records(records: Mapping[int, PodRecord], pods: Mapping[int, PodObserva
                 node=pod.node,
                 disrupted=pod.disrupted or was_disrupted,
                 failed=pod.phase == "Failed",
+                owner=pod.owner,
             )
         )
     return new_records
@@ -275,17 +324,19 @@ def account_island(
     active: bool,
     backoff_seconds: int,
     now: datetime.datetime,
+    workload: str | None = None,
 ) -> IslandAccount:
     """Folds one observation of the island's pods into its status (see the module docstring).
 
     `update_revision` is the StatefulSet's current template revision when the controller has observed
     the latest spec (else None); pods of another revision make the island re-form to pick it up.
-    `active` is false while the job is suspended or finished: the island is then wound down to zero."""
+    `active` is false while the job is suspended or finished: the island is then wound down to zero.
+    `workload` is the UID of the island's StatefulSet now (None: it does not exist)."""
     prev = previous or IslandStatus(name=island.name)
     records = {r.ordinal: r for r in prev.pods}
     current = {p.ordinal: p for p in pods}
 
-    judge = _Judge(previous=prev, replicas=island.replicas, nodes=nodes, active=active)
+    judge = _Judge(previous=prev, replicas=island.replicas, nodes=nodes, active=active, workload=workload)
     losses = _PodLosses()
     _count_vanished_pods(judge, records, current, losses)
     _count_live_pods(judge, records, current, previous is None, losses)
@@ -314,4 +365,9 @@ def account_island(
             "pods": _pod_records(records, current),
         }
     )
-    return IslandAccount(status=status, replicas=0 if reform is not None else desired, events=tuple(events))
+    return IslandAccount(
+        status=status,
+        replicas=0 if reform is not None else desired,
+        events=tuple(events),
+        failure=losses.charged_cause() if charged else None,
+    )

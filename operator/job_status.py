@@ -78,6 +78,8 @@ class Observation:
     update_revisions: Mapping[str, str] = field(default_factory=dict)
     shards: Sequence[ShardObservation] = ()
     losses: Mapping[str, float] = field(default_factory=dict)
+    workloads: Mapping[str, str] = field(default_factory=dict)
+    """The UID of each island's StatefulSet, by island; an island missing has none."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,7 @@ def _account_islands(
             active,
             spec.failure_policy.backoff_seconds,
             now,
+            observed.workloads.get(island.name),
         )
         for island in spec.islands
     ]
@@ -198,7 +201,11 @@ def decide(
     change = next_phase(
         previous,
         ready,
-        failure=restart_budget_exhausted(islands, spec.failure_policy.restart_budget),
+        failure=restart_budget_exhausted(
+            islands,
+            spec.failure_policy.restart_budget,
+            {a.status.name: a.failure for a in accounts if a.failure is not None},
+        ),
         success=stop_reached(spec.stop_condition, fragments, spec.training.fragments),
         suspend=spec.suspend,
         now=now,
@@ -209,7 +216,14 @@ def decide(
         phase=change.phase,
         observed_generation=generation,
         conditions=update_conditions(
-            previous.conditions, change.phase, ready.detail, now, generation, ready.degraded_reason, ready.unanswered
+            previous.conditions,
+            change.phase,
+            ready.detail,
+            now,
+            generation,
+            ready.degraded_reason,
+            ready.unanswered,
+            change.outcome,
         ),
         islands_ready=ready.islands_ready,
         islands=islands,

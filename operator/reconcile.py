@@ -200,8 +200,11 @@ class Reconciler:
         nodes = {name: observe_node(self.kube.get("Node", None, name)) for name in sorted(wanted)}
 
         revisions: dict[str, str] = {}
+        workloads: dict[str, str] = {}
         for island in spec.islands:
             sts = existing.get(("StatefulSet", n.island_name(job.name, island.name)))
+            if sts is not None:
+                workloads[island.name] = sts["metadata"].get("uid", "")
             status = (sts or {}).get("status") or {}
             if (
                 sts
@@ -229,7 +232,9 @@ class Reconciler:
             if pod.ordinal == 0 and pod.ready and pod.ip
         }
         losses = self.scrape_losses(urls, self.probe_timeout)
-        return Observation(pods=pods, nodes=nodes, update_revisions=revisions, shards=shards, losses=losses)
+        return Observation(
+            pods=pods, nodes=nodes, update_revisions=revisions, shards=shards, losses=losses, workloads=workloads
+        )
 
     def reconcile(
         self,

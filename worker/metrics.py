@@ -5,15 +5,24 @@ The operator scrapes `diloco_worker_loss` from each island's rank 0 for the job'
 dashboards: steps, tokens, pushes and pulls with their bytes, sync outcomes, time blocked on syncs, the
 fragment versions held and when a sync last brought global values. Steps, pushes and
 bytes are per process: a restarted worker starts them again, as Prometheus counters expect.
+
+The same port answers the kubelet's readiness probe on /readyz: 200 while this rank trains (it has finished
+a step, which it can only do once it has joined its syncers, within READY_STALENESS_SECONDS), 503 otherwise,
+so that an island that crash-loops or hangs is never Ready.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -32,7 +41,25 @@ class WorkerSnapshot:
     loss: float = math.nan  # latest training loss
     eval_loss: float = math.nan  # latest held-out loss
     last_sync_unix: float = 0.0  # when a sync last brought global values (0: never)
+    last_step_monotonic: float | None = None  # time.monotonic() when this process last finished a step
     learner: LearnerStats | None = field(default=None)
+
+
+READINESS_PATH = "/readyz"
+
+READY_STALENESS_SECONDS = 900.0
+"""A rank whose last step finished longer ago than this is not training (a hung peer or syncer): longer than
+the slowest legitimate step, a sync-diloco barrier that waits up to 600 s, plus an evaluation."""
+
+
+def readiness(snapshot: WorkerSnapshot, now: float) -> tuple[bool, str]:
+    """Whether this rank trains (see the module docstring), and why in words; `now` is time.monotonic()."""
+    if snapshot.last_step_monotonic is None:
+        return False, "no step finished yet"
+    age = now - snapshot.last_step_monotonic
+    if age > READY_STALENESS_SECONDS:
+        return False, f"last step {age:.0f}s ago (limit {READY_STALENESS_SECONDS:.0f}s)"
+    return True, f"step {snapshot.step}, {age:.0f}s ago"
 
 
 class WorkerCollector(Collector):
@@ -96,9 +123,36 @@ class WorkerCollector(Collector):
         yield versions
 
 
-def serve_metrics(snapshot: Callable[[], WorkerSnapshot], port: int, addr: str = "0.0.0.0") -> CollectorRegistry:
-    """Serves /metrics on `port` from a registry of its own (a daemon thread: it never holds the exit)."""
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Probes and scrapes come every few seconds: not worth a log line each."""
+
+
+def _app(registry: CollectorRegistry, snapshot: Callable[[], WorkerSnapshot]) -> Callable[..., Iterable[bytes]]:
+    """/readyz answers the readiness probe; every other path is Prometheus's."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != READINESS_PATH:
+            return metrics(environ, start_response)
+        ready, why = readiness(snapshot(), time.monotonic())
+        start_response("200 OK" if ready else "503 Service Unavailable", [("Content-Type", "text/plain")])
+        return [why.encode() + b"\n"]
+
+    return app
+
+
+def serve_metrics(
+    snapshot: Callable[[], WorkerSnapshot], port: int, addr: str = "0.0.0.0"
+) -> tuple[CollectorRegistry, WSGIServer]:
+    """Serves /metrics and /readyz on `port` (0: any free one, the server says which) from a registry of its
+    own, in a daemon thread: it never holds the exit."""
     registry = CollectorRegistry()
     registry.register(WorkerCollector(snapshot))
-    start_http_server(port, addr=addr, registry=registry)
-    return registry
+    server = make_server(addr, port, _app(registry, snapshot), _Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="worker-metrics", daemon=True).start()
+    return registry, server

@@ -156,6 +156,7 @@ class Trainer:
         self.loss = math.nan
         self.eval_loss = math.nan
         self.last_sync_unix = 0.0
+        self.last_step_monotonic: float | None = None
 
     def snapshot(self) -> WorkerSnapshot:
         """What this rank has done so far, for its metrics endpoint (read from another thread)."""
@@ -168,6 +169,7 @@ class Trainer:
             loss=self.loss,
             eval_loss=self.eval_loss,
             last_sync_unix=self.last_sync_unix,
+            last_step_monotonic=self.last_step_monotonic,
             learner=self.learner.stats if self.learner is not None else None,
         )
 
@@ -244,6 +246,7 @@ class Trainer:
             self.step += 1
             self.tokens += tokens_per_step
             self.loss = loss.item()
+            self.last_step_monotonic = time.monotonic()
             if s.slowdown > 1.0:
                 time.sleep((s.slowdown - 1.0) * (time.perf_counter() - started))
             self.progress.write(

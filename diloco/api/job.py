@@ -579,6 +579,7 @@ class PodRecord(CamelModel):
     node: str | None = Field(None, description="Node the pod ran on.")
     disrupted: bool = Field(False, description="The pod carried the DisruptionTarget condition.")
     failed: bool = Field(False, description="The pod was seen in phase Failed (already counted).")
+    owner: str | None = Field(None, description="UID of the StatefulSet that controlled the pod.")
 
 
 class Reform(CamelModel):

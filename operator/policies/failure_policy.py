@@ -25,9 +25,14 @@ def exhausted_islands(islands: Sequence[IslandStatus], budget: int) -> list[str]
     return [i.name for i in islands if i.restarts > budget]
 
 
-def restart_budget_exhausted(islands: Sequence[IslandStatus], budget: int) -> str | None:
-    """Why the job fails (a message), or None while every island is within the budget."""
+def restart_budget_exhausted(
+    islands: Sequence[IslandStatus], budget: int, causes: Mapping[str, str] | None = None
+) -> str | None:
+    """Why the job fails (a message naming the islands and, from `causes`, the failure each was charged on
+    this pass), or None while every island is within the budget."""
     exhausted = exhausted_islands(islands, budget)
     if not exhausted:
         return None
-    return f"islands {exhausted} exceeded failurePolicy.restartBudget {budget}: the job failed"
+    known = causes or {}
+    last = "".join(f"; island {name}'s last failure: {known[name]}" for name in exhausted if name in known)
+    return f"islands {exhausted} exceeded failurePolicy.restartBudget {budget}: the job failed{last}"

@@ -1,5 +1,6 @@
 """The job's five status conditions, set from its phase on every pass: exactly one holds for each phase but
-Pending (none), and a condition's lastTransitionTime moves only when it starts or stops holding."""
+Pending (none), and a condition's lastTransitionTime moves only when it starts or stops holding. Every
+condition carries a message naming its cause; one that does not hold names the phase."""
 
 from __future__ import annotations
 
@@ -23,13 +24,19 @@ class ConditionState:
 
 
 def condition_states(
-    phase: Phase, detail: str, degraded_reason: str = Reason.PARTIALLY_READY, unanswered: str = ""
+    phase: Phase,
+    detail: str,
+    degraded_reason: str = Reason.PARTIALLY_READY,
+    unanswered: str = "",
+    outcome: str = "",
 ) -> tuple[ConditionState, ...]:
     """Each condition for `phase`; `detail` names what is not ready, `unanswered` the shards whose Status call
-    failed (also in a Running job's Ready message). A condition that does not hold gives the phase as its
-    reason."""
+    failed (also in a Running job's Ready message), `outcome` why a finished job finished. A condition that
+    does not hold gives the phase as its reason and its message."""
     running, degraded = phase is Phase.RUNNING, phase is Phase.DEGRADED
     suspended, succeeded, failed = phase is Phase.SUSPENDED, phase is Phase.SUCCEEDED, phase is Phase.FAILED
+    otherwise = f"phase {phase.value}"
+    finished = outcome or f"the job {phase.value.lower()}"
     return (
         ConditionState(
             ConditionType.READY,
@@ -37,17 +44,32 @@ def condition_states(
             phase.value,
             (f"{Message.ALL_READY}; {unanswered}" if unanswered else Message.ALL_READY)
             if running
-            else detail or f"phase {phase.value}",
+            else detail or otherwise,
         ),
         ConditionState(
             ConditionType.DEGRADED,
             degraded,
             degraded_reason if degraded else phase.value,
-            detail if degraded else "",
+            (detail or otherwise) if degraded else otherwise,
         ),
-        ConditionState(ConditionType.SUSPENDED, suspended, Reason.SUSPENDED if suspended else Reason.NOT_SUSPENDED),
-        ConditionState(ConditionType.COMPLETE, succeeded, Reason.STOP_CONDITION_REACHED if succeeded else phase.value),
-        ConditionState(ConditionType.FAILED, failed, Reason.RESTART_BUDGET_EXHAUSTED if failed else phase.value),
+        ConditionState(
+            ConditionType.SUSPENDED,
+            suspended,
+            Reason.SUSPENDED if suspended else Reason.NOT_SUSPENDED,
+            Message.SUSPENDED if suspended else otherwise,
+        ),
+        ConditionState(
+            ConditionType.COMPLETE,
+            succeeded,
+            Reason.STOP_CONDITION_REACHED if succeeded else phase.value,
+            finished if succeeded else otherwise,
+        ),
+        ConditionState(
+            ConditionType.FAILED,
+            failed,
+            Reason.RESTART_BUDGET_EXHAUSTED if failed else phase.value,
+            finished if failed else otherwise,
+        ),
     )
 
 
@@ -83,9 +105,10 @@ def update_conditions(
     generation: int | None,
     degraded_reason: str = Reason.PARTIALLY_READY,
     unanswered: str = "",
+    outcome: str = "",
 ) -> list[Condition]:
     """`conditions` with every condition set for `phase` (see `condition_states`)."""
     updated = list(conditions)
-    for state in condition_states(phase, detail, degraded_reason, unanswered):
+    for state in condition_states(phase, detail, degraded_reason, unanswered, outcome):
         updated = set_condition(updated, state.type, state.holds, state.reason, state.message, now, generation)
     return updated

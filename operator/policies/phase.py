@@ -11,7 +11,7 @@ import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from diloco.api.conditions import Message, Reason
+from diloco.api.conditions import ConditionType, Message, Reason
 from diloco.api.job import DiLoCoJobStatus, IslandStatus, Phase
 from diloco.operator.events import Event
 
@@ -97,12 +97,14 @@ def readiness(
 
 @dataclass(frozen=True)
 class PhaseChange:
-    """The phase after this pass, the times it sets, and the Events that announce the change."""
+    """The phase after this pass, the times it sets, the Events that announce the change, and for a finished
+    job why it finished (the message of its Complete or Failed condition)."""
 
     phase: Phase
     start_time: datetime.datetime | None
     completion_time: datetime.datetime | None
     events: tuple[Event, ...] = ()
+    outcome: str = ""
 
 
 def training_phase(previous: DiLoCoJobStatus, ready: Readiness, now: datetime.datetime) -> PhaseChange:
@@ -146,18 +148,36 @@ def next_phase(
     """The phase after this pass. `failure` is why the failure policy fails the job and `success` why the stop
     condition is reached (None: not so); both are ignored once the job has finished."""
     if previous.phase.finished:
-        return PhaseChange(previous.phase, previous.start_time, previous.completion_time)
+        return PhaseChange(
+            previous.phase, previous.start_time, previous.completion_time, outcome=finished_outcome(previous)
+        )
     if failure:
         change = PhaseChange(
-            Phase.FAILED, previous.start_time, now, (Event("Warning", Reason.RESTART_BUDGET_EXHAUSTED, failure),)
+            Phase.FAILED,
+            previous.start_time,
+            now,
+            (Event("Warning", Reason.RESTART_BUDGET_EXHAUSTED, failure),),
+            outcome=failure,
         )
     elif success:
         change = PhaseChange(
-            Phase.SUCCEEDED, previous.start_time, now, (Event("Normal", Reason.STOP_CONDITION_REACHED, success),)
+            Phase.SUCCEEDED,
+            previous.start_time,
+            now,
+            (Event("Normal", Reason.STOP_CONDITION_REACHED, success),),
+            outcome=success,
         )
     elif suspend:
         change = PhaseChange(Phase.SUSPENDED, previous.start_time, previous.completion_time)
     else:
         change = training_phase(previous, ready, now)
     events = change.events + transition_events(previous.phase, change.phase, ready.detail)
-    return PhaseChange(change.phase, change.start_time, change.completion_time, events)
+    return PhaseChange(change.phase, change.start_time, change.completion_time, events, change.outcome)
+
+
+def finished_outcome(previous: DiLoCoJobStatus) -> str:
+    """Why a finished job finished, as its Complete or Failed condition said when it did: the words stay
+    those of the pass that decided it."""
+    kind = ConditionType.FAILED if previous.phase is Phase.FAILED else ConditionType.COMPLETE
+    said = next((c.message for c in previous.conditions if c.type == kind and c.message), "")
+    return said or f"the job {previous.phase.value.lower()}"

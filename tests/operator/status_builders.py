@@ -24,6 +24,8 @@ def pod(
     node="node-1",
     revision="a-1",
     clean=False,
+    exit=None,
+    owner=None,
 ):
     return PodObservation(
         name=f"job-{island}-{ordinal}",
@@ -39,4 +41,6 @@ def pod(
         revision=revision,
         ip=f"10.0.0.{ordinal + 1}",
         last_exit_clean=clean,
+        last_exit=exit,
+        owner=owner,
     )

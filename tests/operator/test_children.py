@@ -236,6 +236,31 @@ def test_island_statefulset():
     assert pod["securityContext"]["runAsNonRoot"] is True
 
 
+def test_the_built_in_trainer_is_ready_only_while_it_trains():
+    """Its readiness probe asks diloco-worker's /readyz on the metrics port; a custom command gets none."""
+    container = render()[("StatefulSet", "demo-h100")]["spec"]["template"]["spec"]["containers"][0]
+    probe = container["readinessProbe"]
+    assert probe["httpGet"] == {"path": "/readyz", "port": 9090}
+    assert probe["periodSeconds"] > 0 and probe["failureThreshold"] >= 1
+    assert "livenessProbe" not in container
+    custom = make_spec(trainer={"command": ["python", "-m", "mine"]})
+    trainer = render(custom)[("StatefulSet", "demo-a100")]["spec"]["template"]["spec"]["containers"][0]
+    assert "readinessProbe" not in trainer
+
+
+def test_the_trainer_readiness_probe_asks_what_diloco_worker_serves():
+    from diloco.worker.metrics import READINESS_PATH
+
+    container = render()[("StatefulSet", "demo-h100")]["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == READINESS_PATH
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (
+        container["readinessProbe"]["httpGet"]["port"]
+        == ports["metrics"]
+        == int(env_of(container)["DILOCO_METRICS_PORT"])
+    )
+
+
 def test_island_environment_rendezvous_and_syncers():
     pod = render()[("StatefulSet", "demo-h100")]["spec"]["template"]["spec"]
     env = env_of(pod["containers"][0])

@@ -257,6 +257,35 @@ def test_preemptions_are_not_charged_to_the_restart_budget_but_failures_are(oper
     assert kube.get("StatefulSet", ns, "spotty-spot")["spec"]["replicas"] == 0
 
 
+def test_a_statefulset_deleted_by_hand_is_recreated_and_its_pods_are_not_charged(operator_cluster, kube, operator):
+    ns = namespace(operator_cluster, "handdelete")
+    operator_cluster.kubectl(
+        "-n",
+        ns,
+        "apply",
+        "-f",
+        "-",
+        stdin=job_manifest("manual", [{"name": "a", "replicas": 2}], failurePolicy={"restartBudget": 0}),
+    )
+
+    def formed(uid=None):
+        """The StatefulSet's UID once it is not `uid` and the status has recorded its two pods, ready."""
+        sts = kube.get("StatefulSet", ns, "manual-a")
+        pods = {p["metadata"]["uid"] for p in island_pods(kube, ns, "manual", "a")}
+        now = status(kube, ns, "manual")
+        recorded = {r["uid"] for i in now.get("islands") or () for r in i.get("pods") or ()}
+        whole = now.get("islandsReady") == "1/1" and len(pods) == 2 and recorded == pods
+        return whole and sts is not None and sts["metadata"]["uid"] != uid and sts["metadata"]["uid"]
+
+    first = wait_until(formed)
+    operator_cluster.kubectl("-n", ns, "delete", "statefulset", "manual-a", "--wait=true", timeout=90)
+    second = wait_until(lambda: formed(first))
+    assert second != first
+    island = status(kube, ns, "manual")["islands"][0]
+    assert island["restarts"] == 0 and status(kube, ns, "manual")["phase"] != "Failed"
+    assert not events(operator_cluster, ns, "IslandFailed")
+
+
 def identities(objects):
     """What must not change when nothing is re-done: every object's UID; the resourceVersion of those only the
     operator writes (ConfigMap, Secret, Service, NetworkPolicy); the spec generation of the workloads."""

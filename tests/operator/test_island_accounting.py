@@ -17,8 +17,8 @@ from diloco.operator.island_accounting import (
 ISLAND = IslandSpec(name="a", replicas=2)
 
 
-def step(previous, pods, *, now=T0, nodes=None, revision=None, active=True, backoff=10, island=ISLAND):
-    return account_island(previous, island, pods, nodes or {}, revision, active, backoff, now)
+def step(previous, pods, *, now=T0, nodes=None, revision=None, active=True, backoff=10, island=ISLAND, workload=None):
+    return account_island(previous, island, pods, nodes or {}, revision, active, backoff, now, workload)
 
 
 def settled(pods=None, **kwargs):
@@ -54,7 +54,27 @@ def test_observe_pod_reads_what_accounting_needs():
     )
     assert (observed.island, observed.ordinal, observed.uid, observed.restarts) == ("a", 1, "u-1", 3)
     assert observed.ready and observed.disrupted and not observed.terminating and not observed.last_exit_clean
+    owned = raw_pod()
+    owned["metadata"]["ownerReferences"] = [{"kind": "StatefulSet", "uid": "sts-1", "controller": True}]
+    assert observe_pod(owned).owner == "sts-1" and observed.owner is None
     assert (observed.node, observed.revision, observed.ip) == ("n-7", "job-a-abc", "10.1.2.3")
+
+
+def test_observe_pod_says_how_a_container_last_ended():
+    observed = observe_pod(
+        raw_pod(
+            containerStatuses=[
+                {"lastState": {"terminated": {"exitCode": 1, "reason": "Error", "finishedAt": "2026-01-01T00:00:01Z"}}},
+                {
+                    "state": {
+                        "terminated": {"exitCode": 137, "reason": "OOMKilled", "finishedAt": "2026-01-01T00:00:09Z"}
+                    }
+                },
+            ]
+        )
+    )
+    assert observed.last_exit == "exit code 137 (OOMKilled)"
+    assert observe_pod(raw_pod()).last_exit is None
 
 
 def test_observe_pod_falls_back_to_the_name_and_skips_foreign_pods():
@@ -177,6 +197,27 @@ def test_pods_removed_on_purpose_are_not_counted():
     smaller = IslandSpec(name="a", replicas=1)
     scaled_down = step(previous, [pod(0)], island=smaller, now=at(3))
     assert scaled_down.status.restarts == 0 and scaled_down.status.preemptions == 0
+
+
+@pytest.mark.parametrize("recreated", [False, True], ids=["gone", "recreated"])
+def test_pods_that_vanish_with_their_statefulset_are_not_counted(recreated):
+    """A StatefulSet deleted by hand takes its pods along and the operator recreates it (a new UID): the pods
+    were not the island's to lose, like a preemption, and are charged nothing."""
+    previous = settled([pod(0, owner="sts-1"), pod(1, owner="sts-1")], workload="sts-1")
+    now = "sts-2" if recreated else None
+    terminating = step(previous, [pod(0, owner="sts-1", phase="Failed", terminating=True)], workload=now, now=at(5))
+    assert terminating.status.restarts == 0 and terminating.events == ()
+    gone = step(terminating.status, [], workload=now, now=at(10))
+    assert gone.status.restarts == 0 and gone.status.preemptions == 0 and gone.events == ()
+    assert gone.replicas == 2 and gone.status.reform is None
+    fresh = step(gone.status, [pod(0, "n0", owner="sts-2"), pod(1, "n1", owner="sts-2")], workload="sts-2", now=at(20))
+    assert fresh.status.restarts == 0 and fresh.events == ()
+
+
+def test_a_pod_lost_under_the_same_statefulset_is_still_a_failure():
+    previous = settled([pod(0, owner="sts-1"), pod(1, owner="sts-1")], workload="sts-1")
+    account = step(previous, [pod(0, owner="sts-1")], workload="sts-1", now=at(5))
+    assert account.status.restarts == 1 and [e.reason for e in account.events] == ["IslandFailed"]
 
 
 def test_a_new_template_revision_re_forms_the_island_uncounted():

@@ -109,6 +109,46 @@ def test_exhausting_the_restart_budget_fails_the_job_for_good():
     assert later[-1].status.completion_time == at(30)
 
 
+def crash_loop(n):
+    """Island a's rank 0 has restarted `n` times, last with exit code 1."""
+    return Observation(
+        pods={"a": [pod(0, restarts=n, exit="exit code 1 (Error)"), pod(1)], "b": [pod(0, island="b")]},
+        shards=shards((0, 1, 1), (1, 1, 1)),
+    )
+
+
+def test_the_failed_condition_names_the_island_and_its_last_failure_and_keeps_saying_so():
+    spec = job_spec()
+    decisions = run(spec, [healthy(), crash_loop(2), healthy(), healthy()])
+    failed = decisions[1].status
+    assert failed.phase is Phase.FAILED
+    message = condition(failed, "Failed").message
+    assert "islands ['a']" in message and "restartBudget 1" in message
+    assert "pod job-a-0 restarted, exit code 1 (Error)" in message
+    assert all(condition(d.status, "Failed").message == message for d in decisions[2:])
+
+
+PATHS = {
+    "pending": [Observation(shards=[ShardObservation(0, ready=False)])],
+    "running": [healthy()],
+    "degraded": [healthy(), Observation(pods={"a": [pod(0)]}, shards=shards((0, 1, 1), (1, 1, 1)))],
+    "failed": [healthy(), crash_loop(2)],
+    "failed, later passes": [healthy(), crash_loop(2), healthy(), Observation()],
+    "succeeded": [Observation(pods=healthy().pods, shards=shards((0, 9, 9), (1, 9, 9)))],
+    "succeeded, later passes": [Observation(pods=healthy().pods, shards=shards((0, 9, 9), (1, 9, 9))), Observation()],
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("suspend", [False, True])
+def test_no_decided_condition_has_an_empty_message(path, suspend):
+    spec = job_spec(suspend=suspend, stopCondition={"outerSteps": 9})
+    for decision in run(spec, PATHS[path]):
+        assert decision.status.conditions
+        for c in decision.status.conditions:
+            assert c.message, f"{decision.status.phase.value}: condition {c.type}={c.status} has no message"
+
+
 def test_preemptions_never_fail_the_job():
     spec = job_spec()
     observations = []

@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -15,6 +17,7 @@ from support import wait_until
 
 from diloco.local.launcher import free_port
 from diloco.operator.probes import trainer_loss
+from diloco.worker.metrics import READY_STALENESS_SECONDS, WorkerSnapshot, serve_metrics
 
 pytestmark = pytest.mark.process
 
@@ -65,6 +68,7 @@ def test_a_training_worker_serves_its_progress_on_the_metrics_port(start_shards,
     url = f"http://127.0.0.1:{port}/metrics"
     try:
         first = wait_until(lambda: (m := scrape(url)) and m["diloco_worker_step"] >= 1 and m, timeout=120)
+        ready = get(f"http://127.0.0.1:{port}/readyz")
         later = wait_until(
             lambda: (
                 (m := scrape(url))
@@ -78,6 +82,7 @@ def test_a_training_worker_serves_its_progress_on_the_metrics_port(start_shards,
         worker.send_signal(signal.SIGKILL)
         _, _stderr = worker.communicate(timeout=30)
     assert math.isfinite(first["diloco_worker_loss"]) and first["diloco_worker_loss"] > 0
+    assert ready[0] == 200, ready
     assert later["diloco_worker_tokens_total"] > first["diloco_worker_tokens_total"]
     assert later["diloco_worker_pushes_total"] >= 2 and later["diloco_worker_pushed_bytes_total"] > 0
     assert later["diloco_worker_pulled_bytes_total"] > 0
@@ -127,3 +132,48 @@ def test_the_operator_reads_the_loss_a_worker_serves(start_shards, tmp_path):
         worker.send_signal(signal.SIGKILL)
         worker.wait(30)
     assert 0 < loss < 2 * math.log(256)
+
+
+def get(url: str) -> tuple[int, str]:
+    """Status and body of a GET, whatever the status."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+@pytest.fixture
+def served():
+    """A metrics server on a free loopback port answering from a snapshot the test sets."""
+    current = {"snapshot": WorkerSnapshot(island="island-0", rank=0, mode="diloco")}
+    _, server = serve_metrics(lambda: current["snapshot"], 0, "127.0.0.1")
+    yield current, f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_readyz_answers_503_until_the_rank_has_finished_a_step(served):
+    current, base = served
+    status, body = get(f"{base}/readyz")
+    assert status == 503 and "no step" in body
+    current["snapshot"] = WorkerSnapshot(
+        island="island-0", rank=0, mode="diloco", step=3, loss=2.5, last_step_monotonic=time.monotonic()
+    )
+    status, body = get(f"{base}/readyz")
+    assert status == 200 and "step 3" in body
+
+
+def test_readyz_answers_503_once_the_last_step_is_stale(served):
+    current, base = served
+    stale = time.monotonic() - READY_STALENESS_SECONDS - 60
+    current["snapshot"] = WorkerSnapshot(island="island-0", rank=0, mode="diloco", step=9, last_step_monotonic=stale)
+    status, body = get(f"{base}/readyz")
+    assert status == 503 and "last step" in body
+
+
+def test_the_readiness_server_still_serves_the_metrics(served):
+    current, base = served
+    current["snapshot"] = WorkerSnapshot(island="island-0", rank=0, mode="diloco", step=4, loss=1.5)
+    samples = scrape(f"{base}/metrics")
+    assert samples["diloco_worker_step"] == 4 and samples["diloco_worker_loss"] == 1.5

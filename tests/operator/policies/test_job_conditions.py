@@ -41,10 +41,16 @@ def test_ready_and_degraded_say_what_is_not_ready():
         {s.type: s.message for s in condition_states(phase, "syncer shard 0 not ready")}
         for phase in (Phase.RUNNING, Phase.DEGRADED, Phase.PENDING)
     )
-    assert running["Ready"] == "every island and syncer shard is ready" and running["Degraded"] == ""
+    assert running["Ready"] == "every island and syncer shard is ready" and running["Degraded"] == "phase Running"
     assert degraded["Ready"] == degraded["Degraded"] == "syncer shard 0 not ready"
     assert pending["Ready"] == "syncer shard 0 not ready"
-    assert {s.message for s in condition_states(Phase.PENDING, "")} == {"phase Pending", ""}
+    assert {s.message for s in condition_states(Phase.PENDING, "")} == {"phase Pending"}
+
+
+def test_a_finished_job_says_why_in_its_holding_condition():
+    failed = {s.type: s.message for s in condition_states(Phase.FAILED, "", outcome="islands ['a'] exceeded")}
+    assert failed["Failed"] == "islands ['a'] exceeded" and failed["Complete"] == "phase Failed"
+    assert {s.type: s.message for s in condition_states(Phase.SUCCEEDED, "")}["Complete"] == "the job succeeded"
 
 
 def test_updating_sets_every_condition_for_the_generation():
