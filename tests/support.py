@@ -65,7 +65,13 @@ def largest_status() -> dict[str, object]:
             reform=Reform(reason="Preemption", since=t, hold_until=t),
             pods=[
                 PodRecord(
-                    ordinal=MAX_JOB_PODS - 1, uid="0" * 36, restarts=big, node="n" * 253, disrupted=True, failed=True
+                    ordinal=MAX_JOB_PODS - 1,
+                    uid="0" * 36,
+                    restarts=big,
+                    node="n" * 253,
+                    disrupted=True,
+                    failed=True,
+                    owner="0" * 36,
                 )
                 for _ in range(pods_per_island)
             ],

@@ -42,7 +42,7 @@ MAX_SHARDS = 64
 # The status keeps an accounting record per island pod, and the whole object (spec and status) must fit in one
 # etcd value (1.5 MiB by default): at these bounds the largest status a job can have stays within
 # STATUS_BYTES_BUDGET (tests/api/test_job_status_size.py builds it), leaving the rest to the spec.
-MAX_JOB_PODS = 2048
+MAX_JOB_PODS = 1536
 STATUS_BYTES_BUDGET = 1 << 20
 MAX_CONDITION_MESSAGE = 1024
 # Kubernetes' quantity syntax without the minus sign: no resource or volume size is negative (the API server
