@@ -204,6 +204,8 @@ def test_the_largest_job_the_crd_admits_takes_its_largest_status(control_plane, 
         assert len(stored["status"]["islands"]) == MAX_ISLANDS
         assert sum(len(i["pods"]) for i in stored["status"]["islands"]) == MAX_JOB_PODS
     finally:
+        # Gone before the next test starts an operator, which would otherwise reconcile its 512 islands.
+        control_plane.kubectl("-n", ns, "delete", "dj", "largest", "--wait=true", timeout=120)
         control_plane.kubectl("delete", "namespace", ns, "--wait=false")
 
 
