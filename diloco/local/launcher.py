@@ -30,7 +30,6 @@ log = logging.getLogger("diloco.local.launcher")
 TOKEN = "local-run"
 RESTART_DELAY_SECONDS = 1.0
 POLL_SECONDS = 0.1
-EVAL_BATCHES = 8
 SYNCER_START_SECONDS = 180.0  # importing torch and grpc takes minutes on a saturated machine
 
 
@@ -58,6 +57,8 @@ class RunPlan:
     trace: tuple[FailureEvent, ...] = ()
     threads: int = 1
     timeout: float = 3600.0
+    device: str = "cpu"  # every worker's: islands share an accelerator as processes
+    precision: str = "auto"
 
     def island_name(self, index: int) -> str:
         return f"island-{index}"
@@ -220,7 +221,9 @@ class LocalJob:
             "--threads",
             str(p.threads),
             "--device",
-            "cpu",
+            p.device,
+            "--precision",
+            p.precision,
             "--progress-file",
             str(self.out / "progress" / f"{name}-rank{rank}.jsonl"),
             "--checkpoint-dir",
@@ -344,7 +347,7 @@ class LocalJob:
         from diloco.worker.data import evaluate, load_tokens, split_holdout
         from diloco.worker.model import build_model
 
-        model = build_model(self.plan.preset, self.plan.seed)
+        model = build_model(self.plan.preset, self.plan.seed, device=self.plan.device)
         params = dict(model.named_parameters())
         for port in self.syncer_ports:
             with SyncerClient(f"127.0.0.1:{port}", TOKEN, retry_for=30) as client:
@@ -354,4 +357,4 @@ class LocalJob:
                         for name, value in named:
                             params[name].copy_(value)
         _, heldout = split_holdout(load_tokens(self.plan.data))
-        return evaluate(model, heldout, model.preset.context, self.plan.batch_size, EVAL_BATCHES)
+        return evaluate(model, heldout, model.preset.context, self.plan.batch_size)

@@ -94,6 +94,12 @@ def test_examples_are_accepted_with_every_default_filled_in(control_plane, kube)
             {"trainer": {"command": ["python"], "model": "tiny"}},
             "cannot be set together with spec.trainer.command",
         ),
+        (
+            "cmd-bf16",
+            {"trainer": {"command": ["python"], "precision": "bf16"}},
+            "cannot be set together with spec.trainer.command",
+        ),
+        ("precision", {"trainer": {"precision": "fp8"}}, "spec.trainer.precision: Unsupported value"),
         ("ports", {"syncer": {"shards": 1, "port": 9090}}, "spec.syncer.metricsPort: Invalid value"),
         (
             "qty",
