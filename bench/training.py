@@ -31,6 +31,7 @@ from pathlib import Path
 
 from diloco.cli import main as diloco_main
 from diloco.progress import StepEvent, read_events
+from diloco.settings import DEFAULT_CORPUS_BYTES
 
 
 def diloco_run(out: Path, *options: str) -> list[dict]:
@@ -62,6 +63,8 @@ def shape(args: argparse.Namespace) -> list[str]:
         args.device,
         "--precision",
         args.precision,
+        "--max-data-bytes",
+        str(args.max_data_bytes),
     ]
 
 
@@ -264,6 +267,7 @@ def main() -> int:
     p.add_argument("--preset", default="tiny", help="model preset (medium: GPT-2 small size, for an accelerator)")
     p.add_argument("--device", default="cpu", help="cuda: the islands share the machine's GPUs as processes")
     p.add_argument("--precision", default="auto", help="auto (bf16 on accelerators), bf16 or fp32")
+    p.add_argument("--max-data-bytes", type=int, default=DEFAULT_CORPUS_BYTES, help="of the embedded corpus")
     p.add_argument("--repeats", type=int, default=2, help="step-time: alternating off/on repeats")
     p.add_argument("--kill-every", type=float, default=10.0, help="goodput: mean seconds between kill -9s")
     p.add_argument("--restart-after", type=float, default=3.0, help="goodput: seconds a killed worker stays down")

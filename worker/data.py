@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-DEFAULT_CORPUS_BYTES = 8 * 1024 * 1024
+from diloco.settings import DEFAULT_CORPUS_BYTES
+
 STDLIB_SOURCE = "stdlib"
 
 _SKIPPED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})

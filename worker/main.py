@@ -14,7 +14,7 @@ import torch
 
 from diloco.core.config import Mode, Precision
 from diloco.logs import setup_logging
-from diloco.settings import env_default, load_token, load_training_config
+from diloco.settings import DEFAULT_CORPUS_BYTES, env_default, load_token, load_training_config
 from diloco.worker.metrics import serve_metrics
 from diloco.worker.trainer import Trainer, TrainerSettings
 
@@ -36,7 +36,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-file", help="file holding the job token (else DILOCO_TOKEN_FILE or DILOCO_TOKEN)")
     p.add_argument("--model", default=env("MODEL", "tiny"), help="model preset: tiny, small, medium, large, xl")
     p.add_argument("--data", default=env("DATA"), help="token (.bin/.npy) or text file; default: embedded corpus")
-    p.add_argument("--max-data-bytes", type=int, default=int(env("MAX_DATA_BYTES", str(8 * 1024 * 1024))))
+    p.add_argument("--max-data-bytes", type=int, default=int(env("MAX_DATA_BYTES", str(DEFAULT_CORPUS_BYTES))))
     p.add_argument("--batch-size", type=int, default=int(env("BATCH_SIZE", "16")))
     p.add_argument("--steps", type=int, default=int(env("STEPS", "300")), help="inner steps to train")
     p.add_argument("--eval-every", type=int, default=int(env("EVAL_EVERY", "50")))

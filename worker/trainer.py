@@ -32,6 +32,7 @@ from diloco.progress import (
     StartEvent,
     StepEvent,
 )
+from diloco.settings import DEFAULT_CORPUS_BYTES
 from diloco.worker.data import EVAL_WINDOWS, BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
 from diloco.worker.learner import Learner, RoundReport
@@ -50,7 +51,7 @@ class TrainerSettings:
     mode: str = Mode.DILOCO.value
     preset: str = "tiny"
     data: str | None = None
-    max_data_bytes: int = 8 * 1024 * 1024
+    max_data_bytes: int = DEFAULT_CORPUS_BYTES
     batch_size: int = 16
     steps: int = 300
     eval_every: int = 50

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from diloco.core.config import Mode, TrainingConfig
 from diloco.local.failure_trace import FailureEvent, syncer_target, worker_target
+from diloco.settings import DEFAULT_CORPUS_BYTES
 
 log = logging.getLogger("diloco.local.launcher")
 
@@ -58,6 +59,7 @@ class RunPlan:
     threads: int = 1
     timeout: float = 3600.0
     device: str = "cpu"  # every worker's: islands share an accelerator as processes
+    max_data_bytes: int = DEFAULT_CORPUS_BYTES  # of the corpus, the same for the workers and the global evaluation
     precision: str = "auto"
 
     def island_name(self, index: int) -> str:
@@ -224,6 +226,8 @@ class LocalJob:
             p.device,
             "--precision",
             p.precision,
+            "--max-data-bytes",
+            str(p.max_data_bytes),
             "--progress-file",
             str(self.out / "progress" / f"{name}-rank{rank}.jsonl"),
             "--checkpoint-dir",
@@ -356,5 +360,5 @@ class LocalJob:
                     with torch.no_grad():
                         for name, value in named:
                             params[name].copy_(value)
-        _, heldout = split_holdout(load_tokens(self.plan.data))
+        _, heldout = split_holdout(load_tokens(self.plan.data, self.plan.max_data_bytes))
         return evaluate(model, heldout, model.preset.context, self.plan.batch_size)

@@ -21,6 +21,7 @@ from diloco.local.failure_trace import FailureEvent, load_trace, random_trace, s
 from diloco.local.goodput import Account, account
 from diloco.local.launcher import JobResult, LocalJob, RunPlan
 from diloco.progress import DoneEvent, EvalEvent, ProgressFollower, StepEvent, read_events
+from diloco.settings import DEFAULT_CORPUS_BYTES
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             device=args.device,
             precision=args.precision,
+            max_data_bytes=args.max_data_bytes,
         )
         summary, acct, _ = run_mode(plan, quiet=args.quiet)
         summaries.append(summary)
@@ -298,6 +300,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--data", help="token or text file (default: the embedded corpus)")
+    p.add_argument(
+        "--max-data-bytes", type=int, default=DEFAULT_CORPUS_BYTES, help="read at most this much of the data (bytes)"
+    )
     job = TrainingConfig()
     p.add_argument(
         "--inner-steps",
