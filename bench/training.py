@@ -82,14 +82,13 @@ def compare_at_equal_tokens(args: argparse.Namespace, out: Path, *options: str) 
     a GPU, each DiLoCo mode on its own and ddp as one process at the global batch (see the module's doc)."""
     if not ddp_shares_a_device(args):
         return {s["mode"]: s for s in diloco_run(out, "--compare", *options, *shape(args))}
-    summaries = {}
-    for mode in ("diloco", "sync-diloco"):
-        (summary,) = diloco_run(out / mode, "--mode", mode, *options, *shape(args))
-        summaries[mode] = summary
     ddp_shape = shape(args)
     ddp_shape[ddp_shape.index("--islands") + 1] = "1"
     ddp_shape[ddp_shape.index("--batch-size") + 1] = str(args.islands * args.batch_size)
-    (summaries["ddp"],) = diloco_run(out / "ddp", "--mode", "ddp", *options, *ddp_shape)
+    (ddp,) = diloco_run(out / "ddp", "--mode", "ddp", *options, *ddp_shape)
+    summaries = {"ddp": ddp}
+    for mode in ("diloco", "sync-diloco"):
+        (summaries[mode],) = diloco_run(out / mode, "--mode", mode, *options, *shape(args))
     return summaries
 
 

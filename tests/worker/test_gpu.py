@@ -11,6 +11,7 @@ import torch
 
 from diloco.cli import main as diloco_main
 from diloco.core.config import Mode, Precision, TrainingConfig
+from diloco.worker.sync import HostCopy
 from diloco.worker.trainer import Trainer, TrainerSettings
 
 pytestmark = pytest.mark.gpu
@@ -48,3 +49,14 @@ def test_diloco_run_trains_islands_sharing_a_gpu_and_reports_throughput(tmp_path
     assert summary["merges"] > 0 and summary["final_loss"] < 3.5
     assert summary["tokens_per_second"] > 0 and summary["mfu"] is not None
     assert "MFU" in printed
+
+
+def test_a_snapshot_holds_its_steps_values_while_training_goes_on():
+    params = [torch.randn(1024, 1024, device="cuda") for _ in range(3)]
+    expected = [p.cpu() for p in params]
+    copy = HostCopy(params)
+    for p in params:
+        p.add_(1.0)  # the next optimizer step, queued before the copy is done
+    values = copy.values()
+    assert all(torch.equal(v, e) for v, e in zip(values, expected))
+    assert all(v.is_pinned() and v.dtype == torch.float32 for v in values)
