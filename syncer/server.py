@@ -30,7 +30,7 @@ from diloco.core.refusal import Refusal
 from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.references import Reference, References
-from diloco.syncer.shard import PushKey, PushResult, Refused, ShardState, TensorSpec
+from diloco.syncer.shard import MAX_PENDING_BYTES, PushKey, PushResult, Refused, ShardState, TensorSpec
 from diloco.syncer.streams import (
     CONTROL_WORKERS,
     MAX_QUEUED_CALLS,
@@ -101,6 +101,7 @@ class SyncerServer:
         checkpoint_interval: float = 60.0,
         max_fragment_bytes: int = wire.MAX_STREAM_BYTES,
         max_reference_bytes: int = 4 * 1024**3,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
         metrics: SyncerMetrics | None = None,
         max_workers: int = 32,
         max_queued_calls: int = MAX_QUEUED_CALLS,
@@ -118,7 +119,7 @@ class SyncerServer:
         self._checkpoint_path = (
             checkpoint.checkpoint_path(checkpoint_dir, shard_index, num_shards) if checkpoint_dir else None
         )
-        self.state = self._resume_or_start(shard_index, num_shards)
+        self.state = self._resume_or_start(shard_index, num_shards, max_pending_bytes)
         self._cond = threading.Condition()
         self._dirty = False
         self._stopping = threading.Event()
@@ -152,11 +153,13 @@ class SyncerServer:
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
 
-    def _resume_or_start(self, shard_index: int, num_shards: int) -> ShardState:
+    def _resume_or_start(self, shard_index: int, num_shards: int, max_pending_bytes: int) -> ShardState:
         saved = checkpoint.load(self._checkpoint_path) if self._checkpoint_path else None
         if saved is None:
-            return ShardState(self.config, shard_index, num_shards, _new_incarnation())
-        state = ShardState.from_state_dict(self.config, shard_index, num_shards, saved, _new_incarnation())
+            return ShardState(self.config, shard_index, num_shards, _new_incarnation(), max_pending_bytes)
+        state = ShardState.from_state_dict(
+            self.config, shard_index, num_shards, saved, _new_incarnation(), max_pending_bytes
+        )
         log.info(
             "resumed from checkpoint",
             extra={
