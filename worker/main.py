@@ -18,7 +18,7 @@ from diloco.core.config import Mode, Precision
 from diloco.logs import setup_logging
 from diloco.settings import DEFAULT_CORPUS_BYTES, env_default, load_token, load_training_config
 from diloco.worker.metrics import serve_metrics
-from diloco.worker.pod_launcher import is_local_rank, launch
+from diloco.worker.pod_launcher import follow_launcher, is_local_rank, launch
 from diloco.worker.pod_ranks import LOOPBACK, PodShape, local_position, metrics_port
 from diloco.worker.trainer import Trainer, TrainerSettings
 
@@ -90,6 +90,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    follow_launcher()
     args = parse_args(argv)
     setup_logging(args.log_level)
     syncers = [t.strip() for t in args.syncers.split(",") if t.strip()]

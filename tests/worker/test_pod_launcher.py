@@ -134,3 +134,17 @@ def test_sigterm_to_the_pods_process_reaches_every_local_rank(start_shards, tmp_
         pod.kill()
     assert code != 0, out
     assert not any(alive(pid) for pid in ranks.values())
+
+
+def test_no_rank_outlives_the_pods_process_killed_with_sigkill(start_shards, tmp_path):
+    """The agent starts each rank in a session of its own: a SIGKILL of the pod's process, which it cannot
+    pass on, must still end them (as a container runtime would by killing the whole container)."""
+    shards = start_shards(CONFIG)
+    pod = start_pod(tmp_path, shards.targets[0], steps=1_000_000)
+    try:
+        ranks = wait_until(lambda: len(r := stepping_ranks(tmp_path)) == 2 and r, timeout=240, interval=0.5)
+        pod.kill()
+        pod.wait(30)
+        wait_until(lambda: not any(alive(pid) for pid in ranks.values()), timeout=30, interval=0.2)
+    finally:
+        pod.kill()
