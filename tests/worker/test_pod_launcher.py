@@ -1,6 +1,7 @@
-"""A pod of two local ranks on CPU: `diloco-worker` with DILOCO_ACCELERATORS_PER_POD=2 starts two training
-processes (gloo) against a real shard on loopback, and a rank that dies, or a SIGTERM to the pod's process,
-ends them all."""
+"""A pod of two local ranks: `diloco-worker` with DILOCO_ACCELERATORS_PER_POD=2 starts two training
+processes against a real shard on loopback, and a rank that dies, or a SIGTERM or SIGKILL to the pod's
+process, ends them all. On CPU (gloo), and in the gpu tier on CUDA (nccl with a GPU per rank; on one GPU,
+the two ranks share it over gloo)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from diloco.progress import DoneEvent, StartEvent, StepEvent, read_events
 pytestmark = pytest.mark.process
 
 CONFIG = make_config()  # H=4, P=2: a fragment falls due every other step
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def start_pod(tmp_path: Path, syncer: str, steps: int, metrics_port: int = 0) -> subprocess.Popen:
+def start_pod(tmp_path: Path, syncer: str, steps: int, metrics_port: int = 0, device: str = "cpu") -> subprocess.Popen:
     """The pod's main process, as the operator configures a one-pod island of two accelerators."""
     (tmp_path / "config.json").write_text(CONFIG.to_json())
     env = {
@@ -55,7 +57,7 @@ def start_pod(tmp_path: Path, syncer: str, steps: int, metrics_port: int = 0) ->
         "--threads",
         "1",
         "--device",
-        "cpu",
+        device,
         "--progress-file",
         str(tmp_path / "progress" / "rank{rank}.jsonl"),
         "--metrics-port",
@@ -89,9 +91,10 @@ def finish(pod: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
     return pod.returncode, out
 
 
-def test_a_pod_of_two_accelerators_trains_as_two_ranks_of_one_island(start_shards, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_pod_of_two_accelerators_trains_as_two_ranks_of_one_island(start_shards, tmp_path, device):
     shards = start_shards(CONFIG)
-    code, out = finish(start_pod(tmp_path, shards.targets[0], steps=8), timeout=240)
+    code, out = finish(start_pod(tmp_path, shards.targets[0], steps=8, device=device), timeout=240)
     assert code == 0, out
 
     events = read_events(tmp_path / "progress")
@@ -106,10 +109,11 @@ def test_a_pod_of_two_accelerators_trains_as_two_ranks_of_one_island(start_shard
     assert all(version >= 1 for _seeded, version, _tokens in shards.status(0).values())
 
 
-def test_a_local_rank_that_dies_takes_the_pod_down(start_shards, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_local_rank_that_dies_takes_the_pod_down(start_shards, tmp_path, device):
     shards = start_shards(CONFIG)
     base = free_port()
-    pod = start_pod(tmp_path, shards.targets[0], steps=1_000_000, metrics_port=base)
+    pod = start_pod(tmp_path, shards.targets[0], steps=1_000_000, metrics_port=base, device=device)
     try:
         ranks = wait_until(lambda: len(r := stepping_ranks(tmp_path)) == 2 and r, timeout=240, interval=0.5)
         for rank in (0, 1):  # local rank r serves its own metrics on the pod's port + r
