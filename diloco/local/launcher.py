@@ -82,7 +82,8 @@ class _Proc:
     starts: int = 0
 
     def start(self, log_dir: Path) -> None:
-        """In a session of its own: a kill takes the process and whatever it started (its local ranks)."""
+        """In a session of its own, killed as a group, as a container is killed whole (its local ranks, in
+        sessions of their own, die with it: diloco.worker.pod_launcher.follow_launcher)."""
         log_file = open(log_dir / f"{self.name.replace(':', '-').replace('/', '-')}.log", "ab")
         self.proc = subprocess.Popen(
             self.command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
