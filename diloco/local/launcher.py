@@ -71,6 +71,13 @@ class RunPlan:
         return self.slowdowns[index] if index < len(self.slowdowns) else 1.0
 
 
+def syncer_threads(cpus: int, workers: int, threads_per_worker: int, shards: int) -> int:
+    """Math-library threads for each syncer shard: the cores the workers leave, shared by the shards. A shard
+    decodes, merges and re-encodes whole fragments on the CPU, which at accelerator model sizes (62 M
+    parameters a fragment) is what every round waits for; pinned to one thread, it held back a GPU run."""
+    return max(1, (cpus - workers * threads_per_worker) // shards)
+
+
 @dataclass
 class _Proc:
     name: str
@@ -156,8 +163,9 @@ class LocalJob:
         self.workers = {plan.island_name(i): self._worker(i) for i in range(plan.islands)}
         self._counters = {(shard, name): _CounterTracker() for shard in range(plan.shards) for name in _SYNCER_COUNTERS}
 
-    def _base_env(self) -> dict[str, str]:
-        threads = str(self.plan.threads)
+    def _base_env(self, threads: int | None = None) -> dict[str, str]:
+        """Every process's environment; `threads` for its math libraries, a worker's by default."""
+        threads = str(threads or self.plan.threads)
         return {
             **os.environ,
             "DILOCO_TOKEN": TOKEN,
@@ -189,7 +197,13 @@ class LocalJob:
             "--metrics-port",
             str(self.metrics_ports[shard]),
         ]
-        return _Proc(syncer_target(shard), command, self._base_env())
+        p = self.plan
+        workers = p.islands * p.ranks_per_island
+        return _Proc(
+            syncer_target(shard),
+            command,
+            self._base_env(syncer_threads(os.cpu_count() or 1, workers, p.threads, p.shards)),
+        )
 
     def _worker(self, island: int) -> _Proc:
         """The island's pod: its process, and its ranks as that process's local ranks (the environment the

@@ -1,7 +1,9 @@
-"""A local job's folder: what a run finds there from an earlier run."""
+"""A local job's folder and processes: what a run finds there from an earlier run, what each process is given."""
+
+import os
 
 from diloco.core.config import TrainingConfig
-from diloco.local.launcher import LocalJob, RunPlan
+from diloco.local.launcher import LocalJob, RunPlan, syncer_threads
 
 
 def test_a_run_starts_from_nothing_even_where_an_earlier_run_left_its_files(tmp_path):
@@ -23,3 +25,16 @@ def test_a_run_starts_from_nothing_even_where_an_earlier_run_left_its_files(tmp_
     assert not any(path.exists() for path in stale)
     assert all((out / folder).is_dir() for folder in ("progress", "logs", "checkpoints"))
     assert keep.read_text() == "the user's own", "only the folders a run writes are cleared"
+
+
+def test_syncers_get_the_cores_the_workers_leave():
+    assert syncer_threads(cpus=16, workers=4, threads_per_worker=1, shards=1) == 12, "a GPU box's spare cores"
+    assert syncer_threads(cpus=16, workers=4, threads_per_worker=1, shards=3) == 4
+    assert syncer_threads(cpus=2, workers=4, threads_per_worker=1, shards=1) == 1, "never fewer than one"
+
+
+def test_a_syncer_process_is_told_its_thread_count(tmp_path):
+    job = LocalJob(RunPlan(mode="diloco", config=TrainingConfig(), out=tmp_path, islands=1))
+    expected = syncer_threads(os.cpu_count() or 1, 1, 1, 1)
+    assert job.syncers[0].env["OMP_NUM_THREADS"] == str(expected)
+    assert job.workers["island-0"].env["OMP_NUM_THREADS"] == "1"
