@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +61,7 @@ class RunPlan:
     threads: int = 1
     timeout: float = 3600.0
     device: str = "cpu"  # every worker's: islands share an accelerator as processes
+    gpus: int = 0  # CUDA devices visible to the run, which the islands divide among themselves
     max_data_bytes: int = DEFAULT_CORPUS_BYTES  # of the corpus, the same for the workers and the global evaluation
     precision: str = "auto"
 
@@ -69,6 +70,28 @@ class RunPlan:
 
     def slowdown(self, index: int) -> float:
         return self.slowdowns[index] if index < len(self.slowdowns) else 1.0
+
+
+def island_gpus(island: int, ranks_per_island: int, gpus: int) -> str:
+    """CUDA_VISIBLE_DEVICES of an island's pod process: a GPU of its own for each of its ranks while there are
+    enough for every rank of every island, else the machine's GPUs in turn (several islands then share one,
+    as processes; a pod whose ranks outnumber its GPUs runs them over gloo: `diloco.worker.pod_ranks.place`)."""
+    first = island * ranks_per_island
+    return ",".join(dict.fromkeys(str((first + k) % gpus) for k in range(ranks_per_island)))
+
+
+def check_gpus(device: str, modes: Sequence[str], workers: int, gpus: int) -> None:
+    """Refuses a run that cannot start: CUDA asked for and none visible, or data-parallel across more ranks
+    than GPUs (NCCL refuses two ranks of one world on one GPU)."""
+    if not device.startswith("cuda"):
+        return
+    if gpus < 1:
+        raise ValueError(f"--device {device}: no CUDA device is visible")
+    if Mode.DDP in modes and workers > gpus:
+        raise ValueError(
+            f"ddp runs one rank per GPU (NCCL refuses two on one GPU): {workers} workers, {gpus} GPU(s); run the "
+            "DiLoCo modes alone, and ddp with --islands 1 at the islands' global batch, as bench/training.py does"
+        )
 
 
 def syncer_threads(cpus: int, workers: int, threads_per_worker: int, shards: int) -> int:
@@ -222,6 +245,8 @@ class LocalJob:
         }
         if p.ranks_per_island == 1:
             env["RANK"] = node_rank
+        if p.device.startswith("cuda") and p.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = island_gpus(island, p.ranks_per_island, p.gpus)
         command = [
             sys.executable,
             "-m",

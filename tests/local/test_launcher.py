@@ -2,8 +2,10 @@
 
 import os
 
+import pytest
+
 from diloco.core.config import TrainingConfig
-from diloco.local.launcher import LocalJob, RunPlan, syncer_threads
+from diloco.local.launcher import LocalJob, RunPlan, check_gpus, island_gpus, syncer_threads
 
 
 def test_a_run_starts_from_nothing_even_where_an_earlier_run_left_its_files(tmp_path):
@@ -38,3 +40,23 @@ def test_a_syncer_process_is_told_its_thread_count(tmp_path):
     expected = syncer_threads(os.cpu_count() or 1, 1, 1, 1)
     assert job.syncers[0].env["OMP_NUM_THREADS"] == str(expected)
     assert job.workers["island-0"].env["OMP_NUM_THREADS"] == "1"
+
+
+def test_islands_get_gpus_of_their_own_while_there_are_enough():
+    assert [island_gpus(i, 1, gpus=8) for i in range(4)] == ["0", "1", "2", "3"]
+    assert [island_gpus(i, 2, gpus=8) for i in range(4)] == ["0,1", "2,3", "4,5", "6,7"]
+
+
+def test_islands_share_the_gpus_in_turn_when_there_are_too_few():
+    assert [island_gpus(i, 1, gpus=1) for i in range(4)] == ["0", "0", "0", "0"]
+    assert [island_gpus(i, 2, gpus=3) for i in range(3)] == ["0,1", "2,0", "1,2"]
+    assert island_gpus(0, 4, gpus=2) == "0,1", "a pod's ranks outnumbering its GPUs share them over gloo"
+
+
+def test_a_cuda_run_that_cannot_start_is_refused_before_anything_starts():
+    check_gpus("cpu", ["ddp"], workers=4, gpus=0)
+    check_gpus("cuda", ["diloco", "sync-diloco"], workers=4, gpus=1)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        check_gpus("cuda", ["diloco"], workers=1, gpus=0)
+    with pytest.raises(ValueError, match="4 workers, 1 GPU"):
+        check_gpus("cuda", ["diloco", "ddp"], workers=4, gpus=1)
