@@ -11,6 +11,7 @@ from diloco.core.config import TrainingConfig
 from diloco.operator.probes import LOSS_METRIC, shard_status, shard_statuses, trainer_loss, trainer_losses
 from diloco.syncer.server import SyncerServer
 from diloco.transport.client import SyncerClient
+from diloco.transport.tls import PLAINTEXT
 
 TOKEN = "probe-token"
 
@@ -24,9 +25,13 @@ def free_port() -> int:
 @pytest.fixture
 def shard():
     config = TrainingConfig(fragments=2, inner_steps=10, overlap_steps=1, block_size=32)
-    server = SyncerServer(config, shard_index=0, num_shards=1, token=TOKEN, host="127.0.0.1", port=free_port())
+    server = SyncerServer(
+        config, shard_index=0, num_shards=1, token=TOKEN, security=PLAINTEXT, host="127.0.0.1", port=free_port()
+    )
     server.start()
-    with SyncerClient(f"127.0.0.1:{server.port}", TOKEN, island_id="island-a", timeout=5, retry_for=5) as client:
+    with SyncerClient(
+        f"127.0.0.1:{server.port}", TOKEN, security=PLAINTEXT, island_id="island-a", timeout=5, retry_for=5
+    ) as client:
         client.join(2)
         client.seed(0, [("w", torch.zeros(4, 4))])
     yield f"127.0.0.1:{server.port}"
