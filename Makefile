@@ -62,8 +62,9 @@ bench-goodput: $(STAMP)  ## goodput under one failure trace: decoupled vs sync-d
 bench-operator: $(STAMP)  ## operator: kubectl apply of 100 islands x 8 pods to children and status current, KWOK cluster
 	$(BIN)/python bench/operator_scale.py
 
-syncer: $(STAMP)  ## one syncer shard on loopback, token "dev", checkpoints in ./out/syncer
-	DILOCO_TOKEN=dev $(BIN)/diloco-syncer --host 127.0.0.1 --port 50051 --metrics-port 9090 --checkpoint-dir out/syncer
+syncer: $(STAMP)  ## one syncer shard on loopback, token "dev", plaintext, checkpoints in ./out/syncer
+	DILOCO_TOKEN=dev $(BIN)/diloco-syncer --host 127.0.0.1 --port 50051 --metrics-port 9090 --checkpoint-dir out/syncer \
+		--insecure-plaintext
 
 images:  ## the base, operator and trainer images, built offline with the local Docker engine (deploy/README.md)
 	deploy/images/build.sh
