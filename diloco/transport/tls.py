@@ -97,8 +97,9 @@ def load(
             raise TlsError("--insecure-plaintext contradicts the TLS settings given with it: choose one")
         return PLAINTEXT
     if not (ca_file or cert_file or key_file):
+        needed = "--tls-cert-file and --tls-key-file" if role is Role.SERVER else "--tls-ca-file"
         raise TlsError(
-            "no TLS settings: pass --tls-ca-file (and --tls-cert-file, --tls-key-file) or set DILOCO_TLS_*; "
+            f"no TLS settings: pass {needed} (or DILOCO_TLS_*); "
             "--insecure-plaintext (DILOCO_INSECURE_PLAINTEXT=1) sends in the clear"
         )
     return Tls(

@@ -53,9 +53,11 @@ def test_settings_not_enough_for_the_role_name_what_is_missing(pem_files, role, 
         load(role, **settings(**files))
 
 
-def test_no_settings_at_all_is_an_error_not_plaintext():
-    with pytest.raises(TlsError, match="--insecure-plaintext"):
-        load(Role.CLIENT, **settings())
+@pytest.mark.parametrize(("role", "needed"), [(Role.SERVER, "--tls-cert-file"), (Role.CLIENT, "--tls-ca-file")])
+def test_no_settings_at_all_is_an_error_not_plaintext(role, needed):
+    with pytest.raises(TlsError, match="--insecure-plaintext") as refused:
+        load(role, **settings())
+    assert needed in str(refused.value)
 
 
 def test_plaintext_is_what_was_asked_for_by_name():
