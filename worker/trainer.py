@@ -33,6 +33,7 @@ from diloco.progress import (
     StepEvent,
 )
 from diloco.settings import DEFAULT_CORPUS_BYTES
+from diloco.transport.tls import Security
 from diloco.worker.data import EVAL_WINDOWS, BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
 from diloco.worker.learner import Learner, RoundReport
@@ -119,6 +120,7 @@ class Trainer:
         island: str,
         syncers: list[str],
         token: str,
+        security: Security,
     ) -> None:
         self.settings = settings
         self.config = config
@@ -166,6 +168,7 @@ class Trainer:
                 config,
                 syncers=syncers,
                 token=token,
+                security=security,
                 island_id=island,
                 process_group=self.group,
                 synchronous=settings.mode == Mode.SYNC_DILOCO,

@@ -27,6 +27,7 @@ from pathlib import Path
 from diloco.core.config import Mode, TrainingConfig
 from diloco.local.failure_trace import FailureEvent, syncer_target, worker_island
 from diloco.settings import DEFAULT_CORPUS_BYTES
+from diloco.transport.tls import throwaway_pki
 
 log = logging.getLogger("diloco.local.launcher")
 
@@ -40,6 +41,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _write_pem(folder: Path, files: dict[str, bytes]) -> dict[str, Path]:
+    """The run's certificates and keys as files its processes read, readable by this user alone."""
+    paths = {}
+    for name, pem in files.items():
+        paths[name] = folder / name
+        with os.fdopen(os.open(paths[name], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as handle:
+            handle.write(pem)
+    return paths
 
 
 @dataclass(frozen=True)
@@ -173,12 +184,18 @@ class LocalJob:
     def __init__(self, plan: RunPlan) -> None:
         self.plan = plan
         self.out = plan.out
-        for folder in ("progress", "logs", "checkpoints"):
+        for folder in ("progress", "logs", "checkpoints", "tls"):
             # A run starts from nothing: a previous run's checkpoints would be resumed and its events counted.
             shutil.rmtree(self.out / folder, ignore_errors=True)
             (self.out / folder).mkdir(parents=True)
         self.config_file = self.out / "config.json"
         self.config_file.write_text(plan.config.to_json())
+        # A CA for this run alone, so the shards and islands speak TLS exactly as they do on a cluster.
+        self.pki = throwaway_pki()
+        self.tls_files = _write_pem(
+            self.out / "tls",
+            {"ca.crt": self.pki.ca.cert, "tls.crt": self.pki.server_cert.cert, "tls.key": self.pki.server_cert.key},
+        )
         self.syncer_ports = [free_port() for _ in range(plan.shards)]
         self.metrics_ports = [free_port() for _ in range(plan.shards)]
         self.island_ports = [free_port() for _ in range(plan.islands)]
@@ -192,6 +209,7 @@ class LocalJob:
         return {
             **os.environ,
             "DILOCO_TOKEN": TOKEN,
+            "DILOCO_TLS_CA_FILE": str(self.tls_files["ca.crt"]),
             "OMP_NUM_THREADS": threads,
             "MKL_NUM_THREADS": threads,
             "DILOCO_LOG_LEVEL": "WARNING",
@@ -222,11 +240,12 @@ class LocalJob:
         ]
         p = self.plan
         workers = p.islands * p.ranks_per_island
-        return _Proc(
-            syncer_target(shard),
-            command,
-            self._base_env(syncer_threads(os.cpu_count() or 1, workers, p.threads, p.shards)),
-        )
+        env = {
+            **self._base_env(syncer_threads(os.cpu_count() or 1, workers, p.threads, p.shards)),
+            "DILOCO_TLS_CERT_FILE": str(self.tls_files["tls.crt"]),
+            "DILOCO_TLS_KEY_FILE": str(self.tls_files["tls.key"]),
+        }
+        return _Proc(syncer_target(shard), command, env)
 
     def _worker(self, island: int) -> _Proc:
         """The island's pod: its process, and its ranks as that process's local ranks (the environment the
@@ -326,7 +345,7 @@ class LocalJob:
             syncer.start(logs)
         try:
             for port in self.syncer_ports[: len(self.syncers)]:
-                with SyncerClient(f"127.0.0.1:{port}", TOKEN) as client:
+                with SyncerClient(f"127.0.0.1:{port}", TOKEN, security=self.pki.client) as client:
                     if not client.wait_ready(SYNCER_START_SECONDS):
                         raise RuntimeError(f"syncer on port {port} did not start; see {logs}")
         except BaseException:
@@ -406,7 +425,7 @@ class LocalJob:
         model = build_model(self.plan.preset, self.plan.seed, device=self.plan.device)
         params = dict(model.named_parameters())
         for port in self.syncer_ports:
-            with SyncerClient(f"127.0.0.1:{port}", TOKEN, retry_for=30) as client:
+            with SyncerClient(f"127.0.0.1:{port}", TOKEN, security=self.pki.client, retry_for=30) as client:
                 for p in client.join(self.plan.config.fragments).owned_fragments:
                     _, named = client.pull(p)
                     with torch.no_grad():

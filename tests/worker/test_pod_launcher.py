@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from learner_harness import TOKEN, make_config
-from support import wait_until
+from support import tls_env, wait_until
 
 from diloco.local.launcher import free_port
 from diloco.progress import DoneEvent, StartEvent, StepEvent, read_events
@@ -37,6 +37,7 @@ def start_pod(tmp_path: Path, syncer: str, steps: int, metrics_port: int = 0, de
         "MASTER_PORT": str(free_port()),
         "DILOCO_TOKEN": TOKEN,
         "OMP_NUM_THREADS": "1",
+        **tls_env(tmp_path / "tls", server=False),
     }
     command = [
         sys.executable,
