@@ -131,8 +131,8 @@ def test_a_pod_with_two_accelerators_trains_as_two_ranks_and_rank_0_pushes(targe
 
 
 def test_killing_one_rank_re_forms_its_island_while_the_other_island_trains_on(target, job):
-    pod, cpu_pod = the_pod(target, "gpu"), the_pod(target, "cpu")
-    before = local_ranks(target, pod)
+    pod, cpu_pod = wait_until(lambda: the_pod(target, "gpu")), wait_until(lambda: the_pod(target, "cpu"))
+    before = wait_until(lambda: len(r := local_ranks(target, pod)) == 2 and r)
     cpu_process = set(target.runner.members(NAMESPACE, cpu_pod["metadata"]["name"]))
     merged = partial(metric, target, cpu_pod, 0, "diloco_worker_syncs_total", outcome="merged")
     cpu_merges = wait_until(merged)

@@ -315,7 +315,7 @@ def test_an_operator_watching_named_namespaces_leaves_the_others_alone_and_answe
     try:
         for ns in (watched, ignored):
             control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("demo"))
-        wait_until(lambda: len(children(kube, watched, "demo")) == 13)
+        wait_until(lambda: len(children(kube, watched, "demo")) == CHILDREN)
         with urllib.request.urlopen(f"http://127.0.0.1:{scoped.liveness_port}/healthz", timeout=5) as reply:
             assert reply.status == 200
         passes = scoped.metric("diloco_operator_reconciles_total")
@@ -380,6 +380,11 @@ def operator(control_plane, tmp_path_factory):
     assert "Forbidden" not in log and " 403" not in log, log[-4000:]
 
 
+CHILDREN = 14
+"""Of `job_manifest`'s job: the training ConfigMap, the token and TLS Secrets, the NetworkPolicy, and per syncer
+shard a PVC, Service and Deployment, per island a headless Service and a StatefulSet."""
+
+
 def children(kube, ns, job):
     kinds = ("ConfigMap", "Secret", "NetworkPolicy", "PersistentVolumeClaim", "Service", "Deployment", "StatefulSet")
     return {(k, o["metadata"]["name"]): o for k in kinds for o in kube.list(k, ns, {"diloco.dev/job": job})}
@@ -388,7 +393,7 @@ def children(kube, ns, job):
 def test_the_operator_creates_every_child_and_keeps_status(control_plane, kube, operator):
     ns = namespace(control_plane, "e2e-create")
     control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("demo"))
-    found = wait_until(lambda: (c := children(kube, ns, "demo")) and len(c) == 13 and c)
+    found = wait_until(lambda: (c := children(kube, ns, "demo")) and len(c) == CHILDREN and c)
     job = kube.get("DiLoCoJob", ns, "demo")
     for obj in found.values():
         assert obj["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
@@ -409,7 +414,7 @@ def test_the_operator_creates_every_child_and_keeps_status(control_plane, kube, 
 def test_suspend_and_removing_an_island(control_plane, kube, operator):
     ns = namespace(control_plane, "e2e-change")
     control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("demo"))
-    wait_until(lambda: len(children(kube, ns, "demo")) == 13)
+    wait_until(lambda: len(children(kube, ns, "demo")) == CHILDREN)
     control_plane.kubectl("-n", ns, "patch", "dj", "demo", "--type", "merge", "-p", '{"spec": {"suspend": true}}')
     wait_until(lambda: all(kube.get("StatefulSet", ns, f"demo-{i}")["spec"]["replicas"] == 0 for i in "ab"))
     wait_until(lambda: kube.get("DiLoCoJob", ns, "demo")["status"]["phase"] == "Suspended")
@@ -455,7 +460,7 @@ def test_a_failed_job_stays_failed_and_a_finished_one_goes_after_its_ttl(control
     ns = namespace(control_plane, "e2e-final")
     control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("broken"))
     control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("done", ttlSecondsAfterFinished=2))
-    wait_until(lambda: len(children(kube, ns, "broken")) == 13 and len(children(kube, ns, "done")) == 13)
+    wait_until(lambda: len(children(kube, ns, "broken")) == CHILDREN and len(children(kube, ns, "done")) == CHILDREN)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     force_status(control_plane, kube, ns, "broken", {"phase": "Failed", "completionTime": now})
     wait_until(
@@ -474,7 +479,7 @@ def test_a_failed_job_stays_failed_and_a_finished_one_goes_after_its_ttl(control
 def test_a_restarted_operator_changes_nothing(control_plane, kube, operator):
     ns = namespace(control_plane, "e2e-restart")
     control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("steady"))
-    wait_until(lambda: len(children(kube, ns, "steady")) == 13)
+    wait_until(lambda: len(children(kube, ns, "steady")) == CHILDREN)
     wait_until(lambda: (kube.get("DiLoCoJob", ns, "steady").get("status") or {}).get("phase") == "Pending")
     operator.stop()
     operator.start()
@@ -502,7 +507,7 @@ def test_a_deleted_token_secret_comes_back_with_the_same_token_and_a_rotation_ro
 ):
     ns = namespace(control_plane, "e2e-token")
     control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("keep"))
-    wait_until(lambda: len(children(kube, ns, "keep")) == 13)
+    wait_until(lambda: len(children(kube, ns, "keep")) == CHILDREN)
     token = token_of(kube, ns, "keep")
     holders = (("Deployment", "keep-syncer-0"), ("Deployment", "keep-syncer-1"), ("StatefulSet", "keep-a"))
     hashes = token_hashes(kube, ns, holders)

@@ -65,6 +65,27 @@ def idle_pushes(server: SyncerServer, count: int) -> Iterator[list[grpc.Future]]
                 call.cancel()
 
 
+def push_and_see_it_merged(server: SyncerServer) -> pb.StatusReply:
+    """Island `a` joins, pushes fragment 0 and sees it merged (alone live, it is merged at once); the shard's
+    Status then."""
+    with make_client(server.port, "a", timeout=NORMAL_DEADLINE, retry_for=0) as island:
+        island.join(2)
+        version, _ = island.pull(0)
+        reply = island.push(
+            0,
+            base=version,
+            tokens=100,
+            inner_steps=10,
+            sequence=1,
+            delta=random_values(2, 0.1),
+            encoding=Encoding.FP32,
+            block_size=0,
+        )
+        assert not reply.duplicate
+        wait_until(lambda: island.pull(0, have=version) is not None)
+        return island.status()
+
+
 def assert_answering(channel: grpc.Channel) -> None:
     """The calls probes and operators make answer within a normal deadline."""
     health = health_pb2_grpc.HealthStub(channel)
@@ -93,22 +114,7 @@ def test_idle_streams_are_cancelled_and_pulls_and_pushes_go_on(start_server):
     within their normal deadlines, and the cancelled streams left nothing behind."""
     server = start_server(config_for(), stream_idle_seconds=0.5)
     with idle_pushes(server, THREADS + 8) as calls:
-        with make_client(server.port, "a", timeout=NORMAL_DEADLINE, retry_for=0) as island:
-            island.join(2)
-            version, _ = island.pull(0)
-            reply = island.push(
-                0,
-                base=version,
-                tokens=100,
-                inner_steps=10,
-                sequence=1,
-                delta=random_values(2, 0.1),
-                encoding=Encoding.FP32,
-                block_size=0,
-            )
-            assert not reply.duplicate
-            wait_until(lambda: island.pull(0, have=version) is not None)  # a alone is live: merged at once
-            status = island.status()
+        status = push_and_see_it_merged(server)
         for call in calls:
             assert call.exception(timeout=NORMAL_DEADLINE).code() == grpc.StatusCode.CANCELLED
     fragment = next(f for f in status.fragments if f.fragment_id == 0)
@@ -155,7 +161,7 @@ def test_a_pull_whose_reader_takes_nothing_is_cancelled_and_frees_its_thread(sta
     values = [("w", torch.arange(LARGE_FLOATS, dtype=torch.float32))]
     with make_client(server.port, "seeder") as seeder:
         seeder.seed(0, values)
-    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+    with open_channel(server.port) as channel:
         unread = syncer_pb2_grpc.SyncerStub(channel).Pull(pb.PullRequest(fragment_id=0), metadata=AUTH, timeout=60)
         try:
             assert_answering(channel)
@@ -179,22 +185,9 @@ def test_data_calls_beyond_the_queue_bound_are_refused_and_the_shard_stays_live(
             with pytest.raises(grpc.RpcError) as refused:
                 island.pull(0)
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            with open_channel(server.port) as channel:
                 assert_answering(channel)
         assert not any(call.done() for call in calls)
     wait_until(lambda: server.data_threads.calls() == 0)
-    with make_client(server.port, "a", timeout=NORMAL_DEADLINE, retry_for=0) as island:
-        island.join(2)
-        version, _ = island.pull(0)
-        island.push(
-            0,
-            base=version,
-            tokens=100,
-            inner_steps=10,
-            sequence=1,
-            delta=random_values(2, 0.1),
-            encoding=Encoding.FP32,
-            block_size=0,
-        )
-        wait_until(lambda: island.pull(0, have=version) is not None)
+    push_and_see_it_merged(server)
     assert server.metrics.rejected.labels("busy")._value.get() == 1
