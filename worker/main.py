@@ -16,6 +16,7 @@ from diloco.core.config import Mode
 from diloco.logs import setup_logging
 from diloco.settings import env_default, load_token, load_training_config
 from diloco.worker.metrics import serve_metrics
+from diloco.worker.shutdown import StopRequest
 from diloco.worker.trainer import Trainer, TrainerSettings
 
 log = logging.getLogger("diloco.worker")
@@ -38,7 +39,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default=env("DATA"), help="token (.bin/.npy) or text file; default: embedded corpus")
     p.add_argument("--max-data-bytes", type=int, default=int(env("MAX_DATA_BYTES", str(8 * 1024 * 1024))))
     p.add_argument("--batch-size", type=int, default=int(env("BATCH_SIZE", "16")))
-    p.add_argument("--steps", type=int, default=int(env("STEPS", "300")), help="inner steps to train")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=int(env("STEPS", "0")) or None,
+        help="inner steps to train (default: until SIGTERM, which ends a job's pods when it is done)",
+    )
+    p.add_argument(
+        "--termination-grace-seconds",
+        type=float,
+        default=float(env("TERMINATION_GRACE_SECONDS", "30")),
+        help="seconds from SIGTERM to SIGKILL (the pod's terminationGracePeriodSeconds, which the operator "
+        "passes down): the last pushes and Leave must fit in them",
+    )
     p.add_argument("--eval-every", type=int, default=int(env("EVAL_EVERY", "50")))
     p.add_argument("--seed", type=int, default=int(env("SEED", "0")))
     p.add_argument(
@@ -91,14 +104,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("a DiLoCo worker needs --syncers and --island (DILOCO_SYNCERS, DILOCO_ISLAND)")
     except (ValueError, OSError) as error:
         raise SystemExit(f"diloco-worker: {error}") from None
-    trainer = Trainer(settings, config, island=args.island or "ddp", syncers=syncers, token=token)
+    stop = StopRequest(args.termination_grace_seconds)
+    stop.install()
+    trainer = Trainer(settings, config, island=args.island or "ddp", syncers=syncers, token=token, stop=stop)
     if args.metrics_port:
         serve_metrics(trainer.snapshot, args.metrics_port, args.metrics_host)
     try:
         loss = trainer.run()
     finally:
         trainer.close()
-    log.info("training finished", extra={"island": args.island, "steps": settings.steps, "eval_loss": loss})
+    log.info("training finished", extra={"island": args.island, "steps": trainer.step, "eval_loss": loss})
     return 0
 
 
