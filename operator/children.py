@@ -40,6 +40,9 @@ RUN_AS = 10001
 WORKER_COMMAND = ("diloco-worker",)
 SYNCER_COMMAND = ("diloco-syncer",)
 DEFAULT_DATA = "stdlib"
+TRAINER_GRACE_SECONDS = 30
+"""Seconds an island pod has after SIGTERM unless its pod template sets terminationGracePeriodSeconds: the
+built-in worker finishes its step, pushes its last steps and says Leave within them."""
 
 SPOT_TOLERATIONS: tuple[dict[str, str], ...] = (
     {"key": "cloud.google.com/gke-spot", "operator": "Exists", "effect": "NoSchedule"},
@@ -321,9 +324,16 @@ def island_service(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> di
     )
 
 
+def island_grace_seconds(island: IslandSpec) -> int:
+    """The island pods' terminationGracePeriodSeconds: the pod template's, else the default."""
+    override = island.pod_template.spec.termination_grace_period_seconds if island.pod_template else None
+    return TRAINER_GRACE_SECONDS if override is None else override
+
+
 def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[dict[str, Any]]:
     """DILOCO_* for `Learner.from_env` and the built-in worker, and torch.distributed's static rendezvous:
-    the rank is the StatefulSet ordinal, the world the island, the master its ordinal-0 pod."""
+    the rank is the StatefulSet ordinal, the world the island, the master its ordinal-0 pod. The pod's
+    grace period goes down too, so that one setting bounds the worker's last pushes after SIGTERM."""
     syncers = ",".join(
         n.syncer_address(job.name, job.namespace, shard, spec.syncer.port) for shard in range(spec.syncer.shards)
     )
@@ -334,6 +344,7 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
         "DILOCO_SYNCERS": syncers,
         "DILOCO_METRICS_PORT": str(spec.trainer.metrics_port),
         "DILOCO_ACCELERATORS_PER_POD": str(island.accelerators_per_pod),
+        "DILOCO_TERMINATION_GRACE_SECONDS": str(island_grace_seconds(island)),
     }
     if spec.trainer.preset is not None:
         values["DILOCO_MODEL"] = spec.trainer.preset.value
@@ -393,7 +404,7 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": _pod_security(),
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": TRAINER_GRACE_SECONDS,
         "containers": [container],
         # Shared memory for data loaders and NCCL, which the container runtime's 64 MiB default starves.
         "volumes": [*_shared_volumes(job.name), {"name": "dshm", "emptyDir": {"medium": "Memory"}}],

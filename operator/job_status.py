@@ -3,8 +3,9 @@ observation of the cluster: per-island accounting, progress per fragment and goo
 conditions, the failure policy, the stop condition and the TTL each in its module of
 `diloco.operator.policies`, which `decide` composes. No I/O and no clock: `now` is an argument.
 
-A finished job (Succeeded or Failed) stays finished: its islands and shards are wound down to zero and
-nothing is ever scaled up again; the volumes keep the syncers' final checkpoints until the job is deleted.
+A finished job (Succeeded or Failed) stays finished: its islands are wound down to zero, then, once no island
+pod is left (each pushes its last steps on SIGTERM), its shards; nothing is ever scaled up again, and the
+volumes keep the syncers' final checkpoints until the job is deleted.
 """
 
 from __future__ import annotations
@@ -240,9 +241,10 @@ def decide(
         completion_time=change.completion_time,
     )
     finished = change.phase.finished
+    island_pods_left = any(observed.pods.get(island.name) for island in spec.islands)
     scale = Scale(
         islands={a.status.name: (0 if finished else a.replicas) for a in accounts},
-        syncers=0 if finished else 1,
+        syncers=0 if finished and not island_pods_left else 1,
     )
     deletion = deletion_due(status, spec.ttl_seconds_after_finished, now)
     events = (*(e for a in accounts for e in a.events), *change.events, *([deletion] if deletion else []))

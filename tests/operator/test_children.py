@@ -284,6 +284,20 @@ def test_island_environment_is_what_diloco_worker_reads(monkeypatch):
     args = worker_main.parse_args([])
     assert args.island == "h100" and args.model == "tiny" and args.data == "stdlib"
     assert args.syncers.split(",") == ["demo-syncer-0.ml.svc:50051", "demo-syncer-1.ml.svc:50051"]
+    assert args.steps is None  # no step cap: the pods train until the job is done and they get SIGTERM
+    assert args.termination_grace_seconds == 30
+
+
+def test_the_trainer_learns_its_pods_grace_period():
+    """One knob: the pod's terminationGracePeriodSeconds, which also bounds the worker's last pushes."""
+    default = render()[("StatefulSet", "demo-a100")]["spec"]["template"]["spec"]
+    assert env_of(default["containers"][0])["DILOCO_TERMINATION_GRACE_SECONDS"] == "30"
+    assert default["terminationGracePeriodSeconds"] == 30
+    override = {"spec": {"terminationGracePeriodSeconds": 120}}
+    spec = make_spec(islands=[{"name": "old", "podTemplate": override}])
+    pod = render(spec)[("StatefulSet", "demo-old")]["spec"]["template"]["spec"]
+    assert env_of(pod["containers"][0])["DILOCO_TERMINATION_GRACE_SECONDS"] == "120"
+    assert pod["terminationGracePeriodSeconds"] == 120
 
 
 def test_headless_island_service():

@@ -100,12 +100,13 @@ def test_exhausting_the_restart_budget_fails_the_job_for_good():
     assert decisions[1].status.phase is not Phase.FAILED and decisions[1].status.islands[0].restarts == 1
     failed = decisions[3]
     assert failed.status.phase is Phase.FAILED and failed.status.completion_time == at(30)
-    assert failed.scale.islands == {"a": 0, "b": 0} and failed.scale.syncers == 0
+    assert failed.scale.islands == {"a": 0, "b": 0} and failed.scale.syncers == 1
     assert "RestartBudgetExhausted" in [e.reason for e in failed.events]
     assert condition(failed.status, "Failed").status == "True"
-    later = run(spec, [healthy(), healthy()], start=40, status=failed.status)
+    later = run(spec, [healthy(), Observation(), healthy()], start=40, status=failed.status)
     assert all(d.status.phase is Phase.FAILED for d in later)
-    assert all(d.scale.islands == {"a": 0, "b": 0} and d.scale.syncers == 0 for d in later)
+    assert all(d.scale.islands == {"a": 0, "b": 0} for d in later)
+    assert [d.scale.syncers for d in later] == [1, 0, 1]  # the shards go once no island pod is left
     assert later[-1].status.completion_time == at(30)
 
 
@@ -172,10 +173,21 @@ def test_stop_condition_on_outer_steps_succeeds_and_winds_down():
     assert first.status.phase is Phase.PENDING or first.status.phase is Phase.RUNNING
     assert first.status.outer_step == 0
     assert second.status.phase is Phase.SUCCEEDED and second.status.completion_time == at(10)
-    assert second.scale.islands == {"a": 0, "b": 0} and second.scale.syncers == 0
+    assert second.scale.islands == {"a": 0, "b": 0}
     assert "StopConditionReached" in [e.reason for e in second.events]
     assert condition(second.status, "Complete").status == "True"
-    assert third.status.phase is Phase.SUCCEEDED and third.scale.syncers == 0
+    assert third.status.phase is Phase.SUCCEEDED and third.scale.islands == {"a": 0, "b": 0}
+
+
+def test_a_finished_job_keeps_its_shards_until_its_island_pods_are_gone():
+    """Islands get SIGTERM first and push their last steps; the shards that take them go afterwards."""
+    spec = job_spec(stopCondition={"outerSteps": 5})
+    reached = Observation(pods=healthy().pods, shards=shards((0, 7, 10), (1, 5, 9)))
+    terminating = Observation(pods={"a": [pod(0, terminating=True)]}, shards=healthy().shards)
+    gone = Observation(shards=healthy().shards)
+    decisions = run(spec, [reached, terminating, gone])
+    assert [d.status.phase for d in decisions] == [Phase.SUCCEEDED] * 3
+    assert [d.scale.syncers for d in decisions] == [1, 1, 0]
 
 
 def test_suspend_scales_islands_to_zero_keeps_syncers_and_resume_brings_them_back():
