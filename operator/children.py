@@ -36,6 +36,9 @@ from diloco.operator.tokens import fingerprint
 CONFIG_DIR = "/etc/diloco"
 TOKEN_DIR = "/var/run/secrets/diloco"
 CHECKPOINT_DIR = "/var/lib/diloco"
+EXPORT_DIR = "/export"
+SHARD_CHECKPOINTS_DIR = "/shards"
+EXPORT_ATTEMPTS = 3
 RUN_AS = 10001
 WORKER_COMMAND = ("diloco-worker",)
 SYNCER_COMMAND = ("diloco-syncer",)
@@ -64,10 +67,12 @@ class OperatorRef:
 
 @dataclass(frozen=True)
 class Scale:
-    """Replicas decided for this pass: per island name, and for every syncer shard (0 or 1)."""
+    """Replicas decided for this pass: per island name, and for every syncer shard (0 or 1); and whether
+    the job's model export (spec.export) is to run."""
 
     islands: Mapping[str, int]
     syncers: int
+    export: bool = False
 
 
 def digest(obj: Any) -> str:
@@ -467,9 +472,7 @@ def network_policy(job: n.JobRef, spec: DiLoCoJobSpec, operator: OperatorRef | N
             "kind": "NetworkPolicy",
             "metadata": _metadata(job, n.network_policy_name(job.name), n.common_labels(job.name, None, "network")),
             "spec": {
-                "podSelector": {
-                    "matchLabels": {**n.job_selector(job.name), "app.kubernetes.io/component": n.COMPONENT_SYNCER}
-                },
+                "podSelector": {"matchLabels": {**n.job_selector(job.name), n.LABEL_COMPONENT: n.COMPONENT_SYNCER}},
                 "policyTypes": ["Ingress"],
                 "ingress": [
                     {"from": peers, "ports": [{"port": spec.syncer.port, "protocol": "TCP"}]},
@@ -480,10 +483,81 @@ def network_policy(job: n.JobRef, spec: DiLoCoJobSpec, operator: OperatorRef | N
     )
 
 
+def export_job(job: n.JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
+    """The batch Job that writes a succeeded job's model: `diloco export` over the shards' final
+    checkpoints (their volumes, mounted read-only once the shards have stopped) into the volume and folder
+    spec.export names, with the job's training config recorded beside it."""
+    if spec.export is None:
+        raise ValueError("the job names no export (spec.export)")
+    shards = range(spec.syncer.shards)
+    command = [
+        "diloco",
+        "export",
+        f"{EXPORT_DIR}/{spec.export.path or job.name}",
+        "--checkpoints",
+        *(f"{SHARD_CHECKPOINTS_DIR}/{shard}" for shard in shards),
+        "--config",
+        f"{CONFIG_DIR}/{n.CONFIG_KEY}",
+    ]
+    container = {
+        "name": n.COMPONENT_EXPORT,
+        "image": spec.syncer_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": command,
+        "resources": _resources(spec.syncer.resources),
+        "securityContext": _container_security(read_only_root=True),
+        "volumeMounts": [
+            *(
+                {"name": f"shard-{shard}", "mountPath": f"{SHARD_CHECKPOINTS_DIR}/{shard}", "readOnly": True}
+                for shard in shards
+            ),
+            {"name": "export", "mountPath": EXPORT_DIR},
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(),
+        "restartPolicy": "Never",
+        "containers": [container],
+        "volumes": [
+            *(
+                {
+                    "name": f"shard-{shard}",
+                    "persistentVolumeClaim": {"claimName": n.syncer_name(job.name, shard), "readOnly": True},
+                }
+                for shard in shards
+            ),
+            {"name": "export", "persistentVolumeClaim": {"claimName": spec.export.claim_name}},
+            {"name": "config", "configMap": {"name": n.config_map_name(job.name)}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+    }
+    if spec.syncer.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.syncer.node_selector)
+    if spec.syncer.tolerations:
+        pod_spec["tolerations"] = _tolerations(spec.syncer.tolerations)
+    labels = n.export_labels(job.name)
+    return _stamped(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": _metadata(job, n.export_job_name(job.name), labels),
+            "spec": {
+                "backoffLimit": EXPORT_ATTEMPTS - 1,
+                "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            },
+        }
+    )
+
+
 def render_children(
     job: n.JobRef, spec: DiLoCoJobSpec, token: str, scale: Scale, operator: OperatorRef | None
 ) -> list[dict[str, Any]]:
-    """Every child, in the order they are best created: config and credentials, then syncers, then islands."""
+    """Every child, in the order they are best created: config and credentials, then syncers, then islands;
+    last the model's export once the job has succeeded and its shards have stopped."""
     validate_job_name(job.name)
     children = [config_map(job, spec), token_secret(job, token), network_policy(job, spec, operator)]
     for shard in range(spec.syncer.shards):
@@ -497,6 +571,8 @@ def render_children(
             island_service(job, spec, island),
             island_statefulset(job, spec, island, scale.islands.get(island.name, 0), token),
         ]
+    if scale.export:
+        children.append(export_job(job, spec))
     return children
 
 

@@ -324,6 +324,36 @@ def test_builtin_trainer_settings_and_custom_command():
     assert "DILOCO_MODEL" not in env_of(trainer) and "DILOCO_SYNCERS" in env_of(trainer)
 
 
+def test_the_export_job_reads_every_shards_volume_and_writes_to_the_named_claim():
+    spec = make_spec(export={"claimName": "models", "path": "runs/demo"})
+    assert ("Job", "demo-export") not in render(spec)
+    job = render(spec, scale=Scale(islands={}, syncers=0, export=True))[("Job", "demo-export")]
+    assert k8s.V1Job.from_dict(job).metadata.name == "demo-export"
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and job["metadata"]["ownerReferences"][0]["uid"] == JOB.uid
+    (container,) = pod["containers"]
+    assert container["command"] == [
+        "diloco",
+        "export",
+        "/export/runs/demo",
+        "--checkpoints",
+        "/shards/0",
+        "/shards/1",
+        "--config",
+        "/etc/diloco/training.json",
+    ]
+    claims = {v["name"]: v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {
+        "shard-0": {"claimName": "demo-syncer-0", "readOnly": True},
+        "shard-1": {"claimName": "demo-syncer-1", "readOnly": True},
+        "export": {"claimName": "models"},
+    }
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["shard-0"]["readOnly"] and not mounts["export"].get("readOnly")
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
 def test_pod_template_override_is_merged_last():
     override = {
         "metadata": {"labels": {"team": "llm"}},
