@@ -11,8 +11,8 @@ A line counts once it ends in a newline. A complete line that is not an event is
 kept (`ProgressFollower.skipped`), not refused: a relaunched worker appends to the file its killed
 predecessor left, so a line cut short by the kill runs into the next process's first one, and a kind this
 reader does not know comes from a newer worker and must not stop the accounting of a run. Fields that
-older workers did not write yet (a step's `sync_seconds`, a round's `version`, a start's `versions`) read
-as their defaults, so old run folders still read.
+older workers did not write yet (a step's `sync_seconds` and rates, a round's `version`, a start's `versions`
+and device) read as their defaults, so old run folders still read.
 """
 
 from __future__ import annotations
@@ -68,18 +68,24 @@ _HEADER = tuple(f.name for f in fields(ProgressEvent))
 
 @dataclass(frozen=True)
 class StartEvent(ProgressEvent):
-    """A process began training at `step` in a world of `world` ranks, holding these fragment versions."""
+    """A process began training at `step` in a world of `world` ranks, holding these fragment versions, on
+    this device and precision; `flops_per_token` and `peak_flops` (None: unknown) turn its tokens per second
+    into model FLOPs utilisation."""
 
     kind: ClassVar[str] = "start"
     step: int
     world: int
     versions: tuple[int, ...] = ()  # global version of each fragment, fragment 0 first (none in ddp)
+    device: str = ""
+    precision: str = ""
+    flops_per_token: float = 0.0
+    peak_flops: float | None = None
 
 
 @dataclass(frozen=True)
 class StepEvent(ProgressEvent):
     """One inner step: its training loss, the tokens it consumed, its wall time and the part of that spent
-    blocked on a sync."""
+    blocked on a sync; the rank's tokens per second and MFU over its last steps (None: peak unknown)."""
 
     kind: ClassVar[str] = "step"
     step: int
@@ -87,6 +93,8 @@ class StepEvent(ProgressEvent):
     tokens: int
     seconds: float
     sync_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    mfu: float | None = None
 
     @property
     def compute_seconds(self) -> float:

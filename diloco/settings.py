@@ -10,6 +10,10 @@ from pathlib import Path
 
 from diloco.core.config import TrainingConfig
 
+DEFAULT_CORPUS_BYTES = 8 * 1024 * 1024
+"""How much of a data source a trainer reads unless told (the embedded corpus is cut there): a few minutes of
+training on a laptop, and the same corpus for the workers and for whoever evaluates the global model."""
+
 
 def env_default(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"DILOCO_{name}", default)

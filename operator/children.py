@@ -29,6 +29,7 @@ from diloco.api.job import (
     Toleration,
     validate_job_name,
 )
+from diloco.core.config import Precision
 from diloco.operator import naming as n
 from diloco.operator.overrides import merge
 from diloco.operator.tokens import fingerprint
@@ -354,6 +355,8 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
     if spec.trainer.preset is not None:
         values["DILOCO_MODEL"] = spec.trainer.preset.value
         values["DILOCO_DATA"] = spec.trainer.data or DEFAULT_DATA
+        values["DILOCO_PRECISION"] = (spec.trainer.precision or Precision.AUTO).value
+        values["DILOCO_ACTIVATION_CHECKPOINTING"] = "1" if spec.trainer.activation_checkpointing else "0"
     values |= {
         "WORLD_SIZE": str(island.replicas),
         "MASTER_ADDR": n.rank0_address(job.name, job.namespace, island.name),

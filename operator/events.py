@@ -16,12 +16,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from diloco.api.conditions import Reason
 from diloco.api.job import API_GROUP, API_VERSION, KIND
 from diloco.operator.naming import MANAGER, JobRef
 
 RECENT_EVENTS = 4096
 """Event names whose count the operator remembers (client-go's cache size): beyond it, the oldest is read back
 from the API server on its next occurrence instead."""
+MAX_FAILURE_DETAIL = 1024
+"""Characters of an error an Event quotes: client-go's recorder cuts an Event's note to as many."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,16 @@ class Event:
     type: Literal["Normal", "Warning"]
     reason: str
     message: str
+
+
+def reconcile_failed(error: BaseException) -> Event:
+    """The Event of a pass that raised: the error's type and first line, the same for every pass that fails
+    alike, so repeated failures aggregate into one Event (a traceback belongs in the log)."""
+    detail = (str(error).strip().splitlines() or [""])[0]
+    detail = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+    if len(detail) > MAX_FAILURE_DETAIL:
+        detail = detail[: MAX_FAILURE_DETAIL - 1] + "…"
+    return Event("Warning", Reason.RECONCILE_FAILED, f"a reconcile pass failed and will be retried: {detail}")
 
 
 def event_name(job: JobRef, event: Event) -> str:

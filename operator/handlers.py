@@ -16,7 +16,7 @@ import kopf
 from pydantic import ValidationError
 
 from diloco.api.job import API_GROUP, API_VERSION, PLURAL
-from diloco.operator.events import Event
+from diloco.operator.events import Event, reconcile_failed
 from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.naming import JobRef
 from diloco.operator.reconcile import Reconciler
@@ -35,7 +35,9 @@ over from a replica that died without saying goodbye (SIGKILL, a lost node)."""
 
 def configure(settings: kopf.OperatorSettings, peering_lifetime: int = PEERING_LIFETIME, **_: Any) -> None:
     """Kopf's bookkeeping under the project's own annotation prefix, no CRD or namespace scanning (so the
-    RBAC needs no access to either), only warnings posted as Events, and the peering record's lifetime."""
+    RBAC needs no access to either), and the peering record's lifetime. Kopf posts no Events of its own: it
+    would post one new object per failed pass; the handler posts the failure through the operator's
+    recorder instead, aggregated as every other Event (`events.reconcile_failed`)."""
     settings.peering.lifetime = peering_lifetime
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
@@ -43,7 +45,7 @@ def configure(settings: kopf.OperatorSettings, peering_lifetime: int = PEERING_L
         prefix=API_GROUP, key="last-handled-configuration"
     )
     settings.scanning.disabled = True
-    settings.posting.level = logging.WARNING
+    settings.posting.enabled = False
 
 
 class PassLocks:
@@ -105,9 +107,10 @@ def _handler(
             metrics.reconciles.labels(trigger, "invalid").inc()
             reconciler.events.post(job, Event("Warning", "InvalidSpec", str(error)), now)
             raise kopf.PermanentError(f"the spec is invalid: {error}") from error
-        except Exception:
+        except Exception as error:
             metrics.reconciles.labels(trigger, "error").inc()
             metrics.errors.labels("reconcile").inc()
+            reconciler.events.post(job, reconcile_failed(error), now)
             raise
         finally:
             metrics.seconds.observe(time.perf_counter() - started)

@@ -30,8 +30,14 @@ from diloco.core.refusal import Refusal
 from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.references import Reference, References
-from diloco.syncer.shard import PushKey, PushResult, Refused, ShardState, TensorSpec
-from diloco.syncer.streams import CONTROL_WORKERS, MAX_QUEUED_CALLS, STREAM_IDLE_SECONDS, StreamWatch
+from diloco.syncer.shard import MAX_PENDING_BYTES, PushKey, PushResult, Refused, ShardState, TensorSpec
+from diloco.syncer.streams import (
+    CONTROL_WORKERS,
+    MAX_QUEUED_CALLS,
+    STREAM_IDLE_SECONDS,
+    DataThreads,
+    StreamWatch,
+)
 from diloco.transport import wire
 from diloco.transport.auth import TokenInterceptor
 from diloco.transport.codes import encoding_of, status_code
@@ -95,13 +101,16 @@ class SyncerServer:
         checkpoint_interval: float = 60.0,
         max_fragment_bytes: int = wire.MAX_STREAM_BYTES,
         max_reference_bytes: int = 4 * 1024**3,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
         metrics: SyncerMetrics | None = None,
         max_workers: int = 32,
+        max_queued_calls: int = MAX_QUEUED_CALLS,
         stream_idle_seconds: float = STREAM_IDLE_SECONDS,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """`max_workers` threads serve the data calls (Seed, PushDelta, Pull), `CONTROL_WORKERS` more the
-        others; `stream_idle_seconds` is how long a data stream may keep the shard waiting (`streams`)."""
+        others; `max_queued_calls` data calls may wait for a thread, and more are refused; `stream_idle_seconds`
+        is how long a data stream may keep the shard waiting (`streams`)."""
         self.config = config
         self.metrics = metrics or SyncerMetrics()
         self.clock = clock
@@ -110,7 +119,7 @@ class SyncerServer:
         self._checkpoint_path = (
             checkpoint.checkpoint_path(checkpoint_dir, shard_index, num_shards) if checkpoint_dir else None
         )
-        self.state = self._resume_or_start(shard_index, num_shards)
+        self.state = self._resume_or_start(shard_index, num_shards, max_pending_bytes)
         self._cond = threading.Condition()
         self._dirty = False
         self._stopping = threading.Event()
@@ -121,28 +130,36 @@ class SyncerServer:
         self.streams = StreamWatch(stream_idle_seconds, on_cancel=self._count_cancelled)
         self._health = health.HealthServicer()
         self._control = futures.ThreadPoolExecutor(max_workers=CONTROL_WORKERS, thread_name_prefix="syncer-control")
+        self.data_threads = DataThreads(max_workers, max_queued_calls)
+        servicer = _Servicer(self)
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="syncer-rpc"),
+            self.data_threads,
             interceptors=[TokenInterceptor(token, on_refused=self._count_unauthenticated)],
             options=[
                 ("grpc.max_receive_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
                 ("grpc.max_send_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
-            maximum_concurrent_rpcs=max_workers + CONTROL_WORKERS + MAX_QUEUED_CALLS,
+            # the data calls are bounded apart (`_Admitted`); control calls may wait as many again
+            maximum_concurrent_rpcs=self.data_threads.bound + CONTROL_WORKERS + max_queued_calls,
         )
         self._server.add_generic_rpc_handlers(
-            (_handlers(_Servicer(self), self._control), _health_handlers(self._health, self._control))
+            tuple(
+                _Admitted(handlers, self.data_threads, servicer.refuse_busy, self._control)
+                for handlers in (_handlers(servicer, self._control), _health_handlers(self._health, self._control))
+            )
         )
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
 
-    def _resume_or_start(self, shard_index: int, num_shards: int) -> ShardState:
+    def _resume_or_start(self, shard_index: int, num_shards: int, max_pending_bytes: int) -> ShardState:
         saved = checkpoint.load(self._checkpoint_path) if self._checkpoint_path else None
         if saved is None:
-            return ShardState(self.config, shard_index, num_shards, _new_incarnation())
-        state = ShardState.from_state_dict(self.config, shard_index, num_shards, saved, _new_incarnation())
+            return ShardState(self.config, shard_index, num_shards, _new_incarnation(), max_pending_bytes)
+        state = ShardState.from_state_dict(
+            self.config, shard_index, num_shards, saved, _new_incarnation(), max_pending_bytes
+        )
         log.info(
             "resumed from checkpoint",
             extra={
@@ -503,6 +520,42 @@ def _on_pool(behavior: Callable[[R, grpc.ServicerContext], S], pool: futures.Exe
     return run
 
 
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _behavior(handler: grpc.RpcMethodHandler) -> Callable[..., object]:
+    return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+
+
+class _Admitted(grpc.GenericRpcHandler):
+    """The calls of `inner` that run on the data threads, refused on arrival while the data threads hold all
+    the calls they take: `refuse` answers them on the control threads, so a full queue delays no probe."""
+
+    def __init__(
+        self,
+        inner: grpc.GenericRpcHandler,
+        data: DataThreads,
+        refuse: Callable[[object, grpc.ServicerContext], NoReturn],
+        control: futures.Executor,
+    ) -> None:
+        self._inner = inner
+        self.data_threads = data
+        self._refuse = refuse
+        self._control = control
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = self._inner.service(handler_call_details)
+        if handler is None or hasattr(_behavior(handler), "experimental_thread_pool") or self.data_threads.has_room():
+            return handler
+        kind = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+        return kind(_on_pool(self._refuse, self._control), handler.request_deserializer, handler.response_serializer)
+
+
 def _health_handlers(servicer: health.HealthServicer, control: futures.Executor) -> grpc.GenericRpcHandler:
     """grpc.health.v1 with its Check on the control threads, so probes are answered while every data thread
     is held; Watch, a long-lived stream, stays on the data threads."""
@@ -563,6 +616,14 @@ class _Servicer:
         """Counts the refusal and aborts the call with its status code; the abort raises, ending the handler."""
         self.s.count_refusal(refusal)
         context.abort(status_code(refusal.kind), refusal.message)
+
+    def refuse_busy(self, _request: object, context: grpc.ServicerContext) -> NoReturn:
+        """A data call that came while the shard holds all the data calls it takes."""
+        bound = self.s.data_threads.bound
+        self._refuse(
+            Refused(Refusal.TOO_LARGE, "busy", f"the shard holds the {bound} data calls it takes at once; retry later"),
+            context,
+        )
 
     def _decoded(self, request: M | wire.Undecodable, context: grpc.ServicerContext) -> M:
         """The request, unless its bytes were no such message (a string field that is not UTF-8): the caller's

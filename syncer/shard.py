@@ -31,6 +31,8 @@ from diloco.core.refusal import Refusal
 CHECKPOINT_FORMAT = 1
 MAX_KNOWN_ISLANDS = 4096
 """Islands a shard remembers, joined or left: 8 times the most a DiLoCoJob admits; keeps Status small."""
+MAX_PENDING_BYTES = 16 * 1024**3
+"""Pending deltas a shard holds in memory: 8 islands' deltas of the whole `large` preset (1.4 GB) and room."""
 
 
 class Refused(Exception):
@@ -117,13 +119,22 @@ class ShardFragment:
 class ShardState:
     """Every fragment the shard owns (p mod shards == index) and the islands it has heard from."""
 
-    def __init__(self, config: TrainingConfig, shard_index: int, num_shards: int, incarnation: int) -> None:
+    def __init__(
+        self,
+        config: TrainingConfig,
+        shard_index: int,
+        num_shards: int,
+        incarnation: int,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
+    ) -> None:
+        """`max_pending_bytes` bounds the pending deltas of all the shard's fragments together."""
         if num_shards < 1 or not 0 <= shard_index < num_shards:
             raise ValueError(f"shard index {shard_index} is outside 0..{num_shards - 1}")
         self.config = config
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.incarnation = incarnation
+        self.max_pending_bytes = max_pending_bytes
         self.fragments = {p: ShardFragment(p) for p in owned_fragments(shard_index, num_shards, config.fragments)}
         self.islands: dict[str, float] = {}
         self.left: set[str] = set()
@@ -223,6 +234,7 @@ class ShardState:
             return PushResult(duplicate=True, version=frag.version, staleness=0)
         self._check_specs(frag, specs)
         self._check_room(frag, key.island)
+        self._check_pending_bytes(frag, key.island)
         if not tokens_are_possible(tokens, inner_steps):
             raise Refused(
                 Refusal.INVALID,
@@ -281,6 +293,22 @@ class ShardState:
             "pending",
             f"fragment {frag.index} already holds {len(frag.pending)} pending contributions, the most it takes "
             f"from islands that have not joined; join first",
+        )
+
+    def pending_bytes(self) -> int:
+        """The bytes of every pending delta the shard holds: each is float32 values of its fragment."""
+        return sum(len(f.pending) * f.nbytes for f in self.fragments.values())
+
+    def _check_pending_bytes(self, frag: ShardFragment, island: str) -> None:
+        """Refuses a new pending delta that would take the shard beyond `max_pending_bytes`; one replacing the
+        island's own pending delta takes no more."""
+        if island in frag.pending or self.pending_bytes() + frag.nbytes <= self.max_pending_bytes:
+            return
+        raise Refused(
+            Refusal.TOO_LARGE,
+            "pending_bytes",
+            f"fragment {frag.index}: the shard's pending deltas take {self.pending_bytes()} bytes, and "
+            f"{frag.nbytes} more would pass its bound of {self.max_pending_bytes}; push again after a merge",
         )
 
     def _check_specs(self, frag: ShardFragment, specs: Sequence[TensorSpec]) -> None:
@@ -442,6 +470,7 @@ class ShardState:
         num_shards: int,
         state: dict[str, Any],
         new_incarnation: int,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
     ) -> ShardState:
         """Resumes a shard. After an unclean stop the versions it served may be ahead of the checkpoint, so
         it takes a new incarnation: islands holding such versions are told to pull again. When each island
@@ -456,7 +485,8 @@ class ShardState:
                 f"but this shard is {wanted[0]} of {wanted[1]} with {wanted[2]} fragments"
             )
         clean = bool(state["clean"])
-        shard = cls(config, shard_index, num_shards, state["incarnation"] if clean else new_incarnation)
+        incarnation = state["incarnation"] if clean else new_incarnation
+        shard = cls(config, shard_index, num_shards, incarnation, max_pending_bytes)
         shard.islands = dict(state["islands"])
         shard.left = set(state.get("left", ()))  # checkpoints from before Leave existed have none
         for p, fragment in state["fragments"].items():

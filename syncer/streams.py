@@ -5,7 +5,8 @@ then sends nothing would hold it until its own deadline. A stream the shard wait
 next chunk has not come, a pull whose reader takes no more) is cancelled once it has waited
 `idle_seconds`, and every stream once it has taken longer than its bytes at the slowest throughput a job
 must tolerate. Join, Status, Leave and the health check run on threads of their own (`CONTROL_WORKERS`), so
-they answer even while every data thread is held.
+they answer even while every data thread is held, and the data calls beyond the data threads and the queue
+bound are refused on arrival without counting against the control calls (`DataThreads`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -35,7 +37,39 @@ CONTROL_WORKERS = 4
 only take the state lock, so a few answer a job's probes and islands."""
 MAX_QUEUED_CALLS = 1024
 """Calls that may wait for a data thread: a push and a pull from each of 512 islands (the most a DiLoCoJob
-admits). gRPC refuses calls beyond these and the threads with RESOURCE_EXHAUSTED, before reading them."""
+admits). The shard refuses data calls beyond these and the threads with RESOURCE_EXHAUSTED, before reading
+them."""
+
+
+class DataThreads(futures.ThreadPoolExecutor):
+    """The data calls' threads, counting the calls given to them, running or waiting, so the server can refuse
+    a data call on arrival once `max_workers + max_queued` are in. gRPC's own bound counts every call, the
+    health check's too: a flood of data calls under it alone would make a busy shard look dead."""
+
+    def __init__(self, max_workers: int, max_queued: int) -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix="syncer-rpc")
+        self.bound = max_workers + max_queued
+        self._lock = threading.Lock()
+        self._calls = 0
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> futures.Future[T]:
+        future = super().submit(fn, *args, **kwargs)
+        with self._lock:
+            self._calls += 1
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _future: futures.Future[Any]) -> None:
+        with self._lock:
+            self._calls -= 1
+
+    def calls(self) -> int:
+        """The data calls running or waiting for a thread."""
+        with self._lock:
+            return self._calls
+
+    def has_room(self) -> bool:
+        return self.calls() < self.bound
 
 
 def stream_deadline(started: float, nbytes: int, idle_seconds: float) -> float:

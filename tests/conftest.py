@@ -25,6 +25,20 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.hypothesis_seed = str(random.SystemRandom().randrange(2**32))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The gpu tier runs where CUDA is and is skipped, never failed, elsewhere (CI has no GPU)."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu tier: no CUDA device on this machine")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     seed = config.option.hypothesis_seed
     return f"fuzz tier: hypothesis seed {seed} (replay a failure with: pytest --hypothesis-seed={seed})"

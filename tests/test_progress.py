@@ -49,8 +49,10 @@ ONE_OF_EACH = [
 # byte for byte, so old run folders and new ones are the same format.
 HEADER = '"t": 1700000000.5, "island": "island-1", "rank": 0, "mode": "diloco", "pid": 4242'
 WORKER_LINES = [
-    f'{{"event": "start", {HEADER}, "step": 0, "world": 2, "versions": [0, 0]}}\n',
-    f'{{"event": "step", {HEADER}, "step": 1, "loss": 5.5, "tokens": 2048, "seconds": 0.5, "sync_seconds": 0.0}}\n',
+    f'{{"event": "start", {HEADER}, "step": 0, "world": 2, "versions": [0, 0], "device": "NVIDIA H100 80GB HBM3", '
+    '"precision": "bf16", "flops_per_token": 745000000.0, "peak_flops": 989000000000000.0}\n',
+    f'{{"event": "step", {HEADER}, "step": 1, "loss": 5.5, "tokens": 2048, "seconds": 0.5, "sync_seconds": 0.0, '
+    '"tokens_per_second": 4096.0, "mfu": 0.42}\n',
     f'{{"event": "eval", {HEADER}, "step": 20, "loss": 2.75}}\n',
     f'{{"event": "round", {HEADER}, "fragment": 0, "began_at": 10, "outcome": "MERGED", "version": 2}}\n',
     f'{{"event": "round", {HEADER}, "fragment": 1, "began_at": 15, "outcome": "FAILED", "version": null}}\n',
@@ -95,8 +97,10 @@ def test_fields_that_older_workers_did_not_write_read_as_their_defaults():
     ]
     step, round_, start = (parse_line(line) for line in old)
     assert isinstance(step, StepEvent) and step.sync_seconds == 0.0 and step.compute_seconds == 0.5
+    assert step.tokens_per_second == 0.0 and step.mfu is None
     assert isinstance(round_, RoundEvent) and round_.version is None and round_.merged
-    assert isinstance(start, StartEvent) and start.versions == ()
+    assert isinstance(start, StartEvent) and start.versions == () and start.device == ""
+    assert start.flops_per_token == 0.0 and start.peak_flops is None
 
 
 def test_a_step_computes_for_its_wall_time_less_its_time_blocked_on_a_sync():

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-DEFAULT_CORPUS_BYTES = 8 * 1024 * 1024
+from diloco.settings import DEFAULT_CORPUS_BYTES
+
 STDLIB_SOURCE = "stdlib"
 
 _SKIPPED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -171,15 +172,22 @@ class BatchSampler:
         return _windows(self.tokens, starts, self.context)
 
 
-def evaluate(model: nn.Module, heldout: torch.Tensor, context: int, batch_size: int, batches: int) -> float:
-    """Mean cross-entropy of `model` over `batches * batch_size` held-out windows spaced evenly across
-    `heldout`: the same windows for every caller. The model runs in eval mode under `torch.no_grad()` on
-    its own device, and its train/eval mode is restored afterwards."""
+EVAL_WINDOWS = 128
+"""Held-out windows every evaluation averages over, whatever the batch size it runs in, so that runs with
+different batch sizes (a data-parallel baseline at the islands' global batch, say) are measured alike."""
+
+
+def evaluate(
+    model: nn.Module, heldout: torch.Tensor, context: int, batch_size: int, windows: int = EVAL_WINDOWS
+) -> float:
+    """Mean cross-entropy of `model` over `windows` held-out windows spaced evenly across `heldout`, in
+    batches of `batch_size`: the same windows for every caller. The model runs in eval mode under
+    `torch.no_grad()` on its own device, and its train/eval mode is restored afterwards."""
     _check_length(heldout, context)
-    if batch_size < 1 or batches < 1:
-        raise ValueError(f"batch_size and batches must be positive, got {batch_size} and {batches}")
+    if batch_size < 1 or windows < 1:
+        raise ValueError(f"batch_size and windows must be positive, got {batch_size} and {windows}")
     device = next(model.parameters()).device
-    starts = torch.linspace(0, heldout.numel() - context - 1, batch_size * batches).long()
+    starts = torch.linspace(0, heldout.numel() - context - 1, windows).long()
     was_training = model.training
     model.eval()
     try:
@@ -188,7 +196,7 @@ def evaluate(model: nn.Module, heldout: torch.Tensor, context: int, batch_size: 
             for chunk in starts.split(batch_size):
                 inputs, targets = _windows(heldout, chunk, context)
                 _, loss = model(inputs.to(device), targets.to(device))
-                total += loss.double()
+                total += loss.double() * len(chunk)
     finally:
         model.train(was_training)
-    return total.item() / batches
+    return total.item() / windows

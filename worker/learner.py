@@ -248,7 +248,7 @@ class Learner:
                 )
             for p in reply.unseeded_fragments:
                 f = self._fragments[p]
-                seeded = client.seed(p, list(zip(f.plan.names, local_snapshot(f.params))))
+                seeded = client.seed(p, list(zip(f.plan.names, local_snapshot(f.params).values())))
                 log.info("seeded fragment", extra={"fragment": p, "accepted": seeded.accepted})
         if self.synchronous:
             self._await_islands()
@@ -256,7 +256,7 @@ class Learner:
         for f in self._fragments:
             # Islands start from the same initial values as the one that seeded: then the shard need not
             # send them again, only the (compressed) difference to its newest.
-            mine = held_values(None, local_snapshot(f.params)) if self._pull_encoding is not None else None
+            mine = held_values(None, local_snapshot(f.params).values()) if self._pull_encoding is not None else None
             pulled = pull_values(self._clients[f.shard], f.plan.index, None, mine, self._pull_encoding)
             if pulled is None:
                 raise RuntimeError(f"fragment {f.plan.index}: a pull without a version came back empty")
@@ -436,7 +436,7 @@ class Learner:
                 raise RuntimeError(f"fragment {f.plan.index}: an adopting round without values")
             with torch.no_grad():
                 for param, value in zip(f.params, result.values):
-                    mixed = torch.lerp(value.to(param.device), param.float(), self.config.mix_alpha)
+                    mixed = torch.lerp(value.to(param.device, non_blocking=True), param.float(), self.config.mix_alpha)
                     param.copy_(mixed)
             f.base, f.base_version = result.values, result.version
         self.island.broadcast_tensors(f.params)

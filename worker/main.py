@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from diloco.core.config import Mode
+from diloco.core.config import Mode, Precision
 from diloco.logs import setup_logging
-from diloco.settings import env_default, load_token, load_training_config
+from diloco.settings import DEFAULT_CORPUS_BYTES, env_default, load_token, load_training_config
 from diloco.worker.metrics import serve_metrics
 from diloco.worker.shutdown import StopRequest
 from diloco.worker.trainer import Trainer, TrainerSettings
@@ -35,9 +35,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--syncers", default=env("SYNCERS", ""), help="comma-separated shard addresses, in index order")
     p.add_argument("--config", help="training config JSON file (else DILOCO_CONFIG_FILE, DILOCO_CONFIG, defaults)")
     p.add_argument("--token-file", help="file holding the job token (else DILOCO_TOKEN_FILE or DILOCO_TOKEN)")
-    p.add_argument("--model", default=env("MODEL", "tiny"), help="model preset: tiny, small, medium, large")
+    p.add_argument("--model", default=env("MODEL", "tiny"), help="model preset: tiny, small, medium, large, xl")
     p.add_argument("--data", default=env("DATA"), help="token (.bin/.npy) or text file; default: embedded corpus")
-    p.add_argument("--max-data-bytes", type=int, default=int(env("MAX_DATA_BYTES", str(8 * 1024 * 1024))))
+    p.add_argument("--max-data-bytes", type=int, default=int(env("MAX_DATA_BYTES", str(DEFAULT_CORPUS_BYTES))))
     p.add_argument("--batch-size", type=int, default=int(env("BATCH_SIZE", "16")))
     p.add_argument(
         "--steps",
@@ -62,6 +62,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=int(env("THREADS", "0")) or None, help="torch CPU threads")
     p.add_argument("--device", default=env("DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
+    p.add_argument(
+        "--precision",
+        choices=[p.value for p in Precision],
+        default=env("PRECISION", Precision.AUTO.value),
+        help="auto (bf16 autocast on accelerators that have it), bf16 or fp32; master weights stay fp32",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        default=env("ACTIVATION_CHECKPOINTING", "0") == "1",
+        help="recompute block activations in the backward pass (less memory, about a third more compute)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=float(env("PEAK_TFLOPS", "0")) or None,
+        help="the accelerator's dense bf16 peak, for MFU on devices the built-in table does not know",
+    )
     p.add_argument("--progress-file", default=env("PROGRESS_FILE"), help="append JSON progress events here")
     p.add_argument("--checkpoint-dir", default=env("CHECKPOINT_DIR"), help="ddp mode: checkpoints for restarts")
     p.add_argument("--checkpoint-every", type=int, default=int(env("CHECKPOINT_EVERY", "50")))
@@ -93,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             slowdown=args.slowdown,
             threads=args.threads,
             device=args.device,
+            precision=args.precision,
+            activation_checkpointing=args.activation_checkpointing,
+            peak_tflops=args.peak_tflops,
             progress_file=Path(args.progress_file) if args.progress_file else None,
             checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
             checkpoint_every=args.checkpoint_every,

@@ -2,9 +2,9 @@
 from the trainer's own counters, so there is one source of truth and nothing to keep in step.
 
 The operator scrapes `diloco_worker_loss` from each island's rank 0 for the job's status; the rest is for
-dashboards: steps, tokens, pushes and pulls with their bytes, sync outcomes, time blocked on syncs, the
-fragment versions held and when a sync last brought global values. Steps, pushes and
-bytes are per process: a restarted worker starts them again, as Prometheus counters expect.
+dashboards: steps, tokens, tokens per second and MFU, pushes and pulls with their bytes, sync outcomes,
+time blocked on syncs, the fragment versions held and when a sync last brought global values. Steps, pushes
+and bytes are per process: a restarted worker starts them again, as Prometheus counters expect.
 
 The same port answers the kubelet's readiness probe on /readyz: 200 while this rank trains (it has finished
 a step, which it can only do once it has joined its syncers, within READY_STALENESS_SECONDS), 503 otherwise,
@@ -42,6 +42,9 @@ class WorkerSnapshot:
     eval_loss: float = math.nan  # latest held-out loss
     last_sync_unix: float = 0.0  # when a sync last brought global values (0: never)
     last_step_monotonic: float | None = None  # time.monotonic() when this process last finished a step
+    tokens_per_second: float = 0.0  # this rank (one accelerator), over its last steps
+    island_tokens_per_second: float = 0.0
+    mfu: float | None = None  # model FLOPs utilisation of this rank's accelerator (None: peak unknown)
     learner: LearnerStats | None = field(default=None)
 
 
@@ -90,6 +93,16 @@ class WorkerCollector(Collector):
             yield gauge("diloco_worker_eval_loss", "Latest held-out loss of this rank", s.eval_loss)
         yield gauge("diloco_worker_step", "Inner step this rank has reached (a restart resumes its job's)", s.step)
         yield counter("diloco_worker_tokens", "Tokens trained on by this process", s.tokens)
+        yield gauge(
+            "diloco_worker_tokens_per_second", "Tokens per second of this rank (one accelerator)", s.tokens_per_second
+        )
+        yield gauge(
+            "diloco_worker_island_tokens_per_second",
+            "Tokens per second of this rank's island (every rank takes the same steps)",
+            s.island_tokens_per_second,
+        )
+        if s.mfu is not None:
+            yield gauge("diloco_worker_mfu", "Model FLOPs utilisation of this rank's accelerator (0-1)", s.mfu)
         yield gauge(
             "diloco_worker_last_sync_timestamp_seconds",
             "Unix time a sync last brought global values (0: none yet)",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 _INIT_STD = 0.02
 
@@ -57,6 +58,9 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("medium", vocab_size=_GPT2_VOCAB, context=1024, d_model=768, n_layers=12, n_heads=12),
         # ~354M parameters: GPT-2 medium over GPT-2 BPE tokens.
         ModelPreset("large", vocab_size=_GPT2_VOCAB, context=1024, d_model=1024, n_layers=24, n_heads=16),
+        # ~1.01B parameters: the largest that trains on one 80 GB accelerator with fp32 master weights, AdamW
+        # state and the learner's fp32 copies (about 22 GB), with room for bf16 activations.
+        ModelPreset("xl", vocab_size=_GPT2_VOCAB, context=1024, d_model=2048, n_layers=18, n_heads=16),
     )
 }
 
@@ -115,11 +119,14 @@ class GPT(nn.Module):
 
     The head is computed from `tok_emb.weight` directly rather than held as a second reference, so tying
     survives device moves, `to_empty` and `load_state_dict`, and the state dict holds the tensor once.
+    With `checkpoint_activations`, training keeps only each block's input and recomputes the rest in the
+    backward pass: about a third more compute for activations that no longer grow with depth.
     """
 
-    def __init__(self, preset: ModelPreset) -> None:
+    def __init__(self, preset: ModelPreset, checkpoint_activations: bool = False) -> None:
         super().__init__()
         self.preset = preset
+        self.checkpoint_activations = checkpoint_activations
         self.tok_emb = nn.Embedding(preset.vocab_size, preset.d_model)
         self.pos_emb = nn.Embedding(preset.context, preset.d_model)
         self.drop = nn.Dropout(preset.dropout)
@@ -137,7 +144,10 @@ class GPT(nn.Module):
         positions = torch.arange(time, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint_activations and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = F.linear(self.ln_f(x), self.tok_emb.weight)
         if targets is None:
             return logits, None
@@ -147,6 +157,14 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         """Number of distinct parameter elements (the tied head is counted once)."""
         return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward and backward) as MFU counts them (PaLM, appendix B): 6 per
+        parameter that multiplies (the tied embedding does, as the head; position embeddings do not) plus
+        the attention products over the full context, whatever recomputation adds."""
+        p = self.preset
+        matmul_parameters = self.num_parameters() - self.pos_emb.weight.numel()
+        return 6.0 * matmul_parameters + 12.0 * p.n_layers * p.d_model * p.context
 
 
 def _initialise(model: GPT, seed: int) -> None:
@@ -178,7 +196,9 @@ def resolve_preset(preset: str | ModelPreset) -> ModelPreset:
         raise ValueError(f"unknown model preset {preset!r}; known presets: {', '.join(PRESETS)}") from None
 
 
-def build_model(preset: str | ModelPreset, seed: int, device: torch.device | str = "cpu") -> GPT:
+def build_model(
+    preset: str | ModelPreset, seed: int, device: torch.device | str = "cpu", checkpoint_activations: bool = False
+) -> GPT:
     """A freshly initialised model, identical for equal `seed` on any machine.
 
     Weights are initialised on the CPU and then moved to `device`, so the values do not depend on the
@@ -186,7 +206,7 @@ def build_model(preset: str | ModelPreset, seed: int, device: torch.device | str
     """
     resolved = resolve_preset(preset)
     with torch.device("meta"):
-        model = GPT(resolved)
+        model = GPT(resolved, checkpoint_activations)
     target = torch.device(device)
     if target.type == "meta":
         return model

@@ -11,6 +11,7 @@ pull encoding, pulls are compressed: the shard sends the difference from the isl
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import threading
 import time
@@ -56,7 +57,7 @@ class SyncRequest:
     names: tuple[str, ...]
     base_version: pb.FragmentVersion
     base: Sequence[torch.Tensor]
-    local: Sequence[torch.Tensor]
+    local: HostCopy
     tokens: int
     inner_steps: int
     sequence: int
@@ -128,7 +129,7 @@ class FragmentSync:
 
     def _round(self) -> SyncResult:
         r = self.request
-        delta = [torch.sub(base, local, out=local) for base, local in zip(r.base, r.local)]
+        delta = [torch.sub(base, local, out=local) for base, local in zip(r.base, r.local.values())]
         try:
             reply = self.client.push(
                 r.fragment,
@@ -208,6 +209,8 @@ class FragmentSync:
 
     def _adopt(self, outcome: RoundOutcome, pulled: Pulled) -> SyncResult:
         values = fragment_values(self.request.fragment, self.request.names, pulled.tensors)
+        if self.request.local.pinned:  # so that mixing them in is an asynchronous copy to the accelerator
+            values = [v.pin_memory() for v in values]
         self._stats.add(bytes_pulled=pulled.wire_bytes)
         log.debug(
             "pulled",
@@ -263,9 +266,46 @@ def fragment_values(
     return [tensor for _, tensor in named]
 
 
-def local_snapshot(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Float32 host copies of `params`: what the training thread hands to a round."""
-    return [p.detach().to("cpu", torch.float32, copy=True) for p in params]
+class HostCopy:
+    """Float32 host copies of a fragment's parameters as they are at one step: what a round pushes from.
+
+    On an accelerator the training thread only queues the copy: a device-side clone in stream order (so later
+    steps cannot change what is copied), then a copy into pinned host memory on a side stream, which overlaps
+    the next steps' compute. `values()` waits for it, in the round's own thread. On a CPU it copies at once.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self._ready: torch.cuda.Event | None = None
+        self.pinned = bool(params) and params[0].device.type == "cuda"
+        if not self.pinned:
+            self._values = [p.detach().to("cpu", torch.float32, copy=True) for p in params]
+            return
+        device = params[0].device
+        frozen = [p.detach().to(torch.float32, copy=True) for p in params]
+        side = _copy_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self._values = [torch.empty(f.shape, dtype=torch.float32, pin_memory=True) for f in frozen]
+            for host, clone in zip(self._values, frozen):
+                host.copy_(clone, non_blocking=True)
+                clone.record_stream(side)  # the allocator keeps the clone until the side stream is past the copy
+            self._ready = torch.cuda.Event()
+            self._ready.record(side)
+
+    def values(self) -> list[torch.Tensor]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._values
+
+
+@functools.cache
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def local_snapshot(params: Sequence[torch.Tensor]) -> HostCopy:
+    """The copy of `params` that the training thread hands to a round (see `HostCopy`)."""
+    return HostCopy(params)
 
 
 def fragment_bytes(values: Sequence[torch.Tensor]) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from diloco.core.config import InnerOptimizerConfig, Mode, TrainingConfig
+from diloco.core.config import InnerOptimizerConfig, Mode, Precision, TrainingConfig
 from diloco.progress import (
     CheckpointEvent,
     DoneEvent,
@@ -32,12 +32,15 @@ from diloco.progress import (
     StartEvent,
     StepEvent,
 )
-from diloco.worker.data import BatchSampler, evaluate, load_tokens, split_holdout
+from diloco.settings import DEFAULT_CORPUS_BYTES
+from diloco.worker.data import EVAL_WINDOWS, BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
 from diloco.worker.learner import Learner, RoundReport
 from diloco.worker.metrics import WorkerSnapshot
 from diloco.worker.model import GPT, build_model, resolve_preset
+from diloco.worker.precision import autocast, resolve_precision
 from diloco.worker.shutdown import StopRequest
+from diloco.worker.throughput import Rate, ThroughputMeter, peak_flops
 
 log = logging.getLogger("diloco.worker")
 
@@ -49,15 +52,18 @@ class TrainerSettings:
     mode: str = Mode.DILOCO.value
     preset: str = "tiny"
     data: str | None = None
-    max_data_bytes: int = 8 * 1024 * 1024
+    max_data_bytes: int = DEFAULT_CORPUS_BYTES
     batch_size: int = 16
     steps: int | None = None  # None: train until stopped (SIGTERM), as on Kubernetes
     eval_every: int = 50
-    eval_batches: int = 8
+    eval_windows: int = EVAL_WINDOWS
     seed: int = 0
     slowdown: float = 1.0
     threads: int | None = None
     device: str = "cpu"
+    precision: str = Precision.AUTO.value
+    activation_checkpointing: bool = False
+    peak_tflops: float | None = None  # the accelerator's dense bf16 peak, for MFU where the table lacks it
     progress_file: Path | None = None
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 50
@@ -76,6 +82,9 @@ class TrainerSettings:
             raise ValueError("steps, batch size, eval and checkpoint intervals must be positive")
         if self.slowdown < 1.0:
             raise ValueError(f"slowdown is a factor >= 1 (1 = full speed), got {self.slowdown}")
+        precisions = [p.value for p in Precision]
+        if self.precision not in precisions:
+            raise ValueError(f"precision must be one of {', '.join(precisions)}, got {self.precision!r}")
 
 
 def inner_optimizer(model: torch.nn.Module, settings: InnerOptimizerConfig) -> torch.optim.Optimizer:
@@ -128,6 +137,7 @@ class Trainer:
         self.group = init_distributed(backend)
         self.ranks = Island(self.group)
         self.device = torch.device(settings.device)
+        self.precision = resolve_precision(settings.precision, self.device)
         preset = resolve_preset(settings.preset)
         self.context = preset.context
         tokens = load_tokens(settings.data, settings.max_data_bytes)
@@ -136,7 +146,14 @@ class Trainer:
                 f"token id {int(tokens.max())} is outside the {preset.name} vocabulary ({preset.vocab_size})"
             )
         self.train_tokens, self.heldout = split_holdout(tokens)
-        self.model: GPT = build_model(preset, settings.seed, device=self.device)
+        self.model: GPT = build_model(
+            preset, settings.seed, device=self.device, checkpoint_activations=settings.activation_checkpointing
+        )
+        self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        self.meter = ThroughputMeter(
+            self.model.flops_per_token(), peak_flops(self.device_name, settings.peak_tflops), self.ranks.size
+        )
+        self.rate = Rate(0.0, 0.0, None)
         self.optimizer = inner_optimizer(self.model, config.inner)
         # Salted per process start: a restarted rank draws fresh batches instead of replaying its last ones.
         stream_seed = settings.seed * 1_000_003 + time.time_ns() % 1_000_003
@@ -180,6 +197,9 @@ class Trainer:
             eval_loss=self.eval_loss,
             last_sync_unix=self.last_sync_unix,
             last_step_monotonic=self.last_step_monotonic,
+            tokens_per_second=self.rate.tokens_per_second,
+            island_tokens_per_second=self.rate.island_tokens_per_second,
+            mfu=self.rate.mfu,
             learner=self.learner.stats if self.learner is not None else None,
         )
 
@@ -235,6 +255,10 @@ class Trainer:
             step=self.step,
             world=self.ranks.size,
             versions=tuple(versions[p].version for p in sorted(versions)),
+            device=self.device_name,
+            precision=self.precision.value,
+            flops_per_token=self.meter.flops_per_token,
+            peak_flops=self.meter.peak,
         )
         tokens_per_step = s.batch_size * self.context
         self.model.train()
@@ -245,7 +269,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = learning_rate(self.step, self.config.inner)
             inputs, targets = self.sampler.next_batch(s.batch_size)
-            _, loss = self.model(inputs.to(self.device), targets.to(self.device))
+            with autocast(self.precision, self.device):
+                _, loss = self.model(inputs.to(self.device), targets.to(self.device))
             loss.backward()
             self.ranks.average_gradients(self.model.parameters())
             if self.config.inner.grad_clip:
@@ -262,13 +287,17 @@ class Trainer:
             self.last_step_monotonic = time.monotonic()
             if s.slowdown > 1.0:
                 time.sleep((s.slowdown - 1.0) * (time.perf_counter() - started))
+            seconds = time.perf_counter() - started
+            self.rate = self.meter.record(tokens_per_step, seconds)
             self.progress.write(
                 StepEvent,
                 step=self.step,
                 loss=self.loss,
                 tokens=tokens_per_step,
-                seconds=time.perf_counter() - started,
+                seconds=seconds,
                 sync_seconds=self._blocked_seconds() - blocked_before,
+                tokens_per_second=self.rate.tokens_per_second,
+                mfu=self.rate.mfu,
             )
             if self.learner is None and self.step % s.checkpoint_every == 0:
                 self._save()
@@ -305,7 +334,7 @@ class Trainer:
         return self.learner.stats.blocked_seconds if self.learner is not None else 0.0
 
     def evaluate(self) -> float:
-        return evaluate(self.model, self.heldout, self.context, self.settings.batch_size, self.settings.eval_batches)
+        return evaluate(self.model, self.heldout, self.context, self.settings.batch_size, self.settings.eval_windows)
 
     def close(self) -> None:
         if self.learner is not None:

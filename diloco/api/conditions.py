@@ -61,6 +61,8 @@ class Reason:
     """Event: the re-formed island's pods are started again."""
     NAME_CONFLICT: Final = "NameConflict"
     """Event: a child's name is held by an object another owner controls; the operator leaves it alone."""
+    RECONCILE_FAILED: Final = "ReconcileFailed"
+    """Event: a reconcile pass raised (its message names the error); kopf runs it again after a backoff."""
 
 
 class Message:

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic.config import JsonDict, JsonValue
 
-from diloco.core.config import CamelModel, TrainingConfig
+from diloco.core.config import CamelModel, Precision, TrainingConfig
 from diloco.core.rules import QUORUM_WITHIN_ISLANDS, RULES, SHARDS_WITHIN_FRAGMENTS
 
 API_GROUP = "diloco.dev"
@@ -67,8 +67,8 @@ JOB_NAME_RULE = {
 
 
 MSG_BUILTIN_OR_COMMAND = (
-    "spec.trainer.model and spec.trainer.data configure the built-in trainer and cannot be set together with "
-    "spec.trainer.command"
+    "spec.trainer.model, data, precision and activationCheckpointing configure the built-in trainer and cannot "
+    "be set together with spec.trainer.command"
 )
 MSG_RESERVED_ISLAND = (
     "spec.islands[].name must not have the form syncer-<n>: <job>-syncer-<n> names the syncer shard Services"
@@ -115,6 +115,7 @@ class ModelSize(str, enum.Enum):
     SMALL = "small"
     MEDIUM = "medium"
     LARGE = "large"
+    XL = "xl"
 
 
 PRESET_TENSORS: dict[ModelSize, int] = {
@@ -122,6 +123,7 @@ PRESET_TENSORS: dict[ModelSize, int] = {
     ModelSize.SMALL: 100,
     ModelSize.MEDIUM: 148,
     ModelSize.LARGE: 292,
+    ModelSize.XL: 220,
 }
 """Trainable tensors of each preset (`diloco.worker.model`; tests/worker/test_model.py checks they agree): a
 fragment holds whole tensors, so the built-in trainer cannot cut a preset into more fragments than these."""
@@ -286,13 +288,28 @@ class TrainerSpec(CamelModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("!has(self.command) || (!has(self.model) && !has(self.data))", MSG_BUILTIN_OR_COMMAND)
+                cel(
+                    "!has(self.command) || (!has(self.model) && !has(self.data) && !has(self.precision) "
+                    "&& !has(self.activationCheckpointing))",
+                    MSG_BUILTIN_OR_COMMAND,
+                )
             ]
         }
     )
 
     model: ModelSize | None = Field(
-        None, description="Built-in trainer: model preset (tiny, small, medium, large); tiny when unset."
+        None, description="Built-in trainer: model preset (tiny, small, medium, large, xl); tiny when unset."
+    )
+    precision: Precision | None = Field(
+        None,
+        description="Built-in trainer: arithmetic of the forward and backward passes (auto: bf16 autocast on "
+        "accelerators that have it, else fp32; auto when unset). Master weights, optimizer state and outer deltas "
+        "stay fp32.",
+    )
+    activation_checkpointing: bool | None = Field(
+        None,
+        description="Built-in trainer: recompute each block's activations in the backward pass, trading about "
+        "a third more compute for memory (for the larger presets); off when unset.",
     )
     data: str | None = Field(
         None,
@@ -313,7 +330,8 @@ class TrainerSpec(CamelModel):
 
     @model_validator(mode="after")
     def _builtin_or_custom(self) -> TrainerSpec:
-        if self.command is not None and (self.model is not None or self.data is not None):
+        builtin_only = (self.model, self.data, self.precision, self.activation_checkpointing)
+        if self.command is not None and any(value is not None for value in builtin_only):
             raise ValueError(MSG_BUILTIN_OR_COMMAND)
         return self
 

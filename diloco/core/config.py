@@ -37,6 +37,15 @@ class Mode(str, enum.Enum):
     DDP = "ddp"
 
 
+class Precision(str, enum.Enum):
+    """The arithmetic of a trainer's forward and backward passes. Master weights, optimizer state and outer
+    deltas stay float32 whatever this says; AUTO is bf16 autocast on an accelerator that has it, else float32."""
+
+    AUTO = "auto"
+    BF16 = "bf16"
+    FP32 = "fp32"
+
+
 class Encoding(str, enum.Enum):
     """How an outer gradient is encoded on the wire (INT8 and INT4 carry one float32 scale per block)."""
 

@@ -14,4 +14,4 @@ class Refusal(enum.Enum):
     UNAUTHENTICATED = "unauthenticated"  # no or wrong job token: the caller is not part of this job
     INVALID = "invalid"  # malformed, or not this job's layout: repeating the call can never succeed
     OUT_OF_STEP = "out_of_step"  # the caller's view of the fragment is not the shard's: pull afresh (or seed)
-    TOO_LARGE = "too_large"  # more bytes than the shard takes in one message or one call
+    TOO_LARGE = "too_large"  # more than the shard takes: bytes in a message or call, islands, calls at once

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from diloco.core.config import Mode
-from diloco.progress import EvalEvent, ProgressEvent, RoundEvent, StepEvent
+from diloco.progress import EvalEvent, ProgressEvent, RoundEvent, StartEvent, StepEvent
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class Account:
     tokens_trained: int
     process_starts: int
     eval_curve: list[tuple[int, float]] = field(default_factory=list)
+    tokens_per_second: float = 0.0  # all workers together, while stepping
+    mfu: float | None = None  # mean over workers; None when a worker's accelerator peak is unknown
 
     @property
     def goodput(self) -> float:
@@ -76,6 +78,28 @@ def eval_curve(events: Iterable[ProgressEvent], tokens_per_eval_step: int) -> li
     return [(step * tokens_per_eval_step, sum(v) / len(v)) for step, v in sorted(by_step.items())]
 
 
+def throughput(events: Iterable[ProgressEvent]) -> tuple[float, float | None]:
+    """Tokens per second of all workers together while they step (each slot's tokens over its steps' wall
+    time, summed), and their mean model FLOPs utilisation from what each slot's last start reported."""
+    tokens: dict[tuple[str, int], int] = defaultdict(int)
+    seconds: dict[tuple[str, int], float] = defaultdict(float)
+    starts: dict[tuple[str, int], StartEvent] = {}
+    for e in events:
+        if isinstance(e, StepEvent):
+            tokens[e.source.slot] += e.tokens
+            seconds[e.source.slot] += e.seconds
+        elif isinstance(e, StartEvent):
+            starts[e.source.slot] = e
+    rates = {slot: tokens[slot] / seconds[slot] for slot in tokens if seconds[slot] > 0}
+    utilisations = [
+        rate * starts[slot].flops_per_token / peak
+        for slot, rate in rates.items()
+        if slot in starts and (peak := starts[slot].peak_flops)
+    ]
+    mfu = sum(utilisations) / len(utilisations) if rates and len(utilisations) == len(rates) else None
+    return sum(rates.values()), mfu
+
+
 def account(
     events: Sequence[ProgressEvent],
     *,
@@ -96,6 +120,7 @@ def account(
     allocated = sum(end - started_at for end in ends.values()) + silent_slots * (job_end - started_at)
     steps = [e for e in events if isinstance(e, StepEvent)]
     useful = ddp_useful_seconds(events) if mode == Mode.DDP else diloco_useful_seconds(events, fragments)
+    tokens_per_second, mfu = throughput(events)
     return Account(
         mode=mode,
         slots=slots,
@@ -105,4 +130,6 @@ def account(
         tokens_trained=sum(e.tokens for e in steps),
         process_starts=len(pids),
         eval_curve=eval_curve(events, tokens_per_eval_step),
+        tokens_per_second=tokens_per_second,
+        mfu=mfu,
     )

@@ -24,13 +24,13 @@ from pathlib import Path
 
 from diloco.core.config import Mode, TrainingConfig
 from diloco.local.failure_trace import FailureEvent, syncer_target, worker_target
+from diloco.settings import DEFAULT_CORPUS_BYTES
 
 log = logging.getLogger("diloco.local.launcher")
 
 TOKEN = "local-run"
 RESTART_DELAY_SECONDS = 1.0
 POLL_SECONDS = 0.1
-EVAL_BATCHES = 8
 SYNCER_START_SECONDS = 180.0  # importing torch and grpc takes minutes on a saturated machine
 
 
@@ -58,6 +58,9 @@ class RunPlan:
     trace: tuple[FailureEvent, ...] = ()
     threads: int = 1
     timeout: float = 3600.0
+    device: str = "cpu"  # every worker's: islands share an accelerator as processes
+    max_data_bytes: int = DEFAULT_CORPUS_BYTES  # of the corpus, the same for the workers and the global evaluation
+    precision: str = "auto"
 
     def island_name(self, index: int) -> str:
         return f"island-{index}"
@@ -221,7 +224,11 @@ class LocalJob:
             "--threads",
             str(p.threads),
             "--device",
-            "cpu",
+            p.device,
+            "--precision",
+            p.precision,
+            "--max-data-bytes",
+            str(p.max_data_bytes),
             "--progress-file",
             str(self.out / "progress" / f"{name}-rank{rank}.jsonl"),
             "--checkpoint-dir",
@@ -352,6 +359,6 @@ class LocalJob:
         from diloco.export import model_files
         from diloco.worker.data import evaluate, load_tokens, split_holdout
 
-        model = model_files.load(model_dir).built_in()
-        _, heldout = split_holdout(load_tokens(self.plan.data))
-        return evaluate(model, heldout, model.preset.context, self.plan.batch_size, EVAL_BATCHES)
+        model = model_files.load(model_dir).built_in().to(self.plan.device)
+        _, heldout = split_holdout(load_tokens(self.plan.data, self.plan.max_data_bytes))
+        return evaluate(model, heldout, model.preset.context, self.plan.batch_size)

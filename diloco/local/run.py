@@ -15,12 +15,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from diloco.core.config import Encoding, Mode, TrainingConfig
+from diloco.core.config import Encoding, Mode, Precision, TrainingConfig
 from diloco.core.rules import QUORUM_WITHIN_ISLANDS
 from diloco.local.failure_trace import FailureEvent, load_trace, random_trace, save_trace, syncer_target, worker_target
 from diloco.local.goodput import Account, account
 from diloco.local.launcher import JobResult, LocalJob, RunPlan
 from diloco.progress import DoneEvent, EvalEvent, ProgressFollower, StepEvent, read_events
+from diloco.settings import DEFAULT_CORPUS_BYTES
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class ModeSummary:
     merges: int  # merges applied by the syncers (0 for ddp)
     islands_per_merge: float  # mean island contributions per merge: M for a barrier, fewer when decoupled
     timed_out: bool
+    tokens_per_second: float = 0.0  # all workers together, while stepping
+    tokens_per_second_per_island: float = 0.0
+    tokens_per_second_per_accelerator: float = 0.0  # per worker process: one accelerator each
+    mfu: float | None = None  # model FLOPs utilisation (None: no accelerator peak known, e.g. on CPU)
 
 
 def ddp_comm_bytes(parameters: int, workers: int, steps_executed_per_worker: float) -> float:
@@ -115,6 +120,10 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         merges=round(result.merges),
         islands_per_merge=result.merged_contributions / result.merges if result.merges else math.nan,
         timed_out=result.timed_out,
+        tokens_per_second=acct.tokens_per_second,
+        tokens_per_second_per_island=acct.tokens_per_second / plan.islands,
+        tokens_per_second_per_accelerator=acct.tokens_per_second / workers,
+        mfu=acct.mfu,
     )
     return summary, acct, result
 
@@ -135,14 +144,17 @@ def print_summary(summaries: list[ModeSummary]) -> None:
     print()
     header = (
         f"{'mode':>12} {'wall s':>7} {'eval loss':>9} {'goodput':>8} {'tokens':>10} {'kills':>5} "
-        f"{'restarts':>8} {'comm B/token':>12} {'merges':>6} {'islands/merge':>13}"
+        f"{'restarts':>8} {'comm B/token':>12} {'merges':>6} {'islands/merge':>13} {'tokens/s':>9} "
+        f"{'per island':>10} {'MFU':>5}"
     )
     print(header)
     for s in summaries:
+        mfu = f"{s.mfu:>5.1%}" if s.mfu is not None else f"{'-':>5}"
         print(
             f"{s.mode:>12} {s.wall_seconds:>7.1f} {s.final_loss:>9.3f} {s.goodput:>8.2f} {s.tokens_trained:>10} "
             f"{s.kills:>5} {s.restarts:>8} {s.comm_bytes_per_token:>12.1f} {s.merges:>6} "
-            f"{s.islands_per_merge:>13.2f}" + ("  (timed out)" if s.timed_out else "")
+            f"{s.islands_per_merge:>13.2f} {s.tokens_per_second:>9.0f} {s.tokens_per_second_per_island:>10.0f} {mfu}"
+            + ("  (timed out)" if s.timed_out else "")
         )
     by_mode = {s.mode: s for s in summaries}
     if Mode.DILOCO in by_mode and len(by_mode) > 1:
@@ -261,6 +273,9 @@ def run(args: argparse.Namespace) -> int:
             trace=tuple(trace),
             threads=args.threads,
             timeout=args.timeout,
+            device=args.device,
+            precision=args.precision,
+            max_data_bytes=args.max_data_bytes,
         )
         summary, acct, result = run_mode(plan, quiet=args.quiet)
         summaries.append(summary)
@@ -303,6 +318,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--data", help="token or text file (default: the embedded corpus)")
+    p.add_argument(
+        "--max-data-bytes", type=int, default=DEFAULT_CORPUS_BYTES, help="read at most this much of the data (bytes)"
+    )
     job = TrainingConfig()
     p.add_argument(
         "--inner-steps",
@@ -329,6 +347,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
+    p.add_argument("--device", default="cpu", help="every worker's device (cuda: islands share the GPU as processes)")
+    p.add_argument(
+        "--precision",
+        choices=[p.value for p in Precision],
+        default=Precision.AUTO.value,
+        help="auto (bf16 autocast on accelerators that have it), bf16 or fp32",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="give up a mode after this many seconds")
     p.add_argument("--out", type=Path, default=Path("out/run"))
     p.add_argument("--quiet", action="store_true", help="no progress bar, no sample of the final model")

@@ -34,6 +34,7 @@ def test_reasons_keep_their_values_and_are_camel_case():
         "ISLAND_REFORMED": "IslandReformed",
         "SYNCER_REFUSED": "SyncerRefused",
         "NAME_CONFLICT": "NameConflict",
+        "RECONCILE_FAILED": "ReconcileFailed",
     }
     assert all(re.fullmatch(r"[A-Z][A-Za-z]*", value) for value in reasons.values())
 

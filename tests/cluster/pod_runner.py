@@ -16,13 +16,17 @@ A pod being deleted has its processes sent SIGTERM, and SIGKILL (to the whole pr
 or its grace period (at most MAX_GRACE seconds) has passed; the runner's finalizer keeps the pod, Terminating,
 until then, as a kubelet does (KWOK alone removes a deleted pod at once). A process that exits is reported
 as the kubelet does (container not ready, then restarted after a back-off with restartCount incremented and
-lastState holding the exit code, 128+N for a signal), so the operator's failure accounting sees it. Pods asking for
-accelerators (nvidia.com/gpu ...) are left to KWOK alone: nothing here can run them.
+lastState holding the exit code, 128+N for a signal), so the operator's failure accounting sees it. A
+container with a readinessProbe is not ready when it starts and becomes ready, and unready again, as its
+probe's results say (probes.py); each failed probe is an `Unhealthy` Warning Event on the pod, aggregated as
+the kubelet's are; the pod is Ready while all its containers are. Pods asking for accelerators
+(nvidia.com/gpu ...) are left to KWOK alone: nothing here can run them.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -34,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +46,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from cluster.controlplane import group_alive
+from cluster.controlplane import group_alive, stop_group
 from cluster.podnet import KUBERNETES_SERVICE, PodNetwork
 from cluster.podspec import (
     Unresolvable,
@@ -55,6 +60,7 @@ from cluster.podspec import (
     secret_data,
     service_names,
 )
+from cluster.probes import ProbeTiming, Readiness, ask, probe_request
 
 log = logging.getLogger("tests.cluster.pod_runner")
 
@@ -142,6 +148,10 @@ class Container:
     terminating_since: float | None = None
     config_error: str | None = None
     finished: bool = False
+    readiness: Readiness | None = None
+    probing: Future[tuple[bool, str]] | None = None
+    unhealthy: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Event name and count of each distinct failed-probe message posted for this container."""
 
     @property
     def log_path(self) -> Path:
@@ -164,6 +174,9 @@ class PodRunner:
         self.core = client.CoreV1Api(self.api)
         self.discovery = client.DiscoveryV1Api(self.api)
         self.network = PodNetwork(self.workdir / "network", self.api.configuration.host)
+        self.prober_socket = self.workdir / "network" / "prober.sock"
+        self._prober: subprocess.Popen | None = None
+        self._probes = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="pod-runner", daemon=True)
@@ -173,6 +186,17 @@ class PodRunner:
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.network.start()
+        self._prober = subprocess.Popen(
+            self.network.enter([sys.executable, "-m", "cluster.probes", str(self.prober_socket)]),
+            env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while not self.prober_socket.exists():
+            if time.monotonic() > deadline or self._prober.poll() is not None:
+                raise RuntimeError("the prober did not start in the pod network")
+            time.sleep(0.1)
         self._thread.start()
 
     def stop(self) -> None:
@@ -181,6 +205,9 @@ class PodRunner:
         with self._lock:
             for container in self.containers.values():
                 self._kill(container)
+        self._probes.shutdown(wait=True, cancel_futures=True)
+        if self._prober is not None:
+            stop_group(self._prober, grace=5)
         self.network.stop()
 
     def processes(self, namespace: str, pod: str | None = None) -> list[subprocess.Popen]:
@@ -211,7 +238,8 @@ class PodRunner:
         """Process groups started here that still have a live member (empty after `stop`)."""
         with self._lock:
             pods = [c.process.pid for c in self.containers.values() if c.process and group_alive(c.process.pid)]
-        return pods + self.network.leftovers()
+        prober = [self._prober.pid] if self._prober is not None and group_alive(self._prober.pid) else []
+        return pods + prober + self.network.leftovers()
 
     # --- the loop -------------------------------------------------------------------------------------
 
@@ -296,6 +324,7 @@ class PodRunner:
     def _converge(self, container: Container, pod: dict[str, Any], spec: Mapping[str, Any]) -> None:
         process = container.process
         if process is not None and process.poll() is None:
+            self._probe(container, pod, spec)
             return
         if process is not None and container.last_exit is None:
             self._exited(container, pod, process.returncode)
@@ -329,10 +358,73 @@ class PodRunner:
                 start_new_session=True,
             )
         container.started_at = _now()
+        probe = spec.get("readinessProbe")
+        container.readiness = Readiness(ProbeTiming.of(probe), time.monotonic()) if probe else None
+        container.probing = None
         log.info("started %s/%s %s", container.namespace, container.pod, container.name)
-        if process is not None:
-            self._patch(pod, container, {"running": {"startedAt": container.started_at}}, ready=True)
+        if process is not None or probe:
+            # A first start has the status KWOK gave the pod (running, ready): a probed container is not ready
+            # until its probe says so.
+            self._patch(pod, container, {"running": {"startedAt": container.started_at}}, ready=not probe)
             container.last_exit = None
+
+    def _probe(self, container: Container, pod: dict[str, Any], spec: Mapping[str, Any]) -> None:
+        """Takes the result of the container's readiness probe when it is in, starts the next when due."""
+        readiness = container.readiness
+        if readiness is None:
+            return
+        if container.probing is not None:
+            if not container.probing.done():
+                return
+            ok, detail = container.probing.result()
+            container.probing = None
+            if readiness.record(ok, time.monotonic()):
+                running = {"running": {"startedAt": container.started_at}}
+                self._patch(pod, container, running, ready=readiness.ready)
+            if not ok:
+                self._unhealthy(pod, container, f"Readiness probe failed: {detail}")
+        elif readiness.due(time.monotonic()):
+            request = probe_request(spec["readinessProbe"], pod["status"]["podIP"], spec)
+            container.probing = self._probes.submit(ask, str(self.prober_socket), request)
+
+    def _unhealthy(self, pod: Mapping[str, Any], container: Container, message: str) -> None:
+        """The kubelet's Warning Event for a failed probe: one per container and message, its count raised.
+        Best effort, as the kubelet's: a refused post (a namespace being deleted) is logged and dropped."""
+        try:
+            self._post_unhealthy(pod, container, message)
+        except ApiException as error:
+            log.warning("%s/%s: event not posted: %s", container.namespace, container.pod, error.reason)
+
+    def _post_unhealthy(self, pod: Mapping[str, Any], container: Container, message: str) -> None:
+        namespace, now = container.namespace, _now()
+        name, count = container.unhealthy.get(message, ("", 0))
+        if count:
+            body: dict[str, Any] = {"count": count + 1, "lastTimestamp": now}
+            self.core.patch_namespaced_event(name, namespace, body)
+        else:
+            digest = hashlib.sha256(f"{container.uid}\0{container.name}\0{message}".encode()).hexdigest()[:16]
+            name = f"{container.pod}.{digest}"
+            body = {
+                "metadata": {"name": name, "namespace": namespace},
+                "involvedObject": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": container.pod,
+                    "namespace": namespace,
+                    "uid": container.uid,
+                    "fieldPath": f"spec.containers{{{container.name}}}",
+                },
+                "type": "Warning",
+                "reason": "Unhealthy",
+                "message": message,
+                "count": 1,
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "source": {"component": "kubelet", "host": pod["spec"].get("nodeName", "")},
+                "reportingComponent": "kubelet",
+            }
+            self.core.create_namespaced_event(namespace, body)
+        container.unhealthy[message] = (name, count + 1)
 
     def _exited(self, container: Container, pod: dict[str, Any], code: int) -> None:
         exit_code = code if code >= 0 else 128 - code
@@ -342,6 +434,7 @@ class PodRunner:
             "startedAt": container.started_at,
             "finishedAt": _now(),
         }
+        container.readiness = None
         log.info("%s/%s %s exited with %d", container.namespace, container.pod, container.name, exit_code)
         policy = pod["spec"].get("restartPolicy", "Always")
         if policy == "Never" or (policy == "OnFailure" and exit_code == 0):
@@ -482,7 +575,8 @@ class PodRunner:
     def _patch(
         self, pod: Mapping[str, Any], container: Container, state: dict[str, Any], ready: bool, phase: str | None = None
     ) -> None:
-        """The kubelet's status update for `container` (other containers' statuses kept as they are)."""
+        """The kubelet's status update for `container` (other containers' statuses kept as they are); the pod is
+        Ready while every container is."""
         now = _now()
         current = {s["name"]: s for s in (pod.get("status") or {}).get("containerStatuses") or ()}
         statuses = []
@@ -498,7 +592,7 @@ class PodRunner:
                 if container.last_exit is not None:
                     status["lastState"] = {"terminated": container.last_exit}
             statuses.append(status)
-        flag = "True" if ready else "False"
+        flag = "True" if all(status.get("ready") for status in statuses) else "False"
         body: dict[str, Any] = {
             "status": {
                 "containerStatuses": statuses,

@@ -1,9 +1,10 @@
 """End to end, through kubectl and helm only: a small variant of deploy/examples/tiny-cpu.yaml (an on-demand
-island and a spot island, few and cheap steps) trains for real, survives the loss of its spot node, a
-crashing trainer and a restarted operator, finishes, exports its model to a volume of the user's, and is
-garbage-collected when deleted.
+island and a spot island, few and cheap steps) trains for real, its trainers Ready once they train,
+survives the loss of its spot node, a crashing trainer and a restarted operator, finishes, exports its model
+to a volume of the user's, and is garbage-collected when deleted. Then a job whose island cannot join its
+syncer is never Ready, and says so.
 
-The tests share one job and run in file order, each a chapter of its life.
+The tests up to the deletion share one job and run in file order, each a chapter of its life.
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ def test_the_job_creates_its_children_and_becomes_running(target, job):
     assert all(o["metadata"]["ownerReferences"][0]["uid"] == uid for o in found.values())
     wait_until(lambda: status(target).get("phase") == "Running")
     assert status(target)["islandsReady"] == "2/2"
+    for name in ("solo", "spot"):  # Ready by the trainers' readiness probe: they joined and train
+        (pod,) = pods(target, name)
+        assert ready(pod) and pod["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/readyz"
     spot_pod = pods(target, "spot")[0]
     assert spot_pod["spec"]["nodeName"].startswith("cpu-spot") or target.cluster is None
 
@@ -275,3 +279,46 @@ def test_deleting_the_job_collects_every_child(target, job):
         assert not target.runner.processes(NAMESPACE)
         # The test cluster's provisioner deletes a released volume, as a cloud's would with reclaimPolicy Delete.
         wait_until(lambda: target.kubectl("get", "pv", claim, check=False).returncode != 0)
+
+
+def test_an_island_that_cannot_join_its_syncer_is_never_ready_and_the_job_says_so(target, operator):
+    """The island's trainer runs but never reaches its syncer (its pod template points it elsewhere): its
+    readiness probe fails, so its pod is not Ready, and the job's Ready condition is False naming the island,
+    while the syncer shard, which serves, is Ready."""
+    namespace, name = "e2e-stuck", "stuck"
+    job = yaml.safe_load(job_manifest(target.image_tag))
+    job["metadata"] = {"name": name}
+    nowhere = {"name": "DILOCO_SYNCERS", "value": f"{name}-syncer-9.{namespace}.svc:50051"}
+    template = {"spec": {"containers": [{"name": "trainer", "env": [*CHEAP, nowhere]}]}}
+    job["spec"]["islands"] = [{**job["spec"]["islands"][0], "name": "lost", "podTemplate": template}]
+    target.kubectl("create", "namespace", namespace)
+    try:
+        target.kubectl("-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(job))
+
+        def probe_failures():
+            out = target.kubectl("-n", namespace, "get", "events", "-o", "json").stdout
+            return [
+                e
+                for e in json.loads(out)["items"]
+                if e["reason"] == "Unhealthy" and e["involvedObject"]["name"] == f"{name}-lost-0"
+            ]
+
+        failed = wait_until(probe_failures)
+        assert failed[0]["type"] == "Warning" and failed[0]["message"].startswith("Readiness probe failed")
+        pod = get(target, "pod", f"{name}-lost-0", namespace)
+        assert not ready(pod) and not pod["status"]["containerStatuses"][0]["ready"]
+
+        def syncer_ready():
+            out = target.kubectl("-n", namespace, "get", "pods", "-l", f"diloco.dev/job={name}", "-o", "json").stdout
+            return any(ready(p) for p in json.loads(out)["items"] if "-syncer-" in p["metadata"]["name"])
+
+        def ready_condition():
+            found = (get(target, "dilocojob", name, namespace) or {}).get("status", {}).get("conditions", ())
+            return next((c for c in found if c["type"] == "Ready" and "syncer shard 0 not" not in c["message"]), None)
+
+        wait_until(syncer_ready)
+        condition = wait_until(ready_condition)
+        assert condition["status"] == "False" and "island lost: 0/1 pods ready" in condition["message"]
+        assert not ready(get(target, "pod", f"{name}-lost-0", namespace))
+    finally:
+        target.kubectl("delete", "namespace", namespace, "--wait=true", timeout=180)

@@ -15,7 +15,7 @@ import pytest
 import support
 import yaml
 from kubernetes import config as kube_config
-from operator_harness import OperatorProcess, install
+from operator_harness import NAMESPACE, OperatorProcess, install
 
 from diloco.api.job import ISLAND_NAME_MAX, MAX_ISLANDS, MAX_JOB_PODS
 from diloco.operator.event_recorder import EventRecorder
@@ -94,6 +94,12 @@ def test_examples_are_accepted_with_every_default_filled_in(control_plane, kube)
             {"trainer": {"command": ["python"], "model": "tiny"}},
             "cannot be set together with spec.trainer.command",
         ),
+        (
+            "cmd-bf16",
+            {"trainer": {"command": ["python"], "precision": "bf16"}},
+            "cannot be set together with spec.trainer.command",
+        ),
+        ("precision", {"trainer": {"precision": "fp8"}}, "spec.trainer.precision: Unsupported value"),
         ("ports", {"syncer": {"shards": 1, "port": 9090}}, "spec.syncer.metricsPort: Invalid value"),
         (
             "qty",
@@ -317,6 +323,48 @@ def test_an_operator_watching_named_namespaces_leaves_the_others_alone_and_answe
         wait_until(lambda: kube.get("DiLoCoJob", watched, "demo") is None)
     finally:
         scoped.stop()
+
+
+def without_pod_rights(plane):
+    """A kubeconfig for an operator whose ClusterRole is deploy/rbac.yaml's without the right to list pods, as
+    a hand-edited RBAC may leave it: every pass of its jobs fails when it lists their pods."""
+    install(plane)
+    name = "diloco-operator-no-pods"
+    (role,) = [d for d in yaml.safe_load_all((ROOT / "deploy" / "rbac.yaml").read_text()) if d["kind"] == "ClusterRole"]
+    role["metadata"]["name"] = name
+    role["rules"] = [rule for rule in role["rules"] if "pods" not in rule["resources"]]
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": NAMESPACE}}
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": NAMESPACE}],
+    }
+    plane.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all([account, role, binding]))
+    return plane.service_account_kubeconfig(NAMESPACE, name)
+
+
+def test_passes_that_fail_alike_are_one_aggregated_event_and_kopf_posts_none(control_plane, kube, tmp_path):
+    ns = namespace(control_plane, "failing")
+    failing = OperatorProcess(
+        without_pod_rights(control_plane), tmp_path / "operator.log", RESYNC, ["--namespace", ns, "--standalone"]
+    )
+    failing.start()
+    try:
+        control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("demo"))
+
+        def events():
+            return json.loads(control_plane.kubectl("-n", ns, "get", "events", "-o", "json").stdout)["items"]
+
+        wait_until(lambda: any(e["reason"] == "ReconcileFailed" and e["count"] >= 2 for e in events()))
+        assert failing.metric("diloco_operator_errors_total", kind="reconcile") >= 2
+        (event,) = events()  # kopf's own reports of the failures are not posted
+        assert (event["type"], event["reason"]) == ("Warning", "ReconcileFailed")
+        assert "pods is forbidden" in event["message"] and event["involvedObject"]["name"] == "demo"
+        control_plane.kubectl("-n", ns, "delete", "dj", "demo", "--timeout=60s")
+    finally:
+        failing.stop()
 
 
 @pytest.fixture(scope="module")

@@ -267,6 +267,7 @@ def test_island_environment_rendezvous_and_syncers():
     assert env["DILOCO_SYNCERS"] == "demo-syncer-0.ml.svc:50051,demo-syncer-1.ml.svc:50051"
     assert env["DILOCO_ISLAND"] == "h100" and env["DILOCO_JOB"] == "demo"
     assert env["DILOCO_MODEL"] == "tiny" and env["DILOCO_DATA"] == "stdlib"
+    assert env["DILOCO_PRECISION"] == "auto" and env["DILOCO_ACTIVATION_CHECKPOINTING"] == "0"
     assert env["DILOCO_ACCELERATORS_PER_POD"] == "8"
     assert env["WORLD_SIZE"] == "4" and env["MASTER_PORT"] == "29500"
     assert env["MASTER_ADDR"] == "demo-h100-0.demo-h100.ml.svc"
@@ -314,13 +315,23 @@ def test_cpu_island_without_spot_has_no_accelerators_or_tolerations():
 
 
 def test_builtin_trainer_settings_and_custom_command():
-    spec = make_spec(trainer={"model": "large", "data": "/data/t.bin", "args": ["--batch-size", "8"]})
+    spec = make_spec(
+        trainer={
+            "model": "xl",
+            "data": "/data/t.bin",
+            "precision": "bf16",
+            "activationCheckpointing": True,
+            "args": ["--batch-size", "8"],
+        }
+    )
     trainer = render(spec)[("StatefulSet", "demo-a100")]["spec"]["template"]["spec"]["containers"][0]
-    assert env_of(trainer)["DILOCO_MODEL"] == "large" and env_of(trainer)["DILOCO_DATA"] == "/data/t.bin"
+    assert env_of(trainer)["DILOCO_MODEL"] == "xl" and env_of(trainer)["DILOCO_DATA"] == "/data/t.bin"
+    assert env_of(trainer)["DILOCO_PRECISION"] == "bf16" and env_of(trainer)["DILOCO_ACTIVATION_CHECKPOINTING"] == "1"
     assert trainer["args"] == ["--batch-size", "8"]
     custom = make_spec(trainer={"command": ["python", "-m", "mine"]})
     trainer = render(custom)[("StatefulSet", "demo-a100")]["spec"]["template"]["spec"]["containers"][0]
     assert trainer["command"] == ["python", "-m", "mine"] and "args" not in trainer
+    assert "DILOCO_PRECISION" not in env_of(trainer), "a custom trainer chooses its own arithmetic"
     assert "DILOCO_MODEL" not in env_of(trainer) and "DILOCO_SYNCERS" in env_of(trainer)
 
 

@@ -6,7 +6,15 @@ from __future__ import annotations
 import datetime
 
 from diloco.operator.event_recorder import EventRecorder
-from diloco.operator.events import Event, RecentEvents, event_name, first_occurrence, repetition
+from diloco.operator.events import (
+    MAX_FAILURE_DETAIL,
+    Event,
+    RecentEvents,
+    event_name,
+    first_occurrence,
+    reconcile_failed,
+    repetition,
+)
 from diloco.operator.kube import ApiError
 from diloco.operator.naming import JobRef
 
@@ -120,3 +128,13 @@ def test_an_event_expired_meanwhile_starts_again_and_a_refusal_is_not_raised():
     kube.patch = refuse
     recorder.post(JOB, FAILED, at(91))
     assert stored["count"] == 1
+
+
+def test_passes_that_fail_alike_post_the_same_event_naming_the_error():
+    first = reconcile_failed(ApiError(403, 'pods is forbidden: cannot list resource "pods"\nmore detail'))
+    again = reconcile_failed(ApiError(403, 'pods is forbidden: cannot list resource "pods"\nother detail'))
+    assert first == again and event_name(JOB, first) == event_name(JOB, again)
+    assert (first.type, first.reason) == ("Warning", "ReconcileFailed")
+    assert first.message.endswith('ApiError: HTTP 403: pods is forbidden: cannot list resource "pods"')
+    assert reconcile_failed(KeyError()).message.endswith(": KeyError")
+    assert len(reconcile_failed(RuntimeError("x" * 5000)).message) < MAX_FAILURE_DETAIL + 64

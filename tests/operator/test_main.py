@@ -142,11 +142,20 @@ def test_an_invalid_spec_is_reported_and_not_retried():
     assert sample(metrics, "diloco_operator_reconciles_total", trigger="update", result="invalid") == 1
 
 
-def test_other_failures_are_counted_and_left_to_kopf_to_retry():
+def test_other_failures_are_counted_posted_through_the_recorder_and_left_to_kopf_to_retry():
     metrics = OperatorMetrics()
+    reconciler = FakeReconciler(error=RuntimeError("API down"))
     with pytest.raises(RuntimeError):
-        call(handlers._handler(FakeReconciler(error=RuntimeError("API down")), metrics, "create"))
+        call(handlers._handler(reconciler, metrics, "create"))
     assert sample(metrics, "diloco_operator_errors_total", kind="reconcile") == 1
+    assert reconciler.events.posted == [
+        {
+            "job": "demo",
+            "type": "Warning",
+            "reason": "ReconcileFailed",
+            "message": "a reconcile pass failed and will be retried: RuntimeError: API down",
+        }
+    ]
 
 
 def test_kopf_settings():
@@ -154,6 +163,7 @@ def test_kopf_settings():
     handlers.configure(settings)
     assert settings.persistence.finalizer == "diloco.dev/finalizer" and settings.scanning.disabled
     assert settings.peering.lifetime == 60
+    assert not settings.posting.enabled  # a failed pass is posted by the handler, aggregated
     handlers.configure(settings, peering_lifetime=7)
     assert settings.peering.lifetime == 7
 

@@ -655,6 +655,26 @@ def test_push_cancelled_after_all_its_data_counts_at_most_once(scene):
 # Memory: what a refused stream costs the shard
 
 
+def test_a_push_beyond_the_pending_byte_bound_is_refused_and_changes_nothing(start_server):
+    """A shard whose pending deltas may take one fragment's bytes: a joined island's push to the other
+    fragment is refused RESOURCE_EXHAUSTED and leaves the pending deltas and live islands as they were."""
+    values = random_values(1)
+    fragment_bytes = sum(v.numel() * 4 for _, v in values)
+    server = start_server(config_for(quorum=2, grace_seconds=300.0), max_pending_bytes=fragment_bytes)
+    with make_client(server.port, "a") as a, make_client(server.port, "b") as b, make_client(server.port) as observer:
+        for island in (a, b):
+            island.join(2)
+        base = observer.pull(0)[0]
+        push = dict(base=base, tokens=100, inner_steps=10, sequence=1, encoding=Encoding.FP32, block_size=0)
+        a.push(0, delta=random_values(2, 0.1), **push)
+        before = observer.status()
+        error = refused(lambda: b.push(1, delta=random_values(3, 0.1), **push))
+        assert error.code() == EXHAUSTED, error.details()
+        after = observer.status()
+    assert [f.pending for f in after.fragments] == [f.pending for f in before.fragments] == [1, 0]
+    assert after.live_islands == before.live_islands == ["a", "b"]
+
+
 def peak_rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         for line in status:

@@ -7,7 +7,7 @@ import torch
 from diloco.core.config import TrainingConfig
 from diloco.core.island_id import ISLAND_ID_MAX_CHARS
 from diloco.core.merge import MAX_TOKEN_RATIO
-from diloco.syncer.shard import MAX_KNOWN_ISLANDS, PushKey, Refused, ShardState, TensorSpec
+from diloco.syncer.shard import MAX_KNOWN_ISLANDS, MAX_PENDING_BYTES, PushKey, Refused, ShardState, TensorSpec
 from diloco.transport.codes import status_code
 from diloco.transport.v1 import syncer_pb2 as pb
 
@@ -15,9 +15,11 @@ SPECS = (TensorSpec("w", (2,), pb.FLOAT32), TensorSpec("b", (1,), pb.FLOAT32))
 INCARNATION = 7
 
 
-def make_shard(**overrides) -> ShardState:
+def make_shard(max_pending_bytes: int = MAX_PENDING_BYTES, **overrides) -> ShardState:
     config = TrainingConfig(fragments=2, inner_steps=10, overlap_steps=1, **overrides)
-    shard = ShardState(config, shard_index=0, num_shards=1, incarnation=INCARNATION)
+    shard = ShardState(
+        config, shard_index=0, num_shards=1, incarnation=INCARNATION, max_pending_bytes=max_pending_bytes
+    )
     for p in (0, 1):
         shard.seed(p, SPECS, [torch.zeros(2), torch.zeros(1)])
     return shard
@@ -250,6 +252,56 @@ class TestPendingRoom:
         push(shard, "b", 0.0)
         assert sorted(shard.fragments[0].pending) == ["a", "b", "x"]
         assert torch.equal(shard.fragments[0].pending["x"].delta[0], torch.full((2,), 2.0))
+
+
+class TestPendingBytes:
+    """The pending deltas of all the shard's fragments together take at most `max_pending_bytes`."""
+
+    FRAGMENT_BYTES = 3 * 4  # SPECS: three float32 values
+
+    def bounded_shard(self, deltas: int) -> ShardState:
+        shard = make_shard(deltas * self.FRAGMENT_BYTES, quorum=3, grace_seconds=60.0)
+        for island in "abc":
+            shard.join(island, 0.0)
+        return shard
+
+    def test_a_push_beyond_the_bound_is_refused_from_its_header_and_changes_nothing(self):
+        shard = self.bounded_shard(deltas=2)
+        push(shard, "a", 0.0, fragment=0)
+        push(shard, "b", 0.0, fragment=1)
+        assert shard.pending_bytes() == shard.max_pending_bytes
+        with pytest.raises(Refused) as refused:
+            shard.check_push(PushKey("c", INCARNATION, 0, 0), 0, SPECS, 100, 10)
+        assert status_code(refused.value.kind) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.reason == "pending_bytes"
+        with pytest.raises(Refused):
+            push(shard, "c", 0.0, fragment=0)
+        assert (sorted(shard.fragments[0].pending), sorted(shard.fragments[1].pending)) == (["a"], ["b"])
+        assert shard.islands == {"a": 0.0, "b": 0.0, "c": 0.0}
+
+    def test_a_newer_push_replacing_the_island_s_own_takes_no_more(self):
+        shard = self.bounded_shard(deltas=1)
+        push(shard, "a", 0.0)
+        push(shard, "a", 0.0, seq=1, delta=2.0)
+        assert torch.equal(shard.fragments[0].pending["a"].delta[0], torch.full((2,), 2.0))
+        assert shard.pending_bytes() == self.FRAGMENT_BYTES
+
+    def test_a_merge_frees_its_bytes_for_the_next_push(self):
+        shard = self.bounded_shard(deltas=1)
+        push(shard, "a", 0.0)
+        with pytest.raises(Refused):
+            push(shard, "b", 0.0)
+        shard.merge(0, 0.0)
+        push(shard, "b", 0.0)
+        assert sorted(shard.fragments[0].pending) == ["b"]
+
+    def test_a_resumed_shard_holds_the_bound_it_is_given(self):
+        shard = self.bounded_shard(deltas=1)
+        push(shard, "a", 0.0)
+        saved = shard.to_state_dict(clean=True)
+        resumed = ShardState.from_state_dict(shard.config, 0, 1, saved, INCARNATION, self.FRAGMENT_BYTES)
+        with pytest.raises(Refused):
+            push(resumed, "b", 0.0)
 
 
 class TestCheckpointState:

@@ -1,8 +1,9 @@
 """Properties of the shard's rules under arbitrary sequences of calls (hypothesis state machine): joins,
 leaves, seeds, pushes, pulls and merges, with valid and invalid arguments, in any order and at any time.
 After every step: a refused call changed nothing, values and momentum are finite, pending memory is one
-fragment per island that pushed, and the Status reply and the checkpoint's state dict build. On failure
-hypothesis prints the steps and the `@reproduce_failure` blob; `pytest --hypothesis-seed=N` replays a seed."""
+fragment per island that pushed and within the shard's byte bound, and the Status reply and the checkpoint's
+state dict build. On failure hypothesis prints the steps and the `@reproduce_failure` blob;
+`pytest --hypothesis-seed=N` replays a seed."""
 
 import threading
 from types import SimpleNamespace
@@ -29,6 +30,7 @@ OTHER_SPECS = {
     "too few": SPECS[:1],
 }
 STATUS_LIMIT = 4 * 1024 * 1024  # a Status reply must fit the message limit of every client
+PENDING_BOUND = 3 * 3 * 4  # three pending deltas of SPECS' three float32 values: fewer than the islands could push
 
 # Mostly valid arguments, so that sequences reach merges; the rest are what a hostile island may send.
 islands = st.one_of(st.sampled_from("abc"), st.sampled_from("abcd"), st.sampled_from(["", "not an id!", "x" * 300]))
@@ -76,7 +78,9 @@ class ShardCalls(RuleBasedStateMachine):
             max_staleness=2,
             island_timeout_seconds=100.0,
         )
-        self.shard = ShardState(config, shard_index=0, num_shards=1, incarnation=INCARNATION)
+        self.shard = ShardState(
+            config, shard_index=0, num_shards=1, incarnation=INCARNATION, max_pending_bytes=PENDING_BOUND
+        )
         self.now = 0.0
         self.pushed: set[str] = set()
 
@@ -171,6 +175,8 @@ class ShardCalls(RuleBasedStateMachine):
             for pending in frag.pending.values():
                 assert [tuple(d.shape) for d in pending.delta] == [s.shape for s in frag.specs]
             assert sum(d.numel() * 4 for p in frag.pending.values() for d in p.delta) <= len(self.pushed) * frag.nbytes
+        held = sum(d.numel() * 4 for f in self.shard.fragments.values() for p in f.pending.values() for d in p.delta)
+        assert held <= PENDING_BOUND
 
     @invariant()
     def status_and_checkpoint_build(self):

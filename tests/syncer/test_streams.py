@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from syncer_harness import TOKEN, config_for, make_client, random_values, wait_until
 
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.process
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 THREADS = 32  # the shard's data threads, as in the issue: one idle stream each, and more
 NORMAL_DEADLINE = 10.0  # what a probe or an island would wait for a small call
+LARGE_FLOATS = 8 * 1024 * 1024  # a 32 MiB fragment: more than a connection buffers for a reader that takes nothing
 
 
 def push_header(island: str, incarnation: int) -> pb.PushChunk:
@@ -61,6 +63,15 @@ def idle_pushes(server: SyncerServer, count: int) -> Iterator[list[grpc.Future]]
             release.set()
             for call in calls:
                 call.cancel()
+
+
+def assert_answering(channel: grpc.Channel) -> None:
+    """The calls probes and operators make answer within a normal deadline."""
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "diloco.v1.Syncer"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=NORMAL_DEADLINE)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    syncer_pb2_grpc.SyncerStub(channel).Status(pb.StatusRequest(), metadata=AUTH, timeout=NORMAL_DEADLINE)
 
 
 def test_idle_streams_leave_status_and_health_answering(start_server):
@@ -134,3 +145,56 @@ def test_a_stream_that_sends_nothing_more_is_cancelled_after_the_idle_bound(star
         (f.seeded, f.version, f.pending) for f in before.fragments
     ]
     assert after.live_islands == before.live_islands
+
+
+def test_a_pull_whose_reader_takes_nothing_is_cancelled_and_frees_its_thread(start_server):
+    """A Pull of more than the connection buffers, never read, on a shard with one data thread: the health
+    check and Status answer meanwhile, and the shard stops waiting on the reader after the idle bound, so
+    another island's pull of the same fragment is served whole within a normal deadline."""
+    server = start_server(config_for(), seed=False, max_workers=1, stream_idle_seconds=0.5)
+    values = [("w", torch.arange(LARGE_FLOATS, dtype=torch.float32))]
+    with make_client(server.port, "seeder") as seeder:
+        seeder.seed(0, values)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        unread = syncer_pb2_grpc.SyncerStub(channel).Pull(pb.PullRequest(fragment_id=0), metadata=AUTH, timeout=60)
+        try:
+            assert_answering(channel)
+            with make_client(server.port, timeout=NORMAL_DEADLINE, retry_for=0) as island:
+                _, pulled = island.pull(0)
+        finally:
+            unread.cancel()
+    assert torch.equal(dict(pulled)["w"], values[0][1])
+    assert server.metrics.rejected.labels("idle_stream")._value.get() == 1
+
+
+def test_data_calls_beyond_the_queue_bound_are_refused_and_the_shard_stays_live(start_server):
+    """With every data thread held and the queue full, one more data call is refused at once with
+    RESOURCE_EXHAUSTED, while the health check and Status still answer; once the held calls end, the
+    shard takes pushes and pulls again."""
+    server = start_server(config_for(), max_workers=2, max_queued_calls=3)
+    held = 2 + 3
+    with idle_pushes(server, held) as calls:
+        wait_until(lambda: server.data_threads.calls() == held)
+        with make_client(server.port, "a", timeout=NORMAL_DEADLINE, retry_for=0) as island:
+            with pytest.raises(grpc.RpcError) as refused:
+                island.pull(0)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                assert_answering(channel)
+        assert not any(call.done() for call in calls)
+    wait_until(lambda: server.data_threads.calls() == 0)
+    with make_client(server.port, "a", timeout=NORMAL_DEADLINE, retry_for=0) as island:
+        island.join(2)
+        version, _ = island.pull(0)
+        island.push(
+            0,
+            base=version,
+            tokens=100,
+            inner_steps=10,
+            sequence=1,
+            delta=random_values(2, 0.1),
+            encoding=Encoding.FP32,
+            block_size=0,
+        )
+        wait_until(lambda: island.pull(0, have=version) is not None)
+    assert server.metrics.rejected.labels("busy")._value.get() == 1

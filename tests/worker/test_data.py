@@ -143,14 +143,14 @@ def test_evaluate_is_deterministic_and_uniform_for_untrained_model():
     model = build_model("tiny", 0)
     _, heldout = split_holdout(load_tokens(None, 200_000))
     model.train()
-    first = evaluate(model, heldout, 128, batch_size=4, batches=2)
+    first = evaluate(model, heldout, 128, batch_size=4, windows=8)
     assert model.training
     model.eval()
-    second = evaluate(model, heldout, 128, batch_size=4, batches=2)
+    second = evaluate(model, heldout, 128, batch_size=4, windows=8)
     assert not model.training
     assert first == second
     assert first == pytest.approx(math.log(256), abs=0.5)
-    assert evaluate(build_model("tiny", 1), heldout, 128, 4, 2) != first
+    assert evaluate(build_model("tiny", 1), heldout, 128, 4, 8) != first
 
 
 def test_evaluate_uses_the_same_windows_as_a_manual_computation():
@@ -160,4 +160,11 @@ def test_evaluate_uses_the_same_windows_as_a_manual_computation():
     windows = torch.stack([heldout[s : s + 33] for s in starts])
     with torch.no_grad():
         expected = sum(model(w[:, :-1], w[:, 1:])[1].item() for w in windows.split(3)) / 2
-    assert evaluate(model, heldout, 32, batch_size=3, batches=2) == pytest.approx(expected, rel=1e-6)
+    assert evaluate(model, heldout, 32, batch_size=3, windows=6) == pytest.approx(expected, rel=1e-6)
+
+
+def test_evaluate_measures_the_same_windows_whatever_the_batch_size():
+    model = build_model("tiny", 0)
+    heldout = torch.randint(0, 256, (1000,), generator=torch.Generator().manual_seed(0))
+    by_batch = [evaluate(model, heldout, 32, batch_size=b, windows=6) for b in (1, 4, 6, 64)]
+    assert by_batch == pytest.approx([by_batch[0]] * 4, rel=1e-6)

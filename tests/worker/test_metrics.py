@@ -88,6 +88,9 @@ def test_a_training_worker_serves_its_progress_on_the_metrics_port(start_shards,
     assert later["diloco_worker_fragment_version{0}"] >= 1 or later["diloco_worker_fragment_version{1}"] >= 1
     assert math.isfinite(later["diloco_worker_eval_loss"])
     assert "diloco_worker_blocked_seconds_total" in later
+    assert later["diloco_worker_tokens_per_second"] > 0
+    assert later["diloco_worker_island_tokens_per_second"] == later["diloco_worker_tokens_per_second"], "one rank"
+    assert "diloco_worker_mfu" not in later, "a CPU has no known peak: no MFU rather than a guess"
 
 
 def test_the_operator_reads_the_loss_a_worker_serves(start_shards, tmp_path):
@@ -173,3 +176,14 @@ def test_the_readiness_server_still_serves_the_metrics(served):
     current["snapshot"] = WorkerSnapshot(island="island-0", rank=0, mode="diloco", step=4, loss=1.5)
     samples = scrape(f"{base}/metrics")
     assert samples["diloco_worker_step"] == 4 and samples["diloco_worker_loss"] == 1.5
+
+
+def test_throughput_and_mfu_are_served_when_known(served):
+    current, base = served
+    current["snapshot"] = WorkerSnapshot(
+        island="island-0", rank=1, mode="diloco", tokens_per_second=5e4, island_tokens_per_second=1e5, mfu=0.41
+    )
+    samples = scrape(f"{base}/metrics")
+    assert samples["diloco_worker_tokens_per_second"] == 5e4
+    assert samples["diloco_worker_island_tokens_per_second"] == 1e5
+    assert samples["diloco_worker_mfu"] == 0.41

@@ -9,7 +9,7 @@ from diloco.worker.data import BatchSampler, load_tokens
 from diloco.worker.model import GPT, PRESETS, ModelPreset, build_model, resolve_preset
 
 # Stated parameter-count targets of the presets (distinct elements, tied head counted once).
-TARGETS = {"tiny": 0.84e6, "small": 25e6, "medium": 124e6, "large": 350e6}
+TARGETS = {"tiny": 0.84e6, "small": 25e6, "medium": 124e6, "large": 350e6, "xl": 1.0e9}
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_presets_and_errors():
     assert resolve_preset("tiny") is PRESETS["tiny"]
     custom = ModelPreset("custom", vocab_size=50, context=8, d_model=16, n_layers=1, n_heads=2)
     assert build_model(custom, 0).preset is custom
-    with pytest.raises(ValueError, match="known presets: tiny, small, medium, large"):
+    with pytest.raises(ValueError, match="known presets: tiny, small, medium, large, xl"):
         build_model("huge", 0)
     with pytest.raises(ValueError, match="divisible"):
         ModelPreset("bad", vocab_size=8, context=8, d_model=10, n_layers=1, n_heads=3)
@@ -150,3 +150,24 @@ def test_the_api_states_each_presets_tensor_count_as_the_learner_counts_them():
         name: sum(p.requires_grad for p in build_model(name, seed=0, device="meta").parameters()) for name in PRESETS
     }
     assert {size.value: count for size, count in PRESET_TENSORS.items()} == counted
+
+
+def test_flops_per_token_counts_every_multiplying_parameter_and_the_attention():
+    model = build_model("medium", seed=0, device="meta")
+    p = model.preset
+    expected = 6 * (model.num_parameters() - p.context * p.d_model) + 12 * p.n_layers * p.d_model * p.context
+    assert model.flops_per_token() == expected
+    assert 8.5e8 < model.flops_per_token() < 8.6e8, "GPT-2 small: 6 x 124M plus 113M of attention"
+
+
+def test_activation_checkpointing_changes_memory_not_results():
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for checkpointed in (False, True):
+        model = build_model("tiny", seed=0, checkpoint_activations=checkpointed)
+        _, loss = model(tokens, tokens)
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (plain_loss, plain), (ckpt_loss, ckpt) = grads
+    assert ckpt_loss == pytest.approx(plain_loss, abs=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, ckpt))
