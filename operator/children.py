@@ -5,8 +5,9 @@ Per job: a ConfigMap (training config JSON), a Secret (the gRPC bearer token, de
 syncer and island together), and a NetworkPolicy that admits only the job's own pods (and the operator) to the syncers.
 Per syncer shard: a Service, a Deployment (one pod, Recreate, so two incarnations never share a
 checkpoint) and a PersistentVolumeClaim. Per island: a headless Service and a StatefulSet whose pods take
-their torch.distributed rank from the ordinal. Replica counts come from the caller's decisions (`Scale`),
-so suspending, re-forming and finishing are rendering the same objects with other numbers.
+their torch.distributed ranks from the ordinal (one rank per accelerator, see `trainer_env`). Replica counts
+come from the caller's decisions (`Scale`), so suspending, re-forming and finishing are rendering the same
+objects with other numbers.
 
 Each object carries `diloco.dev/applied-hash`, a digest of everything else in it: the operator applies
 an object only when the live one carries another digest.
@@ -337,9 +338,12 @@ def island_grace_seconds(island: IslandSpec) -> int:
 
 
 def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[dict[str, Any]]:
-    """DILOCO_* for `Learner.from_env` and the built-in worker, and torch.distributed's static rendezvous:
-    the rank is the StatefulSet ordinal, the world the island, the master its ordinal-0 pod. The pod's
-    grace period goes down too, so that one setting bounds the worker's last pushes after SIGTERM."""
+    """DILOCO_* for `Learner.from_env` and the built-in worker, and torch.distributed's static rendezvous,
+    whose master is the island's ordinal-0 pod. The world is every rank of the island: one per accelerator
+    of every pod (one per pod without accelerators). The pod's NODE_RANK is its StatefulSet ordinal; a pod
+    of one rank also gets RANK (the same number), while the ranks of a pod of N are numbered ordinal x N +
+    local rank by the pod's launcher (the built-in worker's, or torchrun's). The pod's grace period goes
+    down too, so that one setting bounds the worker's last pushes after SIGTERM."""
     syncers = ",".join(
         n.syncer_address(job.name, job.namespace, shard, spec.syncer.port) for shard in range(spec.syncer.shards)
     )
@@ -357,14 +361,17 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
         values["DILOCO_DATA"] = spec.trainer.data or DEFAULT_DATA
         values["DILOCO_PRECISION"] = (spec.trainer.precision or Precision.AUTO).value
         values["DILOCO_ACTIVATION_CHECKPOINTING"] = "1" if spec.trainer.activation_checkpointing else "0"
+    ranks_per_pod = max(1, island.accelerators_per_pod)
     values |= {
-        "WORLD_SIZE": str(island.replicas),
+        "WORLD_SIZE": str(island.replicas * ranks_per_pod),
         "MASTER_ADDR": n.rank0_address(job.name, job.namespace, island.name),
         "MASTER_PORT": str(spec.trainer.rendezvous_port),
     }
+    ordinal = {"valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{n.POD_INDEX_LABEL}']"}}}
+    ranks = ["NODE_RANK", "RANK"] if ranks_per_pod == 1 else ["NODE_RANK"]
     return [
         *_env(values),
-        {"name": "RANK", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{n.POD_INDEX_LABEL}']"}}},
+        *({"name": name, **ordinal} for name in ranks),
         {"name": "DILOCO_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
 

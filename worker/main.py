@@ -1,11 +1,13 @@
 """`diloco-worker`: the built-in trainer as a container command. Every flag has a `DILOCO_*` variable,
-which is how the operator configures it; torch.distributed inside the island uses the usual RANK,
-WORLD_SIZE, MASTER_ADDR and MASTER_PORT."""
+which is how the operator configures it. torch.distributed inside the island uses WORLD_SIZE (every rank of
+the island), MASTER_ADDR and MASTER_PORT, and RANK, or with DILOCO_ACCELERATORS_PER_POD=N > 1 the pod's
+NODE_RANK: then this process starts and supervises N local ranks, one per accelerator (pod_launcher.py)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +18,8 @@ from diloco.core.config import Mode, Precision
 from diloco.logs import setup_logging
 from diloco.settings import DEFAULT_CORPUS_BYTES, env_default, load_token, load_training_config
 from diloco.worker.metrics import serve_metrics
+from diloco.worker.pod_launcher import follow_launcher, is_local_rank, launch
+from diloco.worker.pod_ranks import LOOPBACK, PodShape, local_position, metrics_port
 from diloco.worker.shutdown import StopRequest
 from diloco.worker.trainer import Trainer, TrainerSettings
 
@@ -80,7 +84,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=float(env("PEAK_TFLOPS", "0")) or None,
         help="the accelerator's dense bf16 peak, for MFU on devices the built-in table does not know",
     )
-    p.add_argument("--progress-file", default=env("PROGRESS_FILE"), help="append JSON progress events here")
+    p.add_argument(
+        "--progress-file",
+        default=env("PROGRESS_FILE"),
+        help="append JSON progress events here; {rank} in it becomes the rank in the island",
+    )
     p.add_argument("--checkpoint-dir", default=env("CHECKPOINT_DIR"), help="ddp mode: checkpoints for restarts")
     p.add_argument("--checkpoint-every", type=int, default=int(env("CHECKPOINT_EVERY", "50")))
     p.add_argument(
@@ -95,10 +103,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    follow_launcher()
     args = parse_args(argv)
     setup_logging(args.log_level)
     syncers = [t.strip() for t in args.syncers.split(",") if t.strip()]
     try:
+        shape = PodShape.from_env(os.environ)
+        rank = os.environ.get("RANK", "0")
         settings = TrainerSettings(
             mode=args.mode,
             preset=args.model,
@@ -114,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             precision=args.precision,
             activation_checkpointing=args.activation_checkpointing,
             peak_tflops=args.peak_tflops,
-            progress_file=Path(args.progress_file) if args.progress_file else None,
+            progress_file=Path(args.progress_file.format(rank=rank)) if args.progress_file else None,
             checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
             checkpoint_every=args.checkpoint_every,
         )
@@ -125,11 +136,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("a DiLoCo worker needs --syncers and --island (DILOCO_SYNCERS, DILOCO_ISLAND)")
     except (ValueError, OSError) as error:
         raise SystemExit(f"diloco-worker: {error}") from None
+    if shape.launches_ranks and not is_local_rank():
+        master_addr = os.environ.get("MASTER_ADDR", LOOPBACK)
+        master_port = int(os.environ.get("MASTER_PORT", "29500"))
+        return launch(shape, sys.argv[1:] if argv is None else argv, master_addr, master_port, "diloco-worker")
     stop = StopRequest(args.termination_grace_seconds)
     stop.install()
     trainer = Trainer(settings, config, island=args.island or "ddp", syncers=syncers, token=token, stop=stop)
-    if args.metrics_port:
-        serve_metrics(trainer.snapshot, args.metrics_port, args.metrics_host)
+    port = metrics_port(args.metrics_port, local_position(os.environ)[0])
+    if port:
+        serve_metrics(trainer.snapshot, port, args.metrics_host)
     try:
         loss = trainer.run()
     finally:

@@ -38,6 +38,7 @@ from diloco.worker.island import Island
 from diloco.worker.learner import Learner, RoundReport
 from diloco.worker.metrics import WorkerSnapshot
 from diloco.worker.model import GPT, build_model, resolve_preset
+from diloco.worker.pod_ranks import local_position, place
 from diloco.worker.precision import autocast, resolve_precision
 from diloco.worker.shutdown import StopRequest
 from diloco.worker.throughput import Rate, ThroughputMeter, peak_flops
@@ -133,10 +134,13 @@ class Trainer:
         self.island_id = island
         if settings.threads:
             torch.set_num_threads(settings.threads)
-        backend = "nccl" if settings.device.startswith("cuda") else "gloo"
-        self.group = init_distributed(backend)
+        local_rank, local_ranks = local_position(os.environ)
+        placement = place(settings.device, local_rank, local_ranks, torch.cuda.device_count())
+        self.device = torch.device(placement.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.group = init_distributed(placement.backend)
         self.ranks = Island(self.group)
-        self.device = torch.device(settings.device)
         self.precision = resolve_precision(settings.precision, self.device)
         preset = resolve_preset(settings.preset)
         self.context = preset.context

@@ -60,13 +60,19 @@ class FailureEvent:
     @property
     def island(self) -> str:
         """The island of a worker target."""
-        if self.kind != "worker":
-            raise ValueError(f"{self.target!r} is not a worker target")
-        return self.target.partition(":")[2].rpartition("/")[0]
+        return worker_island(self.target)
 
 
 def worker_target(island: str, rank: int) -> str:
     return f"worker:{island}/{rank}"
+
+
+def worker_island(target: str) -> str:
+    """`worker:<island>/<rank>` -> `<island>`."""
+    kind, _, rest = target.partition(":")
+    if kind != "worker":
+        raise ValueError(f"{target!r} is not a worker target")
+    return rest.rpartition("/")[0]
 
 
 def syncer_target(shard: int) -> str:

@@ -1,9 +1,11 @@
 """A DiLoCo job on one machine: syncer shards and island workers as processes on loopback, supervised the
 way Kubernetes would (a dead worker or shard is replaced), with failures injected from a trace.
 
-Islands re-form when one of their ranks dies (its siblings are stopped and all restart together), and
-other islands never notice. The data-parallel baseline has one world: any death stops every worker, and
-all restart from the last checkpoint, as a non-elastic job does.
+Each island is one pod: one `diloco-worker` process, which with more than one rank per island starts them
+as its local ranks (diloco.worker.pod_launcher), as a pod with that many accelerators does. Islands re-form
+when one of their ranks dies (the pod's process and every rank in it stop, and all restart together), and
+other islands never notice. The data-parallel baseline has one world, the islands its nodes: any death
+stops every worker, and all restart from the last checkpoint, as a non-elastic job does.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.core.config import Mode, TrainingConfig
-from diloco.local.failure_trace import FailureEvent, syncer_target, worker_target
+from diloco.local.failure_trace import FailureEvent, syncer_target, worker_island
 from diloco.settings import DEFAULT_CORPUS_BYTES
 
 log = logging.getLogger("diloco.local.launcher")
@@ -46,7 +48,7 @@ class RunPlan:
     config: TrainingConfig
     out: Path
     islands: int = 4
-    ranks: int = 1
+    ranks_per_island: int = 1
     shards: int = 1
     steps: int = 300
     batch_size: int = 16
@@ -80,8 +82,12 @@ class _Proc:
     starts: int = 0
 
     def start(self, log_dir: Path) -> None:
+        """In a session of its own, killed as a group, as a container is killed whole (its local ranks, in
+        sessions of their own, die with it: diloco.worker.pod_launcher.follow_launcher)."""
         log_file = open(log_dir / f"{self.name.replace(':', '-').replace('/', '-')}.log", "ab")
-        self.proc = subprocess.Popen(self.command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
         log_file.close()
         self.restart_at = None
         self.starts += 1
@@ -91,9 +97,13 @@ class _Proc:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        if self.alive:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
 @dataclass
@@ -107,7 +117,7 @@ class JobResult:
     model_dir: Path | None = None  # the syncers' final global model, exported (diloco export's format)
     kills: int = 0
     timed_out: bool = False
-    worker_starts: dict[str, int] = field(default_factory=dict)
+    worker_starts: dict[str, int] = field(default_factory=dict)  # per island's process
 
 
 # The syncer counters a run sums over its shards, as regular expressions over their Prometheus text.
@@ -144,11 +154,7 @@ class LocalJob:
         self.metrics_ports = [free_port() for _ in range(plan.shards)]
         self.island_ports = [free_port() for _ in range(plan.islands)]
         self.syncers = [] if plan.mode == Mode.DDP else [self._syncer(i) for i in range(plan.shards)]
-        self.workers = {
-            worker_target(plan.island_name(i), r): self._worker(i, r)
-            for i in range(plan.islands)
-            for r in range(plan.ranks)
-        }
+        self.workers = {plan.island_name(i): self._worker(i) for i in range(plan.islands)}
         self._counters = {(shard, name): _CounterTracker() for shard in range(plan.shards) for name in _SYNCER_COUNTERS}
 
     def _base_env(self) -> dict[str, str]:
@@ -186,17 +192,23 @@ class LocalJob:
         ]
         return _Proc(syncer_target(shard), command, self._base_env())
 
-    def _worker(self, island: int, rank: int) -> _Proc:
+    def _worker(self, island: int) -> _Proc:
+        """The island's pod: its process, and its ranks as that process's local ranks (the environment the
+        operator gives a pod; in data-parallel every island is one node of one world)."""
         p = self.plan
         name = p.island_name(island)
         ddp = p.mode == Mode.DDP
+        node_rank = str(island if ddp else 0)
         env = {
             **self._base_env(),
-            "RANK": str(island * p.ranks + rank if ddp else rank),
-            "WORLD_SIZE": str(p.islands * p.ranks if ddp else p.ranks),
+            "DILOCO_ACCELERATORS_PER_POD": str(p.ranks_per_island),
+            "WORLD_SIZE": str((p.islands if ddp else 1) * p.ranks_per_island),
+            "NODE_RANK": node_rank,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self.island_ports[0] if ddp else self.island_ports[island]),
         }
+        if p.ranks_per_island == 1:
+            env["RANK"] = node_rank
         command = [
             sys.executable,
             "-m",
@@ -230,23 +242,24 @@ class LocalJob:
             "--max-data-bytes",
             str(p.max_data_bytes),
             "--progress-file",
-            str(self.out / "progress" / f"{name}-rank{rank}.jsonl"),
+            str(self.out / "progress" / f"{name}-rank{{rank}}.jsonl"),
             "--checkpoint-dir",
             str(self.out / "checkpoints" / "ddp"),
         ]
         if p.data:
             command += ["--data", p.data]
-        return _Proc(worker_target(name, rank), command, env)
+        return _Proc(f"worker:{name}", command, env)
 
-    def _island_of(self, target: str) -> list[_Proc]:
-        """The processes that fail together with `target`: its island, or everyone in data-parallel."""
-        if self.plan.mode == Mode.DDP:
-            return list(self.workers.values())
-        island = target.rsplit("/", 1)[0]
-        return [proc for name, proc in self.workers.items() if name.rsplit("/", 1)[0] == island]
+    def _fails_with(self, island: str) -> list[_Proc]:
+        """The processes that fail together with a rank of `island`: its pod, or everyone in data-parallel."""
+        return list(self.workers.values()) if self.plan.mode == Mode.DDP else [self.workers[island]]
 
     def _fail(self, target: str, downtime: float, now: float) -> None:
-        victims = [s for s in self.syncers if s.name == target] or self._island_of(target)
+        """A trace's kill -9 of a worker rank or a syncer shard."""
+        victims = [s for s in self.syncers if s.name == target] or self._fails_with(worker_island(target))
+        self._take_down(victims, downtime, now)
+
+    def _take_down(self, victims: list[_Proc], downtime: float, now: float) -> None:
         for proc in victims:
             if proc.done:
                 continue
@@ -342,8 +355,8 @@ class LocalJob:
             if code == 0:
                 proc.done = True
             elif code is not None:
-                log.info("worker exited; its island re-forms", extra={"worker": name, "code": code})
-                self._fail(name, RESTART_DELAY_SECONDS, now)
+                log.info("worker exited; its island re-forms", extra={"island": name, "code": code})
+                self._take_down(self._fails_with(name), RESTART_DELAY_SECONDS, now)
 
     def _export_global(self) -> Path:
         """The syncers' global model written to `<out>/model`, as `diloco export` writes it."""

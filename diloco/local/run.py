@@ -32,7 +32,7 @@ class ModeSummary:
     final_loss: float
     goodput: float
     tokens_trained: int
-    restarts: int
+    restarts: int  # restarts of islands' processes (each re-forms every rank of its island)
     kills: int
     comm_bytes: float
     comm_bytes_per_token: float
@@ -80,7 +80,7 @@ def mode_config(mode: str, config: TrainingConfig, islands: int) -> TrainingConf
 def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, JobResult]:
     job = LocalJob(plan)
     reader = _ProgressReader(plan.out / "progress")
-    total = plan.islands * plan.ranks * plan.steps
+    total = plan.islands * plan.ranks_per_island * plan.steps
     with tqdm(total=total, desc=f"{plan.mode:>11}", unit="step", disable=quiet, mininterval=1.0) as bar:
 
         def tick() -> None:
@@ -90,7 +90,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
 
         result = job.run(on_tick=tick)
     events = read_events(plan.out / "progress")
-    workers = plan.islands * plan.ranks
+    workers = plan.islands * plan.ranks_per_island
     acct = account(
         events,
         mode=plan.mode,
@@ -113,7 +113,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         final_loss=final,
         goodput=acct.goodput,
         tokens_trained=acct.tokens_trained,
-        restarts=sum(result.worker_starts.values()) - workers,
+        restarts=sum(result.worker_starts.values()) - len(result.worker_starts),
         kills=result.kills,
         comm_bytes=comm,
         comm_bytes_per_token=comm / acct.tokens_trained if acct.tokens_trained else math.nan,
@@ -213,7 +213,7 @@ def build_trace(args: argparse.Namespace, workers: list[str]) -> list[FailureEve
                 raise ValueError(
                     f"{args.trace}: {event.target} (at {event.at:g} s) is not a process of this job; a run "
                     f"replays worker:island-<i>/<rank> and syncer:<shard> targets "
-                    f"({args.islands} islands x {args.ranks} ranks, {args.shards} shard(s))"
+                    f"({args.islands} islands x {args.ranks_per_island} ranks, {args.shards} shard(s))"
                 )
         return trace
     syncer_kills = [(float(at), 0) for at in args.kill_syncer_at]
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         grace_seconds=args.grace_seconds,
     )
     slowdowns = tuple(float(x) for x in args.slowdown.split(",")) if args.slowdown else ()
-    workers = [worker_target(f"island-{i}", r) for i in range(args.islands) for r in range(args.ranks)]
+    workers = [worker_target(f"island-{i}", r) for i in range(args.islands) for r in range(args.ranks_per_island)]
     try:
         QUORUM_WITHIN_ISLANDS.check(
             {"quorum": "--quorum", "islands": "--islands"}, quorum=config.quorum, islands=args.islands
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     save_trace(args.out / "trace.json", trace)
     modes = [args.mode] + ([m.value for m in Mode if m != args.mode] if args.compare else [])
     print(
-        f"diloco run: {args.islands} islands x {args.ranks} ranks, {args.shards} syncer shard(s), "
+        f"diloco run: {args.islands} islands x {args.ranks_per_island} ranks, {args.shards} syncer shard(s), "
         f"{args.steps} steps of the {args.preset} preset; H={config.inner_steps} P={config.fragments} "
         f"tau={config.overlap_steps} {config.encoding.value}; {len(trace)} injected failures; out: {args.out}"
     )
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
             config=mode_config(mode, config, args.islands),
             out=args.out / mode,
             islands=args.islands,
-            ranks=args.ranks,
+            ranks_per_island=args.ranks_per_island,
             shards=args.shards,
             steps=args.steps,
             batch_size=args.batch_size,
@@ -312,7 +312,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.DILOCO.value)
     p.add_argument("--compare", action="store_true", help="also run the other modes on the same failure trace")
     p.add_argument("--islands", type=int, default=4)
-    p.add_argument("--ranks", type=int, default=1, help="workers per island (gloo data parallelism inside)")
+    p.add_argument(
+        "--ranks-per-island",
+        type=int,
+        default=1,
+        help="ranks per island, the local ranks of its one process as a pod's accelerators are (gloo inside)",
+    )
     p.add_argument("--shards", type=int, default=1, help="syncer shards")
     p.add_argument("--steps", type=int, default=200, help="inner steps per worker")
     p.add_argument("--batch-size", type=int, default=16)

@@ -10,7 +10,8 @@ ClusterIP, each in mount and UTS namespaces of its own for its hostname and /etc
 
 Pods share the pod network's ports, so processes that know a bind-address setting get their pod's IP through
 it (BIND_ENV): two syncer shards both listening on 0.0.0.0:50051 would collide. For the same reason only one
-multi-pod island at a time can run here (torch.distributed's store listens on every address of MASTER_PORT).
+island of several ranks (several pods, or a pod of several accelerators) at a time can run here
+(torch.distributed's store listens on every address of MASTER_PORT).
 
 A pod being deleted has its processes sent SIGTERM, and SIGKILL (to the whole process group) once it is gone
 or its grace period (at most MAX_GRACE seconds) has passed; the runner's finalizer keeps the pod, Terminating,
@@ -19,8 +20,13 @@ as the kubelet does (container not ready, then restarted after a back-off with r
 lastState holding the exit code, 128+N for a signal), so the operator's failure accounting sees it. A
 container with a readinessProbe is not ready when it starts and becomes ready, and unready again, as its
 probe's results say (probes.py); each failed probe is an `Unhealthy` Warning Event on the pod, aggregated as
-the kubelet's are; the pod is Ready while all its containers are. Pods asking for accelerators
-(nvidia.com/gpu ...) are left to KWOK alone: nothing here can run them.
+the kubelet's are; the pod is Ready while all its containers are.
+
+No device plugin runs here and no container sees a GPU (CUDA_VISIBLE_DEVICES is empty): a pod asking for
+accelerators (nvidia.com/gpu ...) runs on CPU, where the built-in worker starts one gloo rank per
+accelerator, as it would one nccl rank per GPU. A pod asking for more than MAX_ACCELERATORS is left to KWOK
+alone (scheduled, Running and Ready, no process): each accelerator would be a training process on this
+machine's few cores.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from cluster.controlplane import group_alive, stop_group
 from cluster.podnet import KUBERNETES_SERVICE, PodNetwork
 from cluster.podspec import (
     Unresolvable,
-    accelerator_requests,
+    accelerators,
     container_command,
     own_names,
     projected_files,
@@ -73,6 +79,7 @@ IMAGES = {
 image.repository); the Dockerfile's ENTRYPOINT and CMD stand in for the image's."""
 BIND_ENV = {"diloco-syncer": "DILOCO_SYNCER_HOST", "diloco-worker": "DILOCO_METRICS_HOST"}
 MAX_GRACE = 10.0
+MAX_ACCELERATORS = 2
 FINALIZER = "test.diloco.dev/pod-runner"
 """Held on every pod the runner has started a process for, and released once a deleted pod's processes have
 exited, so that the pod outlives its processes' SIGTERM handling as it does under a kubelet."""
@@ -125,6 +132,12 @@ def write_in_place(path: Path, text: str) -> None:
         f.seek(0)
         f.truncate()
         f.write(text)
+
+
+def _environment(environ: bytes) -> dict[str, str]:
+    """/proc/<pid>/environ as a mapping."""
+    pairs = (item.decode(errors="replace").partition("=") for item in environ.split(b"\0") if item)
+    return {name: value for name, _, value in pairs}
 
 
 def _now() -> str:
@@ -219,6 +232,41 @@ class PodRunner:
                 if c.namespace == namespace and pod in (None, c.pod) and c.process and c.process.poll() is None
             ]
 
+    def members(self, namespace: str, pod: str) -> dict[int, dict[str, str]]:
+        """Every live process in a pod's containers, theirs and those they started (a launcher's ranks run in
+        sessions of their own), with its environment: pid -> environment."""
+        parents: dict[int, int] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                # After the command's name in parentheses: state, parent, ...
+                state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            except OSError:
+                continue  # it ended while we looked
+            if state != "Z":
+                parents[int(entry.name)] = int(parent)
+        tree = {p.pid for p in self.processes(namespace, pod)}
+        while grown := {pid for pid, parent in parents.items() if parent in tree} - tree:
+            tree |= grown
+        found = {}
+        for pid in tree:
+            try:
+                found[pid] = _environment(Path(f"/proc/{pid}/environ").read_bytes())
+            except OSError:
+                continue
+        return found
+
+    def get(self, url: str) -> str:
+        """The body of an HTTP GET of `url` from inside the pod network, where pod IPs are reachable."""
+        fetch = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+        result = subprocess.run(
+            self.network.enter([sys.executable, "-c", fetch, url]), capture_output=True, text=True, timeout=60
+        )
+        if result.returncode != 0:
+            raise OSError(f"GET {url} in the pod network failed: {result.stderr.strip()[-400:]}")
+        return result.stdout
+
     def kill(self, namespace: str, pod: str, sig: int = signal.SIGKILL) -> int:
         """Sends `sig` to the process groups of a pod's containers, as an OOM kill or a crash would end them;
         returns how many were signalled."""
@@ -261,7 +309,7 @@ class PodRunner:
             and status.get("podIP")
             and status.get("phase") == "Running"
             and any(image_name(c["image"]) in self.images for c in spec["containers"])
-            and not accelerator_requests(pod)
+            and accelerators(pod) <= MAX_ACCELERATORS
         )
 
     def pass_once(self) -> None:
@@ -497,6 +545,7 @@ class PodRunner:
             "HOSTNAME": pod["metadata"]["name"],
             "LANG": "C.UTF-8",
             "PYTHONUNBUFFERED": "1",
+            "CUDA_VISIBLE_DEVICES": "",
             # What every pod gets for the `kubernetes` Service (podnet.py relays it to the API server).
             "KUBERNETES_SERVICE_HOST": KUBERNETES_SERVICE[0],
             "KUBERNETES_SERVICE_PORT": str(KUBERNETES_SERVICE[1]),

@@ -212,11 +212,16 @@ def own_names(pod: Mapping[str, Any]) -> list[str]:
     return names
 
 
-def accelerator_requests(pod: Mapping[str, Any]) -> list[str]:
-    """Extended resources such as nvidia.com/gpu that a pod asks for: this machine cannot give them."""
-    found = set()
+def accelerators(pod: Mapping[str, Any]) -> int:
+    """How many devices of extended resources such as nvidia.com/gpu a pod asks for, over its containers
+    (each container's larger of request and limit)."""
+    total = 0
     for container in pod["spec"].get("containers") or ():
         resources = container.get("resources") or {}
+        asked: dict[str, int] = {}
         for kind in ("requests", "limits"):
-            found |= {name for name in resources.get(kind) or {} if "/" in name}
-    return sorted(found)
+            for name, quantity in (resources.get(kind) or {}).items():
+                if "/" in name:
+                    asked[name] = max(asked.get(name, 0), int(quantity))
+        total += sum(asked.values())
+    return total

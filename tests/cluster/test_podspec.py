@@ -9,7 +9,7 @@ import pytest
 from cluster.pod_runner import IMAGES, dockerfile_exec, image_name
 from cluster.podspec import (
     Unresolvable,
-    accelerator_requests,
+    accelerators,
     container_command,
     expand,
     own_names,
@@ -143,8 +143,10 @@ def test_images_match_by_repository_name_and_accelerator_pods_are_recognised():
     assert image_name("registry.example.com/team/diloco-trainer:1.0-cu126") == "diloco-trainer"
     assert image_name("diloco-trainer@sha256:abc") == "diloco-trainer"
     gpu = {"spec": {"containers": [{"resources": {"limits": {"nvidia.com/gpu": "8", "cpu": "1"}}}]}}
-    assert accelerator_requests(gpu) == ["nvidia.com/gpu"]
-    assert accelerator_requests({"spec": {"containers": [{"resources": {"requests": {"cpu": "1"}}}]}}) == []
+    assert accelerators(gpu) == 8
+    assert accelerators({"spec": {"containers": [{"resources": {"requests": {"cpu": "1"}}}]}}) == 0
+    two = {"resources": {"requests": {"nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "2"}}}
+    assert accelerators({"spec": {"containers": [two, two]}}) == 4, "per container, request and limit once"
 
 
 def test_secret_data_is_decoded():

@@ -5,6 +5,7 @@ import math
 import os
 import signal
 import threading
+from collections import Counter
 
 import pytest
 from support import wait_until
@@ -14,7 +15,7 @@ from diloco.core.config import TrainingConfig
 from diloco.export.model_files import load
 from diloco.local.failure_trace import FailureEvent, load_trace, save_trace
 from diloco.local.run import print_sample
-from diloco.progress import EvalEvent, RoundEvent, StartEvent, StepEvent, read_events
+from diloco.progress import DoneEvent, EvalEvent, RoundEvent, StartEvent, StepEvent, read_events
 
 pytestmark = pytest.mark.process
 
@@ -62,18 +63,19 @@ def test_a_short_run_lowers_the_loss_and_faults_do_not_derail_it(tmp_path, capsy
     assert load_trace(out / "trace.json") == trace, "the trace the run replayed is kept beside its results"
 
 
-def run_killing(tmp_path, name, mode, island, at_step, *extra):
-    """A run in which the first process of `island` gets kill -9 once it has trained `at_step` steps (a
-    real SIGKILL, aimed by progress rather than by the clock, so it lands mid-training however loaded the
-    machine is); the launcher sees it die and restarts the island. Returns the summary, the run folder and
-    the killed pid."""
+def run_killing(tmp_path, name, mode, island, at_step, *extra, rank=0):
+    """A run in which `rank` of `island` gets kill -9 once it has trained `at_step` steps (a real SIGKILL,
+    aimed by progress rather than by the clock, so it lands mid-training however loaded the machine is); the
+    launcher sees it die and restarts the island. Returns the summary, the run folder and the killed pid."""
     out = tmp_path / name
     killed = {}
 
     def killer():
         def reached():
             events = read_events(out / mode / "progress")
-            hits = [e for e in events if isinstance(e, StepEvent) and e.source.island == island and e.step >= at_step]
+            hits = [
+                e for e in events if isinstance(e, StepEvent) and e.source.slot == (island, rank) and e.step >= at_step
+            ]
             return hits[0].source.pid if hits else None
 
         pid = wait_until(reached, timeout=240, interval=0.2)
@@ -115,6 +117,24 @@ def test_a_restarted_island_rejoins_with_the_current_fragments(tmp_path):
     assert all(rejoined.versions[p] >= v for p, v in adopted.items()), (rejoined.versions, adopted)
     first_eval = next(e for e in island_events(out, "island-1", EvalEvent) if e.source.pid == rejoined.source.pid)
     assert first_eval.loss < 4.0 < INITIAL_LOSS, "the replacement trains on from the global model"
+    assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 3.5
+
+
+def test_an_island_of_two_ranks_re_forms_when_one_of_them_dies(tmp_path):
+    """`--ranks-per-island 2`: each island is one process whose two local ranks train (as a pod with two
+    accelerators does); kill -9 of island-1's rank 1 takes its process and rank 0 down, and both restart
+    together, while island-0 trains on untouched."""
+    (summary,), out, pid = run_killing(tmp_path, "ranks", "diloco", "island-1", 15, "--ranks-per-island", "2", rank=1)
+    events = read_events(out / "diloco" / "progress")
+    starts = Counter(e.source.slot for e in events if isinstance(e, StartEvent))
+    assert starts == {("island-0", 0): 1, ("island-0", 1): 1, ("island-1", 0): 2, ("island-1", 1): 2}
+    assert summary["restarts"] == 1, "one island's process restarted, with both its ranks"
+    killed = [e.source.pid for e in events if isinstance(e, StartEvent) and e.source.slot == ("island-1", 1)]
+    assert killed[0] == pid != killed[1], "the rank killed was replaced by a new process"
+    done = {e.source.slot: e for e in events if isinstance(e, DoneEvent)}
+    assert {slot: e.step for slot, e in done.items()} == {slot: 40 for slot in starts}
+    assert all(done[island, 1].learner.syncs_pushed == 0 for island in ("island-0", "island-1"))
+    assert all(done[island, 0].learner.syncs_merged > 0 for island in ("island-0", "island-1"))
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 3.5
 
 

@@ -3,6 +3,7 @@ tolerations, overrides, and that each is a well-formed Kubernetes object."""
 
 import base64
 import json
+import os
 
 import pytest
 from kubernetes.client import models as k8s
@@ -268,16 +269,33 @@ def test_island_environment_rendezvous_and_syncers():
     assert env["DILOCO_ISLAND"] == "h100" and env["DILOCO_JOB"] == "demo"
     assert env["DILOCO_MODEL"] == "tiny" and env["DILOCO_DATA"] == "stdlib"
     assert env["DILOCO_PRECISION"] == "auto" and env["DILOCO_ACTIVATION_CHECKPOINTING"] == "0"
-    assert env["DILOCO_ACCELERATORS_PER_POD"] == "8"
-    assert env["WORLD_SIZE"] == "4" and env["MASTER_PORT"] == "29500"
+    assert env["MASTER_PORT"] == "29500"
     assert env["MASTER_ADDR"] == "demo-h100-0.demo-h100.ml.svc"
-    assert env["RANK"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
     assert env["DILOCO_CONFIG_FILE"] == "/etc/diloco/training.json"
     assert env["DILOCO_TOKEN_FILE"] == "/var/run/secrets/diloco/token"
 
 
+ORDINAL = {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+
+
+def test_an_island_world_has_one_rank_per_accelerator_of_every_pod():
+    """4 pods of 8 accelerators: 32 ranks; each pod's launcher numbers its own from the pod's NODE_RANK."""
+    env = env_of(render()[("StatefulSet", "demo-h100")]["spec"]["template"]["spec"]["containers"][0])
+    assert env["DILOCO_ACCELERATORS_PER_POD"] == "8"
+    assert env["WORLD_SIZE"] == "32" and env["NODE_RANK"] == ORDINAL
+    assert "RANK" not in env, "a pod of eight ranks has no one rank"
+
+
+def test_a_pod_without_accelerators_is_one_rank_numbered_by_its_ordinal():
+    env = env_of(render()[("StatefulSet", "demo-a100")]["spec"]["template"]["spec"]["containers"][0])
+    assert env["DILOCO_ACCELERATORS_PER_POD"] == "0" and env["WORLD_SIZE"] == "1"
+    assert env["RANK"] == env["NODE_RANK"] == ORDINAL
+
+
 def test_island_environment_is_what_diloco_worker_reads(monkeypatch):
     worker_main = pytest.importorskip("diloco.worker.main")
+    from diloco.worker.pod_ranks import PodShape
+
     container = render()[("StatefulSet", "demo-h100")]["spec"]["template"]["spec"]["containers"][0]
     for name, value in env_of(container).items():
         if isinstance(value, str):
@@ -285,6 +303,9 @@ def test_island_environment_is_what_diloco_worker_reads(monkeypatch):
     args = worker_main.parse_args([])
     assert args.island == "h100" and args.model == "tiny" and args.data == "stdlib"
     assert args.syncers.split(",") == ["demo-syncer-0.ml.svc:50051", "demo-syncer-1.ml.svc:50051"]
+    pod_3 = {**os.environ, "NODE_RANK": "3"}  # what the kubelet makes of the ordinal's fieldRef
+    shape = PodShape.from_env(pod_3)
+    assert shape == PodShape(pods=4, ranks_per_pod=8, node_rank=3) and shape.global_rank(7) == 31
     assert args.steps is None  # no step cap: the pods train until the job is done and they get SIGTERM
     assert args.termination_grace_seconds == 30
 
