@@ -16,6 +16,7 @@ import pytest
 from learner_harness import TOKEN, make_config
 from support import wait_until
 
+from diloco.core.config import TrainingConfig
 from diloco.local.launcher import free_port
 from diloco.progress import DoneEvent, StartEvent, StepEvent, read_events
 
@@ -25,9 +26,11 @@ CONFIG = make_config()  # H=4, P=2: a fragment falls due every other step
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def start_pod(tmp_path: Path, syncer: str, steps: int, metrics_port: int = 0, device: str = "cpu") -> subprocess.Popen:
+def start_pod(
+    tmp_path: Path, syncer: str, steps: int, metrics_port: int = 0, device: str = "cpu", config: TrainingConfig = CONFIG
+) -> subprocess.Popen:
     """The pod's main process, as the operator configures a one-pod island of two accelerators."""
-    (tmp_path / "config.json").write_text(CONFIG.to_json())
+    (tmp_path / "config.json").write_text(config.to_json())
     env = {
         **os.environ,
         "DILOCO_ACCELERATORS_PER_POD": "2",
