@@ -139,7 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shape.launches_ranks and not is_local_rank():
         master_addr = os.environ.get("MASTER_ADDR", LOOPBACK)
         master_port = int(os.environ.get("MASTER_PORT", "29500"))
-        return launch(shape, sys.argv[1:] if argv is None else argv, master_addr, master_port, "diloco-worker")
+        arguments = sys.argv[1:] if argv is None else argv
+        grace = args.termination_grace_seconds
+        return launch(shape, arguments, master_addr, master_port, "diloco-worker", grace)
     stop = StopRequest(args.termination_grace_seconds)
     stop.install()
     trainer = Trainer(settings, config, island=args.island or "ddp", syncers=syncers, token=token, stop=stop)

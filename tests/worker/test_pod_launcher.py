@@ -130,7 +130,7 @@ def test_a_local_rank_that_dies_takes_the_pod_down(start_shards, tmp_path, devic
     assert not alive(ranks[0]), "the launcher stopped the surviving rank"
 
 
-def test_sigterm_to_the_pods_process_reaches_every_local_rank(start_shards, tmp_path):
+def test_sigterm_to_the_pods_process_reaches_every_local_rank_and_the_pod_exits_0(start_shards, tmp_path):
     shards = start_shards(CONFIG)
     pod = start_pod(tmp_path, shards.targets[0], steps=1_000_000)
     try:
@@ -139,7 +139,7 @@ def test_sigterm_to_the_pods_process_reaches_every_local_rank(start_shards, tmp_
         code, out = finish(pod)
     finally:
         pod.kill()
-    assert code != 0, out
+    assert code == 0, out
     assert not any(alive(pid) for pid in ranks.values())
 
 
