@@ -65,8 +65,9 @@ bench-accelerator: $(STAMP)  ## one GPU: tokens/s, MFU and peak memory of the me
 bench-operator: $(STAMP)  ## operator: kubectl apply of 100 islands x 8 pods to children and status current, KWOK cluster
 	$(BIN)/python bench/operator_scale.py
 
-syncer: $(STAMP)  ## one syncer shard on loopback, token "dev", checkpoints in ./out/syncer
-	DILOCO_TOKEN=dev $(BIN)/diloco-syncer --host 127.0.0.1 --port 50051 --metrics-port 9090 --checkpoint-dir out/syncer
+syncer: $(STAMP)  ## one syncer shard on loopback, token "dev", plaintext, checkpoints in ./out/syncer
+	DILOCO_TOKEN=dev $(BIN)/diloco-syncer --host 127.0.0.1 --port 50051 --metrics-port 9090 --checkpoint-dir out/syncer \
+		--insecure-plaintext
 
 images:  ## the base, operator and trainer images, built offline with the local Docker engine (deploy/README.md)
 	deploy/images/build.sh

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from diloco.core.config import Mode, TrainingConfig
+from diloco.transport.tls import PLAINTEXT
 from diloco.worker.trainer import Trainer, TrainerSettings
 
 CHECKPOINTED = {"xl"}  # presets whose activations only fit with recomputation at the benchmark's batch
@@ -44,7 +45,7 @@ def measure(preset: str, precision: str, args: argparse.Namespace) -> Measured:
         precision=precision,
         activation_checkpointing=preset in CHECKPOINTED,
     )
-    trainer = Trainer(settings, TrainingConfig(), island="bench", syncers=[], token="")
+    trainer = Trainer(settings, TrainingConfig(), island="bench", syncers=[], token="", security=PLAINTEXT)
     try:
         trainer.run()
     finally:

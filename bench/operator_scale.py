@@ -23,6 +23,7 @@ steady-state pass over the running job. Writes out/bench/operator_scale.png.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import tempfile
@@ -44,6 +45,7 @@ from operator_harness import NAMESPACE, SERVICE_ACCOUNT, OperatorProcess, instal
 from diloco.api.job import DiLoCoJobSpec  # noqa: E402
 from diloco.operator import naming  # noqa: E402
 from diloco.operator.children import Scale, render_children  # noqa: E402
+from diloco.operator.job_tls import job_tls  # noqa: E402
 from diloco.operator.kube import Kube  # noqa: E402
 
 OUT = ROOT / "out" / "bench"
@@ -217,12 +219,14 @@ class Bench:
         name = "baseline"
         self.cluster.kubectl("create", "namespace", name)
         spec = DiLoCoJobSpec.model_validate(job_spec(islands, pods))
+        job = naming.JobRef(name=name, namespace=name, uid="none")
         objects = render_children(
-            naming.JobRef(name=name, namespace=name, uid="none"),
+            job,
             spec,
             "token",
             Scale(islands={i.name: i.replicas for i in spec.islands}, syncers=1),
             None,
+            tls=job_tls(job, spec, None, {}, datetime.datetime.now(datetime.UTC)),
         )
         for obj in objects:
             obj["metadata"].pop("ownerReferences", None)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from diloco.settings import load_token
+from diloco.settings import add_tls_arguments, load_security, load_token
 from diloco.transport.client import SyncerClient
+from diloco.transport.tls import Role
 
 
 def render(reply: object, now: float) -> str:
@@ -27,7 +28,11 @@ def render(reply: object, now: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    with SyncerClient(args.target, load_token(args.token_file), timeout=10, retry_for=10) as client:
+    try:
+        token, security = load_token(args.token_file), load_security(Role.CLIENT, args)
+    except (ValueError, OSError) as error:
+        raise SystemExit(f"diloco status: {error}") from None
+    with SyncerClient(args.target, token, security=security, timeout=10, retry_for=10) as client:
         print(render(client.status(), time.time()))
     return 0
 
@@ -36,4 +41,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("status", help="show a syncer shard's fragments", description=__doc__)
     parser.add_argument("target", nargs="?", default="127.0.0.1:50051", help="host:port of the shard")
     parser.add_argument("--token-file", help="file with the job token (else DILOCO_TOKEN_FILE or DILOCO_TOKEN)")
+    add_tls_arguments(parser)
     parser.set_defaults(func=run)

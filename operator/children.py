@@ -2,7 +2,9 @@
 
 Per job: a ConfigMap (training config JSON), a Secret (the gRPC bearer token, derived by the caller, see
 `tokens.py`, and passed in; its fingerprint annotates every pod template, so a new token restarts every
-syncer and island together), and a NetworkPolicy that admits only the job's own pods (and the operator) to the syncers.
+syncer and island together), the TLS Secret the operator makes when the job names none (`job_tls.py`, whose
+certificates' fingerprint rolls the pods the same way), and a NetworkPolicy that admits only the job's own
+pods (and the operator) to the syncers.
 Per syncer shard: a Service, a Deployment (one pod, Recreate, so two incarnations never share a
 checkpoint) and a PersistentVolumeClaim. Per island: a headless Service and a StatefulSet whose pods take
 their torch.distributed ranks from the ordinal (one rank per accelerator, see `trainer_env`). Replica counts
@@ -32,6 +34,7 @@ from diloco.api.job import (
 )
 from diloco.core.config import Precision
 from diloco.operator import naming as n
+from diloco.operator.job_tls import JobTls
 from diloco.operator.overrides import merge
 from diloco.operator.tokens import fingerprint
 
@@ -164,9 +167,14 @@ def config_hash(spec: DiLoCoJobSpec) -> str:
     return digest(spec.training.to_json())
 
 
-def template_annotations(spec: DiLoCoJobSpec, token: str) -> dict[str, str]:
-    """What rolls a pod when it changes: the training config and the token every syncer and island holds."""
-    return {n.ANNOTATION_CONFIG_HASH: config_hash(spec), n.ANNOTATION_TOKEN_HASH: fingerprint(token)}
+def template_annotations(spec: DiLoCoJobSpec, token: str, tls_fingerprint: str) -> dict[str, str]:
+    """What rolls a pod when it changes: the training config, the token every syncer and island holds, and
+    the certificates its pods mount (`JobTls.fingerprint`)."""
+    return {
+        n.ANNOTATION_CONFIG_HASH: config_hash(spec),
+        n.ANNOTATION_TOKEN_HASH: fingerprint(token),
+        n.ANNOTATION_TLS_HASH: tls_fingerprint,
+    }
 
 
 def config_map(job: n.JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
@@ -188,6 +196,19 @@ def token_secret(job: n.JobRef, token: str) -> dict[str, Any]:
             "metadata": _metadata(job, n.token_secret_name(job.name), n.common_labels(job.name, None, "token")),
             "type": "Opaque",
             "data": {n.TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+        }
+    )
+
+
+def tls_secret(job: n.JobRef, made: Mapping[str, bytes]) -> dict[str, Any]:
+    """The CA and certificates the operator made for a job that names no Secret (`job_tls`)."""
+    return _stamped(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": _metadata(job, n.tls_secret_name(job.name), n.common_labels(job.name, None, "tls")),
+            "type": "Opaque",
+            "data": {key: base64.b64encode(value).decode() for key, value in sorted(made.items())},
         }
     )
 
@@ -237,11 +258,15 @@ def _grpc_probe(port: int, period: int, failures: int) -> dict[str, Any]:
     return {"grpc": {"port": port}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 2}
 
 
-def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: int, token: str) -> dict[str, Any]:
+def syncer_deployment(
+    job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: int, token: str, tls: JobTls
+) -> dict[str, Any]:
     syncer = spec.syncer
     labels = n.shard_labels(job.name, shard)
     env = {
         **_shared_env(),
+        **tls.env(syncer=True),
+        "DILOCO_HEALTH_PORT": str(syncer.health_port),
         "DILOCO_SHARD_INDEX": str(shard),
         "DILOCO_NUM_SHARDS": str(syncer.shards),
         "DILOCO_SYNCER_PORT": str(syncer.port),
@@ -258,16 +283,19 @@ def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: 
         "ports": [
             {"name": "grpc", "containerPort": syncer.port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": syncer.metrics_port, "protocol": "TCP"},
+            {"name": "health", "containerPort": syncer.health_port, "protocol": "TCP"},
         ],
-        # A shard loads its whole checkpoint before it serves: the startup probe allows ten minutes.
-        "startupProbe": _grpc_probe(syncer.port, period=5, failures=120),
-        "readinessProbe": _grpc_probe(syncer.port, period=5, failures=2),
-        "livenessProbe": _grpc_probe(syncer.port, period=10, failures=6),
+        # A shard loads its whole checkpoint before it serves: the startup probe allows ten minutes. The
+        # kubelet's gRPC probes cannot speak TLS: they ask the plaintext health port.
+        "startupProbe": _grpc_probe(syncer.health_port, period=5, failures=120),
+        "readinessProbe": _grpc_probe(syncer.health_port, period=5, failures=2),
+        "livenessProbe": _grpc_probe(syncer.health_port, period=10, failures=6),
         "resources": _resources(syncer.resources),
         "securityContext": _container_security(read_only_root=True),
         "volumeMounts": [
             {"name": "checkpoints", "mountPath": CHECKPOINT_DIR},
             *_shared_mounts(),
+            *tls.mounts(),
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
@@ -281,6 +309,7 @@ def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: 
         "volumes": [
             {"name": "checkpoints", "persistentVolumeClaim": {"claimName": n.syncer_name(job.name, shard)}},
             *_shared_volumes(job.name),
+            *tls.volumes(job, syncer=True),
             {"name": "tmp", "emptyDir": {}},
         ],
     }
@@ -290,7 +319,13 @@ def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: 
         pod_spec["tolerations"] = _tolerations(syncer.tolerations)
     if syncer.priority_class_name:
         pod_spec["priorityClassName"] = syncer.priority_class_name
-    template = {"metadata": {"labels": labels, "annotations": template_annotations(spec, token)}, "spec": pod_spec}
+    template = {
+        "metadata": {
+            "labels": labels,
+            "annotations": template_annotations(spec, token, tls.fingerprint(job, syncer=True)),
+        },
+        "spec": pod_spec,
+    }
     template = _overridden(template, syncer.pod_template)
     return _stamped(
         {
@@ -393,7 +428,7 @@ def _trainer_readiness(port: int) -> dict[str, Any]:
     }
 
 
-def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, token: str) -> dict[str, Any]:
+def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, token: str, tls: JobTls) -> dict[str, Any]:
     """The pod template of an island, with the island's pod-template override merged in last."""
     accelerators = {island.accelerator_resource: island.accelerators_per_pod} if island.accelerators_per_pod else None
     container = {
@@ -401,14 +436,14 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": list(spec.trainer.command or WORKER_COMMAND),
-        "env": trainer_env(job, spec, island),
+        "env": [*trainer_env(job, spec, island), *_env(tls.env(syncer=False))],
         "ports": [
             {"name": "rendezvous", "containerPort": spec.trainer.rendezvous_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": spec.trainer.metrics_port, "protocol": "TCP"},
         ],
         "resources": _resources(island.resources, accelerators),
         "securityContext": _container_security(read_only_root=False),
-        "volumeMounts": [*_shared_mounts(), {"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [*_shared_mounts(), *tls.mounts(), {"name": "dshm", "mountPath": "/dev/shm"}],
     }
     if spec.trainer.args:
         container["args"] = list(spec.trainer.args)
@@ -422,7 +457,11 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
         "terminationGracePeriodSeconds": TRAINER_GRACE_SECONDS,
         "containers": [container],
         # Shared memory for data loaders and NCCL, which the container runtime's 64 MiB default starves.
-        "volumes": [*_shared_volumes(job.name), {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+        "volumes": [
+            *_shared_volumes(job.name),
+            *tls.volumes(job, syncer=False),
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        ],
     }
     if island.node_selector:
         pod_spec["nodeSelector"] = dict(island.node_selector)
@@ -435,7 +474,7 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
     template = {
         "metadata": {
             "labels": n.island_labels(job.name, island.name),
-            "annotations": template_annotations(spec, token),
+            "annotations": template_annotations(spec, token, tls.fingerprint(job, syncer=False)),
         },
         "spec": pod_spec,
     }
@@ -443,7 +482,7 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
 
 
 def island_statefulset(
-    job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, replicas: int, token: str
+    job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, replicas: int, token: str, tls: JobTls
 ) -> dict[str, Any]:
     """Parallel pod management: ranks start together. OnDelete updates: a template change is rolled out by
     the operator re-forming the whole island, never one rank at a time (which would break the
@@ -460,7 +499,7 @@ def island_statefulset(
                 "podManagementPolicy": "Parallel",
                 "updateStrategy": {"type": "OnDelete"},
                 "selector": {"matchLabels": n.island_selector(job.name, island.name)},
-                "template": island_template(job, spec, island, token),
+                "template": island_template(job, spec, island, token, tls),
             },
         }
     )
@@ -564,22 +603,24 @@ def export_job(job: n.JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
 
 
 def render_children(
-    job: n.JobRef, spec: DiLoCoJobSpec, token: str, scale: Scale, operator: OperatorRef | None
+    job: n.JobRef, spec: DiLoCoJobSpec, token: str, scale: Scale, operator: OperatorRef | None, *, tls: JobTls
 ) -> list[dict[str, Any]]:
     """Every child, in the order they are best created: config and credentials, then syncers, then islands;
     last the model's export once the job has succeeded and its shards have stopped."""
     validate_job_name(job.name)
     children = [config_map(job, spec), token_secret(job, token), network_policy(job, spec, operator)]
+    if tls.made is not None:
+        children.append(tls_secret(job, tls.made))
     for shard in range(spec.syncer.shards):
         children += [
             syncer_claim(job, spec, shard),
             syncer_service(job, spec, shard),
-            syncer_deployment(job, spec, shard, scale.syncers, token),
+            syncer_deployment(job, spec, shard, scale.syncers, token, tls),
         ]
     for island in spec.islands:
         children += [
             island_service(job, spec, island),
-            island_statefulset(job, spec, island, scale.islands.get(island.name, 0), token),
+            island_statefulset(job, spec, island, scale.islands.get(island.name, 0), token, tls),
         ]
     if scale.export:
         children.append(export_job(job, spec))

@@ -20,6 +20,7 @@ ANNOTATION_HASH = f"{API_GROUP}/applied-hash"
 ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
 ANNOTATION_TOKEN_HASH = f"{API_GROUP}/token-hash"
 ANNOTATION_ROTATE_TOKEN = f"{API_GROUP}/rotate-token"
+ANNOTATION_TLS_HASH = f"{API_GROUP}/tls-hash"
 TOKEN_KEY_SECRET = "diloco-operator-token-key"
 """The Secret, in the operator's namespace, holding the key every job's token derives from."""
 
@@ -63,6 +64,11 @@ def config_map_name(job: str) -> str:
 
 def token_secret_name(job: str) -> str:
     return f"{job}-token"
+
+
+def tls_secret_name(job: str) -> str:
+    """The Secret of the CA and certificates the operator makes for a job that names none."""
+    return f"{job}-tls"
 
 
 def network_policy_name(job: str) -> str:

@@ -16,7 +16,9 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from diloco.operator.job_status import FragmentReport, ShardObservation
+from diloco.transport import tls
 from diloco.transport.auth import bearer_metadata
+from diloco.transport.tls import Security
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.v1 import syncer_pb2_grpc as pb_grpc
 
@@ -36,11 +38,14 @@ def rpc_error(error: grpc.RpcError) -> str:
     return f"{code.name if code else 'UNKNOWN'}: {details[:MAX_ERROR_CHARS]}"
 
 
-def shard_status(shard: int, ready: bool, target: str, token: str, timeout: float) -> ShardObservation:
-    """One shard's Status reply, or an observation without one when the call fails."""
+def shard_status(
+    shard: int, ready: bool, target: str, token: str, security: Security, timeout: float
+) -> ShardObservation:
+    """One shard's Status reply, or an observation without one when the call fails (a refused handshake
+    included: UNAVAILABLE, as for a shard that is down)."""
     if not ready:
         return ShardObservation(shard=shard, ready=False)
-    with grpc.insecure_channel(target) as channel:
+    with tls.channel(target, security) as channel:
         try:
             reply = pb_grpc.SyncerStub(channel).Status(
                 pb.StatusRequest(), timeout=timeout, metadata=bearer_metadata(token)
@@ -60,11 +65,13 @@ def shard_status(shard: int, ready: bool, target: str, token: str, timeout: floa
     return ShardObservation(shard=shard, ready=True, fragments=fragments, live_islands=frozenset(reply.live_islands))
 
 
-def shard_statuses(targets: Sequence[str], ready: Sequence[bool], token: str, timeout: float) -> list[ShardObservation]:
+def shard_statuses(
+    targets: Sequence[str], ready: Sequence[bool], token: str, security: Security, timeout: float
+) -> list[ShardObservation]:
     """Every shard's status, polled in parallel so a pass costs one timeout however many shards there are."""
     with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL, len(targets)))) as pool:
         futures = [
-            pool.submit(shard_status, shard, ready[shard], target, token, timeout)
+            pool.submit(shard_status, shard, ready[shard], target, token, security, timeout)
             for shard, target in enumerate(targets)
         ]
         return [f.result() for f in futures]

@@ -26,9 +26,11 @@ from diloco.operator.event_recorder import EventRecorder
 from diloco.operator.events import Event
 from diloco.operator.island_accounting import PodObservation, nodes_to_check, observe_node, observe_pod
 from diloco.operator.job_status import Observation, ShardObservation, decide
+from diloco.operator.job_tls import JobTls, job_tls
 from diloco.operator.kube import ApiError, Kube
 from diloco.operator.probes import shard_statuses, trainer_losses
 from diloco.operator.tokens import job_token
+from diloco.transport.tls import Security
 
 log = logging.getLogger("diloco.operator")
 
@@ -46,7 +48,7 @@ CHILD_KINDS = (
     "Job",
 )
 
-ShardPoller = Callable[[Sequence[str], Sequence[bool], str, float], list[ShardObservation]]
+ShardPoller = Callable[[Sequence[str], Sequence[bool], str, Security, float], list[ShardObservation]]
 LossScraper = Callable[[Mapping[str, str], float], dict[str, float]]
 
 
@@ -197,6 +199,7 @@ class Reconciler:
         existing: Mapping[tuple[str, str], Mapping[str, Any]],
         raw_pods: Sequence[Mapping[str, Any]],
         token: str,
+        probe: Security | str,
     ) -> Observation:
         pods: dict[str, list[PodObservation]] = {island.name: [] for island in spec.islands}
         for raw in raw_pods:
@@ -232,7 +235,10 @@ class Reconciler:
             for shard in range(spec.syncer.shards)
         ]
         targets = [n.syncer_address(job.name, job.namespace, s, spec.syncer.port) for s in range(spec.syncer.shards)]
-        shards = self.poll_shards(targets, ready, token, self.probe_timeout)
+        if isinstance(probe, str):  # the job's TLS Secrets are not there: nothing to call the shards with
+            shards = [ShardObservation(shard=s, ready=r, error=f"UNAVAILABLE: {probe}") for s, r in enumerate(ready)]
+        else:
+            shards = self.poll_shards(targets, ready, token, probe, self.probe_timeout)
 
         urls = {
             name: _metrics_url(pod.ip, spec.trainer.metrics_port)
@@ -255,6 +261,18 @@ class Reconciler:
             export_job=existing.get(("Job", n.export_job_name(job.name))),
         )
 
+    def _tls(
+        self,
+        job: n.JobRef,
+        spec: DiLoCoJobSpec,
+        existing: Mapping[tuple[str, str], Mapping[str, Any]],
+        now: datetime.datetime,
+    ) -> JobTls:
+        """The job's TLS: its operator-made Secret as it lives (if this job owns it), or the Secrets it names."""
+        live = existing.get(("Secret", n.tls_secret_name(job.name)))
+        named = {name: self.kube.get("Secret", job.namespace, name) for name in spec.tls.named_secrets}
+        return job_tls(job, spec, live if live is not None and owned_by(live, job.uid) else None, named, now)
+
     def reconcile(
         self,
         job: n.JobRef,
@@ -268,12 +286,18 @@ class Reconciler:
         previous = DiLoCoJobStatus.model_validate(dict(raw_status or {}))
         existing, raw_pods = self._list(job)
         token = job_token(self.token_key, job, job.token_rotation)
+        tls = self._tls(job, spec, existing, now)
         decision = decide(
-            spec, generation, previous, self._observe(job, spec, previous, existing, raw_pods, token), now, job=job.name
+            spec,
+            generation,
+            previous,
+            self._observe(job, spec, previous, existing, raw_pods, token, tls.probe),
+            now,
+            job=job.name,
         )
         events = list(decision.events)
 
-        desired = render_children(job, spec, token, decision.scale, self.operator)
+        desired = render_children(job, spec, token, decision.scale, self.operator, tls=tls)
         others = self._unlisted(job, [child_key(obj) for obj in desired if child_key(obj) not in existing])
         stale: list[tuple[dict[str, Any], bool]] = []
         for obj in desired:

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from diloco.logs import setup_logging
-from diloco.settings import env_default, load_token, load_training_config
+from diloco.settings import add_tls_arguments, env_default, load_security, load_token, load_training_config
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.server import SyncerServer
+from diloco.transport.tls import Role
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -34,8 +35,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="seconds between checkpoints",
     )
     p.add_argument(
+        "--health-port",
+        type=int,
+        default=int(env_default("HEALTH_PORT", "0")),
+        help="plaintext port of grpc.health.v1 alone, for the kubelet's probes (they cannot speak TLS); 0: none",
+    )
+    p.add_argument(
         "--metrics-port", type=int, default=int(env_default("METRICS_PORT", "9090")), help="Prometheus port; 0 disables"
     )
+    add_tls_arguments(p)
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     return p.parse_args(argv)
 
@@ -45,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_logging(args.log_level)
     try:
         config, token = load_training_config(args.config), load_token(args.token_file)
+        security = load_security(Role.SERVER, args)
     except (ValueError, OSError) as error:
         raise SystemExit(f"diloco-syncer: {error}") from None
     metrics = SyncerMetrics()
@@ -53,8 +62,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         shard_index=args.shard_index,
         num_shards=args.num_shards,
         token=token,
+        security=security,
         host=args.host,
         port=args.port,
+        health_port=args.health_port or None,
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         checkpoint_interval=args.checkpoint_interval,
         metrics=metrics,

@@ -33,6 +33,11 @@ class SyncerMetrics:
             registry=r,
         )
         self.rejected = Counter("diloco_syncer_rejected_pushes", "Calls refused, by reason", ["reason"], registry=r)
+        self.tls_handshakes = Counter(
+            "diloco_syncer_tls_handshakes",
+            "TLS handshakes begun, one per connection, refused ones included (gRPC reports no outcome)",
+            registry=r,
+        )
         self.live_islands = Gauge("diloco_syncer_live_islands", "Islands heard from within the timeout", registry=r)
         self.checkpoint_seconds = Histogram(
             "diloco_syncer_checkpoint_seconds", "Time to write a checkpoint", registry=r

@@ -38,9 +38,10 @@ from diloco.syncer.streams import (
     DataThreads,
     StreamWatch,
 )
-from diloco.transport import wire
+from diloco.transport import tls, wire
 from diloco.transport.auth import TokenInterceptor
 from diloco.transport.codes import encoding_of, status_code
+from diloco.transport.tls import Security
 from diloco.transport.v1 import syncer_pb2 as pb
 
 log = logging.getLogger("diloco.syncer")
@@ -95,8 +96,10 @@ class SyncerServer:
         shard_index: int,
         num_shards: int,
         token: str,
+        security: Security,
         host: str = "127.0.0.1",
         port: int = 0,
+        health_port: int | None = None,
         checkpoint_dir: Path | None = None,
         checkpoint_interval: float = 60.0,
         max_fragment_bytes: int = wire.MAX_STREAM_BYTES,
@@ -110,7 +113,10 @@ class SyncerServer:
     ) -> None:
         """`max_workers` threads serve the data calls (Seed, PushDelta, Pull), `CONTROL_WORKERS` more the
         others; `max_queued_calls` data calls may wait for a thread, and more are refused; `stream_idle_seconds`
-        is how long a data stream may keep the shard waiting (`streams`)."""
+        is how long a data stream may keep the shard waiting (`streams`).
+        `security`: the shard's certificate (and the CA, for mutual TLS), or plaintext asked for by name.
+        `health_port` (0: any free one) serves grpc.health.v1 alone in plaintext, for probes that cannot speak
+        TLS (the kubelet's): health says only whether the shard serves, as on the main port without a token."""
         self.config = config
         self.metrics = metrics or SyncerMetrics()
         self.clock = clock
@@ -149,9 +155,20 @@ class SyncerServer:
                 for handlers in (_handlers(servicer, self._control), _health_handlers(self._health, self._control))
             )
         )
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        self.port = tls.add_port(self._server, f"{host}:{port}", security, on_handshake=self.metrics.tls_handshakes.inc)
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
+        self._health_server: grpc.Server | None = None
+        self.health_port: int | None = None
+        if health_port is not None:
+            self._health_server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncer-health"),
+                handlers=[_health_handlers(self._health, self._control)],
+                options=[("grpc.so_reuseport", 0)],
+            )
+            self.health_port = self._health_server.add_insecure_port(f"{host}:{health_port}")
+            if self.health_port == 0:
+                raise OSError(f"could not bind {host}:{health_port} for health checks")
 
     def _resume_or_start(self, shard_index: int, num_shards: int, max_pending_bytes: int) -> ShardState:
         saved = checkpoint.load(self._checkpoint_path) if self._checkpoint_path else None
@@ -175,6 +192,8 @@ class SyncerServer:
 
     def start(self) -> int:
         self._server.start()
+        if self._health_server is not None:
+            self._health_server.start()
         loops = (
             (self._merge_loop, "syncer-merge"),
             (self._checkpoint_loop, "syncer-checkpoint"),
@@ -201,6 +220,8 @@ class SyncerServer:
         """Stops serving, then writes the final (clean) checkpoint: a graceful stop loses nothing."""
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        if self._health_server is not None:
+            self._health_server.stop(0).wait()
         self._stopping.set()
         with self._cond:
             self._cond.notify_all()

@@ -6,9 +6,16 @@ import datetime
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 import pytest
+
+from diloco.transport.tls import Pki, throwaway_pki
+
+TEST_PKI: Pki = throwaway_pki()
+"""The tests' CA, a syncer certificate for loopback and a client certificate: every shard in the tests serves
+TLS with `TEST_PKI.server` and every client trusts it with `TEST_PKI.client`, as on a cluster."""
 
 
 def wait_until(condition: Callable[[], object], timeout: float = 10.0, interval: float = 0.02) -> object:
@@ -21,6 +28,21 @@ def wait_until(condition: Callable[[], object], timeout: float = 10.0, interval:
         if time.monotonic() > deadline:
             pytest.fail(f"condition not met within {timeout} s: {getattr(condition, '__name__', condition)}")
         time.sleep(interval)
+
+
+def tls_env(folder: Path, pki: Pki = TEST_PKI, *, server: bool) -> dict[str, str]:
+    """The DILOCO_TLS_* variables of a syncer (`server`) or an island process, with `pki`'s PEM files
+    written under `folder` as the operator's mounted Secrets would be."""
+    folder.mkdir(parents=True, exist_ok=True)
+    issued = pki.server_cert if server else pki.client_cert
+    for name, pem in (("ca.crt", pki.ca.cert), ("tls.crt", issued.cert), ("tls.key", issued.key)):
+        (folder / name).write_bytes(pem)
+    env = {"DILOCO_TLS_CA_FILE": str(folder / "ca.crt")}
+    if server or pki.mutual:
+        env |= {"DILOCO_TLS_CERT_FILE": str(folder / "tls.crt"), "DILOCO_TLS_KEY_FILE": str(folder / "tls.key")}
+    if pki.mutual:
+        env["DILOCO_TLS_MUTUAL"] = "1"
+    return env
 
 
 def missing_binary(message: str) -> NoReturn:

@@ -1,6 +1,6 @@
 """`Learner`: turns any PyTorch training loop into a Decoupled DiLoCo island in a few lines.
 
-    learner = Learner(model, optimizer, config, syncers=[...], token=..., island_id="island-0")
+    learner = Learner(model, optimizer, config, syncers=[...], token=..., security=..., island_id="island-0")
     learner.start()
     for batch in data:
         loss_fn(model(batch)).backward()
@@ -32,8 +32,9 @@ from torch.nn.parallel import DistributedDataParallel
 from diloco.core.config import TrainingConfig
 from diloco.core.fragments import Fragment, fragments_due, plan_fragments, resume_step, shard_of
 from diloco.core.island_id import check_island_id
-from diloco.settings import env_default, load_token, load_training_config
+from diloco.settings import env_default, load_security, load_token, load_training_config
 from diloco.transport.client import Backoff, SyncerClient
+from diloco.transport.tls import Role, Security
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.island import Island
 from diloco.worker.stats import LearnerStats, StatsRecorder, Version
@@ -100,6 +101,7 @@ class Learner:
         *,
         syncers: Sequence[str],
         token: str,
+        security: Security,
         island_id: str,
         process_group: dist.ProcessGroup | None = None,
         sync_timeout: float = 60.0,
@@ -111,8 +113,9 @@ class Learner:
         on_round: Callable[[RoundReport], None] | None = None,
         compressed_pulls: bool | None = None,
     ) -> None:
-        """`syncers[i]` is the address of shard i. A round with no merge within `sync_timeout` seconds is
-        abandoned; each call gets `rpc_timeout` seconds per attempt and is retried for `retry_for`.
+        """`syncers[i]` is the address of shard i, reached with `security` (TLS, or plaintext by name). A
+        round with no merge within `sync_timeout` seconds is abandoned; each call gets `rpc_timeout` seconds
+        per attempt and is retried for `retry_for`.
 
         `synchronous` makes every sync a barrier (the island waits for the merge and mixes at once): the
         synchronous-DiLoCo baseline. `on_round` hears how every round ended, on every rank.
@@ -137,6 +140,7 @@ class Learner:
         if compressed_pulls is None:
             compressed_pulls = env_default("COMPRESSED_PULLS", "1") != "0"
         self._pull_encoding = config.encoding if compressed_pulls else None
+        self._security = security
         self._client_options = {"timeout": rpc_timeout, "retry_for": retry_for, "backoff": backoff}
         # Names must be the same on every island, whether or not it wraps its model in DDP ("module." prefix).
         named_model = model.module if isinstance(model, DistributedDataParallel) else model
@@ -162,9 +166,11 @@ class Learner:
         process_group: dist.ProcessGroup | None = None,
     ) -> Learner:
         """A learner configured by the `DILOCO_*` variables the operator injects: DILOCO_SYNCERS
-        (comma-separated, index = shard), DILOCO_TOKEN or DILOCO_TOKEN_FILE, DILOCO_ISLAND, and
-        DILOCO_CONFIG or DILOCO_CONFIG_FILE. Without `process_group`, an initialised default process group
-        is taken to be the island (one torch.distributed world per island)."""
+        (comma-separated, index = shard), DILOCO_TOKEN or DILOCO_TOKEN_FILE, DILOCO_ISLAND,
+        DILOCO_CONFIG or DILOCO_CONFIG_FILE, and DILOCO_TLS_CA_FILE (with DILOCO_TLS_MUTUAL,
+        DILOCO_TLS_CERT_FILE and DILOCO_TLS_KEY_FILE for mutual TLS) or DILOCO_INSECURE_PLAINTEXT=1.
+        Without `process_group`, an initialised default process group is taken to be the island (one
+        torch.distributed world per island)."""
         syncers = [target.strip() for target in (env_default("SYNCERS") or "").split(",") if target.strip()]
         if not syncers:
             raise ValueError("DILOCO_SYNCERS is not set: expected comma-separated syncer addresses")
@@ -179,6 +185,7 @@ class Learner:
             load_training_config(None),
             syncers=syncers,
             token=load_token(None),
+            security=load_security(Role.CLIENT),
             island_id=island,
             process_group=process_group,
         )
@@ -236,7 +243,14 @@ class Learner:
 
     def _connect(self) -> None:
         self._clients = [
-            SyncerClient(target, self._token, island_id=self.island_id, stop=self._stopping, **self._client_options)
+            SyncerClient(
+                target,
+                self._token,
+                security=self._security,
+                island_id=self.island_id,
+                stop=self._stopping,
+                **self._client_options,
+            )
             for target in self.syncers
         ]
         for index, client in enumerate(self._clients):

@@ -16,7 +16,15 @@ import torch
 
 from diloco.core.config import Mode, Precision
 from diloco.logs import setup_logging
-from diloco.settings import DEFAULT_CORPUS_BYTES, env_default, load_token, load_training_config
+from diloco.settings import (
+    DEFAULT_CORPUS_BYTES,
+    add_tls_arguments,
+    env_default,
+    load_security,
+    load_token,
+    load_training_config,
+)
+from diloco.transport.tls import PLAINTEXT, Role
 from diloco.worker.metrics import serve_metrics
 from diloco.worker.pod_launcher import follow_launcher, is_local_rank, launch
 from diloco.worker.pod_ranks import LOOPBACK, PodShape, local_position, metrics_port
@@ -39,6 +47,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--syncers", default=env("SYNCERS", ""), help="comma-separated shard addresses, in index order")
     p.add_argument("--config", help="training config JSON file (else DILOCO_CONFIG_FILE, DILOCO_CONFIG, defaults)")
     p.add_argument("--token-file", help="file holding the job token (else DILOCO_TOKEN_FILE or DILOCO_TOKEN)")
+    add_tls_arguments(p)
     p.add_argument("--model", default=env("MODEL", "tiny"), help="model preset: tiny, small, medium, large, xl")
     p.add_argument("--data", default=env("DATA"), help="token (.bin/.npy) or text file; default: embedded corpus")
     p.add_argument("--max-data-bytes", type=int, default=int(env("MAX_DATA_BYTES", str(DEFAULT_CORPUS_BYTES))))
@@ -132,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_training_config(args.config)
         needs_syncers = settings.mode != Mode.DDP
         token = load_token(args.token_file) if needs_syncers else ""
+        security = load_security(Role.CLIENT, args) if needs_syncers else PLAINTEXT
         if needs_syncers and not (syncers and args.island):
             raise ValueError("a DiLoCo worker needs --syncers and --island (DILOCO_SYNCERS, DILOCO_ISLAND)")
     except (ValueError, OSError) as error:
@@ -144,7 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch(shape, arguments, master_addr, master_port, "diloco-worker", grace)
     stop = StopRequest(args.termination_grace_seconds)
     stop.install()
-    trainer = Trainer(settings, config, island=args.island or "ddp", syncers=syncers, token=token, stop=stop)
+    trainer = Trainer(
+        settings, config, island=args.island or "ddp", syncers=syncers, token=token, security=security, stop=stop
+    )
     port = metrics_port(args.metrics_port, local_position(os.environ)[0])
     if port:
         serve_metrics(trainer.snapshot, port, args.metrics_host)

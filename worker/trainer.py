@@ -33,6 +33,7 @@ from diloco.progress import (
     StepEvent,
 )
 from diloco.settings import DEFAULT_CORPUS_BYTES
+from diloco.transport.tls import Security
 from diloco.worker.data import EVAL_WINDOWS, BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
 from diloco.worker.learner import Learner, RoundReport
@@ -125,6 +126,7 @@ class Trainer:
         island: str,
         syncers: list[str],
         token: str,
+        security: Security,
         stop: StopRequest | None = None,
     ) -> None:
         """`stop`, once requested on any rank, ends training at the next step on every rank."""
@@ -175,6 +177,7 @@ class Trainer:
                 config,
                 syncers=syncers,
                 token=token,
+                security=security,
                 island_id=island,
                 process_group=self.group,
                 synchronous=settings.mode == Mode.SYNC_DILOCO,

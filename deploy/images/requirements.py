@@ -16,7 +16,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-OPERATOR = ("kopf", "kubernetes", "pydantic", "grpcio", "protobuf", "prometheus-client", "python-json-logger", "pyyaml")
+OPERATOR = (
+    "kopf",
+    "kubernetes",
+    "pydantic",
+    "grpcio",
+    "protobuf",
+    "prometheus-client",
+    "python-json-logger",
+    "pyyaml",
+    "cryptography",
+)
 IMAGES = ("operator", "trainer", "build")
 
 

@@ -50,7 +50,8 @@ if [[ " ${images[*]} " == *" trainer "* ]]; then
   metrics_port=$(free_port)
   syncer="diloco-smoke-syncer-$$"
   trap 'status=$?; [[ $status == 0 ]] || "$DOCKER" logs --tail 20 "$syncer" >&2; "$DOCKER" rm -f "$syncer" >/dev/null' EXIT
-  "$DOCKER" run -d --network host --name "$syncer" -e DILOCO_TOKEN=smoke "$trainer" diloco-syncer \
+  "$DOCKER" run -d --network host --name "$syncer" -e DILOCO_TOKEN=smoke -e DILOCO_INSECURE_PLAINTEXT=1 "$trainer" \
+    diloco-syncer \
     --host 127.0.0.1 --port "$port" --metrics-port "$metrics_port" --checkpoint-dir /tmp/checkpoints >/dev/null
   check "syncer from $trainer on 127.0.0.1:$port" "health SERVING" \
     "$DOCKER" run --rm --network host -e PORT="$port" -e METRICS_PORT="$metrics_port" "$trainer" python -c '

@@ -77,7 +77,16 @@ MSG_JOB_PODS = (
     f"spec.islands[].replicas must add up to at most {MAX_JOB_PODS} pods: the job's status keeps a record of each, "
     "and the job must fit in one object of the API server"
 )
-MSG_SYNCER_PORTS = "spec.syncer.port and spec.syncer.metricsPort must differ"
+MSG_SYNCER_PORTS = "spec.syncer.port, metricsPort and healthPort must differ"
+MSG_TLS_SERVER_AND_CA = (
+    "spec.tls.serverSecret and spec.tls.caSecret are named together, or neither (the operator then makes a CA "
+    "for the job)"
+)
+MSG_TLS_CLIENT_SECRET = (
+    "spec.tls.clientSecret is named exactly when spec.tls.mutual is set with the job's own Secrets "
+    "(spec.tls.serverSecret): islands present its certificate"
+)
+MSG_TLS_PLAINTEXT = "spec.tls.insecurePlaintext turns TLS off: it cannot be set with Secrets or spec.tls.mutual"
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
@@ -407,7 +416,13 @@ class SyncerSpec(CamelModel):
 
     model_config = ConfigDict(
         json_schema_extra={
-            "x-kubernetes-validations": [cel("self.port != self.metricsPort", MSG_SYNCER_PORTS, ".metricsPort")]
+            "x-kubernetes-validations": [
+                cel(
+                    "self.port != self.metricsPort && self.port != self.healthPort "
+                    "&& self.metricsPort != self.healthPort",
+                    MSG_SYNCER_PORTS,
+                )
+            ]
         }
     )
 
@@ -417,6 +432,13 @@ class SyncerSpec(CamelModel):
     image: str | None = Field(None, min_length=1, description="Syncer image; spec.image when unset.")
     port: int = Field(50051, ge=1, le=65535, description="gRPC port of every shard.")
     metrics_port: int = Field(9090, ge=1, le=65535, description="Prometheus port of every shard.")
+    health_port: int = Field(
+        50052,
+        ge=1,
+        le=65535,
+        description="Plaintext port serving grpc.health.v1 alone, for the kubelet's gRPC probes (which cannot "
+        "speak TLS).",
+    )
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Resources of each shard's container."
     )
@@ -432,9 +454,81 @@ class SyncerSpec(CamelModel):
 
     @model_validator(mode="after")
     def _ports_differ(self) -> SyncerSpec:
-        if self.port == self.metrics_port:
+        if len({self.port, self.metrics_port, self.health_port}) < 3:
             raise ValueError(MSG_SYNCER_PORTS)
         return self
+
+
+SecretName = Annotated[str, Field(min_length=1, max_length=253)]
+
+
+class TlsSpec(CamelModel):
+    """How the job's gRPC channels (islands and the operator to the syncers) are secured: TLS always, with the
+    job's own Secrets or, when none is named, a CA the operator makes for the job; mutual TLS on request;
+    plaintext only when asked for by name. The bearer token is required either way."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("has(self.serverSecret) == has(self.caSecret)", MSG_TLS_SERVER_AND_CA, ".caSecret"),
+                cel(
+                    "has(self.clientSecret) == (self.mutual && has(self.serverSecret))",
+                    MSG_TLS_CLIENT_SECRET,
+                    ".clientSecret",
+                ),
+                cel(
+                    "!self.insecurePlaintext || !(has(self.serverSecret) || has(self.caSecret) || self.mutual)",
+                    MSG_TLS_PLAINTEXT,
+                    ".insecurePlaintext",
+                ),
+            ]
+        }
+    )
+
+    server_secret: SecretName | None = Field(
+        None,
+        description="A kubernetes.io/tls Secret (tls.crt, tls.key) the syncers serve with: a certificate for the "
+        "names of the syncer Services (<job>-syncer-<n>.<namespace>.svc and the longer forms), signed by the CA "
+        "of caSecret. Unset: the operator makes a CA for the job and a certificate in Secret <job>-tls.",
+    )
+    ca_secret: SecretName | None = Field(
+        None,
+        description="A Secret whose ca.crt is the CA that signed serverSecret's certificate (and, for mutual TLS, "
+        "clientSecret's): islands and the operator trust it alone.",
+    )
+    client_secret: SecretName | None = Field(
+        None,
+        description="For mutual TLS with serverSecret: a kubernetes.io/tls Secret with the client certificate the "
+        "islands and the operator present.",
+    )
+    mutual: bool = Field(
+        False, description="Mutual TLS: syncers refuse every client without a certificate of the job's CA."
+    )
+    insecure_plaintext: bool = Field(
+        False,
+        description="No TLS at all: model updates and the token cross the network in the clear. For networks "
+        "that encrypt every link themselves.",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TlsSpec:
+        if (self.server_secret is None) != (self.ca_secret is None):
+            raise ValueError(MSG_TLS_SERVER_AND_CA)
+        if (self.client_secret is not None) != (self.mutual and self.server_secret is not None):
+            raise ValueError(MSG_TLS_CLIENT_SECRET)
+        if self.insecure_plaintext and (self.server_secret is not None or self.mutual):
+            raise ValueError(MSG_TLS_PLAINTEXT)
+        return self
+
+    @property
+    def named_secrets(self) -> list[str]:
+        """The Secrets the job names (CA, server, client), each once."""
+        return list(dict.fromkeys(n for n in (self.ca_secret, self.server_secret, self.client_secret) if n))
+
+    @property
+    def operator_made(self) -> bool:
+        """Whether the operator makes the job's CA and certificates (no Secret named, TLS on)."""
+        return not self.insecure_plaintext and self.server_secret is None
 
 
 class FailurePolicy(CamelModel):
@@ -530,6 +624,7 @@ class DiLoCoJobSpec(CamelModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     syncer: SyncerSpec = Field(default_factory=SyncerSpec, description="The syncer shards.")
+    tls: TlsSpec = Field(default_factory=TlsSpec, description="TLS of the job's gRPC channels.")
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description="Restart budget and backoff.")
     stop_condition: StopCondition = Field(default_factory=StopCondition, description="When the job succeeds.")
     export: ModelExport | None = Field(

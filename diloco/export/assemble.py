@@ -15,6 +15,7 @@ import torch
 
 from diloco.syncer import checkpoint
 from diloco.transport.client import SyncerClient
+from diloco.transport.tls import Security
 
 CHECKPOINT_GLOB = "shard-*-of-*.pt"
 
@@ -71,13 +72,13 @@ def _check_shards(found: Sequence[tuple[int, int]], where: str) -> None:
         raise ValueError(f"{where}: found shards {sorted(found)} (index, of); every shard of one job is needed")
 
 
-def from_shards(targets: Sequence[str], token: str, *, timeout: float = 60.0) -> GlobalModel:
-    """The model the live shards hold now; `targets[i]` is shard i's address. A fragment merged while it
-    is being read is taken as it was when pulled."""
+def from_shards(targets: Sequence[str], token: str, *, security: Security, timeout: float = 60.0) -> GlobalModel:
+    """The model the live shards hold now; `targets[i]` is shard i's address, reached as `security` says.
+    A fragment merged while it is being read is taken as it was when pulled."""
     found: list[tuple[FragmentRecord, list[tuple[str, torch.Tensor]]]] = []
     shards: list[tuple[int, int]] = []
     for target in targets:
-        with SyncerClient(target, token, timeout=timeout, retry_for=timeout) as client:
+        with SyncerClient(target, token, security=security, timeout=timeout, retry_for=timeout) as client:
             status = client.status()
             shards.append((status.shard_index, status.num_shards))
             for fragment in status.fragments:

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from diloco.settings import env_default, load_token, load_training_config
+from diloco.settings import add_tls_arguments, env_default, load_security, load_token, load_training_config
+from diloco.transport.tls import Role
 
 
 def export(args: argparse.Namespace) -> int:
@@ -19,7 +20,8 @@ def export(args: argparse.Namespace) -> int:
             targets = [t.strip() for t in (args.syncers or "").split(",") if t.strip()]
             if not targets:
                 raise ValueError("name the shards (--syncers, DILOCO_SYNCERS) or their --checkpoints")
-            model = assemble.from_shards(targets, load_token(args.token_file))
+            token, security = load_token(args.token_file), load_security(Role.CLIENT, args)
+            model = assemble.from_shards(targets, token, security=security)
         training = load_training_config(args.config) if args.config else None
         config = model_files.save(args.out, model, training)
     except (OSError, ValueError) as error:
@@ -66,6 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--token-file", help="file with the job token (else DILOCO_TOKEN_FILE or DILOCO_TOKEN)")
     p.add_argument("--config", help="the job's training config JSON, recorded in config.json")
+    add_tls_arguments(p)
     p.set_defaults(func=export)
 
     s = subparsers.add_parser(

@@ -20,13 +20,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.core.config import Mode, TrainingConfig
 from diloco.local.failure_trace import FailureEvent, syncer_target, worker_island
 from diloco.settings import DEFAULT_CORPUS_BYTES
+from diloco.transport.tls import throwaway_pki
 
 log = logging.getLogger("diloco.local.launcher")
 
@@ -40,6 +41,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _write_pem(folder: Path, files: dict[str, bytes]) -> dict[str, Path]:
+    """The run's certificates and keys as files its processes read, readable by this user alone."""
+    paths = {}
+    for name, pem in files.items():
+        paths[name] = folder / name
+        with os.fdopen(os.open(paths[name], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as handle:
+            handle.write(pem)
+    return paths
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,7 @@ class RunPlan:
     threads: int = 1
     timeout: float = 3600.0
     device: str = "cpu"  # every worker's: islands share an accelerator as processes
+    gpus: int = 0  # CUDA devices visible to the run, which the islands divide among themselves
     max_data_bytes: int = DEFAULT_CORPUS_BYTES  # of the corpus, the same for the workers and the global evaluation
     precision: str = "auto"
 
@@ -69,6 +81,35 @@ class RunPlan:
 
     def slowdown(self, index: int) -> float:
         return self.slowdowns[index] if index < len(self.slowdowns) else 1.0
+
+
+def island_gpus(island: int, ranks_per_island: int, gpus: int) -> str:
+    """CUDA_VISIBLE_DEVICES of an island's pod process: a GPU of its own for each of its ranks while there are
+    enough for every rank of every island, else the machine's GPUs in turn (several islands then share one,
+    as processes; a pod whose ranks outnumber its GPUs runs them over gloo: `diloco.worker.pod_ranks.place`)."""
+    first = island * ranks_per_island
+    return ",".join(dict.fromkeys(str((first + k) % gpus) for k in range(ranks_per_island)))
+
+
+def check_gpus(device: str, modes: Sequence[str], workers: int, gpus: int) -> None:
+    """Refuses a run that cannot start: CUDA asked for and none visible, or data-parallel across more ranks
+    than GPUs (NCCL refuses two ranks of one world on one GPU)."""
+    if not device.startswith("cuda"):
+        return
+    if gpus < 1:
+        raise ValueError(f"--device {device}: no CUDA device is visible")
+    if Mode.DDP in modes and workers > gpus:
+        raise ValueError(
+            f"ddp runs one rank per GPU (NCCL refuses two on one GPU): {workers} workers, {gpus} GPU(s); run the "
+            "DiLoCo modes alone, and ddp with --islands 1 at the islands' global batch, as bench/training.py does"
+        )
+
+
+def syncer_threads(cpus: int, workers: int, threads_per_worker: int, shards: int) -> int:
+    """Math-library threads for each syncer shard: the cores the workers leave, shared by the shards. A shard
+    decodes, merges and re-encodes whole fragments on the CPU, which at accelerator model sizes (62 M
+    parameters a fragment) is what every round waits for; pinned to one thread, it held back a GPU run."""
+    return max(1, (cpus - workers * threads_per_worker) // shards)
 
 
 @dataclass
@@ -144,12 +185,18 @@ class LocalJob:
     def __init__(self, plan: RunPlan) -> None:
         self.plan = plan
         self.out = plan.out
-        for folder in ("progress", "logs", "checkpoints"):
+        for folder in ("progress", "logs", "checkpoints", "tls"):
             # A run starts from nothing: a previous run's checkpoints would be resumed and its events counted.
             shutil.rmtree(self.out / folder, ignore_errors=True)
             (self.out / folder).mkdir(parents=True)
         self.config_file = self.out / "config.json"
         self.config_file.write_text(plan.config.to_json())
+        # A CA for this run alone, so the shards and islands speak TLS exactly as they do on a cluster.
+        self.pki = throwaway_pki()
+        self.tls_files = _write_pem(
+            self.out / "tls",
+            {"ca.crt": self.pki.ca.cert, "tls.crt": self.pki.server_cert.cert, "tls.key": self.pki.server_cert.key},
+        )
         self.syncer_ports = [free_port() for _ in range(plan.shards)]
         self.metrics_ports = [free_port() for _ in range(plan.shards)]
         self.island_ports = [free_port() for _ in range(plan.islands)]
@@ -157,11 +204,13 @@ class LocalJob:
         self.workers = {plan.island_name(i): self._worker(i) for i in range(plan.islands)}
         self._counters = {(shard, name): _CounterTracker() for shard in range(plan.shards) for name in _SYNCER_COUNTERS}
 
-    def _base_env(self) -> dict[str, str]:
-        threads = str(self.plan.threads)
+    def _base_env(self, threads: int | None = None) -> dict[str, str]:
+        """Every process's environment; `threads` for its math libraries, a worker's by default."""
+        threads = str(threads or self.plan.threads)
         return {
             **os.environ,
             "DILOCO_TOKEN": TOKEN,
+            "DILOCO_TLS_CA_FILE": str(self.tls_files["ca.crt"]),
             "OMP_NUM_THREADS": threads,
             "MKL_NUM_THREADS": threads,
             "DILOCO_LOG_LEVEL": "WARNING",
@@ -190,7 +239,14 @@ class LocalJob:
             "--metrics-port",
             str(self.metrics_ports[shard]),
         ]
-        return _Proc(syncer_target(shard), command, self._base_env())
+        p = self.plan
+        workers = p.islands * p.ranks_per_island
+        env = {
+            **self._base_env(syncer_threads(os.cpu_count() or 1, workers, p.threads, p.shards)),
+            "DILOCO_TLS_CERT_FILE": str(self.tls_files["tls.crt"]),
+            "DILOCO_TLS_KEY_FILE": str(self.tls_files["tls.key"]),
+        }
+        return _Proc(syncer_target(shard), command, env)
 
     def _worker(self, island: int) -> _Proc:
         """The island's pod: its process, and its ranks as that process's local ranks (the environment the
@@ -209,6 +265,8 @@ class LocalJob:
         }
         if p.ranks_per_island == 1:
             env["RANK"] = node_rank
+        if p.device.startswith("cuda") and p.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = island_gpus(island, p.ranks_per_island, p.gpus)
         command = [
             sys.executable,
             "-m",
@@ -288,7 +346,7 @@ class LocalJob:
             syncer.start(logs)
         try:
             for port in self.syncer_ports[: len(self.syncers)]:
-                with SyncerClient(f"127.0.0.1:{port}", TOKEN) as client:
+                with SyncerClient(f"127.0.0.1:{port}", TOKEN, security=self.pki.client) as client:
                     if not client.wait_ready(SYNCER_START_SECONDS):
                         raise RuntimeError(f"syncer on port {port} did not start; see {logs}")
         except BaseException:
@@ -364,7 +422,7 @@ class LocalJob:
 
         folder = self.plan.out / "model"
         targets = [f"127.0.0.1:{port}" for port in self.syncer_ports]
-        model_files.save(folder, assemble.from_shards(targets, TOKEN), self.plan.config)
+        model_files.save(folder, assemble.from_shards(targets, TOKEN, security=self.pki.client), self.plan.config)
         return folder
 
     def _evaluate(self, model_dir: Path) -> float:

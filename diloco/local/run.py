@@ -19,7 +19,7 @@ from diloco.core.config import Encoding, Mode, Precision, TrainingConfig
 from diloco.core.rules import QUORUM_WITHIN_ISLANDS
 from diloco.local.failure_trace import FailureEvent, load_trace, random_trace, save_trace, syncer_target, worker_target
 from diloco.local.goodput import Account, account
-from diloco.local.launcher import JobResult, LocalJob, RunPlan
+from diloco.local.launcher import JobResult, LocalJob, RunPlan, check_gpus
 from diloco.progress import DoneEvent, EvalEvent, ProgressFollower, StepEvent, read_events
 from diloco.settings import DEFAULT_CORPUS_BYTES
 
@@ -126,6 +126,12 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         mfu=acct.mfu,
     )
     return summary, acct, result
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _context(preset: str) -> int:
@@ -243,12 +249,14 @@ def run(args: argparse.Namespace) -> int:
             {"quorum": "--quorum", "islands": "--islands"}, quorum=config.quorum, islands=args.islands
         )
         trace = build_trace(args, workers)
+        modes = [args.mode] + ([m.value for m in Mode if m != args.mode] if args.compare else [])
+        gpus = visible_gpus() if args.device.startswith("cuda") else 0
+        check_gpus(args.device, modes, len(workers), gpus)
     except (OSError, ValueError) as error:
         print(f"diloco run: {error}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     save_trace(args.out / "trace.json", trace)
-    modes = [args.mode] + ([m.value for m in Mode if m != args.mode] if args.compare else [])
     print(
         f"diloco run: {args.islands} islands x {args.ranks_per_island} ranks, {args.shards} syncer shard(s), "
         f"{args.steps} steps of the {args.preset} preset; H={config.inner_steps} P={config.fragments} "
@@ -276,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             precision=args.precision,
             max_data_bytes=args.max_data_bytes,
+            gpus=gpus,
         )
         summary, acct, result = run_mode(plan, quiet=args.quiet)
         summaries.append(summary)

@@ -24,9 +24,10 @@ from grpc_health.v1 import health_pb2
 from diloco.core.compressed_pull import apply_delta
 from diloco.core.encoding import Encoding
 from diloco.core.refusal import Refusal
-from diloco.transport import wire
+from diloco.transport import tls, wire
 from diloco.transport.auth import bearer_metadata
 from diloco.transport.codes import wire_encoding
+from diloco.transport.tls import Security
 from diloco.transport.v1 import syncer_pb2 as pb
 
 log = logging.getLogger("diloco.transport.client")
@@ -96,6 +97,7 @@ class SyncerClient:
         target: str,
         token: str,
         *,
+        security: Security,
         island_id: str = "",
         timeout: float = 120.0,
         retry_for: float | None = 300.0,
@@ -105,7 +107,7 @@ class SyncerClient:
     ) -> None:
         """`timeout` bounds each attempt; `retry_for` bounds all attempts of one call (None: forever); once
         `stop` is set, a call waiting to retry gives up at once with its last error, so the owner can close
-        without waiting out a backoff against a dead shard."""
+        without waiting out a backoff against a dead shard. `security`: TLS, or plaintext asked for by name."""
         self.target = target
         self.island_id = island_id
         self.timeout = timeout
@@ -115,7 +117,7 @@ class SyncerClient:
         self._metadata = bearer_metadata(token)
         self._rng = random.Random(seed)
         self._joined: pb.JoinRequest | None = None
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = tls.channel(target, security, CHANNEL_OPTIONS)
         # Every call is made from its method and (de)serializers, as the generated stubs would, but typed. The
         # tensor-carrying calls skip message objects: serialized chunks out, zero-copy views in.
         channel = self._channel

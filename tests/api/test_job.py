@@ -136,7 +136,12 @@ def test_field_bounds_are_refused_at_the_field(change, named):
         ({"trainer": {"command": ["python"], "precision": "bf16"}}, "cannot be set together with spec.trainer.command"),
         ({"trainer": {"command": ["python"], "activationCheckpointing": False}}, "configure the built-in trainer"),
         ({"trainer": {"command": ["python"], "data": "/x"}}, "cannot be set together with spec.trainer.command"),
-        ({"syncer": {"port": 9090}}, "spec.syncer.port and spec.syncer.metricsPort must differ"),
+        ({"syncer": {"port": 9090}}, "spec.syncer.port, metricsPort and healthPort must differ"),
+        ({"syncer": {"healthPort": 9090}}, "spec.syncer.port, metricsPort and healthPort must differ"),
+        ({"tls": {"serverSecret": "s"}}, "spec.tls.serverSecret and spec.tls.caSecret are named together"),
+        ({"tls": {"serverSecret": "s", "caSecret": "c", "mutual": True}}, "spec.tls.clientSecret is named exactly"),
+        ({"tls": {"clientSecret": "c", "mutual": True}}, "spec.tls.clientSecret is named exactly"),
+        ({"tls": {"insecurePlaintext": True, "mutual": True}}, "spec.tls.insecurePlaintext turns TLS off"),
     ],
 )
 def test_cross_field_rules_name_the_fields(change, message):

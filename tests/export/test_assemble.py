@@ -3,6 +3,7 @@ what the shards hold, tensor for tensor, and loads into the built-in GPT."""
 
 import pytest
 import torch
+from support import TEST_PKI, tls_env
 
 from diloco.cli import main
 from diloco.core.config import TrainingConfig
@@ -23,7 +24,15 @@ CONFIG = TrainingConfig(inner_steps=8, fragments=4, overlap_steps=1, grace_secon
 def trained_shards(tmp_path):
     """Two shards with checkpoints, after one island trained the tiny GPT for a few outer steps."""
     servers = [
-        SyncerServer(CONFIG, shard_index=i, num_shards=2, token=TOKEN, port=0, checkpoint_dir=tmp_path / "ckpt")
+        SyncerServer(
+            CONFIG,
+            shard_index=i,
+            num_shards=2,
+            token=TOKEN,
+            security=TEST_PKI.server,
+            port=0,
+            checkpoint_dir=tmp_path / "ckpt",
+        )
         for i in range(2)
     ]
     for server in servers:
@@ -31,7 +40,16 @@ def trained_shards(tmp_path):
     targets = [f"127.0.0.1:{s.port}" for s in servers]
     model = build_model("tiny", 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    learner = Learner(model, optimizer, CONFIG, syncers=targets, token=TOKEN, island_id="a", backoff=Backoff(0.02, 0.2))
+    learner = Learner(
+        model,
+        optimizer,
+        CONFIG,
+        syncers=targets,
+        token=TOKEN,
+        security=TEST_PKI.client,
+        island_id="a",
+        backoff=Backoff(0.02, 0.2),
+    )
     learner.start()
     tokens = torch.Generator().manual_seed(0)
     for _ in range(10):
@@ -50,7 +68,9 @@ def export_cli(out, *source):
     """`diloco export OUT SOURCE...` with the job's token; True when it succeeded."""
     token_file = out.parent / "token"
     token_file.write_text(TOKEN)
-    return main(["export", str(out), *source, "--token-file", str(token_file)]) == 0
+    tls = tls_env(out.parent / "tls", server=False)
+    flags = ["--tls-ca-file", tls["DILOCO_TLS_CA_FILE"]]
+    return main(["export", str(out), *source, "--token-file", str(token_file), *flags]) == 0
 
 
 def held(servers):
@@ -65,7 +85,7 @@ def held(servers):
 
 def test_live_and_checkpoint_exports_are_what_the_shards_hold(trained_shards, tmp_path):
     servers, targets, checkpoints = trained_shards
-    live = from_shards(targets, TOKEN)
+    live = from_shards(targets, TOKEN, security=TEST_PKI.client)
     holding = held(servers)
     assert live.outer_steps >= 1 and live.tokens > 0
     assert live.tensors.keys() == holding.keys()
@@ -86,7 +106,7 @@ def test_live_and_checkpoint_exports_are_what_the_shards_hold(trained_shards, tm
 def test_an_export_needs_every_shard(trained_shards):
     servers, targets, checkpoints = trained_shards
     with pytest.raises(ValueError, match="every shard"):
-        from_shards(targets[:1], TOKEN)
+        from_shards(targets[:1], TOKEN, security=TEST_PKI.client)
     servers[0].stop()
     with pytest.raises(ValueError, match="every shard"):
         from_checkpoints(sorted(checkpoints.glob("shard-0-*")))

@@ -1,7 +1,11 @@
-"""A local job's folder: what a run finds there from an earlier run."""
+"""A local job's folder and processes: what a run finds there from an earlier run, what each process is given."""
+
+import os
+
+import pytest
 
 from diloco.core.config import TrainingConfig
-from diloco.local.launcher import LocalJob, RunPlan
+from diloco.local.launcher import LocalJob, RunPlan, check_gpus, island_gpus, syncer_threads
 
 
 def test_a_run_starts_from_nothing_even_where_an_earlier_run_left_its_files(tmp_path):
@@ -23,3 +27,36 @@ def test_a_run_starts_from_nothing_even_where_an_earlier_run_left_its_files(tmp_
     assert not any(path.exists() for path in stale)
     assert all((out / folder).is_dir() for folder in ("progress", "logs", "checkpoints"))
     assert keep.read_text() == "the user's own", "only the folders a run writes are cleared"
+
+
+def test_syncers_get_the_cores_the_workers_leave():
+    assert syncer_threads(cpus=16, workers=4, threads_per_worker=1, shards=1) == 12, "a GPU box's spare cores"
+    assert syncer_threads(cpus=16, workers=4, threads_per_worker=1, shards=3) == 4
+    assert syncer_threads(cpus=2, workers=4, threads_per_worker=1, shards=1) == 1, "never fewer than one"
+
+
+def test_a_syncer_process_is_told_its_thread_count(tmp_path):
+    job = LocalJob(RunPlan(mode="diloco", config=TrainingConfig(), out=tmp_path, islands=1))
+    expected = syncer_threads(os.cpu_count() or 1, 1, 1, 1)
+    assert job.syncers[0].env["OMP_NUM_THREADS"] == str(expected)
+    assert job.workers["island-0"].env["OMP_NUM_THREADS"] == "1"
+
+
+def test_islands_get_gpus_of_their_own_while_there_are_enough():
+    assert [island_gpus(i, 1, gpus=8) for i in range(4)] == ["0", "1", "2", "3"]
+    assert [island_gpus(i, 2, gpus=8) for i in range(4)] == ["0,1", "2,3", "4,5", "6,7"]
+
+
+def test_islands_share_the_gpus_in_turn_when_there_are_too_few():
+    assert [island_gpus(i, 1, gpus=1) for i in range(4)] == ["0", "0", "0", "0"]
+    assert [island_gpus(i, 2, gpus=3) for i in range(3)] == ["0,1", "2,0", "1,2"]
+    assert island_gpus(0, 4, gpus=2) == "0,1", "a pod's ranks outnumbering its GPUs share them over gloo"
+
+
+def test_a_cuda_run_that_cannot_start_is_refused_before_anything_starts():
+    check_gpus("cpu", ["ddp"], workers=4, gpus=0)
+    check_gpus("cuda", ["diloco", "sync-diloco"], workers=4, gpus=1)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        check_gpus("cuda", ["diloco"], workers=1, gpus=0)
+    with pytest.raises(ValueError, match="4 workers, 1 GPU"):
+        check_gpus("cuda", ["diloco", "ddp"], workers=4, gpus=1)

@@ -100,7 +100,10 @@ def test_examples_are_accepted_with_every_default_filled_in(control_plane, kube)
             "cannot be set together with spec.trainer.command",
         ),
         ("precision", {"trainer": {"precision": "fp8"}}, "spec.trainer.precision: Unsupported value"),
-        ("ports", {"syncer": {"shards": 1, "port": 9090}}, "spec.syncer.metricsPort: Invalid value"),
+        ("ports", {"syncer": {"shards": 1, "port": 9090}}, "spec.syncer: Invalid value"),
+        ("tls-ca", {"tls": {"serverSecret": "s"}}, "spec.tls.caSecret: Invalid value"),
+        ("tls-client", {"tls": {"serverSecret": "s", "caSecret": "c", "mutual": True}}, "spec.tls.clientSecret"),
+        ("tls-plain", {"tls": {"insecurePlaintext": True, "mutual": True}}, "spec.tls.insecurePlaintext: Invalid"),
         (
             "qty",
             {"islands": [{"name": "a", "resources": {"limits": {"memory": "lots"}}}]},

@@ -2,6 +2,7 @@
 tolerations, overrides, and that each is a well-formed Kubernetes object."""
 
 import base64
+import datetime
 import json
 import os
 
@@ -17,10 +18,17 @@ from diloco.operator.children import (
     Scale,
     child_key,
     render_children,
+    tls_secret,
 )
+from diloco.operator.job_tls import job_tls, operator_made_data, server_names
 from diloco.operator.overrides import merge
+from diloco.settings import load_security
+from diloco.transport.tls import Role, TlsError
 
 JOB = n.JobRef(name="demo", namespace="ml", uid="0b7c6c1e-uid")
+NOW = datetime.datetime(2026, 11, 24, tzinfo=datetime.UTC)
+LIVE_TLS = tls_secret(JOB, operator_made_data(JOB, {}, server_names(JOB, 2), NOW))
+"""The job's operator-made TLS Secret as it lives, so renderings of a two-shard job reuse its certificates."""
 MODELS = {
     "ConfigMap": k8s.V1ConfigMap,
     "Secret": k8s.V1Secret,
@@ -68,10 +76,11 @@ def make_spec(**overrides) -> DiLoCoJobSpec:
     return DiLoCoJobSpec.model_validate(data)
 
 
-def render(spec=None, scale=None, token="s3cret", operator=OperatorRef("diloco-system")):
+def render(spec=None, scale=None, token="s3cret", operator=OperatorRef("diloco-system"), named=None):
     spec = spec or make_spec()
     scale = scale or Scale(islands={i.name: i.replicas for i in spec.islands}, syncers=1)
-    return {child_key(obj): obj for obj in render_children(JOB, spec, token, scale, operator)}
+    tls = job_tls(JOB, spec, LIVE_TLS, named or {}, NOW)
+    return {child_key(obj): obj for obj in render_children(JOB, spec, token, scale, operator, tls=tls)}
 
 
 def env_of(container) -> dict:
@@ -82,6 +91,7 @@ def test_every_child_is_named_deterministically():
     assert set(render()) == {
         ("ConfigMap", "demo-config"),
         ("Secret", "demo-token"),
+        ("Secret", "demo-tls"),
         ("NetworkPolicy", "demo-syncers"),
         ("PersistentVolumeClaim", "demo-syncer-0"),
         ("Service", "demo-syncer-0"),
@@ -177,8 +187,9 @@ def test_syncer_deployment():
     assert env["DILOCO_CHECKPOINT_DIR"] == "/var/lib/diloco" and env["DILOCO_CHECKPOINT_INTERVAL"] == "30"
     assert env["DILOCO_CONFIG_FILE"] == "/etc/diloco/training.json"
     assert env["DILOCO_TOKEN_FILE"] == "/var/run/secrets/diloco/token"
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"] == {"port": 50051}, probe
+    assert env["DILOCO_HEALTH_PORT"] == "50052"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # the kubelet's probes speak no TLS
+        assert container[probe]["grpc"] == {"port": 50052}, probe
     assert container["resources"] == {"requests": {"cpu": "2"}}
     assert {"name": "checkpoints", "mountPath": "/var/lib/diloco"} in container["volumeMounts"]
     assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "demo-syncer-1"}} in pod["volumes"]
@@ -204,6 +215,9 @@ def test_syncer_environment_is_what_diloco_syncer_reads(monkeypatch):
     args = parse_args([])
     assert (args.shard_index, args.num_shards, args.port, args.metrics_port) == (1, 2, 50051, 9090)
     assert (args.checkpoint_dir, args.checkpoint_interval) == ("/var/lib/diloco", 30.0)
+    assert args.health_port == 50052
+    with pytest.raises(TlsError, match="/var/run/secrets/diloco-tls/"):  # read from where the Secret is mounted
+        load_security(Role.SERVER, args)
 
 
 def test_syncer_service_and_claim():
@@ -306,8 +320,26 @@ def test_island_environment_is_what_diloco_worker_reads(monkeypatch):
     pod_3 = {**os.environ, "NODE_RANK": "3"}  # what the kubelet makes of the ordinal's fieldRef
     shape = PodShape.from_env(pod_3)
     assert shape == PodShape(pods=4, ranks_per_pod=8, node_rank=3) and shape.global_rank(7) == 31
+    with pytest.raises(TlsError, match="/var/run/secrets/diloco-tls/ca.crt"):
+        load_security(Role.CLIENT, args)
     assert args.steps is None  # no step cap: the pods train until the job is done and they get SIGTERM
     assert args.termination_grace_seconds == 30
+
+
+def test_pod_templates_carry_a_fingerprint_of_the_certificates_so_new_ones_roll_every_holder():
+    spec = make_spec()
+    scale = Scale(islands={i.name: i.replicas for i in spec.islands}, syncers=1)
+    kept = render()
+    remade = {
+        child_key(obj): obj
+        for obj in render_children(
+            JOB, spec, "s3cret", scale, OperatorRef("diloco-system"), tls=job_tls(JOB, spec, None, {}, NOW)
+        )
+    }
+    for key in (("Deployment", "demo-syncer-0"), ("StatefulSet", "demo-h100")):
+        old = kept[key]["spec"]["template"]["metadata"]["annotations"]["diloco.dev/tls-hash"]
+        assert old and old != remade[key]["spec"]["template"]["metadata"]["annotations"]["diloco.dev/tls-hash"]
+    assert render() == kept, "the live Secret's certificates are kept"
 
 
 def test_the_trainer_learns_its_pods_grace_period():
@@ -414,7 +446,7 @@ def test_pod_template_override_is_merged_last():
     env = env_of(trainer)
     assert env["NCCL_IB_DISABLE"] == "1" and env["DILOCO_DATA"] == "/mnt/override" and env["DILOCO_ISLAND"] == "old"
     assert {k: v for k, v in sidecar.items() if k != "securityContext"} == {"name": "sidecar", "image": "busybox"}
-    assert [v["name"] for v in template["spec"]["volumes"]] == ["config", "token", "dshm", "corpus"]
+    assert [v["name"] for v in template["spec"]["volumes"]] == ["config", "token", "tls", "dshm", "corpus"]
     assert template["spec"]["terminationGracePeriodSeconds"] == 120
     k8s.V1PodTemplateSpec.from_dict(template)
 
@@ -479,7 +511,8 @@ def test_scale_decides_island_replicas():
 
 def test_a_job_name_too_long_for_its_children_is_refused():
     with pytest.raises(ValueError, match="metadata.name"):
-        render_children(n.JobRef("x" * 31, "ml", "uid"), make_spec(), "t", Scale({}, 1), None)
+        job = n.JobRef("x" * 31, "ml", "uid")
+        render_children(job, make_spec(), "t", Scale({}, 1), None, tls=job_tls(job, make_spec(), None, {}, NOW))
 
 
 def test_children_serialise_to_json():
@@ -505,6 +538,7 @@ def test_child_names_of_two_jobs_never_collide(first, second):
         spec = make_spec(islands=[{"name": island, "replicas": 1}], syncer={"shards": 1})
         ref = n.JobRef(name=job, namespace="ml", uid=job)
         scale = Scale(islands={island: 1}, syncers=1)
-        return {child_key(obj) for obj in render_children(ref, spec, "t", scale, None)}
+        tls = job_tls(ref, spec, None, {}, NOW)
+        return {child_key(obj) for obj in render_children(ref, spec, "t", scale, None, tls=tls)}
 
     assert not names(*first) & names(*second)

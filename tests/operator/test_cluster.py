@@ -170,7 +170,7 @@ def test_deleting_the_job_garbage_collects_every_child(operator_cluster, kube, o
     kinds = Counter(kind for kind, _ in owned(kube, ns, "doomed"))
     assert kinds == {
         "ConfigMap": 1,
-        "Secret": 1,
+        "Secret": 2,  # the token and the TLS certificates
         "NetworkPolicy": 1,
         "PersistentVolumeClaim": 1,
         "Service": 3,

@@ -6,6 +6,7 @@ import socket
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from support import TEST_PKI
 
 from diloco.core.config import TrainingConfig
 from diloco.operator.probes import LOSS_METRIC, shard_status, shard_statuses, trainer_loss, trainer_losses
@@ -24,9 +25,19 @@ def free_port() -> int:
 @pytest.fixture
 def shard():
     config = TrainingConfig(fragments=2, inner_steps=10, overlap_steps=1, block_size=32)
-    server = SyncerServer(config, shard_index=0, num_shards=1, token=TOKEN, host="127.0.0.1", port=free_port())
+    server = SyncerServer(
+        config,
+        shard_index=0,
+        num_shards=1,
+        token=TOKEN,
+        security=TEST_PKI.server,
+        host="127.0.0.1",
+        port=free_port(),
+    )
     server.start()
-    with SyncerClient(f"127.0.0.1:{server.port}", TOKEN, island_id="island-a", timeout=5, retry_for=5) as client:
+    with SyncerClient(
+        f"127.0.0.1:{server.port}", TOKEN, security=TEST_PKI.client, island_id="island-a", timeout=5, retry_for=5
+    ) as client:
         client.join(2)
         client.seed(0, [("w", torch.zeros(4, 4))])
     yield f"127.0.0.1:{server.port}"
@@ -34,24 +45,24 @@ def shard():
 
 
 def test_shard_status_reports_seeded_fragments_and_live_islands(shard):
-    observed = shard_status(0, True, shard, TOKEN, timeout=5)
+    observed = shard_status(0, True, shard, TOKEN, TEST_PKI.client, timeout=5)
     assert observed.ready and observed.fragments is not None
     assert [(f.fragment, f.version, f.tokens) for f in observed.fragments] == [(0, 0, 0)]
     assert observed.live_islands == frozenset({"island-a"})
 
 
 def test_a_refused_or_absent_shard_is_unreachable_not_an_error(shard):
-    assert shard_status(0, True, shard, "wrong-token", timeout=5).fragments is None
-    assert shard_status(1, True, f"127.0.0.1:{free_port()}", TOKEN, timeout=0.5).fragments is None
+    assert shard_status(0, True, shard, "wrong-token", TEST_PKI.client, timeout=5).fragments is None
+    assert shard_status(1, True, f"127.0.0.1:{free_port()}", TOKEN, TEST_PKI.client, timeout=0.5).fragments is None
 
 
 def test_a_shard_not_ready_is_not_called():
-    observed = shard_status(3, False, "unresolvable.invalid:1", TOKEN, timeout=5)
+    observed = shard_status(3, False, "unresolvable.invalid:1", TOKEN, TEST_PKI.client, timeout=5)
     assert (observed.shard, observed.ready, observed.fragments) == (3, False, None)
 
 
 def test_shards_are_polled_in_index_order(shard):
-    observed = shard_statuses([shard, shard], [True, False], TOKEN, timeout=5)
+    observed = shard_statuses([shard, shard], [True, False], TOKEN, TEST_PKI.client, timeout=5)
     assert [(o.shard, o.ready, o.fragments is not None) for o in observed] == [(0, True, True), (1, False, False)]
 
 
@@ -83,7 +94,7 @@ def test_an_endpoint_without_the_gauge_gives_no_loss():
 
 
 def test_a_refused_or_absent_shard_says_why_and_only_a_refusal_makes_it_unserving(shard):
-    refused = shard_status(0, True, shard, "wrong-token", timeout=5)
+    refused = shard_status(0, True, shard, "wrong-token", TEST_PKI.client, timeout=5)
     assert refused.error and refused.error.startswith("UNAUTHENTICATED: ") and not refused.serving
-    absent = shard_status(1, True, f"127.0.0.1:{free_port()}", TOKEN, timeout=0.5)
+    absent = shard_status(1, True, f"127.0.0.1:{free_port()}", TOKEN, TEST_PKI.client, timeout=0.5)
     assert absent.error and absent.error.startswith(("UNAVAILABLE: ", "DEADLINE_EXCEEDED: ")) and absent.serving

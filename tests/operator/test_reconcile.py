@@ -1,18 +1,22 @@
 """One reconcile pass against an in-memory API: converges, is idempotent, keeps the token, prunes what the
 spec no longer has, never touches what the job does not own, and honours the TTL."""
 
+import base64
 import copy
 import datetime
 
 import pytest
 from pydantic import ValidationError
+from support import TEST_PKI
 
 from diloco.api.job import DiLoCoJobStatus
 from diloco.operator import naming as n
 from diloco.operator.children import OperatorRef
 from diloco.operator.job_status import FragmentReport, ShardObservation
+from diloco.operator.job_tls import secret_bytes
 from diloco.operator.kube import ApiError
 from diloco.operator.reconcile import Reconciler, contains, read_token, status_patch
+from diloco.transport.tls import Tls
 
 JOB = n.JobRef(name="demo", namespace="ml", uid="job-uid")
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
@@ -65,8 +69,8 @@ class FakeKube:
 
 
 def probes(calls):
-    def poll(targets, ready, token, timeout):
-        calls.append((list(targets), list(ready), token))
+    def poll(targets, ready, token, security, timeout):
+        calls.append((list(targets), list(ready), token, security))
         return [
             ShardObservation(shard=i, ready=r, fragments=(FragmentReport(i, 4, 100, 0.0),) if r else None)
             for i, r in enumerate(ready)
@@ -106,11 +110,14 @@ def island_pod(island, ordinal, uid, node="n1", ready=True):
 def test_first_pass_creates_every_child_and_a_token(setup):
     kube, reconciler, calls = setup
     outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
-    assert len(outcome.applied) == 3 + 3 * 2 + 2 * 2
+    assert len(outcome.applied) == 4 + 3 * 2 + 2 * 2  # config, token, TLS, policy; per shard; per island
     assert all(force is False for *_, force in kube.writes)
     token = read_token(kube.get("Secret", "ml", "demo-token"))
     assert token and len(token) >= 32
-    assert calls == [(["demo-syncer-0.ml.svc:50051", "demo-syncer-1.ml.svc:50051"], [False, False], token)]
+    made = secret_bytes(kube.get("Secret", "ml", "demo-tls"))
+    assert calls == [
+        (["demo-syncer-0.ml.svc:50051", "demo-syncer-1.ml.svc:50051"], [False, False], token, Tls(ca=made["ca.crt"]))
+    ]
     assert outcome.status["phase"] == "Pending" and outcome.status["islandsReady"] == "0/2"
     assert kube.get("StatefulSet", "ml", "demo-a")["spec"]["replicas"] == 2
     kinds = [kind for _, kind, *_ in kube.writes]
@@ -118,17 +125,52 @@ def test_first_pass_creates_every_child_and_a_token(setup):
         i for i, k in enumerate(kinds) if k in ("Deployment", "StatefulSet")
     ), "workloads go last"
     (created,) = [e for e in outcome.events if e.reason == "Created"]
-    assert created.message.startswith("created 13: ConfigMap/demo-config, ") and created.message.endswith(" and 5 more")
+    assert created.message.startswith("created 14: ConfigMap/demo-config, ") and created.message.endswith(" and 6 more")
 
 
-def test_a_second_pass_changes_nothing_and_keeps_the_token(setup):
+def test_a_second_pass_changes_nothing_and_keeps_the_token_and_certificates(setup):
     kube, reconciler, _ = setup
     reconciler.reconcile(JOB, 1, SPEC, None, NOW)
     token = read_token(kube.get("Secret", "ml", "demo-token"))
+    certificates = kube.get("Secret", "ml", "demo-tls")["data"]
     kube.writes.clear()
     outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
     assert outcome.applied == () and outcome.deleted == () and kube.writes == []
     assert read_token(kube.get("Secret", "ml", "demo-token")) == token
+    assert kube.get("Secret", "ml", "demo-tls")["data"] == certificates
+
+
+def test_mutual_tls_has_the_operator_probe_with_the_islands_client_certificate(setup):
+    kube, reconciler, calls = setup
+    reconciler.reconcile(JOB, 1, {**SPEC, "tls": {"mutual": True}}, None, NOW)
+    made = secret_bytes(kube.get("Secret", "ml", "demo-tls"))
+    assert calls[-1][3] == Tls(ca=made["ca.crt"], cert=made["client.crt"], key=made["client.key"], mutual=True)
+
+
+def test_named_tls_secrets_are_read_and_a_missing_one_leaves_the_shards_unreachable(setup):
+    kube, reconciler, calls = setup
+    named = {**SPEC, "tls": {"serverSecret": "syncer-cert", "caSecret": "our-ca"}}
+    for name, data in (("our-ca", {"ca.crt": TEST_PKI.ca.cert}), ("syncer-cert", {"tls.crt": b"c", "tls.key": b"k"})):
+        kube.add(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": name, "namespace": "ml"},
+                "data": {key: base64.b64encode(value).decode() for key, value in data.items()},
+            }
+        )
+    reconciler.reconcile(JOB, 1, named, None, NOW)
+    assert kube.get("Secret", "ml", "demo-tls") is None, "the job brings its own certificates"
+    assert calls[-1][3] == Tls(ca=TEST_PKI.ca.cert)
+
+    kube.delete("Secret", "ml", "our-ca")
+    for shard in (0, 1):
+        kube.objects[("Deployment", "ml", f"demo-syncer-{shard}")]["status"] = {"readyReplicas": 1}
+    calls.clear()
+    outcome = reconciler.reconcile(JOB, 1, named, None, NOW)
+    assert calls == [], "nothing to call the shards with"
+    assert outcome.status["syncer"] == {"shards": 2, "ready": 2, "reachable": 0}
+    assert any("Secret our-ca not found" in c.get("message", "") for c in outcome.status["conditions"])
 
 
 def test_a_spec_change_patches_only_what_it_touches_with_force(setup):
@@ -212,7 +254,7 @@ def test_objects_the_job_does_not_own_are_neither_deleted_nor_forced(setup):
     # Another controller's object is not even tried (an apply under the shared field manager would succeed).
     assert ("Warning", "NameConflict") in [(e.type, e.reason) for e in outcome.events]
     assert not any(write[2] == "demo-config" for write in kube.writes)
-    assert "ConfigMap/demo-config" not in outcome.applied and len(outcome.applied) == 12
+    assert "ConfigMap/demo-config" not in outcome.applied and len(outcome.applied) == 13
 
 
 def test_a_child_name_held_by_another_jobs_object_is_left_alone_and_reported(setup):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from support import TEST_PKI, tls_env
 from syncer_harness import (  # noqa: F401  (re-exported: the helpers used to live here)
     SHAPES,
     TOKEN,
@@ -34,6 +35,7 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., SyncerServer]]:
         kwargs.setdefault("checkpoint_dir", tmp_path / "ckpt")
         kwargs.setdefault("shard_index", 0)
         kwargs.setdefault("num_shards", 1)
+        kwargs.setdefault("security", TEST_PKI.server)
         server = SyncerServer(config, token=TOKEN, **kwargs)
         server.start()
         servers.append(server)
@@ -58,7 +60,12 @@ class SyncerProcess:
     proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "DILOCO_TOKEN": TOKEN, "DILOCO_LOG_LEVEL": "WARNING"}
+        env = {
+            **os.environ,
+            **tls_env(self.checkpoint_dir.parent / "tls", server=True),
+            "DILOCO_TOKEN": TOKEN,
+            "DILOCO_LOG_LEVEL": "WARNING",
+        }
         self.proc = subprocess.Popen(
             [
                 sys.executable,

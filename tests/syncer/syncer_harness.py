@@ -6,11 +6,15 @@ from __future__ import annotations
 import socket
 from typing import TypeVar
 
+import grpc
 import torch
-from support import wait_until  # noqa: F401  (re-exported to the syncer tests)
+from support import (
+    TEST_PKI,
+    wait_until,  # noqa: F401  (re-exported to the syncer tests)
+)
 
 from diloco.core.config import TrainingConfig
-from diloco.transport import wire
+from diloco.transport import tls, wire
 from diloco.transport.client import Backoff, SyncerClient
 
 TOKEN = "test-token"
@@ -36,7 +40,13 @@ def framed(chunk_type: type[T], data: bytes, offset: int = 0) -> T:
 
 def make_client(port: int, island: str = "", **kwargs) -> SyncerClient:
     kwargs.setdefault("backoff", Backoff(initial=0.02, maximum=0.5))
+    kwargs.setdefault("security", TEST_PKI.client)
     return SyncerClient(f"127.0.0.1:{port}", TOKEN, island_id=island, **kwargs)
+
+
+def open_channel(port: int, options: list[tuple[str, object]] | None = None) -> grpc.Channel:
+    """A raw channel to a shard on loopback over TLS with the tests' CA, for calls the client never makes."""
+    return tls.channel(f"127.0.0.1:{port}", TEST_PKI.client, options or [])
 
 
 def versions(client: SyncerClient) -> dict[int, tuple[int, int]]:

@@ -17,19 +17,21 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
+from support import TEST_PKI
 from syncer_harness import (
     TOKEN,
     ReferenceFragment,
     config_for,
     framed,
     make_client,
+    open_channel,
     random_values,
     wait_until,
 )
 
 from diloco.core.encoding import Encoding
 from diloco.syncer.server import SyncerServer
-from diloco.transport import wire
+from diloco.transport import tls, wire
 from diloco.transport.client import SyncerClient
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.v1 import syncer_pb2_grpc
@@ -113,9 +115,9 @@ def scene(start_server) -> Scene:
         encoding=Encoding.FP32,
         block_size=0,
     )
-    channel = grpc.insecure_channel(
-        f"127.0.0.1:{server.port}",
-        options=[("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)],
+    channel = open_channel(
+        server.port,
+        [("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)],
     )
     yield Scene(
         server, syncer_pb2_grpc.SyncerStub(channel), observer, incarnation, reference, {"a": pending_a}, islands
@@ -496,7 +498,7 @@ def damaging_link(port: int, damage: Callable[[list], list]) -> Iterator[int]:
     """A gRPC hop in front of the shard that passes each Pull reply on after `damage` rewrote its messages
     (FragmentChunk, in order); yields the port to pull from."""
     options = [("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)]
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+    channel = open_channel(port, options)
     upstream = channel.unary_stream("/diloco.v1.Syncer/Pull")  # serialized bytes in and out
 
     def pull(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -508,7 +510,7 @@ def damaging_link(port: int, damage: Callable[[list], list]) -> Iterator[int]:
         "diloco.v1.Syncer", {"Pull": grpc.unary_stream_rpc_method_handler(pull)}
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=2), handlers=[handler], options=options)
-    link_port = server.add_insecure_port("127.0.0.1:0")
+    link_port = tls.add_port(server, "127.0.0.1:0", TEST_PKI.server)
     server.start()
     try:
         yield link_port
@@ -695,7 +697,7 @@ def test_a_header_that_lies_about_its_size_costs_no_memory(syncer_process):
         pb.FragmentChunk(header=pb.FragmentHeader(fragment_id=0, tensors=[lying])),
         framed(pb.FragmentChunk, b"\0" * 1024),
     ]
-    with grpc.insecure_channel(f"127.0.0.1:{process.port}") as channel:
+    with open_channel(process.port) as channel:
         stub = syncer_pb2_grpc.SyncerStub(channel)
         stub.Status(pb.StatusRequest(), metadata=AUTH, timeout=30)  # everything a call needs is loaded
         peak_before = peak_rss_bytes(process.proc.pid)
@@ -717,9 +719,9 @@ def test_ids_that_never_joined_cannot_fill_the_shard_with_pending_deltas(syncer_
     named = [("w", torch.zeros(MiB))]  # 4 MiB of float32
     strangers = 64
     with (
-        grpc.insecure_channel(
-            f"127.0.0.1:{process.port}",
-            options=[("grpc.max_send_message_length", 8 * MiB), ("grpc.max_receive_message_length", 8 * MiB)],
+        open_channel(
+            process.port,
+            [("grpc.max_send_message_length", 8 * MiB), ("grpc.max_receive_message_length", 8 * MiB)],
         ) as channel,
         make_client(process.port) as observer,
     ):

@@ -10,7 +10,7 @@ import struct
 import grpc
 import pytest
 import test_hostile
-from syncer_harness import ReferenceFragment, config_for, framed, make_client, random_values, wait_until
+from syncer_harness import ReferenceFragment, config_for, framed, make_client, open_channel, random_values, wait_until
 from test_hostile import (
     AUTH,
     INVALID,
@@ -63,7 +63,7 @@ def test_invented_islands_pulling_unknown_fragments_dilute_no_merge(start_server
             client.join(3)
         live_before = list(observer.status().live_islands)
         base, _ = observer.pull(0)
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        with open_channel(server.port) as channel:
             stub = syncer_pb2_grpc.SyncerStub(channel)
             for island in INVENTED:
                 for fragment, code in ((7, INVALID), (1, PRECONDITION)):
@@ -155,7 +155,7 @@ def raw_call(scene: Scene, rpc: str, payload: bytes) -> None:
     """Calls `rpc` with bytes as they are: one request message, or a stream of one message."""
     method = f"/diloco.v1.Syncer/{rpc}"
     identity = lambda raw: raw  # noqa: E731
-    with grpc.insecure_channel(f"127.0.0.1:{scene.server.port}") as channel:
+    with open_channel(scene.server.port) as channel:
         if rpc in ("Seed", "PushDelta"):
             channel.stream_unary(method, identity, identity)(iter([payload]), metadata=AUTH, timeout=30)
         elif rpc == "Pull":
@@ -219,7 +219,7 @@ def test_an_int4_push_declaring_a_huge_block_size_is_invalid_and_costs_no_memory
         blobs.append(blob)
     header = pb.PushHeader(island_id="island-a", fragment_id=0, base=base, tokens=1, inner_steps=1, tensors=payloads)
     chunks = [pb.PushChunk(header=header), framed(pb.PushChunk, b"".join(blobs))]
-    with grpc.insecure_channel(f"127.0.0.1:{process.port}") as channel:
+    with open_channel(process.port) as channel:
         stub = syncer_pb2_grpc.SyncerStub(channel)
         stub.Status(pb.StatusRequest(), metadata=AUTH, timeout=30)  # everything a call needs is loaded
         peak_before = peak_rss_bytes(process.proc.pid)

@@ -19,6 +19,7 @@ from syncer_harness import (
     config_for,
     free_port,
     make_client,
+    open_channel,
     random_values,
     versions,
     wait_until,
@@ -409,7 +410,7 @@ class TestObservability:
             push(a, 0, base0, [("w", torch.zeros(3))])  # refused: wrong layout
         with pytest.raises(grpc.RpcError):
             push(a, 9, base0, random_values(3))  # refused: unknown fragment
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel, pytest.raises(grpc.RpcError):
+        with open_channel(server.port) as channel, pytest.raises(grpc.RpcError):
             wrong_token = bearer_metadata("not the job's")
             syncer_pb2_grpc.SyncerStub(channel).Status(pb.StatusRequest(), metadata=wrong_token, timeout=10)
 
@@ -432,7 +433,7 @@ class TestObservability:
 
     def test_health_is_served_without_a_token(self, start_server):
         server = start_server(config_for(), seed=False)
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        with open_channel(server.port) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             for service in ("", "diloco.v1.Syncer"):
                 reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import signal
 
-import grpc
 import pytest
 import torch
-from syncer_harness import TOKEN, config_for, make_client, random_values, wait_until
+from syncer_harness import TOKEN, config_for, make_client, open_channel, random_values, wait_until
 
 from diloco.core.compressed_pull import values_digest
 from diloco.core.encoding import Encoding, encoded_nbytes, error_bound
@@ -133,7 +132,7 @@ def test_values_the_shard_did_not_serve_this_island_get_full_values(shard, lie):
 
 def test_a_caller_that_did_not_ask_for_differences_never_gets_one(shard):
     server, _, _pusher, _ = shard
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    channel = open_channel(server.port)
     stub = syncer_pb2_grpc.SyncerStub(channel)
     held = pb.HeldValues(version=pb.FragmentVersion(incarnation=server.state.incarnation, version=0), digest=0)
     request = pb.PullRequest(fragment_id=0, island_id="island", held=held)  # no delta encoding

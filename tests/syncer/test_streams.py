@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from syncer_harness import TOKEN, config_for, make_client, random_values, wait_until
+from syncer_harness import TOKEN, config_for, make_client, open_channel, random_values, wait_until
 
 from diloco.core.encoding import Encoding
 from diloco.syncer.server import SyncerServer
@@ -54,7 +54,7 @@ def idle_pushes(server: SyncerServer, count: int) -> Iterator[list[grpc.Future]]
         yield push_header(island, incarnation)
         release.wait(120)
 
-    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+    with open_channel(server.port) as channel:
         stub = syncer_pb2_grpc.SyncerStub(channel)
         calls = [stub.PushDelta.future(stream(f"idle-{i}"), metadata=AUTH, timeout=120) for i in range(count)]
         try:
@@ -78,7 +78,7 @@ def test_idle_streams_leave_status_and_health_answering(start_server):
     """The streams hold every data thread (the idle bound is the long default): the calls probes and
     operators make still answer within a normal deadline."""
     server = start_server(config_for())
-    with idle_pushes(server, THREADS + 8) as calls, grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+    with idle_pushes(server, THREADS + 8) as calls, open_channel(server.port) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "diloco.v1.Syncer"):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=NORMAL_DEADLINE)
@@ -133,7 +133,7 @@ def test_a_stream_that_sends_nothing_more_is_cancelled_after_the_idle_bound(star
         yield header
         release.wait(60)
 
-    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+    with open_channel(server.port) as channel:
         call = getattr(syncer_pb2_grpc.SyncerStub(channel), rpc).future(stream(), metadata=AUTH, timeout=30)
         try:
             assert call.exception(timeout=NORMAL_DEADLINE).code() == grpc.StatusCode.CANCELLED

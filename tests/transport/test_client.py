@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+from support import TEST_PKI
 
 from diloco.transport.client import Backoff, SyncerClient
 
@@ -23,6 +24,7 @@ def test_a_set_stop_ends_a_retrying_call_with_its_last_error():
     client = SyncerClient(
         f"127.0.0.1:{unused_loopback_port()}",
         "token",
+        security=TEST_PKI.client,
         island_id="island-a",
         timeout=1.0,
         retry_for=300.0,
@@ -56,6 +58,7 @@ def test_without_stop_a_call_gives_up_only_after_retry_for():
     client = SyncerClient(
         f"127.0.0.1:{unused_loopback_port()}",
         "token",
+        security=TEST_PKI.client,
         island_id="island-a",
         timeout=0.5,
         retry_for=1.0,

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from learner_harness import FAST_BACKOFF, TOKEN, SingleIsland
+from support import TEST_PKI
 from torch import nn
 
 from diloco.core.config import TrainingConfig
@@ -48,6 +49,7 @@ class Shards:
             shard_index=index,
             num_shards=self.count,
             token=TOKEN,
+            security=TEST_PKI.server,
             port=port,
             checkpoint_dir=self.checkpoint_dir,
         )
@@ -59,7 +61,9 @@ class Shards:
         self.servers[index].stop(grace=0)
 
     def client(self, index: int) -> SyncerClient:
-        return SyncerClient(self.targets[index], TOKEN, island_id="observer", backoff=FAST_BACKOFF)
+        return SyncerClient(
+            self.targets[index], TOKEN, security=TEST_PKI.client, island_id="observer", backoff=FAST_BACKOFF
+        )
 
     def status(self, index: int) -> dict[int, tuple[bool, int, int]]:
         """Per owned fragment: (seeded, version, tokens merged)."""
@@ -110,6 +114,7 @@ def island(start_shards: Callable[..., Shards]) -> Iterator[Callable[..., Single
                 shards.config,
                 syncers=syncers or shards.targets,
                 token=token,
+                security=TEST_PKI.client,
                 island_id=name,
                 **options,
             )

@@ -17,6 +17,8 @@ from learner_harness import BATCH, FAST_BACKOFF, TOKEN, flat_params, tiny_model
 from torch import nn
 
 from diloco.core.config import TrainingConfig
+from diloco.settings import load_security
+from diloco.transport.tls import Role
 from diloco.worker.learner import Learner
 
 RANK_TOKENS = (16, 1)
@@ -36,6 +38,7 @@ def main() -> None:
         TrainingConfig.from_json(config_json),
         syncers=[syncer],
         token=TOKEN,
+        security=load_security(Role.CLIENT),
         island_id="island-0",
         process_group=dist.group.WORLD,
         backoff=FAST_BACKOFF,

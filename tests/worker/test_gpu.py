@@ -11,6 +11,7 @@ import torch
 
 from diloco.cli import main as diloco_main
 from diloco.core.config import Mode, Precision, TrainingConfig
+from diloco.transport.tls import PLAINTEXT
 from diloco.worker.sync import HostCopy
 from diloco.worker.trainer import Trainer, TrainerSettings
 
@@ -21,7 +22,7 @@ def test_the_trainer_learns_on_cuda_in_bf16_over_fp32_master_weights(tmp_path):
     settings = TrainerSettings(
         mode=Mode.DDP.value, preset="small", batch_size=8, steps=60, eval_every=1000, device="cuda"
     )
-    trainer = Trainer(settings, TrainingConfig(), island="gpu", syncers=[], token="")
+    trainer = Trainer(settings, TrainingConfig(), island="gpu", syncers=[], token="", security=PLAINTEXT)
     try:
         before = trainer.evaluate()
         after = trainer.run()

@@ -3,6 +3,7 @@ syncer, and every rank ends with the same parameters."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 from island_rank import RANK_TOKENS
 from learner_harness import make_config
+from support import tls_env
 
 pytestmark = pytest.mark.process
 
@@ -35,6 +37,7 @@ def test_two_rank_island_mixes_in_step_and_pushes_from_rank_0(start_shards, tmp_
                 str(outs[rank]),
             ],
             cwd=tmp_path,
+            env={**os.environ, **tls_env(tmp_path / "tls", server=False)},
         )
         for rank in (0, 1)
     ]

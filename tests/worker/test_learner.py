@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 from learner_harness import BATCH, TOKEN, flat_params, make_config, tiny_model
+from support import tls_env
 
 from diloco.worker.learner import Learner
 
@@ -252,6 +253,8 @@ def test_from_env_reads_what_the_operator_injects(start_shards, tmp_path, monkey
     token_file.write_text(TOKEN + "\n")
     monkeypatch.setenv("DILOCO_SYNCERS", shards.targets[0])
     monkeypatch.setenv("DILOCO_TOKEN_FILE", str(token_file))
+    for name, value in tls_env(tmp_path / "tls", server=False).items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setenv("DILOCO_ISLAND", "island-env")
     monkeypatch.setenv("DILOCO_CONFIG", shards.config.to_json())
     model = tiny_model(1)

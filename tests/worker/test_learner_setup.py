@@ -6,6 +6,7 @@ import pytest
 import torch
 from learner_harness import TOKEN, make_config, tiny_model
 
+from diloco.transport.tls import PLAINTEXT
 from diloco.worker.learner import Learner
 from diloco.worker.stats import StatsRecorder
 from diloco.worker.sync import fragment_values
@@ -18,7 +19,12 @@ def optimized_model():
 
 @pytest.mark.parametrize("missing", ["DILOCO_SYNCERS", "DILOCO_ISLAND"])
 def test_from_env_names_a_missing_variable(monkeypatch, missing):
-    for name, value in {"DILOCO_SYNCERS": "127.0.0.1:1", "DILOCO_ISLAND": "island-0", "DILOCO_TOKEN": TOKEN}.items():
+    for name, value in {
+        "DILOCO_SYNCERS": "127.0.0.1:1",
+        "DILOCO_ISLAND": "island-0",
+        "DILOCO_TOKEN": TOKEN,
+        "DILOCO_INSECURE_PLAINTEXT": "1",
+    }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv(missing)
     with pytest.raises(ValueError, match=missing):
@@ -31,6 +37,7 @@ def test_from_env_splits_the_shard_list_and_reads_the_config(monkeypatch):
     monkeypatch.setenv("DILOCO_ISLAND", "island-3")
     monkeypatch.setenv("DILOCO_TOKEN", TOKEN)
     monkeypatch.setenv("DILOCO_CONFIG", config.to_json())
+    monkeypatch.setenv("DILOCO_INSECURE_PLAINTEXT", "1")
     learner = Learner.from_env(*optimized_model())
     assert learner.syncers == ["shard-0:50051", "shard-1:50051"]
     assert learner.island_id == "island-3"
@@ -38,7 +45,9 @@ def test_from_env_splits_the_shard_list_and_reads_the_config(monkeypatch):
 
 
 def test_step_needs_a_started_learner():
-    learner = Learner(*optimized_model(), make_config(), syncers=["127.0.0.1:1"], token=TOKEN, island_id="a")
+    learner = Learner(
+        *optimized_model(), make_config(), syncers=["127.0.0.1:1"], token=TOKEN, security=PLAINTEXT, island_id="a"
+    )
     with pytest.raises(RuntimeError, match="started"):
         learner.step(tokens=1)
 
@@ -50,6 +59,7 @@ def test_more_fragments_than_tensors_is_refused():
             make_config(inner_steps=8, fragments=8, overlap_steps=0),
             syncers=["127.0.0.1:1"],
             token=TOKEN,
+            security=PLAINTEXT,
             island_id="a",
         )
 

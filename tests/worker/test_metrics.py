@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from learner_harness import TOKEN, make_config
 from prometheus_client.parser import text_string_to_metric_families
-from support import wait_until
+from support import tls_env, wait_until
 
 from diloco.local.launcher import free_port
 from diloco.operator.probes import trainer_loss
@@ -61,7 +61,13 @@ def test_a_training_worker_serves_its_progress_on_the_metrics_port(start_shards,
         "--device",
         "cpu",
     ]
-    env = {**os.environ, "DILOCO_TOKEN": TOKEN, "DILOCO_METRICS_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        **tls_env(tmp_path / "tls", server=False),
+        "DILOCO_TOKEN": TOKEN,
+        "DILOCO_METRICS_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
     worker = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}/metrics"
     try:
@@ -121,7 +127,7 @@ def test_the_operator_reads_the_loss_a_worker_serves(start_shards, tmp_path):
     ]
     worker = subprocess.Popen(
         command,
-        env={**os.environ, "DILOCO_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, **tls_env(tmp_path / "tls", server=False), "DILOCO_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

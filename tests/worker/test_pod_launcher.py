@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from learner_harness import TOKEN, make_config
-from support import wait_until
+from support import tls_env, wait_until
 
 from diloco.core.config import TrainingConfig
 from diloco.local.launcher import free_port
@@ -40,6 +40,7 @@ def start_pod(
         "MASTER_PORT": str(free_port()),
         "DILOCO_TOKEN": TOKEN,
         "OMP_NUM_THREADS": "1",
+        **tls_env(tmp_path / "tls", server=False),
     }
     command = [
         sys.executable,

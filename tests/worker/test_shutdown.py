@@ -9,7 +9,7 @@ import time
 
 import pytest
 from learner_harness import TOKEN, make_config
-from support import wait_until
+from support import tls_env, wait_until
 from test_pod_launcher import finish, start_pod
 
 from diloco.progress import StepEvent, read_events
@@ -64,7 +64,13 @@ def test_sigterm_mid_round_pushes_the_last_steps_and_leaves_at_once(start_shards
         "--progress-file",
         str(progress / "worker.jsonl"),
     ]
-    env = {**os.environ, "DILOCO_TOKEN": TOKEN, "DILOCO_TERMINATION_GRACE_SECONDS": "60", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        **tls_env(tmp_path / "tls", server=False),
+        "DILOCO_TOKEN": TOKEN,
+        "DILOCO_TERMINATION_GRACE_SECONDS": "60",
+        "OMP_NUM_THREADS": "1",
+    }
     worker = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: sum(isinstance(e, StepEvent) for e in read_events(progress)) >= 3, timeout=180)

@@ -1,0 +1,168 @@
+"""A job's TLS as the operator decides it: a CA of the job's own, made once and kept; certificates for every
+name of the syncer Services, re-issued only when the names change or the end nears; what each pod mounts
+and the variables that point it there; and the operator's own way of calling the shards."""
+
+from __future__ import annotations
+
+import base64
+import datetime
+
+import grpc
+import pytest
+from support import TEST_PKI
+
+from diloco.api.job import DiLoCoJobSpec
+from diloco.core.config import TrainingConfig
+from diloco.operator import naming as n
+from diloco.operator.job_tls import RENEW_BEFORE, job_tls, operator_made_data, secret_bytes, server_names
+from diloco.syncer.server import SyncerServer
+from diloco.transport import certificates
+from diloco.transport.auth import bearer_metadata
+from diloco.transport.tls import PLAINTEXT, Tls
+from diloco.transport.v1 import syncer_pb2 as pb
+from diloco.transport.v1 import syncer_pb2_grpc
+
+JOB = n.JobRef(name="demo", namespace="ml", uid="uid-1")
+NOW = datetime.datetime(2026, 11, 24, tzinfo=datetime.UTC)
+
+
+def spec(**tls) -> DiLoCoJobSpec:
+    return DiLoCoJobSpec.model_validate(
+        {"image": "img", "islands": [{"name": "a"}], "syncer": {"shards": 2}, "training": {"fragments": 2}, "tls": tls}
+    )
+
+
+def as_secret(data: dict[str, bytes]) -> dict:
+    return {"data": {key: base64.b64encode(value).decode() for key, value in data.items()}}
+
+
+def test_the_server_certificate_names_every_form_of_every_shard_service():
+    made = operator_made_data(JOB, {}, server_names(JOB, 2), NOW)
+    assert certificates.names_of(made["tls.crt"]) == {
+        f"demo-syncer-{shard}{suffix}" for shard in (0, 1) for suffix in ("", ".ml", ".ml.svc", ".ml.svc.cluster.local")
+    }
+    assert certificates.signed_by(made["tls.crt"], made["ca.crt"])
+    assert certificates.signed_by(made["client.crt"], made["ca.crt"])
+
+
+def test_what_lives_is_kept_and_a_new_shard_reissues_the_server_certificate_under_the_same_ca():
+    made = operator_made_data(JOB, {}, server_names(JOB, 2), NOW)
+    assert operator_made_data(JOB, made, server_names(JOB, 2), NOW) == made
+    grown = operator_made_data(JOB, made, server_names(JOB, 3), NOW)
+    assert grown["ca.crt"] == made["ca.crt"] and grown["client.crt"] == made["client.crt"]
+    assert grown["tls.crt"] != made["tls.crt"] and "demo-syncer-2.ml.svc" in certificates.names_of(grown["tls.crt"])
+
+
+def test_certificates_near_their_end_are_renewed():
+    made = operator_made_data(JOB, {}, server_names(JOB, 1), NOW)
+    later = certificates.expires(made["tls.crt"]) - RENEW_BEFORE + datetime.timedelta(days=1)
+    renewed = operator_made_data(JOB, made, server_names(JOB, 1), later)
+    assert renewed["ca.crt"] == made["ca.crt"], "the CA outlives its certificates"
+    assert certificates.expires(renewed["tls.crt"]) > certificates.expires(made["tls.crt"])
+    assert certificates.expires(renewed["client.crt"]) > certificates.expires(made["client.crt"])
+
+
+@pytest.mark.parametrize(
+    "damaged",
+    [{"ca.crt": TEST_PKI.ca.cert, "tls.crt": b"junk"}, {"ca.crt": b"junk", "ca.key": b"junk"}],
+    ids=["no CA key", "junk CA"],
+)
+def test_a_damaged_secret_is_made_anew(damaged):
+    made = operator_made_data(JOB, damaged, server_names(JOB, 1), NOW)
+    assert made["ca.crt"] not in (TEST_PKI.ca.cert, b"junk")
+    assert certificates.signed_by(made["tls.crt"], made["ca.crt"])
+
+
+def test_the_operator_made_server_certificate_serves_the_service_name_over_tls():
+    """A real shard with the made certificate, reached under its Service's name: the islands' and the
+    operator's view of the job's TLS holds together."""
+    made = job_tls(JOB, spec(mutual=True), None, {}, NOW)
+    assert made.made is not None and isinstance(made.probe, Tls)
+    server = SyncerServer(
+        TrainingConfig(fragments=2, inner_steps=10, overlap_steps=1),
+        shard_index=0,
+        num_shards=1,
+        token="t",
+        security=Tls(ca=made.made["ca.crt"], cert=made.made["tls.crt"], key=made.made["tls.key"], mutual=True),
+    )
+    server.start()
+    try:
+        credentials = grpc.ssl_channel_credentials(made.probe.ca, made.probe.key, made.probe.cert)
+        options = [("grpc.ssl_target_name_override", "demo-syncer-0.ml.svc")]
+        with grpc.secure_channel(f"127.0.0.1:{server.port}", credentials, options=options) as channel:
+            reply = syncer_pb2_grpc.SyncerStub(channel).Status(
+                pb.StatusRequest(), metadata=bearer_metadata("t"), timeout=10
+            )
+        assert reply.num_shards == 1
+    finally:
+        server.stop(grace=0)
+
+
+@pytest.mark.parametrize(
+    ("tls", "syncer_env", "island_env"),
+    [
+        ({}, {"CA", "CERT", "KEY"}, {"CA"}),
+        ({"mutual": True}, {"CA", "CERT", "KEY", "MUTUAL"}, {"CA", "CERT", "KEY", "MUTUAL"}),
+    ],
+    ids=["server TLS", "mutual TLS"],
+)
+def test_each_side_is_pointed_at_what_its_role_needs(tls, syncer_env, island_env):
+    decided = job_tls(JOB, spec(**tls), None, {}, NOW)
+    assert {k.removeprefix("DILOCO_TLS_").removesuffix("_FILE") for k in decided.env(syncer=True)} == syncer_env
+    assert {k.removeprefix("DILOCO_TLS_").removesuffix("_FILE") for k in decided.env(syncer=False)} == island_env
+
+
+def test_no_pod_mounts_the_cas_key_and_islands_get_the_client_certificate_as_their_own():
+    decided = job_tls(JOB, spec(mutual=True), None, {}, NOW)
+
+    def files(syncer):
+        (volume,) = decided.volumes(JOB, syncer=syncer)
+        (source,) = volume["projected"]["sources"]
+        assert source["secret"]["name"] == "demo-tls"
+        return {item["key"]: item["path"] for item in source["secret"]["items"]}
+
+    assert files(syncer=True) == {"ca.crt": "ca.crt", "tls.crt": "tls.crt", "tls.key": "tls.key"}
+    assert files(syncer=False) == {"ca.crt": "ca.crt", "client.crt": "tls.crt", "client.key": "tls.key"}
+
+
+def test_named_secrets_are_mounted_as_they_are_and_the_operator_trusts_their_ca():
+    named = {
+        "our-ca": as_secret({"ca.crt": TEST_PKI.ca.cert}),
+        "syncer-cert": as_secret({"tls.crt": TEST_PKI.server_cert.cert, "tls.key": TEST_PKI.server_cert.key}),
+        "island-cert": as_secret({"tls.crt": TEST_PKI.client_cert.cert, "tls.key": TEST_PKI.client_cert.key}),
+    }
+    decided = job_tls(
+        JOB,
+        spec(serverSecret="syncer-cert", caSecret="our-ca", clientSecret="island-cert", mutual=True),
+        None,
+        named,
+        NOW,
+    )
+    assert decided.made is None
+    assert decided.probe == Tls(
+        ca=TEST_PKI.ca.cert, cert=TEST_PKI.client_cert.cert, key=TEST_PKI.client_cert.key, mutual=True
+    )
+    (syncer,) = decided.volumes(JOB, syncer=True)
+    (island,) = decided.volumes(JOB, syncer=False)
+    assert [s["secret"]["name"] for s in syncer["projected"]["sources"]] == ["our-ca", "syncer-cert"]
+    assert [s["secret"]["name"] for s in island["projected"]["sources"]] == ["our-ca", "island-cert"]
+
+
+def test_a_rotated_named_certificate_changes_the_fingerprint():
+    def fingerprint(cert: bytes, syncer: bool) -> str:
+        named = {"ca": as_secret({"ca.crt": TEST_PKI.ca.cert}), "srv": as_secret({"tls.crt": cert, "tls.key": b"k"})}
+        return job_tls(JOB, spec(serverSecret="srv", caSecret="ca"), None, named, NOW).fingerprint(JOB, syncer)
+
+    assert fingerprint(b"one", syncer=True) != fingerprint(b"two", syncer=True)
+    assert fingerprint(b"one", syncer=False) == fingerprint(b"two", syncer=False), "islands hold only the CA"
+
+
+def test_plaintext_mounts_nothing_and_says_so():
+    decided = job_tls(JOB, spec(insecurePlaintext=True), None, {}, NOW)
+    assert decided.probe is PLAINTEXT and decided.made is None
+    assert decided.volumes(JOB, syncer=True) == [] and decided.mounts() == []
+    assert decided.env(syncer=True) == decided.env(syncer=False) == {"DILOCO_INSECURE_PLAINTEXT": "1"}
+
+
+def test_secret_bytes_of_a_missing_secret_is_empty():
+    assert secret_bytes(None) == {}
