@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 SUBCOMMANDS = (
     "diloco.local.run",
+    "diloco.export.command",
     "diloco.shard_status",
     "diloco.sim.simulate",
 )

@@ -41,10 +41,16 @@ from diloco.operator.tokens import fingerprint
 CONFIG_DIR = "/etc/diloco"
 TOKEN_DIR = "/var/run/secrets/diloco"
 CHECKPOINT_DIR = "/var/lib/diloco"
+EXPORT_DIR = "/export"
+SHARD_CHECKPOINTS_DIR = "/shards"
+EXPORT_ATTEMPTS = 3
 RUN_AS = 10001
 WORKER_COMMAND = ("diloco-worker",)
 SYNCER_COMMAND = ("diloco-syncer",)
 DEFAULT_DATA = "stdlib"
+TRAINER_GRACE_SECONDS = 30
+"""Seconds an island pod has after SIGTERM unless its pod template sets terminationGracePeriodSeconds: the
+built-in worker finishes its step, pushes its last steps and says Leave within them."""
 
 SPOT_TOLERATIONS: tuple[dict[str, str], ...] = (
     {"key": "cloud.google.com/gke-spot", "operator": "Exists", "effect": "NoSchedule"},
@@ -66,10 +72,12 @@ class OperatorRef:
 
 @dataclass(frozen=True)
 class Scale:
-    """Replicas decided for this pass: per island name, and for every syncer shard (0 or 1)."""
+    """Replicas decided for this pass: per island name, and for every syncer shard (0 or 1); and whether
+    the job's model export (spec.export) is to run."""
 
     islands: Mapping[str, int]
     syncers: int
+    export: bool = False
 
 
 def digest(obj: Any) -> str:
@@ -358,12 +366,19 @@ def island_service(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> di
     )
 
 
+def island_grace_seconds(island: IslandSpec) -> int:
+    """The island pods' terminationGracePeriodSeconds: the pod template's, else the default."""
+    override = island.pod_template.spec.termination_grace_period_seconds if island.pod_template else None
+    return TRAINER_GRACE_SECONDS if override is None else override
+
+
 def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[dict[str, Any]]:
     """DILOCO_* for `Learner.from_env` and the built-in worker, and torch.distributed's static rendezvous,
     whose master is the island's ordinal-0 pod. The world is every rank of the island: one per accelerator
     of every pod (one per pod without accelerators). The pod's NODE_RANK is its StatefulSet ordinal; a pod
     of one rank also gets RANK (the same number), while the ranks of a pod of N are numbered ordinal x N +
-    local rank by the pod's launcher (the built-in worker's, or torchrun's)."""
+    local rank by the pod's launcher (the built-in worker's, or torchrun's). The pod's grace period goes
+    down too, so that one setting bounds the worker's last pushes after SIGTERM."""
     syncers = ",".join(
         n.syncer_address(job.name, job.namespace, shard, spec.syncer.port) for shard in range(spec.syncer.shards)
     )
@@ -374,6 +389,7 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
         "DILOCO_SYNCERS": syncers,
         "DILOCO_METRICS_PORT": str(spec.trainer.metrics_port),
         "DILOCO_ACCELERATORS_PER_POD": str(island.accelerators_per_pod),
+        "DILOCO_TERMINATION_GRACE_SECONDS": str(island_grace_seconds(island)),
     }
     if spec.trainer.preset is not None:
         values["DILOCO_MODEL"] = spec.trainer.preset.value
@@ -438,7 +454,7 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": _pod_security(),
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": TRAINER_GRACE_SECONDS,
         "containers": [container],
         # Shared memory for data loaders and NCCL, which the container runtime's 64 MiB default starves.
         "volumes": [
@@ -505,9 +521,7 @@ def network_policy(job: n.JobRef, spec: DiLoCoJobSpec, operator: OperatorRef | N
             "kind": "NetworkPolicy",
             "metadata": _metadata(job, n.network_policy_name(job.name), n.common_labels(job.name, None, "network")),
             "spec": {
-                "podSelector": {
-                    "matchLabels": {**n.job_selector(job.name), "app.kubernetes.io/component": n.COMPONENT_SYNCER}
-                },
+                "podSelector": {"matchLabels": {**n.job_selector(job.name), n.LABEL_COMPONENT: n.COMPONENT_SYNCER}},
                 "policyTypes": ["Ingress"],
                 "ingress": [
                     {"from": peers, "ports": [{"port": spec.syncer.port, "protocol": "TCP"}]},
@@ -518,10 +532,81 @@ def network_policy(job: n.JobRef, spec: DiLoCoJobSpec, operator: OperatorRef | N
     )
 
 
+def export_job(job: n.JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
+    """The batch Job that writes a succeeded job's model: `diloco export` over the shards' final
+    checkpoints (their volumes, mounted read-only once the shards have stopped) into the volume and folder
+    spec.export names, with the job's training config recorded beside it."""
+    if spec.export is None:
+        raise ValueError("the job names no export (spec.export)")
+    shards = range(spec.syncer.shards)
+    command = [
+        "diloco",
+        "export",
+        f"{EXPORT_DIR}/{spec.export.path or job.name}",
+        "--checkpoints",
+        *(f"{SHARD_CHECKPOINTS_DIR}/{shard}" for shard in shards),
+        "--config",
+        f"{CONFIG_DIR}/{n.CONFIG_KEY}",
+    ]
+    container = {
+        "name": n.COMPONENT_EXPORT,
+        "image": spec.syncer_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": command,
+        "resources": _resources(spec.syncer.resources),
+        "securityContext": _container_security(read_only_root=True),
+        "volumeMounts": [
+            *(
+                {"name": f"shard-{shard}", "mountPath": f"{SHARD_CHECKPOINTS_DIR}/{shard}", "readOnly": True}
+                for shard in shards
+            ),
+            {"name": "export", "mountPath": EXPORT_DIR},
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(),
+        "restartPolicy": "Never",
+        "containers": [container],
+        "volumes": [
+            *(
+                {
+                    "name": f"shard-{shard}",
+                    "persistentVolumeClaim": {"claimName": n.syncer_name(job.name, shard), "readOnly": True},
+                }
+                for shard in shards
+            ),
+            {"name": "export", "persistentVolumeClaim": {"claimName": spec.export.claim_name}},
+            {"name": "config", "configMap": {"name": n.config_map_name(job.name)}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+    }
+    if spec.syncer.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.syncer.node_selector)
+    if spec.syncer.tolerations:
+        pod_spec["tolerations"] = _tolerations(spec.syncer.tolerations)
+    labels = n.export_labels(job.name)
+    return _stamped(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": _metadata(job, n.export_job_name(job.name), labels),
+            "spec": {
+                "backoffLimit": EXPORT_ATTEMPTS - 1,
+                "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            },
+        }
+    )
+
+
 def render_children(
     job: n.JobRef, spec: DiLoCoJobSpec, token: str, scale: Scale, operator: OperatorRef | None, *, tls: JobTls
 ) -> list[dict[str, Any]]:
-    """Every child, in the order they are best created: config and credentials, then syncers, then islands."""
+    """Every child, in the order they are best created: config and credentials, then syncers, then islands;
+    last the model's export once the job has succeeded and its shards have stopped."""
     validate_job_name(job.name)
     children = [config_map(job, spec), token_secret(job, token), network_policy(job, spec, operator)]
     if tls.made is not None:
@@ -537,6 +622,8 @@ def render_children(
             island_service(job, spec, island),
             island_statefulset(job, spec, island, scale.islands.get(island.name, 0), token, tls),
         ]
+    if scale.export:
+        children.append(export_job(job, spec))
     return children
 
 

@@ -3,8 +3,9 @@ observation of the cluster: per-island accounting, progress per fragment and goo
 conditions, the failure policy, the stop condition and the TTL each in its module of
 `diloco.operator.policies`, which `decide` composes. No I/O and no clock: `now` is an argument.
 
-A finished job (Succeeded or Failed) stays finished: its islands and shards are wound down to zero and
-nothing is ever scaled up again; the volumes keep the syncers' final checkpoints until the job is deleted.
+A finished job (Succeeded or Failed) stays finished: its islands are wound down to zero, then, once no island
+pod is left (each pushes its last steps on SIGTERM), its shards; nothing is ever scaled up again, and the
+volumes keep the syncers' final checkpoints until the job is deleted.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus, FragmentProgress, IslandStatus, Phase, SyncerStatus
 from diloco.operator.children import Scale
@@ -19,6 +21,7 @@ from diloco.operator.events import Event
 from diloco.operator.island_accounting import IslandAccount, NodeState, PodObservation, account_island
 from diloco.operator.policies.failure_policy import restart_budget_exhausted
 from diloco.operator.policies.job_conditions import update_conditions
+from diloco.operator.policies.model_export import export_due, export_status
 from diloco.operator.policies.phase import next_phase, readiness
 from diloco.operator.policies.stop_condition import slowest_fragment, stop_reached
 from diloco.operator.policies.ttl_after_finished import deletion_due
@@ -80,6 +83,10 @@ class Observation:
     losses: Mapping[str, float] = field(default_factory=dict)
     workloads: Mapping[str, str] = field(default_factory=dict)
     """The UID of each island's StatefulSet, by island; an island missing has none."""
+    shard_pods: int = 0
+    """Syncer shard pods that exist, terminating ones included."""
+    export_job: Mapping[str, Any] | None = None
+    """The batch Job exporting the model (spec.export), as last seen; None while there is none."""
 
 
 @dataclass(frozen=True)
@@ -185,8 +192,10 @@ def decide(
     previous: DiLoCoJobStatus,
     observed: Observation,
     now: datetime.datetime,
+    *,
+    job: str,
 ) -> Decision:
-    """One reconcile pass worth of decisions (see the module docstring)."""
+    """One reconcile pass worth of decisions (see the module docstring) for the job named `job`."""
     accounts = _account_islands(spec, previous, observed, now)
     islands = _with_syncs_and_losses([a.status for a in accounts], observed, now)
     fragments = merge_fragments(previous.fragments, observed.shards, spec.syncer.shards)
@@ -238,11 +247,20 @@ def decide(
         last_observed=now,
         start_time=change.start_time,
         completion_time=change.completion_time,
+        export=export_status(spec, job, change.phase, observed.export_job, previous.export, now),
     )
     finished = change.phase.finished
+    island_pods_left = any(observed.pods.get(island.name) for island in spec.islands)
+    syncers = 0 if finished and not island_pods_left else 1
     scale = Scale(
         islands={a.status.name: (0 if finished else a.replicas) for a in accounts},
-        syncers=0 if finished else 1,
+        syncers=syncers,
+        export=export_due(
+            spec,
+            change.phase,
+            shards_stopped=syncers == 0 and not observed.shard_pods,
+            started=observed.export_job is not None,
+        ),
     )
     deletion = deletion_due(status, spec.ttl_seconds_after_finished, now)
     events = (*(e for a in accounts for e in a.events), *change.events, *([deletion] if deletion else []))

@@ -32,6 +32,7 @@ RESOURCES: dict[str, tuple[str, str, bool]] = {
     "Node": ("v1", "nodes", False),
     "Deployment": ("apps/v1", "deployments", True),
     "StatefulSet": ("apps/v1", "statefulsets", True),
+    "Job": ("batch/v1", "jobs", True),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies", True),
     "DiLoCoJob": (f"{API_GROUP}/{API_VERSION}", PLURAL, True),
 }

@@ -15,6 +15,7 @@ LABEL_JOB = f"{API_GROUP}/job"
 LABEL_ISLAND = f"{API_GROUP}/island"
 LABEL_SHARD = f"{API_GROUP}/shard"
 LABEL_ROLE = f"{API_GROUP}/role"
+LABEL_COMPONENT = "app.kubernetes.io/component"
 ANNOTATION_HASH = f"{API_GROUP}/applied-hash"
 ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
 ANNOTATION_TOKEN_HASH = f"{API_GROUP}/token-hash"
@@ -25,6 +26,7 @@ TOKEN_KEY_SECRET = "diloco-operator-token-key"
 
 COMPONENT_SYNCER = "syncer"
 COMPONENT_ISLAND = "island"
+COMPONENT_EXPORT = "export"
 
 CONFIG_KEY = "training.json"
 TOKEN_KEY = "token"
@@ -121,7 +123,7 @@ def common_labels(job: str, component: str | None, role: str) -> dict[str, str]:
         LABEL_ROLE: role,
     }
     if component:
-        labels["app.kubernetes.io/component"] = component
+        labels[LABEL_COMPONENT] = component
     return labels
 
 
@@ -139,6 +141,15 @@ def shard_selector(job: str, shard: int) -> dict[str, str]:
 
 def shard_labels(job: str, shard: int) -> dict[str, str]:
     return {**common_labels(job, COMPONENT_SYNCER, "syncer"), LABEL_SHARD: str(shard)}
+
+
+def export_job_name(job: str) -> str:
+    """The batch Job that writes a succeeded job's model to its export volume."""
+    return f"{job}-export"
+
+
+def export_labels(job: str) -> dict[str, str]:
+    return common_labels(job, COMPONENT_EXPORT, "export")
 
 
 def syncer_address(job: str, namespace: str, shard: int, port: int) -> str:

@@ -36,8 +36,17 @@ log = logging.getLogger("diloco.operator")
 
 PARALLEL_CALLS = 8
 """Applies and deletes in flight at once within a pass (the API client's connection pool holds as many)."""
-WORKLOADS = ("Deployment", "StatefulSet")
-CHILD_KINDS = ("ConfigMap", "Secret", "NetworkPolicy", "PersistentVolumeClaim", "Service", "Deployment", "StatefulSet")
+WORKLOADS = ("Deployment", "StatefulSet", "Job")
+CHILD_KINDS = (
+    "ConfigMap",
+    "Secret",
+    "NetworkPolicy",
+    "PersistentVolumeClaim",
+    "Service",
+    "Deployment",
+    "StatefulSet",
+    "Job",
+)
 
 ShardPoller = Callable[[Sequence[str], Sequence[bool], str, Security, float], list[ShardObservation]]
 LossScraper = Callable[[Mapping[str, str], float], dict[str, float]]
@@ -238,8 +247,18 @@ class Reconciler:
             if pod.ordinal == 0 and pod.ready and pod.ip
         }
         losses = self.scrape_losses(urls, self.probe_timeout)
+        shard_pods = sum(
+            1 for raw in raw_pods if raw["metadata"].get("labels", {}).get(n.LABEL_COMPONENT) == n.COMPONENT_SYNCER
+        )
         return Observation(
-            pods=pods, nodes=nodes, update_revisions=revisions, shards=shards, losses=losses, workloads=workloads
+            pods=pods,
+            nodes=nodes,
+            update_revisions=revisions,
+            shards=shards,
+            losses=losses,
+            workloads=workloads,
+            shard_pods=shard_pods,
+            export_job=existing.get(("Job", n.export_job_name(job.name))),
         )
 
     def _tls(
@@ -269,7 +288,12 @@ class Reconciler:
         token = job_token(self.token_key, job, job.token_rotation)
         tls = self._tls(job, spec, existing, now)
         decision = decide(
-            spec, generation, previous, self._observe(job, spec, previous, existing, raw_pods, token, tls.probe), now
+            spec,
+            generation,
+            previous,
+            self._observe(job, spec, previous, existing, raw_pods, token, tls.probe),
+            now,
+            job=job.name,
         )
         events = list(decision.events)
 

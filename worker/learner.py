@@ -350,16 +350,17 @@ class Learner:
         deadline = time.monotonic() + timeout
         return all(r.join(max(0.0, deadline - time.monotonic())) for r in list(self._rounds.values()))
 
-    def close(self) -> None:
-        """Gives running pushes up to `close_timeout` seconds to land, stops polling, tells the shards the
-        island has left (so no merge waits for it), closes the channels. Issues no collective, so the ranks of
-        an island may close in any order."""
+    def close(self, timeout: float | None = None) -> None:
+        """Gives running pushes up to `timeout` seconds (default `close_timeout`) to land, stops polling,
+        tells the shards the island has left (so no merge waits for it), closes the channels. Issues no
+        collective, so the ranks of an island may close in any order."""
         if self._closed:
             return
         self._closed = True
         self._stopping.set()
-        deadline = time.monotonic() + self.close_timeout
-        self.wait_for_syncs(self.close_timeout)
+        timeout = self.close_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        self.wait_for_syncs(timeout)
         for client in self._clients:
             try:
                 client.leave(max(0.1, deadline - time.monotonic()))

@@ -28,6 +28,7 @@ from diloco.transport.tls import PLAINTEXT, Role
 from diloco.worker.metrics import serve_metrics
 from diloco.worker.pod_launcher import follow_launcher, is_local_rank, launch
 from diloco.worker.pod_ranks import LOOPBACK, PodShape, local_position, metrics_port
+from diloco.worker.shutdown import StopRequest
 from diloco.worker.trainer import Trainer, TrainerSettings
 
 log = logging.getLogger("diloco.worker")
@@ -51,7 +52,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default=env("DATA"), help="token (.bin/.npy) or text file; default: embedded corpus")
     p.add_argument("--max-data-bytes", type=int, default=int(env("MAX_DATA_BYTES", str(DEFAULT_CORPUS_BYTES))))
     p.add_argument("--batch-size", type=int, default=int(env("BATCH_SIZE", "16")))
-    p.add_argument("--steps", type=int, default=int(env("STEPS", "300")), help="inner steps to train")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=int(env("STEPS", "0")) or None,
+        help="inner steps to train (default: until SIGTERM, which ends a job's pods when it is done)",
+    )
+    p.add_argument(
+        "--termination-grace-seconds",
+        type=float,
+        default=float(env("TERMINATION_GRACE_SECONDS", "30")),
+        help="seconds from SIGTERM to SIGKILL (the pod's terminationGracePeriodSeconds, which the operator "
+        "passes down): the last pushes and Leave must fit in them",
+    )
     p.add_argument("--eval-every", type=int, default=int(env("EVAL_EVERY", "50")))
     p.add_argument("--seed", type=int, default=int(env("SEED", "0")))
     p.add_argument(
@@ -136,8 +149,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shape.launches_ranks and not is_local_rank():
         master_addr = os.environ.get("MASTER_ADDR", LOOPBACK)
         master_port = int(os.environ.get("MASTER_PORT", "29500"))
-        return launch(shape, sys.argv[1:] if argv is None else argv, master_addr, master_port, "diloco-worker")
-    trainer = Trainer(settings, config, island=args.island or "ddp", syncers=syncers, token=token, security=security)
+        arguments = sys.argv[1:] if argv is None else argv
+        grace = args.termination_grace_seconds
+        return launch(shape, arguments, master_addr, master_port, "diloco-worker", grace)
+    stop = StopRequest(args.termination_grace_seconds)
+    stop.install()
+    trainer = Trainer(
+        settings, config, island=args.island or "ddp", syncers=syncers, token=token, security=security, stop=stop
+    )
     port = metrics_port(args.metrics_port, local_position(os.environ)[0])
     if port:
         serve_metrics(trainer.snapshot, port, args.metrics_host)
@@ -145,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loss = trainer.run()
     finally:
         trainer.close()
-    log.info("training finished", extra={"island": args.island, "steps": settings.steps, "eval_loss": loss})
+    log.info("training finished", extra={"island": args.island, "steps": trainer.step, "eval_loss": loss})
     return 0
 
 

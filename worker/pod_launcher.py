@@ -18,6 +18,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -54,11 +55,15 @@ def exit_code(error: ChildFailedError) -> int:
     return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
 
 
-def launch(shape: PodShape, argv: Sequence[str], master_addr: str, master_port: int, run_id: str) -> int:
+def launch(
+    shape: PodShape, argv: Sequence[str], master_addr: str, master_port: int, run_id: str, grace_seconds: float
+) -> int:
     """Runs `python -m diloco.worker.main *argv` as every local rank of this pod until all finish (0) or one
-    fails (its exit code, the others stopped). The ranks of a one-pod island meet on loopback, and gloo
-    there uses the loopback interface (unless GLOO_SOCKET_IFNAME says otherwise): every peer is in the pod,
-    and the pod's address need not sit on an interface gloo can find."""
+    fails (its exit code, the others stopped). SIGTERM is passed on to every rank, each given the pod's
+    `grace_seconds` to push its last steps and say Leave, and then the pod exits 0, as a one-rank pod does.
+    The ranks of a one-pod island meet on loopback, and gloo there uses the loopback interface (unless
+    GLOO_SOCKET_IFNAME says otherwise): every peer is in the pod, and the pod's address need not sit on an
+    interface gloo can find."""
     host = shape.rendezvous_host(master_addr)
     os.environ[LAUNCHER_PID] = str(os.getpid())
     if host == LOOPBACK:
@@ -72,6 +77,7 @@ def launch(shape: PodShape, argv: Sequence[str], master_addr: str, master_port: 
         rdzv_endpoint=f"{host}:{master_port}",
         rdzv_configs={"rank": shape.node_rank},
         max_restarts=0,
+        shutdown_timeout=int(grace_seconds),
     )
     log.info(
         "starting local ranks",
@@ -83,4 +89,6 @@ def launch(shape: PodShape, argv: Sequence[str], master_addr: str, master_port: 
         rank, failure = error.get_first_failure()
         log.error("a local rank failed: the pod stops", extra={"rank": rank, "exitcode": failure.exitcode})
         return exit_code(error)
+    except SignalException as stop:
+        log.info("the pod was stopped: its local ranks were signalled and waited for", extra={"signal": stop.sigval})
     return 0

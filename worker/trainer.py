@@ -41,6 +41,7 @@ from diloco.worker.metrics import WorkerSnapshot
 from diloco.worker.model import GPT, build_model, resolve_preset
 from diloco.worker.pod_ranks import local_position, place
 from diloco.worker.precision import autocast, resolve_precision
+from diloco.worker.shutdown import StopRequest
 from diloco.worker.throughput import Rate, ThroughputMeter, peak_flops
 
 log = logging.getLogger("diloco.worker")
@@ -55,7 +56,7 @@ class TrainerSettings:
     data: str | None = None
     max_data_bytes: int = DEFAULT_CORPUS_BYTES
     batch_size: int = 16
-    steps: int = 300
+    steps: int | None = None  # None: train until stopped (SIGTERM), as on Kubernetes
     eval_every: int = 50
     eval_windows: int = EVAL_WINDOWS
     seed: int = 0
@@ -74,7 +75,12 @@ class TrainerSettings:
         modes = [m.value for m in Mode]
         if self.mode not in modes:
             raise ValueError(f"mode must be one of {', '.join(modes)}, got {self.mode!r}")
-        if self.steps < 1 or self.batch_size < 1 or self.eval_every < 1 or self.checkpoint_every < 1:
+        if (
+            (self.steps is not None and self.steps < 1)
+            or self.batch_size < 1
+            or self.eval_every < 1
+            or self.checkpoint_every < 1
+        ):
             raise ValueError("steps, batch size, eval and checkpoint intervals must be positive")
         if self.slowdown < 1.0:
             raise ValueError(f"slowdown is a factor >= 1 (1 = full speed), got {self.slowdown}")
@@ -121,8 +127,11 @@ class Trainer:
         syncers: list[str],
         token: str,
         security: Security,
+        stop: StopRequest | None = None,
     ) -> None:
+        """`stop`, once requested on any rank, ends training at the next step on every rank."""
         self.settings = settings
+        self.stop = stop
         self.config = config
         self.island_id = island
         if settings.threads:
@@ -181,6 +190,7 @@ class Trainer:
         self.eval_loss = math.nan
         self.last_sync_unix = 0.0
         self.last_step_monotonic: float | None = None
+        self.stopped = False
 
     def snapshot(self) -> WorkerSnapshot:
         """What this rank has done so far, for its metrics endpoint (read from another thread)."""
@@ -237,7 +247,8 @@ class Trainer:
         self.progress.write(CheckpointEvent, step=self.step)
 
     def run(self) -> float:
-        """Trains until `steps` inner steps, then flushes the last progress; returns the held-out loss."""
+        """Trains until `steps` inner steps (with none, until stopped), then flushes the last progress;
+        returns the held-out loss (after a stop, the last one measured: the grace period is for the flush)."""
         s = self.settings
         if self.learner is not None:
             self.learner.start()
@@ -258,7 +269,9 @@ class Trainer:
         )
         tokens_per_step = s.batch_size * self.context
         self.model.train()
-        while self.step < s.steps:
+        while s.steps is None or self.step < s.steps:
+            if self._stop_agreed():
+                break
             started = time.perf_counter()
             for group in self.optimizer.param_groups:
                 group["lr"] = learning_rate(self.step, self.config.inner)
@@ -299,12 +312,22 @@ class Trainer:
                 self.eval_loss = self.evaluate()
                 self.progress.write(EvalEvent, step=self.step, loss=self.eval_loss)
         if self.learner is not None:
-            self.learner.flush(s.flush_seconds)
+            self.learner.flush(self.stop.flush_budget() if self.stop and self.stopped else s.flush_seconds)
         else:
             self._save()
+        if self.stopped:
+            log.info("stopped", extra={"island": self.island_id, "rank": self.ranks.rank, "step": self.step})
+            return self.eval_loss
         final = self.evaluate()
         self.progress.write(DoneEvent, step=self.step, loss=final, learner=self._learner_totals())
         return final
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank of the island was asked to stop: all ranks leave the loop at the same step, so
+        none is left waiting in a collective for the others."""
+        if self.stop is not None and not self.stopped:
+            self.stopped = self.ranks.sum(int(self.stop.requested)) > 0
+        return self.stopped
 
     def _learner_totals(self) -> LearnerTotals | None:
         """The learner's counters for the `done` event (none in data-parallel)."""
@@ -322,7 +345,7 @@ class Trainer:
 
     def close(self) -> None:
         if self.learner is not None:
-            self.learner.close()
+            self.learner.close(self.stop.leave_reserve if self.stop and self.stopped else None)
         self.progress.close()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()

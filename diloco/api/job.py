@@ -50,6 +50,9 @@ MAX_CONDITION_MESSAGE = 1024
 QUANTITY = (
     r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+RELATIVE_PATH = r"^[A-Za-z0-9_][-A-Za-z0-9_.]*(/[A-Za-z0-9_][-A-Za-z0-9_.]*)*$"
+"""A relative path whose segments do not start with a dot: no `..`, no way out of the volume."""
 QUALIFIED_NAME = (
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
@@ -551,6 +554,24 @@ class StopCondition(CamelModel):
     tokens: int | None = Field(None, ge=1, description="Tokens every fragment's merges must account for.")
 
 
+class ModelExport(CamelModel):
+    """Where a job that succeeds leaves its trained model: `diloco export`'s files (model.safetensors and
+    config.json), assembled from the shards' final checkpoints once they have stopped."""
+
+    claim_name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="A PersistentVolumeClaim of the job's namespace, which the export pod mounts and writes to.",
+    )
+    path: str | None = Field(
+        None,
+        max_length=255,
+        pattern=RELATIVE_PATH,
+        description="Folder inside the volume to write into (created); the job's name when unset.",
+    )
+
+
 # How the spec's validator names knobs in its messages: by their path in the manifest.
 SPEC_NAMES = {
     "quorum": "spec.training.quorum",
@@ -606,6 +627,9 @@ class DiLoCoJobSpec(CamelModel):
     tls: TlsSpec = Field(default_factory=TlsSpec, description="TLS of the job's gRPC channels.")
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description="Restart budget and backoff.")
     stop_condition: StopCondition = Field(default_factory=StopCondition, description="When the job succeeds.")
+    export: ModelExport | None = Field(
+        None, description="Write the trained model to a volume when the job succeeds (status.export says where)."
+    )
     suspend: bool = Field(
         False, description="Scale every island to zero, keeping the syncers and their state; false resumes."
     )
@@ -735,6 +759,22 @@ class FragmentProgress(CamelModel):
     last_merge: datetime.datetime | None = Field(None, description="Time of the last merge.")
 
 
+class ExportPhase(str, enum.Enum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class ExportStatus(CamelModel):
+    """The trained model's export: where it goes and how far it got."""
+
+    phase: ExportPhase = Field(description="Pending (until the shards have stopped), Running, Succeeded or Failed.")
+    location: str = Field(description="<claimName>:/<path>: the volume and folder the model is written to.")
+    message: str | None = Field(None, max_length=MAX_CONDITION_MESSAGE, description="Why it is pending or failed.")
+    completion_time: datetime.datetime | None = Field(None, description="When the export succeeded.")
+
+
 class DiLoCoJobStatus(CamelModel):
     """What the operator observed and decided; every field is recomputed from the cluster on each pass."""
 
@@ -758,6 +798,7 @@ class DiLoCoJobStatus(CamelModel):
     last_observed: datetime.datetime | None = Field(None, description="Time of the last observation.")
     start_time: datetime.datetime | None = Field(None, description="When training first had a ready island and shards.")
     completion_time: datetime.datetime | None = Field(None, description="When the job succeeded or failed.")
+    export: ExportStatus | None = Field(None, description="The trained model's export (spec.export).")
 
 
 class DiLoCoJob(CamelModel):

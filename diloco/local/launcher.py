@@ -155,6 +155,7 @@ class JobResult:
     merges: float = 0.0  # merges applied by the syncers, all fragments
     merged_contributions: float = 0.0  # island contributions those merges took in (summed over merges)
     global_eval_loss: float | None = None
+    model_dir: Path | None = None  # the syncers' final global model, exported (diloco export's format)
     kills: int = 0
     timed_out: bool = False
     worker_starts: dict[str, int] = field(default_factory=dict)  # per island's process
@@ -377,7 +378,8 @@ class LocalJob:
             result.finished_at = time.time()
             self._scrape_syncers()
             if self.syncers:
-                result.global_eval_loss = self._evaluate_global()
+                result.model_dir = self._export_global()
+                result.global_eval_loss = self._evaluate(result.model_dir)
         finally:
             for proc in [*self.workers.values(), *self.syncers]:
                 if proc.alive:
@@ -414,22 +416,20 @@ class LocalJob:
                 log.info("worker exited; its island re-forms", extra={"island": name, "code": code})
                 self._take_down(self._fails_with(name), RESTART_DELAY_SECONDS, now)
 
-    def _evaluate_global(self) -> float:
-        """The held-out loss of the global model: the syncers' fragments loaded into a fresh model."""
-        import torch
+    def _export_global(self) -> Path:
+        """The syncers' global model written to `<out>/model`, as `diloco export` writes it."""
+        from diloco.export import assemble, model_files
 
-        from diloco.transport.client import SyncerClient
+        folder = self.plan.out / "model"
+        targets = [f"127.0.0.1:{port}" for port in self.syncer_ports]
+        model_files.save(folder, assemble.from_shards(targets, TOKEN, security=self.pki.client), self.plan.config)
+        return folder
+
+    def _evaluate(self, model_dir: Path) -> float:
+        """The held-out loss of an exported model, on the windows every worker evaluates."""
+        from diloco.export import model_files
         from diloco.worker.data import evaluate, load_tokens, split_holdout
-        from diloco.worker.model import build_model
 
-        model = build_model(self.plan.preset, self.plan.seed, device=self.plan.device)
-        params = dict(model.named_parameters())
-        for port in self.syncer_ports:
-            with SyncerClient(f"127.0.0.1:{port}", TOKEN, security=self.pki.client, retry_for=30) as client:
-                for p in client.join(self.plan.config.fragments).owned_fragments:
-                    _, named = client.pull(p)
-                    with torch.no_grad():
-                        for name, value in named:
-                            params[name].copy_(value)
+        model = model_files.load(model_dir).built_in().to(self.plan.device)
         _, heldout = split_holdout(load_tokens(self.plan.data, self.plan.max_data_bytes))
         return evaluate(model, heldout, model.preset.context, self.plan.batch_size)

@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         f"{args.steps} steps of the {args.preset} preset; H={config.inner_steps} P={config.fragments} "
         f"tau={config.overlap_steps} {config.encoding.value}; {len(trace)} injected failures; out: {args.out}"
     )
-    summaries, accounts = [], []
+    summaries, accounts, models = [], [], []
     for mode in modes:
         plan = RunPlan(
             mode=mode,
@@ -286,14 +286,32 @@ def run(args: argparse.Namespace) -> int:
             max_data_bytes=args.max_data_bytes,
             gpus=gpus,
         )
-        summary, acct, _ = run_mode(plan, quiet=args.quiet)
+        summary, acct, result = run_mode(plan, quiet=args.quiet)
         summaries.append(summary)
         accounts.append(acct)
+        models += [result.model_dir] if result.model_dir else []
     print_summary(summaries)
+    if models and not args.quiet:
+        print_sample(models[0], args.data)
     plot_curves(args.out / "loss.png", accounts, summaries)
     (args.out / "summary.json").write_text(json.dumps([asdict(s) for s in summaries], indent=1))
     print(f"\nloss curve: {args.out / 'loss.png'}   summary: {args.out / 'summary.json'}")
     return 0 if not any(s.timed_out for s in summaries) else 1
+
+
+SAMPLE_BYTES = 160
+CORPUS_PROMPT = "def "
+"""Where a sample of a model trained on the embedded corpus (Python source) starts."""
+
+
+def print_sample(model_dir: Path, data: str | None) -> None:
+    """A few lines the final global model writes, so that a run ends showing what was trained."""
+    from diloco.export import model_files
+    from diloco.export.sample import continue_text
+
+    model = model_files.load(model_dir).built_in()
+    text = continue_text(model, CORPUS_PROMPT if data is None else "", SAMPLE_BYTES)
+    print(f"\nthe global model writes (diloco sample {model_dir}):\n{text}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -352,5 +370,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="give up a mode after this many seconds")
     p.add_argument("--out", type=Path, default=Path("out/run"))
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no sample of the final model")
     p.set_defaults(func=run)

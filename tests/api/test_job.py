@@ -112,6 +112,10 @@ def test_camel_case_manifest_with_every_section():
         ({"failurePolicy": {"restartBudget": -1}}, "failurePolicy.restartBudget"),
         ({"stopCondition": {"outerSteps": 0}}, "stopCondition.outerSteps"),
         ({"ttlSecondsAfterFinished": -5}, "ttlSecondsAfterFinished"),
+        ({"export": {"claimName": "Models"}}, "export.claimName"),
+        ({"export": {"claimName": "models", "path": "../other"}}, "export.path"),
+        ({"export": {"claimName": "models", "path": "/abs"}}, "export.path"),
+        ({"export": {"claimName": "models", "path": "runs/.hidden"}}, "export.path"),
     ],
 )
 def test_field_bounds_are_refused_at_the_field(change, named):
@@ -147,6 +151,12 @@ def test_cross_field_rules_name_the_fields(change, message):
 def test_a_custom_command_replaces_the_builtin_trainer():
     spec = DiLoCoJobSpec.model_validate(minimal(trainer={"command": ["python", "-m", "mytrain"]}))
     assert spec.trainer.command == ["python", "-m", "mytrain"] and spec.trainer.model is None
+
+
+def test_an_export_names_a_claim_and_an_optional_folder_inside_it():
+    spec = DiLoCoJobSpec.model_validate(minimal(export={"claimName": "models", "path": "runs/tiny-1.0"}))
+    assert spec.export is not None and (spec.export.claim_name, spec.export.path) == ("models", "runs/tiny-1.0")
+    assert DiLoCoJobSpec.model_validate(minimal()).export is None
 
 
 def test_quorum_may_equal_the_number_of_islands():

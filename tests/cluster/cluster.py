@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from kubernetes import config as kube_config
 
 from cluster.controlplane import ControlPlane, binaries_dir, free_port, spawn, start_control_plane
@@ -30,9 +31,22 @@ BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler
 KWOK_STAGES = "kwok-stages.yaml"
 """KWOK's own stages (nodes Ready with a lease heartbeat; pods Running and Ready with an IP from their node's
 CIDR, deleted at once when deleted), which build.sh takes from the KWOK release it builds."""
+LEFT_TO_THE_POD_RUNNER = frozenset({"pod-complete"})
+"""KWOK stages not used: `pod-complete` marks every Job's pod Succeeded at once, but the pod runner runs this
+project's Job pods (a job's model export) and reports how they exit, as a kubelet does."""
 OUT_OF_SERVICE_TAINT = {"key": "node.kubernetes.io/out-of-service", "value": "nodeshutdown", "effect": "NoExecute"}
 """What a cloud's node-termination handling amounts to: pods are evicted at once (DisruptionTarget set) and
 force-deleted by the pod garbage collector, so their controllers replace them elsewhere."""
+
+
+def kwok_stages(source: Path, workdir: Path) -> Path:
+    """KWOK's stages less those left to the pod runner, written into `workdir`."""
+    kept = [
+        d for d in yaml.safe_load_all(source.read_text()) if d and d["metadata"]["name"] not in LEFT_TO_THE_POD_RUNNER
+    ]
+    path = workdir / KWOK_STAGES
+    path.write_text(yaml.safe_dump_all(kept))
+    return path
 
 
 @dataclass
@@ -184,7 +198,7 @@ def start_cluster(
             "kwok",
             [
                 "--config",
-                str(stages),
+                str(kwok_stages(stages, cluster.workdir)),
                 "--node-lease-duration-seconds",
                 "40",
                 "--manage-all-nodes=false",

@@ -14,12 +14,13 @@ island of several ranks (several pods, or a pod of several accelerators) at a ti
 (torch.distributed's store listens on every address of MASTER_PORT).
 
 A pod being deleted has its processes sent SIGTERM, and SIGKILL (to the whole process group) once it is gone
-or its grace period (at most MAX_GRACE seconds) has passed. A process that exits is reported as the kubelet
-does (container not ready, then restarted after a back-off with restartCount incremented and lastState
-holding the exit code, 128+N for a signal), so the operator's failure accounting sees it. A container with a
-readinessProbe is not ready when it starts and becomes ready, and unready again, as its probe's results
-say (probes.py); each failed probe is an `Unhealthy` Warning Event on the pod, aggregated as the kubelet's
-are; the pod is Ready while all its containers are.
+or its grace period (at most MAX_GRACE seconds) has passed; the runner's finalizer keeps the pod, Terminating,
+until then, as a kubelet does (KWOK alone removes a deleted pod at once). A process that exits is reported
+as the kubelet does (container not ready, then restarted after a back-off with restartCount incremented and
+lastState holding the exit code, 128+N for a signal), so the operator's failure accounting sees it. A
+container with a readinessProbe is not ready when it starts and becomes ready, and unready again, as its
+probe's results say (probes.py); each failed probe is an `Unhealthy` Warning Event on the pod, aggregated as
+the kubelet's are; the pod is Ready while all its containers are.
 
 No device plugin runs here and no container sees a GPU (CUDA_VISIBLE_DEVICES is empty): a pod asking for
 accelerators (nvidia.com/gpu ...) runs on CPU, where the built-in worker starts one gloo rank per
@@ -79,6 +80,9 @@ image.repository); the Dockerfile's ENTRYPOINT and CMD stand in for the image's.
 BIND_ENV = {"diloco-syncer": "DILOCO_SYNCER_HOST", "diloco-worker": "DILOCO_METRICS_HOST"}
 MAX_GRACE = 10.0
 MAX_ACCELERATORS = 2
+FINALIZER = "test.diloco.dev/pod-runner"
+"""Held on every pod the runner has started a process for, and released once a deleted pod's processes have
+exited, so that the pod outlives its processes' SIGTERM handling as it does under a kubelet."""
 RUN_DIRS = ("/run/", "/var/run/")
 """Mounts under /run are bind-mounted at their real path over a private /run (the service-account token at
 /var/run/secrets/kubernetes.io/serviceaccount, read from there by every Kubernetes client); every other
@@ -311,7 +315,8 @@ class PodRunner:
     def pass_once(self) -> None:
         """One look at every pod: processes of pods gone are killed first (their ports and addresses freed for
         their successors), then every runnable container converges to running."""
-        pods = [p for p in self._list(self.core.list_pod_for_all_namespaces) if self.runnable(p)]
+        every_pod = self._list(self.core.list_pod_for_all_namespaces)
+        pods = [p for p in every_pod if self.runnable(p)]
         entries = service_names(self._list(self.discovery.list_endpoint_slice_for_all_namespaces))
         live = {(p["metadata"]["uid"], c["name"]) for p in pods for c in p["spec"]["containers"]}
         for key, container in list(self.containers.items()):
@@ -336,6 +341,31 @@ class PodRunner:
                     self._terminate(container, pod)
                 else:
                     self._converge(container, pod, spec)
+        for pod in every_pod:
+            meta = pod["metadata"]
+            if meta.get("deletionTimestamp") and FINALIZER in (meta.get("finalizers") or ()):
+                if not any(
+                    c.uid == meta["uid"] and c.process and c.process.poll() is None for c in self.containers.values()
+                ):
+                    self._release(pod)
+
+    def _hold(self, pod: Mapping[str, Any]) -> None:
+        """Adds the runner's finalizer (a strategic merge adds to the list)."""
+        if FINALIZER not in (pod["metadata"].get("finalizers") or ()):
+            meta = pod["metadata"]
+            self.core.patch_namespaced_pod(meta["name"], meta["namespace"], {"metadata": {"finalizers": [FINALIZER]}})
+
+    def _release(self, pod: Mapping[str, Any]) -> None:
+        """Removes the runner's finalizer: the pod may go."""
+        meta = pod["metadata"]
+        rest = [f for f in meta["finalizers"] if f != FINALIZER]
+        try:
+            self.core.patch_namespaced_pod(
+                meta["name"], meta["namespace"], [{"op": "replace", "path": "/metadata/finalizers", "value": rest}]
+            )
+        except ApiException as error:
+            if error.status != 404:
+                raise
 
     # --- one container ----------------------------------------------------------------------------------
 
@@ -364,6 +394,7 @@ class PodRunner:
         container.config_error = None
         if process is not None:
             container.restarts += 1
+        self._hold(pod)
         with open(container.log_path, "ab") as out:
             container.process = subprocess.Popen(
                 command,

@@ -1,7 +1,8 @@
 """End to end, through kubectl and helm only: a small variant of deploy/examples/tiny-cpu.yaml (an on-demand
 island and a spot island, few and cheap steps) trains for real, its trainers Ready once they train,
-survives the loss of its spot node, a crashing trainer and a restarted operator, finishes, and is
-garbage-collected when deleted. Then a job whose island cannot join its syncer is never Ready, and says so.
+survives the loss of its spot node, a crashing trainer and a restarted operator, finishes, exports its model
+to a volume of the user's, and is garbage-collected when deleted. Then a job whose island cannot join its
+syncer is never Ready, and says so.
 
 The tests up to the deletion share one job and run in file order, each a chapter of its life.
 """
@@ -9,6 +10,8 @@ The tests up to the deletion share one job and run in file order, each a chapter
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -16,18 +19,20 @@ import pytest
 import support
 import yaml
 
+from diloco.export.model_files import load as load_export
+
 pytestmark = [pytest.mark.process, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "e2e"
 JOB = "tiny"
-CHILD_KINDS = "configmap,secret,networkpolicy,persistentvolumeclaim,service,deployment,statefulset"
+CHILD_KINDS = "configmap,secret,networkpolicy,persistentvolumeclaim,service,deployment,statefulset,job"
+MODELS_CLAIM = "tiny-models"  # the user's volume the finished job exports its model to
 wait_until = partial(support.wait_until, timeout=120.0, interval=1.0)
-CHEAP = [  # the trainer's knobs (worker/main.py): tiny batches, one thread, no eval, never done on its own
+CHEAP = [  # the trainer's knobs (worker/main.py): tiny batches, one thread, no eval
     {"name": "DILOCO_BATCH_SIZE", "value": "4"},
     {"name": "DILOCO_THREADS", "value": "1"},
     {"name": "DILOCO_EVAL_EVERY", "value": "1000000"},
-    {"name": "DILOCO_STEPS", "value": "1000000"},
 ]
 
 
@@ -56,7 +61,19 @@ def job_manifest(image_tag: str) -> str:
     spec["syncer"] |= {"shards": 1, "resources": small}
     spec["failurePolicy"] = {"restartBudget": 5, "backoffSeconds": 1}
     spec["stopCondition"] = {"outerSteps": 100000}
+    spec["export"] = {"claimName": MODELS_CLAIM}
     return yaml.safe_dump(job)
+
+
+def models_claim() -> str:
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": MODELS_CLAIM},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "100Mi"}}},
+        }
+    )
 
 
 def get(target, kind, name, namespace=NAMESPACE):
@@ -98,6 +115,7 @@ def progress_beyond(target, outer_step):
 @pytest.fixture(scope="module")
 def job(target, operator):
     target.kubectl("create", "namespace", NAMESPACE)
+    target.kubectl("-n", NAMESPACE, "apply", "-f", "-", stdin=models_claim())
     target.kubectl("-n", NAMESPACE, "apply", "-f", "-", stdin=job_manifest(target.image_tag))
     try:
         yield JOB
@@ -226,6 +244,31 @@ def test_the_job_finishes_when_its_stop_condition_is_reached(target, job):
     assert final["outerStep"] >= goal and final["completionTime"]
     wait_until(lambda: not pods(target, "solo") and not pods(target, "spot"))
     assert get(target, "statefulset", "tiny-solo")["spec"]["replicas"] == 0
+
+
+def test_the_finished_job_exports_its_model_to_the_users_volume(target, job):
+    """Once the islands and then the shards have stopped, the export Job writes the model from the shards'
+    final checkpoints; on the test cluster the volume is a host folder, read back here."""
+    export = wait_until(
+        lambda: (e := status(target).get("export") or {}).get("phase") == "Succeeded" and e, timeout=300
+    )
+    assert export["location"] == f"{MODELS_CLAIM}:/{JOB}"
+    assert get(target, "deployment", "tiny-syncer-0")["spec"]["replicas"] == 0
+    if target.runner is None:
+        return  # another cluster's volume is not a folder of this machine: the status is what can be checked
+    volume = get(target, "persistentvolumeclaim", MODELS_CLAIM)["spec"]["volumeName"]
+    folder = Path(get(target, "pv", volume)["spec"]["hostPath"]["path"]) / JOB
+    exported = load_export(folder)
+    assert exported.config["preset"] == "tiny" and exported.config["outer_steps"] >= status(target)["outerStep"]
+    assert exported.config["training"]["innerSteps"] == 10
+    exported.built_in()  # loads into the built-in GPT
+    sampled = subprocess.run(
+        [Path(sys.executable).parent / "diloco", "sample", folder, "--prompt", "def ", "--tokens", "40"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert sampled.returncode == 0 and sampled.stdout.startswith("def ") and len(sampled.stdout) > 10, sampled
 
 
 def test_deleting_the_job_collects_every_child(target, job):

@@ -12,7 +12,9 @@ from support import wait_until
 
 from diloco.cli import build_parser, main
 from diloco.core.config import TrainingConfig
+from diloco.export.model_files import load
 from diloco.local.failure_trace import FailureEvent, load_trace, save_trace
+from diloco.local.run import print_sample
 from diloco.progress import DoneEvent, EvalEvent, RoundEvent, StartEvent, StepEvent, read_events
 
 pytestmark = pytest.mark.process
@@ -41,12 +43,16 @@ def run(tmp_path, name, *extra):
     return json.loads((out / "summary.json").read_text()), out
 
 
-def test_a_short_run_lowers_the_loss_and_faults_do_not_derail_it(tmp_path):
+def test_a_short_run_lowers_the_loss_and_faults_do_not_derail_it(tmp_path, capsys):
     (clean,), out = run(tmp_path, "clean")
     assert clean["final_loss"] < 3.5 < INITIAL_LOSS, "40 steps of 2 islands reach well below ln(256)"
     assert clean["kills"] == 0 and clean["restarts"] == 0
     assert 0.3 < clean["goodput"] <= 1.0
     assert (out / "loss.png").stat().st_size > 0
+    model = load(out / "diloco" / "model")  # the final global model, exported; the summary's loss is its loss
+    assert model.config["preset"] == "tiny" and model.config["outer_steps"] >= 1
+    print_sample(out / "diloco" / "model", None)  # what a run without --quiet ends with
+    assert "the global model writes" in capsys.readouterr().out
 
     trace = [FailureEvent(3.0, "worker:island-0/0", 1.0), FailureEvent(6.0, "worker:island-1/0", 1.0)]
     save_trace(tmp_path / "trace.json", trace)

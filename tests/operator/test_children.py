@@ -322,6 +322,8 @@ def test_island_environment_is_what_diloco_worker_reads(monkeypatch):
     assert shape == PodShape(pods=4, ranks_per_pod=8, node_rank=3) and shape.global_rank(7) == 31
     with pytest.raises(TlsError, match="/var/run/secrets/diloco-tls/ca.crt"):
         load_security(Role.CLIENT, args)
+    assert args.steps is None  # no step cap: the pods train until the job is done and they get SIGTERM
+    assert args.termination_grace_seconds == 30
 
 
 def test_pod_templates_carry_a_fingerprint_of_the_certificates_so_new_ones_roll_every_holder():
@@ -338,6 +340,18 @@ def test_pod_templates_carry_a_fingerprint_of_the_certificates_so_new_ones_roll_
         old = kept[key]["spec"]["template"]["metadata"]["annotations"]["diloco.dev/tls-hash"]
         assert old and old != remade[key]["spec"]["template"]["metadata"]["annotations"]["diloco.dev/tls-hash"]
     assert render() == kept, "the live Secret's certificates are kept"
+
+
+def test_the_trainer_learns_its_pods_grace_period():
+    """One knob: the pod's terminationGracePeriodSeconds, which also bounds the worker's last pushes."""
+    default = render()[("StatefulSet", "demo-a100")]["spec"]["template"]["spec"]
+    assert env_of(default["containers"][0])["DILOCO_TERMINATION_GRACE_SECONDS"] == "30"
+    assert default["terminationGracePeriodSeconds"] == 30
+    override = {"spec": {"terminationGracePeriodSeconds": 120}}
+    spec = make_spec(islands=[{"name": "old", "podTemplate": override}])
+    pod = render(spec)[("StatefulSet", "demo-old")]["spec"]["template"]["spec"]
+    assert env_of(pod["containers"][0])["DILOCO_TERMINATION_GRACE_SECONDS"] == "120"
+    assert pod["terminationGracePeriodSeconds"] == 120
 
 
 def test_headless_island_service():
@@ -372,6 +386,36 @@ def test_builtin_trainer_settings_and_custom_command():
     assert trainer["command"] == ["python", "-m", "mine"] and "args" not in trainer
     assert "DILOCO_PRECISION" not in env_of(trainer), "a custom trainer chooses its own arithmetic"
     assert "DILOCO_MODEL" not in env_of(trainer) and "DILOCO_SYNCERS" in env_of(trainer)
+
+
+def test_the_export_job_reads_every_shards_volume_and_writes_to_the_named_claim():
+    spec = make_spec(export={"claimName": "models", "path": "runs/demo"})
+    assert ("Job", "demo-export") not in render(spec)
+    job = render(spec, scale=Scale(islands={}, syncers=0, export=True))[("Job", "demo-export")]
+    assert k8s.V1Job.from_dict(job).metadata.name == "demo-export"
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and job["metadata"]["ownerReferences"][0]["uid"] == JOB.uid
+    (container,) = pod["containers"]
+    assert container["command"] == [
+        "diloco",
+        "export",
+        "/export/runs/demo",
+        "--checkpoints",
+        "/shards/0",
+        "/shards/1",
+        "--config",
+        "/etc/diloco/training.json",
+    ]
+    claims = {v["name"]: v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {
+        "shard-0": {"claimName": "demo-syncer-0", "readOnly": True},
+        "shard-1": {"claimName": "demo-syncer-1", "readOnly": True},
+        "export": {"claimName": "models"},
+    }
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["shard-0"]["readOnly"] and not mounts["export"].get("readOnly")
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True
 
 
 def test_pod_template_override_is_merged_last():

@@ -36,7 +36,7 @@ def run(spec, observations, start=0.0, every=10.0, status=None):
     status = status or DiLoCoJobStatus()
     decisions = []
     for i, observation in enumerate(observations):
-        decision = decide(spec, 1, status, observation, at(start + i * every))
+        decision = decide(spec, 1, status, observation, at(start + i * every), job="job")
         decisions.append(decision)
         status = decision.status
     return decisions
@@ -100,12 +100,13 @@ def test_exhausting_the_restart_budget_fails_the_job_for_good():
     assert decisions[1].status.phase is not Phase.FAILED and decisions[1].status.islands[0].restarts == 1
     failed = decisions[3]
     assert failed.status.phase is Phase.FAILED and failed.status.completion_time == at(30)
-    assert failed.scale.islands == {"a": 0, "b": 0} and failed.scale.syncers == 0
+    assert failed.scale.islands == {"a": 0, "b": 0} and failed.scale.syncers == 1
     assert "RestartBudgetExhausted" in [e.reason for e in failed.events]
     assert condition(failed.status, "Failed").status == "True"
-    later = run(spec, [healthy(), healthy()], start=40, status=failed.status)
+    later = run(spec, [healthy(), Observation(), healthy()], start=40, status=failed.status)
     assert all(d.status.phase is Phase.FAILED for d in later)
-    assert all(d.scale.islands == {"a": 0, "b": 0} and d.scale.syncers == 0 for d in later)
+    assert all(d.scale.islands == {"a": 0, "b": 0} for d in later)
+    assert [d.scale.syncers for d in later] == [1, 0, 1]  # the shards go once no island pod is left
     assert later[-1].status.completion_time == at(30)
 
 
@@ -172,23 +173,48 @@ def test_stop_condition_on_outer_steps_succeeds_and_winds_down():
     assert first.status.phase is Phase.PENDING or first.status.phase is Phase.RUNNING
     assert first.status.outer_step == 0
     assert second.status.phase is Phase.SUCCEEDED and second.status.completion_time == at(10)
-    assert second.scale.islands == {"a": 0, "b": 0} and second.scale.syncers == 0
+    assert second.scale.islands == {"a": 0, "b": 0}
     assert "StopConditionReached" in [e.reason for e in second.events]
     assert condition(second.status, "Complete").status == "True"
-    assert third.status.phase is Phase.SUCCEEDED and third.scale.syncers == 0
+    assert third.status.phase is Phase.SUCCEEDED and third.scale.islands == {"a": 0, "b": 0}
+
+
+def test_a_finished_job_keeps_its_shards_until_its_island_pods_are_gone():
+    """Islands get SIGTERM first and push their last steps; the shards that take them go afterwards."""
+    spec = job_spec(stopCondition={"outerSteps": 5})
+    reached = Observation(pods=healthy().pods, shards=shards((0, 7, 10), (1, 5, 9)))
+    terminating = Observation(pods={"a": [pod(0, terminating=True)]}, shards=healthy().shards)
+    gone = Observation(shards=healthy().shards)
+    decisions = run(spec, [reached, terminating, gone])
+    assert [d.status.phase for d in decisions] == [Phase.SUCCEEDED] * 3
+    assert [d.scale.syncers for d in decisions] == [1, 1, 0]
+
+
+def test_a_succeeded_job_exports_its_model_once_its_shards_have_stopped():
+    spec = job_spec(stopCondition={"outerSteps": 5}, export={"claimName": "models"})
+    reached = Observation(pods=healthy().pods, shards=shards((0, 7, 10), (1, 5, 9)))
+    islands_gone = Observation(shard_pods=1)
+    shards_gone = Observation()
+    exporting = Observation(export_job={"status": {"active": 1}})
+    exported = Observation(export_job={"status": {"succeeded": 1}})
+    decisions = run(spec, [reached, islands_gone, shards_gone, exporting, exported])
+    assert [d.scale.syncers for d in decisions] == [1, 0, 0, 0, 0]
+    assert [d.scale.export for d in decisions] == [False, False, True, True, True]
+    assert [d.status.export.phase.value for d in decisions] == ["Pending", "Pending", "Pending", "Running", "Succeeded"]
+    assert decisions[-1].status.export.location == "models:/job"
 
 
 def test_suspend_scales_islands_to_zero_keeps_syncers_and_resume_brings_them_back():
     spec, suspended_spec = job_spec(), job_spec(suspend=True)
     running = run(spec, [healthy()])[-1].status
-    suspended = decide(suspended_spec, 2, running, healthy(), at(10))
+    suspended = decide(suspended_spec, 2, running, healthy(), at(10), job="job")
     assert suspended.status.phase is Phase.SUSPENDED
     assert suspended.scale.islands == {"a": 0, "b": 0} and suspended.scale.syncers == 1
     assert [e.reason for e in suspended.events] == ["Suspended"]
     assert condition(suspended.status, "Suspended").status == "True"
-    gone = decide(suspended_spec, 2, suspended.status, Observation(shards=healthy().shards), at(20))
+    gone = decide(suspended_spec, 2, suspended.status, Observation(shards=healthy().shards), at(20), job="job")
     assert gone.status.islands[0].restarts == 0 and gone.status.islands_ready == "0/0"
-    resumed = decide(spec, 3, gone.status, Observation(shards=healthy().shards), at(30))
+    resumed = decide(spec, 3, gone.status, Observation(shards=healthy().shards), at(30), job="job")
     assert resumed.scale.islands == {"a": 2, "b": 1} and "Resumed" in [e.reason for e in resumed.events]
     assert resumed.status.phase is Phase.DEGRADED
 
@@ -202,7 +228,7 @@ def test_goodput_is_ready_over_desired_pod_seconds_while_training():
     assert decisions[0].status.goodput is None
     assert decisions[1].status.goodput == pytest.approx(1.0)
     assert decisions[2].status.goodput == pytest.approx((30 + 10) / 60)
-    away = decide(spec, 1, decisions[2].status, healthy(), at(20 + 600))
+    away = decide(spec, 1, decisions[2].status, healthy(), at(20 + 600), job="job")
     assert away.status.desired_pod_seconds == decisions[2].status.desired_pod_seconds
 
 
@@ -228,8 +254,8 @@ def test_an_unreachable_shard_keeps_its_fragments_last_progress():
 def test_a_finished_job_is_deleted_once_its_ttl_expires():
     done = DiLoCoJobStatus(phase=Phase.SUCCEEDED, completion_time=at(0))
     spec = job_spec(ttlSecondsAfterFinished=60)
-    assert not decide(spec, 1, done, Observation(), at(59)).delete
-    expired = decide(spec, 1, done, Observation(), at(60))
+    assert not decide(spec, 1, done, Observation(), at(59), job="job").delete
+    expired = decide(spec, 1, done, Observation(), at(60), job="job")
     assert expired.delete and "TTLExpired" in [e.reason for e in expired.events]
     assert expired.scale.islands == {"a": 0, "b": 0}
 
@@ -238,7 +264,7 @@ def test_status_entries_follow_the_spec_islands():
     spec = job_spec()
     status = run(spec, [healthy()])[-1].status
     fewer = job_spec(islands=[{"name": "b", "replicas": 1}])
-    decision = decide(fewer, 2, status, healthy(), at(10))
+    decision = decide(fewer, 2, status, healthy(), at(10), job="job")
     assert [i.name for i in decision.status.islands] == ["b"] and set(decision.scale.islands) == {"b"}
 
 

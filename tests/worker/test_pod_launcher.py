@@ -16,6 +16,7 @@ import pytest
 from learner_harness import TOKEN, make_config
 from support import tls_env, wait_until
 
+from diloco.core.config import TrainingConfig
 from diloco.local.launcher import free_port
 from diloco.progress import DoneEvent, StartEvent, StepEvent, read_events
 
@@ -25,9 +26,11 @@ CONFIG = make_config()  # H=4, P=2: a fragment falls due every other step
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def start_pod(tmp_path: Path, syncer: str, steps: int, metrics_port: int = 0, device: str = "cpu") -> subprocess.Popen:
+def start_pod(
+    tmp_path: Path, syncer: str, steps: int, metrics_port: int = 0, device: str = "cpu", config: TrainingConfig = CONFIG
+) -> subprocess.Popen:
     """The pod's main process, as the operator configures a one-pod island of two accelerators."""
-    (tmp_path / "config.json").write_text(CONFIG.to_json())
+    (tmp_path / "config.json").write_text(config.to_json())
     env = {
         **os.environ,
         "DILOCO_ACCELERATORS_PER_POD": "2",
@@ -128,7 +131,7 @@ def test_a_local_rank_that_dies_takes_the_pod_down(start_shards, tmp_path, devic
     assert not alive(ranks[0]), "the launcher stopped the surviving rank"
 
 
-def test_sigterm_to_the_pods_process_reaches_every_local_rank(start_shards, tmp_path):
+def test_sigterm_to_the_pods_process_reaches_every_local_rank_and_the_pod_exits_0(start_shards, tmp_path):
     shards = start_shards(CONFIG)
     pod = start_pod(tmp_path, shards.targets[0], steps=1_000_000)
     try:
@@ -137,7 +140,7 @@ def test_sigterm_to_the_pods_process_reaches_every_local_rank(start_shards, tmp_
         code, out = finish(pod)
     finally:
         pod.kill()
-    assert code != 0, out
+    assert code == 0, out
     assert not any(alive(pid) for pid in ranks.values())
 
 
