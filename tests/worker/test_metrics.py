@@ -2,18 +2,16 @@
 scraped over HTTP the way the operator scrapes it (with the operator's own probe for the loss)."""
 
 import math
-import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
-from learner_harness import TOKEN, make_config
+from learner_harness import make_config, start_worker
 from prometheus_client.parser import text_string_to_metric_families
-from support import tls_env, wait_until
+from support import wait_until
 
 from diloco.local.launcher import free_port
 from diloco.operator.probes import trainer_loss
@@ -39,36 +37,18 @@ def scrape(url: str) -> dict[str, float]:
 def test_a_training_worker_serves_its_progress_on_the_metrics_port(start_shards, tmp_path):
     config = make_config(encoding="int4")
     shards = start_shards(config)
-    config_file = tmp_path / "config.json"
-    config_file.write_text(config.to_json())
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "diloco.worker.main",
-        "--island",
-        "island-7",
-        "--syncers",
+    worker = start_worker(
+        tmp_path,
+        config,
         shards.targets[0],
-        "--config",
-        str(config_file),
-        "--batch-size",
-        "4",
+        "island-7",
         "--eval-every",
         "5",
-        "--threads",
-        "1",
-        "--device",
-        "cpu",
-    ]
-    env = {
-        **os.environ,
-        **tls_env(tmp_path / "tls", server=False),
-        "DILOCO_TOKEN": TOKEN,
-        "DILOCO_METRICS_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-    }
-    worker = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        env={"DILOCO_METRICS_PORT": str(port)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     url = f"http://127.0.0.1:{port}/metrics"
     try:
         first = wait_until(lambda: (m := scrape(url)) and m["diloco_worker_step"] >= 1 and m, timeout=120)
@@ -103,31 +83,14 @@ def test_the_operator_reads_the_loss_a_worker_serves(start_shards, tmp_path):
     """The operator's probe parses the same endpoint: the contract between diloco-worker and the operator."""
     config = make_config()
     shards = start_shards(config)
-    config_file = tmp_path / "config.json"
-    config_file.write_text(config.to_json())
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "diloco.worker.main",
-        "--island",
-        "island-0",
-        "--syncers",
+    worker = start_worker(
+        tmp_path,
+        config,
         shards.targets[0],
-        "--config",
-        str(config_file),
-        "--batch-size",
-        "4",
-        "--threads",
-        "1",
-        "--device",
-        "cpu",
+        "island-0",
         "--metrics-port",
         str(port),
-    ]
-    worker = subprocess.Popen(
-        command,
-        env={**os.environ, **tls_env(tmp_path / "tls", server=False), "DILOCO_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -1,15 +1,13 @@
 """SIGTERM ends a worker cleanly: the step it is in finishes, the steps since each fragment's last sync reach
 the shards within the grace period, the shards hear Leave, and the process exits 0."""
 
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
-from learner_harness import TOKEN, make_config
-from support import tls_env, wait_until
+from learner_harness import make_config, start_worker
+from support import wait_until
 from test_pod_launcher import finish, start_pod
 
 from diloco.progress import StepEvent, read_events
@@ -42,36 +40,19 @@ FAR_SYNC = make_config(inner_steps=10_000, fragments=2, island_timeout_seconds=3
 def test_sigterm_mid_round_pushes_the_last_steps_and_leaves_at_once(start_shards, tmp_path):
     config = FAR_SYNC
     shards = start_shards(config)
-    config_file = tmp_path / "config.json"
-    config_file.write_text(config.to_json())
     progress = tmp_path / "progress"
-    command = [
-        sys.executable,
-        "-m",
-        "diloco.worker.main",
-        "--island",
-        "island-3",
-        "--syncers",
+    worker = start_worker(
+        tmp_path,
+        config,
         shards.targets[0],
-        "--config",
-        str(config_file),
-        "--batch-size",
-        "4",
-        "--threads",
-        "1",
-        "--device",
-        "cpu",
+        "island-3",
         "--progress-file",
         str(progress / "worker.jsonl"),
-    ]
-    env = {
-        **os.environ,
-        **tls_env(tmp_path / "tls", server=False),
-        "DILOCO_TOKEN": TOKEN,
-        "DILOCO_TERMINATION_GRACE_SECONDS": "60",
-        "OMP_NUM_THREADS": "1",
-    }
-    worker = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        env={"DILOCO_TERMINATION_GRACE_SECONDS": "60"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_until(lambda: sum(isinstance(e, StepEvent) for e in read_events(progress)) >= 3, timeout=180)
         assert shards.live_islands(0) == ["island-3"]
