@@ -1,22 +1,21 @@
 """An exported model on disk: `model.safetensors` (the tensors, float32) and `config.json` (what they are).
 
-The safetensors file is the format's plain layout (an 8-byte little-endian header length, a JSON header
-naming each tensor's dtype, shape and byte range, then the bytes), written and read here without the
-`safetensors` package, so any loader (`safetensors.torch.load_file`, Hugging Face) reads the file as it is.
-The config names the built-in preset the tensors fit (null for a model of one's own), each parameter's
-shape and fragment, each fragment's outer steps and tokens, and the job's training settings when known.
+The tensors are written and read with the `safetensors` package, so any loader (Hugging Face's, another
+framework's) reads the file as it is; its metadata names the format and the preset. The config names the
+built-in preset the tensors fit (null for a model of one's own), each parameter's shape and fragment, each
+fragment's outer steps and tokens, and the job's training settings when known.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from diloco.core.config import TrainingConfig
 from diloco.export.assemble import GlobalModel
@@ -25,44 +24,6 @@ from diloco.worker.model import GPT, PRESETS, build_model
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 FORMAT = "diloco-model/1"
-_F32 = "F32"
-_HEADER_ALIGN = 8
-
-
-def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-    """Float32 tensors in the safetensors layout, in the order given."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    blobs: list[bytes] = []
-    offset = 0
-    for name, tensor in tensors.items():
-        blob = tensor.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes()
-        header[name] = {"dtype": _F32, "shape": list(tensor.shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % _HEADER_ALIGN)
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for blob in blobs:
-            f.write(blob)
-
-
-def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors (float32 only, the only dtype an export writes) and the metadata of a safetensors file."""
-    data = path.read_bytes()
-    (length,) = struct.unpack_from("<Q", data)
-    header = json.loads(data[8 : 8 + length])
-    metadata = header.pop("__metadata__", {})
-    body = memoryview(data)[8 + length :]
-    tensors: dict[str, torch.Tensor] = {}
-    for name, entry in header.items():
-        if entry["dtype"] != _F32:
-            raise ValueError(f"{path}: tensor {name} is {entry['dtype']}; an export holds {_F32} only")
-        begin, end = entry["data_offsets"]
-        values = torch.frombuffer(bytearray(body[begin:end]), dtype=torch.float32)
-        tensors[name] = values.reshape(entry["shape"])
-    return tensors, metadata
 
 
 def matching_preset(tensors: Mapping[str, torch.Tensor]) -> str | None:
@@ -95,7 +56,8 @@ def save(folder: Path, model: GlobalModel, training: TrainingConfig | None = Non
         "training": json.loads(training.to_json()) if training is not None else None,  # as in spec.training
     }
     folder.mkdir(parents=True, exist_ok=True)
-    write_safetensors(folder / MODEL_FILE, model.tensors, {"format": FORMAT, "preset": preset or ""})
+    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in model.tensors.items()}
+    save_file(tensors, folder / MODEL_FILE, metadata={"format": FORMAT, "preset": preset or ""})
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
     return config
 
@@ -124,5 +86,4 @@ def load(folder: Path) -> ExportedModel:
     config = json.loads((folder / CONFIG_FILE).read_text())
     if config.get("format") != FORMAT:
         raise ValueError(f"{folder / CONFIG_FILE} is not a {FORMAT} export (format {config.get('format')!r})")
-    tensors, _ = read_safetensors(folder / MODEL_FILE)
-    return ExportedModel(tensors, config)
+    return ExportedModel(load_file(folder / MODEL_FILE), config)

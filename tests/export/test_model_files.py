@@ -1,11 +1,10 @@
-"""An export on disk: the safetensors layout as the format specifies it, and the config that says what the
-tensors are."""
+"""An export on disk: a safetensors file any loader reads, and the config that says what the tensors are."""
 
 import json
-import struct
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from diloco.core.config import TrainingConfig
 from diloco.export.assemble import FragmentRecord, GlobalModel
@@ -14,9 +13,7 @@ from diloco.export.model_files import (
     MODEL_FILE,
     load,
     matching_preset,
-    read_safetensors,
     save,
-    write_safetensors,
 )
 from diloco.worker.model import build_model
 
@@ -35,21 +32,13 @@ def tiny_global_model() -> GlobalModel:
     )
 
 
-def test_safetensors_layout_header_then_little_endian_float32(tmp_path):
-    path = tmp_path / "t.safetensors"
-    write_safetensors(path, {"a": torch.tensor([[1.0, 2.0]]), "b": torch.tensor([3.0])}, {"k": "v"})
-    data = path.read_bytes()
-    (length,) = struct.unpack_from("<Q", data)
-    assert length % 8 == 0
-    header = json.loads(data[8 : 8 + length])
-    assert header == {
-        "__metadata__": {"k": "v"},
-        "a": {"dtype": "F32", "shape": [1, 2], "data_offsets": [0, 8]},
-        "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
-    }
-    assert data[8 + length :] == struct.pack("<3f", 1.0, 2.0, 3.0)
-    tensors, metadata = read_safetensors(path)
-    assert metadata == {"k": "v"} and torch.equal(tensors["a"], torch.tensor([[1.0, 2.0]]))
+def test_the_model_file_is_plain_safetensors_with_float32_tensors_and_the_format_named(tmp_path):
+    model = tiny_global_model()
+    save(tmp_path, model)
+    with safe_open(tmp_path / MODEL_FILE, framework="pt") as f:
+        assert f.metadata() == {"format": "diloco-model/1", "preset": "tiny"}
+        assert set(f.keys()) == set(model.tensors)
+        assert all(f.get_tensor(name).dtype == torch.float32 for name in f.keys())
 
 
 def test_an_export_loads_back_into_the_built_in_gpt_with_its_config(tmp_path):
