@@ -9,9 +9,10 @@ import urllib.error
 import urllib.request
 
 import pytest
-from learner_harness import make_config, start_worker
+from learner_harness import make_config
 from prometheus_client.parser import text_string_to_metric_families
 from support import wait_until
+from worker_process import start_worker
 
 from diloco.local.launcher import free_port
 from diloco.operator.probes import trainer_loss

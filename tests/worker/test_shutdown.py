@@ -6,9 +6,10 @@ import subprocess
 import time
 
 import pytest
-from learner_harness import make_config, start_worker
+from learner_harness import make_config
 from support import wait_until
 from test_pod_launcher import finish, start_pod
+from worker_process import start_worker
 
 from diloco.progress import StepEvent, read_events
 from diloco.worker.shutdown import LEAVE_RESERVE_SECONDS, StopRequest
