@@ -525,13 +525,13 @@ def test_jobs_whose_child_names_would_collide_each_keep_their_own(control_plane,
     small = {"syncer": {"shards": 1}, "training": {"innerSteps": 20, "fragments": 1, "overlapSteps": 1}}
     control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("a", islands=[{"name": "b-x"}], **small))
     control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("a-b", islands=[{"name": "x"}], **small))
-    wait_until(lambda: len(children(kube, ns, "a")) == len(children(kube, ns, "a-b")) == 8)
+    wait_until(lambda: len(children(kube, ns, "a")) == len(children(kube, ns, "a-b")) == 9)  # 1 island, 1 shard
     passes = operator.metric("diloco_operator_reconciles_total")
     wait_until(lambda: operator.metric("diloco_operator_reconciles_total") >= passes + 4)
     for job in ("a", "a-b"):
         uid = kube.get("DiLoCoJob", ns, job)["metadata"]["uid"]
         found = children(kube, ns, job)
-        assert len(found) == 8
+        assert len(found) == 9
         assert all(obj["metadata"]["ownerReferences"][0]["uid"] == uid for obj in found.values())
     assert not set(children(kube, ns, "a")) & set(children(kube, ns, "a-b"))
     assert "ApplyFailed" not in control_plane.kubectl("-n", ns, "get", "events").stdout
