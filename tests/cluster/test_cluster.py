@@ -21,9 +21,20 @@ PAUSE = "registry.k8s.io/pause:3.10"
 SPOT_TOLERATION = {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
 
 
-def namespace(cluster, name):
-    cluster.kubectl("create", "namespace", name)
-    return name
+@pytest.fixture
+def namespace(kwok_cluster):
+    """Creates the test's namespaces and deletes them after it, pods and all: the cluster is shared by the whole
+    session, and a test that leaves its 8-GPU pods behind leaves no GPU for the end-to-end suite's jobs."""
+    created = []
+
+    def create(name):
+        kwok_cluster.kubectl("create", "namespace", name)
+        created.append(name)
+        return name
+
+    yield create
+    for name in created:
+        kwok_cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s", timeout=150)
 
 
 def pods(cluster, ns, selector):
@@ -83,8 +94,8 @@ def test_nodes_come_in_realistic_pools(kwok_cluster):
     assert all(ready(n) for n in found.values()), "KWOK keeps every node Ready"
 
 
-def test_a_scaled_statefulset_gets_pods_placed_by_selector_and_toleration(kwok_cluster):
-    ns = namespace(kwok_cluster, "realness-sts")
+def test_a_scaled_statefulset_gets_pods_placed_by_selector_and_toleration(kwok_cluster, namespace):
+    ns = namespace("realness-sts")
     kwok_cluster.kubectl(
         "-n",
         ns,
@@ -108,8 +119,8 @@ def test_a_scaled_statefulset_gets_pods_placed_by_selector_and_toleration(kwok_c
     assert '"reportingComponent": "default-scheduler"' in events and '"reason": "Scheduled"' in events
 
 
-def test_a_pod_without_the_toleration_stays_off_spot_nodes(kwok_cluster):
-    ns = namespace(kwok_cluster, "realness-taint")
+def test_a_pod_without_the_toleration_stays_off_spot_nodes(kwok_cluster, namespace):
+    ns = namespace("realness-taint")
     kwok_cluster.kubectl(
         "-n", ns, "apply", "-f", "-", stdin=statefulset("intolerant", 1, {"cloud.google.com/gke-nodepool": "cpu-spot"})
     )
@@ -125,8 +136,8 @@ def test_a_pod_without_the_toleration_stays_off_spot_nodes(kwok_cluster):
     assert not pending["spec"].get("nodeName")
 
 
-def test_gpu_pods_land_on_their_generation_and_are_counted_against_its_gpus(kwok_cluster):
-    ns = namespace(kwok_cluster, "realness-gpu")
+def test_gpu_pods_land_on_their_generation_and_are_counted_against_its_gpus(kwok_cluster, namespace):
+    ns = namespace("realness-gpu")
     a100_nodes = [n for n in nodes(kwok_cluster) if n.startswith("a100-")]
     whole_node = {"limits": {"nvidia.com/gpu": "8"}}
     kwok_cluster.kubectl(
@@ -156,8 +167,8 @@ def test_gpu_pods_land_on_their_generation_and_are_counted_against_its_gpus(kwok
     assert "Insufficient nvidia.com/gpu" in message
 
 
-def test_a_deleted_spot_node_has_its_pods_evicted_and_replaced(kwok_cluster):
-    ns = namespace(kwok_cluster, "realness-preempt")
+def test_a_deleted_spot_node_has_its_pods_evicted_and_replaced(kwok_cluster, namespace):
+    ns = namespace("realness-preempt")
     kwok_cluster.kubectl(
         "-n",
         ns,

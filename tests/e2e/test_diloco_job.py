@@ -155,8 +155,8 @@ def test_the_job_creates_its_children_and_becomes_running(target, job):
     wait_until(lambda: status(target).get("phase") == "Running")
     assert status(target)["islandsReady"] == "2/2"
     for name in ("solo", "spot"):  # Ready by the trainers' readiness probe: they joined and train
-        (pod,) = pods(target, name)
-        assert ready(pod) and pod["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        pod = wait_until(lambda name=name: (found := pods(target, name)) and ready(found[0]) and found[0])
+        assert pod["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/readyz"
     spot_pod = pods(target, "spot")[0]
     assert spot_pod["spec"]["nodeName"].startswith("cpu-spot") or target.cluster is None
 
