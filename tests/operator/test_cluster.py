@@ -20,6 +20,7 @@ from kubernetes import config as kube_config
 from operator_harness import OperatorProcess, install
 
 from diloco.operator.kube import Kube
+from diloco.operator.reconcile import CHILD_KINDS
 
 wait_until = partial(support.wait_until, timeout=90.0, interval=0.25)
 
@@ -28,16 +29,6 @@ pytestmark = [pytest.mark.process, pytest.mark.filterwarnings("ignore:Unverified
 RESYNC = 1.0
 PEERING_LIFETIME = 6
 IMAGE = "test.invalid/diloco-trainer-kwok:test"
-CHILD_KINDS = (
-    "ConfigMap",
-    "Secret",
-    "NetworkPolicy",
-    "PersistentVolumeClaim",
-    "Service",
-    "Deployment",
-    "StatefulSet",
-    "Pod",
-)
 H100 = "NVIDIA-H100-80GB-HBM3"
 A100 = "NVIDIA-A100-SXM4-80GB"
 
@@ -115,7 +106,9 @@ def island_pods(kube, ns, job, island):
 def owned(kube, ns, job):
     """Every object labelled as the job's, pods included: (kind, name) -> object."""
     return {
-        (kind, o["metadata"]["name"]): o for kind in CHILD_KINDS for o in kube.list(kind, ns, {"diloco.dev/job": job})
+        (kind, o["metadata"]["name"]): o
+        for kind in (*CHILD_KINDS, "Pod")
+        for o in kube.list(kind, ns, {"diloco.dev/job": job})
     }
 
 
