@@ -162,16 +162,17 @@ def _shared_env() -> dict[str, str]:
     }
 
 
-def config_hash(spec: DiLoCoJobSpec) -> str:
-    """Digest of the training config; it annotates pod templates so a config change rolls the pods."""
-    return digest(spec.training.to_json())
+def config_hash(spec: DiLoCoJobSpec, *, syncer: bool) -> str:
+    """Digest of the training config as a syncer or an island acts on it; it annotates their pod templates
+    so a config change rolls the pods it concerns, and only those."""
+    return digest(spec.training.syncer_json() if syncer else spec.training.to_json())
 
 
-def template_annotations(spec: DiLoCoJobSpec, token: str, tls_fingerprint: str) -> dict[str, str]:
+def template_annotations(spec: DiLoCoJobSpec, token: str, tls_fingerprint: str, *, syncer: bool) -> dict[str, str]:
     """What rolls a pod when it changes: the training config, the token every syncer and island holds, and
     the certificates its pods mount (`JobTls.fingerprint`)."""
     return {
-        n.ANNOTATION_CONFIG_HASH: config_hash(spec),
+        n.ANNOTATION_CONFIG_HASH: config_hash(spec, syncer=syncer),
         n.ANNOTATION_TOKEN_HASH: fingerprint(token),
         n.ANNOTATION_TLS_HASH: tls_fingerprint,
     }
@@ -322,7 +323,7 @@ def syncer_deployment(
     template = {
         "metadata": {
             "labels": labels,
-            "annotations": template_annotations(spec, token, tls.fingerprint(job, syncer=True)),
+            "annotations": template_annotations(spec, token, tls.fingerprint(job, syncer=True), syncer=True),
         },
         "spec": pod_spec,
     }
@@ -474,7 +475,7 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
     template = {
         "metadata": {
             "labels": n.island_labels(job.name, island.name),
-            "annotations": template_annotations(spec, token, tls.fingerprint(job, syncer=False)),
+            "annotations": template_annotations(spec, token, tls.fingerprint(job, syncer=False), syncer=False),
         },
         "spec": pod_spec,
     }

@@ -83,6 +83,11 @@ class OuterOptimizerConfig(CamelModel):
     nesterov: bool = Field(True, description="Use Nesterov momentum (as in DiLoCo) rather than heavy-ball.")
 
 
+ISLAND_ONLY_KNOBS = frozenset({"inner_steps", "overlap_steps", "mix_alpha", "encoding", "inner"})
+"""TrainingConfig fields only islands act on: a shard reads H, the encoding and the counts from each push's
+header, never from its config. Every other field, including any added later, counts as the shards' own."""
+
+
 class TrainingConfig(CamelModel):
     """The DiLoCo knobs: sync schedule (H, P, tau, alpha), wire encoding, merge policy and both optimizers."""
 
@@ -160,6 +165,11 @@ class TrainingConfig(CamelModel):
     def to_json(self) -> str:
         """Serialise with camelCase keys, the form the operator writes and `from_json` reads."""
         return self.model_dump_json(by_alias=True)
+
+    def syncer_json(self) -> str:
+        """The knobs a syncer shard acts on, as `to_json`: a change of any other (`ISLAND_ONLY_KNOBS`) need
+        not restart the shards."""
+        return self.model_dump_json(by_alias=True, exclude=set(ISLAND_ONLY_KNOBS))
 
     @classmethod
     def from_json(cls, text: str) -> TrainingConfig:

@@ -165,6 +165,18 @@ def test_config_map_holds_the_training_config_and_pods_roll_when_it_changes():
     assert hash_before[n.ANNOTATION_CONFIG_HASH] != hash_after[n.ANNOTATION_CONFIG_HASH]
 
 
+def test_shard_pods_roll_only_for_the_knobs_shards_act_on():
+    def shard_hash(**training):
+        spec = make_spec(training={"innerSteps": 40, "fragments": 4, "overlapSteps": 2, **training})
+        return render(spec)[("Deployment", "demo-syncer-0")]["spec"]["template"]["metadata"]["annotations"][
+            n.ANNOTATION_CONFIG_HASH
+        ]
+
+    base = shard_hash()
+    assert shard_hash(innerSteps=80, mixAlpha=0.3, encoding="int8", inner={"lr": 0.01}) == base
+    assert shard_hash(quorum=2) != base and shard_hash(outer={"lr": 0.5}) != base
+
+
 def test_secret_carries_the_given_token():
     secret = render(token="tok-123")[("Secret", "demo-token")]
     assert secret["type"] == "Opaque"
