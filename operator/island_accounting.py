@@ -277,7 +277,7 @@ def _pod_records(records: Mapping[int, PodRecord], pods: Mapping[int, PodObserva
     return new_records
 
 
-def _outdated(pods: Sequence[PodObservation], update_revision: str | None) -> bool:
+def outdated(pods: Sequence[PodObservation], update_revision: str | None) -> bool:
     """Some pod runs another template revision than the StatefulSet's current one."""
     return bool(update_revision) and any(p.revision and p.revision != update_revision for p in pods)
 
@@ -325,11 +325,14 @@ def account_island(
     backoff_seconds: int,
     now: datetime.datetime,
     workload: str | None = None,
+    *,
+    may_update: bool = True,
 ) -> IslandAccount:
     """Folds one observation of the island's pods into its status (see the module docstring).
 
     `update_revision` is the StatefulSet's current template revision when the controller has observed
-    the latest spec (else None); pods of another revision make the island re-form to pick it up.
+    the latest spec (else None); pods of another revision make the island re-form to pick it up, once the
+    rolling update lets it (`may_update`, see `policies.rolling_update`).
     `active` is false while the job is suspended or finished: the island is then wound down to zero.
     `workload` is the UID of the island's StatefulSet now (None: it does not exist)."""
     prev = previous or IslandStatus(name=island.name)
@@ -344,14 +347,17 @@ def account_island(
 
     events: list[Event] = []
     reform = prev.reform if active else None
+    rolled_at = prev.rolled_at if active else None
     if active and reform is None:
-        outdated = _outdated(pods, update_revision)
-        begun = _begin_reform(island.name, losses, prev.restarts + charged, charged, outdated, backoff_seconds, now)
+        stale = may_update and outdated(pods, update_revision)
+        begun = _begin_reform(island.name, losses, prev.restarts + charged, charged, stale, backoff_seconds, now)
         if begun is not None:
             reform, event = begun
             events.append(event)
     if reform is not None and not pods and now >= reform.hold_until:
         events.append(Event("Normal", Reason.ISLAND_REFORMED, f"island {island.name}: starting {island.replicas} pods"))
+        if reform.reason == "Update":
+            rolled_at = now
         reform = None
 
     desired = island.replicas if active else 0
@@ -362,6 +368,7 @@ def account_island(
             "restarts": prev.restarts + charged,
             "preemptions": prev.preemptions + len(losses.preempted),
             "reform": reform,
+            "rolled_at": rolled_at,
             "pods": _pod_records(records, current),
         }
     )

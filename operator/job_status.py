@@ -18,11 +18,12 @@ from typing import Any
 from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus, FragmentProgress, IslandStatus, Phase, SyncerStatus
 from diloco.operator.children import Scale
 from diloco.operator.events import Event
-from diloco.operator.island_accounting import IslandAccount, NodeState, PodObservation, account_island
+from diloco.operator.island_accounting import IslandAccount, NodeState, PodObservation, account_island, outdated
 from diloco.operator.policies.failure_policy import restart_budget_exhausted
 from diloco.operator.policies.job_conditions import update_conditions
 from diloco.operator.policies.model_export import export_due, export_status
 from diloco.operator.policies.phase import next_phase, readiness
+from diloco.operator.policies.rolling_update import finish_rolls, islands_free_to_update
 from diloco.operator.policies.stop_condition import slowest_fragment, stop_reached
 from diloco.operator.policies.ttl_after_finished import deletion_due
 
@@ -146,6 +147,15 @@ def _account_islands(
     """Each spec island's pods folded into its status; a suspended or finished job winds its islands down."""
     active = not previous.phase.finished and not spec.suspend
     before = {i.name: i for i in previous.islands}
+    free = islands_free_to_update(
+        previous.islands,
+        [
+            island.name
+            for island in spec.islands
+            if outdated(observed.pods.get(island.name, ()), observed.update_revisions.get(island.name))
+        ],
+        spec.update_strategy.max_unavailable,
+    )
     return [
         account_island(
             before.get(island.name),
@@ -157,6 +167,7 @@ def _account_islands(
             spec.failure_policy.backoff_seconds,
             now,
             observed.workloads.get(island.name),
+            may_update=island.name in free,
         )
         for island in spec.islands
     ]
@@ -197,7 +208,7 @@ def decide(
 ) -> Decision:
     """One reconcile pass worth of decisions (see the module docstring) for the job named `job`."""
     accounts = _account_islands(spec, previous, observed, now)
-    islands = _with_syncs_and_losses([a.status for a in accounts], observed, now)
+    islands, rolled = finish_rolls(_with_syncs_and_losses([a.status for a in accounts], observed, now))
     fragments = merge_fragments(previous.fragments, observed.shards, spec.syncer.shards)
     syncer = _syncer_status(spec, observed.shards)
     ready = readiness(
@@ -263,5 +274,5 @@ def decide(
         ),
     )
     deletion = deletion_due(status, spec.ttl_seconds_after_finished, now)
-    events = (*(e for a in accounts for e in a.events), *change.events, *([deletion] if deletion else []))
+    events = (*(e for a in accounts for e in a.events), *rolled, *change.events, *([deletion] if deletion else []))
     return Decision(status=status, scale=scale, events=events, delete=deletion is not None)

@@ -16,18 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes.utils.quantity import parse_quantity
-
 from diloco.api.conditions import Reason
 from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus
 from diloco.operator import naming as n
 from diloco.operator.children import OperatorRef, child_key, render_children
+from diloco.operator.drift import in_sync
 from diloco.operator.event_recorder import EventRecorder
 from diloco.operator.events import Event
 from diloco.operator.island_accounting import PodObservation, nodes_to_check, observe_node, observe_pod
 from diloco.operator.job_status import Observation, ShardObservation, decide
 from diloco.operator.job_tls import JobTls, job_tls
 from diloco.operator.kube import ApiError, Kube
+from diloco.operator.policies.rolling_update import shards_held_back
 from diloco.operator.probes import shard_statuses, trainer_losses
 from diloco.operator.tokens import job_token
 from diloco.transport.tls import Security
@@ -87,37 +87,6 @@ def foreign_controller(obj: Mapping[str, Any], uid: str) -> str | None:
 def read_token(secret: Mapping[str, Any] | None) -> str | None:
     data = (secret or {}).get("data") or {}
     return base64.b64decode(data[n.TOKEN_KEY]).decode() if n.TOKEN_KEY in data else None
-
-
-def applied_hash(obj: Mapping[str, Any] | None) -> str | None:
-    return ((obj or {}).get("metadata", {}).get("annotations") or {}).get(n.ANNOTATION_HASH)
-
-
-def _same_value(live: Any, want: Any) -> bool:
-    if live == want:
-        return True
-    if isinstance(live, str) and isinstance(want, str):
-        try:
-            return parse_quantity(live) == parse_quantity(want)
-        except (ValueError, ArithmeticError):
-            return False
-    return False
-
-
-def contains(live: Any, want: Any) -> bool:
-    """Whether the live object still holds every value the operator set: fields the API server or others
-    added are ignored; a changed or removed one, or a quantity not equal in value, is drift."""
-    if isinstance(want, Mapping):
-        return isinstance(live, Mapping) and all(k in live and contains(live[k], v) for k, v in want.items())
-    if isinstance(want, list):
-        return isinstance(live, list) and len(live) == len(want) and all(map(contains, live, want))
-    return _same_value(live, want)
-
-
-def in_sync(live: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
-    """The live child is what this pass would apply: the same digest (so nothing was dropped from the
-    rendering since it was applied) and no drift (so nobody changed what the operator set)."""
-    return applied_hash(live) == applied_hash(desired) and contains(live, desired)
 
 
 def summarize(keys: Sequence[str], limit: int = 8) -> str:
@@ -299,8 +268,14 @@ class Reconciler:
 
         desired = render_children(job, spec, token, decision.scale, self.operator, tls=tls)
         others = self._unlisted(job, [child_key(obj) for obj in desired if child_key(obj) not in existing])
+        held = shards_held_back(
+            [obj for obj in desired if obj["kind"] == "Deployment"],
+            {name: obj for (kind, name), obj in existing.items() if kind == "Deployment"},
+        )
         stale: list[tuple[dict[str, Any], bool]] = []
         for obj in desired:
+            if obj["kind"] == "Deployment" and obj["metadata"]["name"] in held:
+                continue  # its shard's turn in the roll has not come
             live = existing.get(child_key(obj)) or others.get(child_key(obj))
             controller = foreign_controller(live, job.uid) if live is not None else None
             if controller is not None:

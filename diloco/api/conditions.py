@@ -59,6 +59,8 @@ class Reason:
     """Event: the island's pod template changed; the island re-forms to pick it up."""
     ISLAND_REFORMED: Final = "IslandReformed"
     """Event: the re-formed island's pods are started again."""
+    ISLAND_UPDATED: Final = "IslandUpdated"
+    """Event: an island re-formed on a new pod template is ready and synced again; the roll moves on."""
     NAME_CONFLICT: Final = "NameConflict"
     """Event: a child's name is held by an object another owner controls; the operator leaves it alone."""
     RECONCILE_FAILED: Final = "ReconcileFailed"

@@ -546,6 +546,16 @@ class FailurePolicy(CamelModel):
     )
 
 
+class UpdateStrategy(CamelModel):
+    """How a change of the islands' pod template (image, command, env, resources...) reaches running
+    islands: a few at a time, each re-formed on the new template and synced with the shards again before
+    the next begins, so the others train on throughout. Syncer shards take their own changes one at a time."""
+
+    max_unavailable: int = Field(
+        1, ge=1, description="Islands re-formed for a pod-template change at once; the others keep training."
+    )
+
+
 class StopCondition(CamelModel):
     """The job succeeds as soon as either bound is reached by every fragment; with neither, it trains until
     deleted or suspended."""
@@ -626,6 +636,9 @@ class DiLoCoJobSpec(CamelModel):
     syncer: SyncerSpec = Field(default_factory=SyncerSpec, description="The syncer shards.")
     tls: TlsSpec = Field(default_factory=TlsSpec, description="TLS of the job's gRPC channels.")
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description="Restart budget and backoff.")
+    update_strategy: UpdateStrategy = Field(
+        default_factory=UpdateStrategy, description="How pod-template changes roll through the islands."
+    )
     stop_condition: StopCondition = Field(default_factory=StopCondition, description="When the job succeeds.")
     export: ModelExport | None = Field(
         None, description="Write the trained model to a volume when the job succeeds (status.export says where)."
@@ -738,6 +751,11 @@ class IslandStatus(CamelModel):
     last_sync: datetime.datetime | None = Field(None, description="Last time a syncer shard reported the island live.")
     loss: float | None = Field(None, description="Training loss last reported by the island's rank-0 pod.")
     reform: Reform | None = Field(None, description="Set while the island is being re-formed.")
+    rolled_at: datetime.datetime | None = Field(
+        None,
+        description="When the island came back on a new pod template; cleared once every pod is ready and a "
+        "shard reports it live again (a rolling update waits for that).",
+    )
     pods: list[PodRecord] = Field(default_factory=list, description="Accounting record of the island's pods.")
 
 

@@ -1,6 +1,7 @@
 """End to end, through kubectl and helm only: a small variant of deploy/examples/tiny-cpu.yaml (an on-demand
 island and a spot island, few and cheap steps) trains for real, its trainers Ready once they train,
-survives the loss of its spot node, a crashing trainer and a restarted operator, finishes, exports its model
+survives the loss of its spot node, a crashing trainer and a restarted operator, rolls onto a new image one
+island at a time while it trains, finishes, exports its model
 to a volume of the user's, and is garbage-collected when deleted. Then a job whose island cannot join its
 syncer is never Ready, and says so.
 
@@ -224,6 +225,34 @@ def test_a_restarted_operator_changes_nothing(target, job, operator):
     after = {key: (o["metadata"]["uid"], o["metadata"].get("generation")) for key, o in children(target).items()}
     assert after == before
     assert {p["metadata"]["uid"] for name in ("solo", "spot") for p in pods(target, name)} == workers
+
+
+def test_an_image_change_rolls_the_islands_one_at_a_time_while_the_job_trains(target, job):
+    image = f"diloco-trainer:{target.image_tag}-rolled"
+    old = {name: pods(target, name)[0]["metadata"]["uid"] for name in ("solo", "spot")}
+    target.kubectl(
+        "-n", NAMESPACE, "patch", "dilocojob", JOB, "--type", "merge", "-p", json.dumps({"spec": {"image": image}})
+    )
+    polls = []  # (islands rolling, outer step) at each look
+
+    def rolled():
+        now = status(target)
+        rolling = {i["name"] for i in now["islands"] if i.get("reform") or i.get("rolledAt")}
+        polls.append((rolling, now["outerStep"]))
+        current = [p for name in ("solo", "spot") for p in pods(target, name)]
+        on_new = len(current) == 2 and all(p["spec"]["containers"][0]["image"] == image and ready(p) for p in current)
+        return on_new and not rolling and now
+
+    wait_until(rolled, timeout=420)
+    assert {name for rolling, _ in polls for name in rolling} == {"solo", "spot"}, "each island re-formed"
+    assert max(len(rolling) for rolling, _ in polls) == 1, "never two islands down for the update at once"
+    during = [step for rolling, step in polls if rolling]
+    assert max(during) > min(during), "the outer step rose while islands rolled"
+    assert all(pods(target, name)[0]["metadata"]["uid"] != old[name] for name in ("solo", "spot"))
+    shard = get(target, "deployment", "tiny-syncer-0")["spec"]["template"]["spec"]["containers"][0]
+    assert shard["image"] == image, "the shards run the job's image too"
+    wait_until(lambda: status(target).get("phase") == "Running", timeout=180)
+    progress_beyond(target, status(target)["outerStep"])
 
 
 def test_the_job_finishes_when_its_stop_condition_is_reached(target, job):

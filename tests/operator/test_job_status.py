@@ -304,3 +304,57 @@ def test_an_unreachable_shard_is_named_in_the_conditions():
     conditions = {c.type: c for c in decision.status.conditions}
     assert decision.status.syncer.reachable == 1
     assert "syncer shard 1 unreachable: UNAVAILABLE: connection refused" in conditions["Ready"].message
+
+
+# --- rolling a pod-template change through the islands ---------------------------------------------
+
+
+def rolling(pods, live=("a", "b")):
+    """A pass after the islands' StatefulSets took a new template (revisions a-2, b-2)."""
+    return Observation(
+        pods=pods, shards=shards((0, 3, 300), (1, 2, 250), live=live), update_revisions={"a": "a-2", "b": "b-2"}
+    )
+
+
+def reasons(decision):
+    return [e.reason for e in decision.events]
+
+
+def test_a_template_change_re_forms_one_island_at_a_time_each_after_it_synced_again():
+    spec = job_spec()
+    status = run(spec, [healthy()])[-1].status
+    old_b = [pod(0, island="b")]
+    first = decide(spec, 2, status, rolling({"a": [pod(0), pod(1)], "b": old_b}), at(10), job="job")
+    assert first.scale.islands == {"a": 0, "b": 1}, "b trains on while a re-forms"
+    assert [e.message for e in first.events if e.reason == "IslandUpdating"] == [
+        "island a: pod template changed; re-forming the island"
+    ]
+
+    back = decide(spec, 2, first.status, rolling({"b": old_b}, live=("b",)), at(20), job="job")
+    assert back.scale.islands == {"a": 2, "b": 1} and back.status.islands[0].rolled_at == at(20)
+
+    new_a = [pod(0, revision="a-2"), pod(1, revision="a-2")]
+    unsynced = decide(spec, 2, back.status, rolling({"a": new_a, "b": old_b}, live=("b",)), at(30), job="job")
+    assert unsynced.scale.islands == {"a": 2, "b": 1} and "IslandUpdating" not in reasons(unsynced)
+
+    synced = decide(spec, 2, unsynced.status, rolling({"a": new_a, "b": old_b}), at(40), job="job")
+    assert "IslandUpdated" in reasons(synced) and synced.status.islands[0].rolled_at is None
+    following = decide(spec, 2, synced.status, rolling({"a": new_a, "b": old_b}), at(50), job="job")
+    assert following.scale.islands == {"a": 2, "b": 0} and "IslandUpdating" in reasons(following)
+
+
+def test_max_unavailable_re_forms_that_many_islands_at_once():
+    spec = job_spec(updateStrategy={"maxUnavailable": 2})
+    status = run(spec, [healthy()])[-1].status
+    both = decide(spec, 2, status, rolling({"a": [pod(0), pod(1)], "b": [pod(0, island="b")]}), at(10), job="job")
+    assert both.scale.islands == {"a": 0, "b": 0}
+
+
+def test_suspending_mid_roll_forgets_the_roll():
+    spec = job_spec()
+    status = run(spec, [healthy()])[-1].status
+    first = decide(spec, 2, status, rolling({"a": [pod(0), pod(1)], "b": [pod(0, island="b")]}), at(10), job="job")
+    back = decide(spec, 2, first.status, rolling({"b": [pod(0, island="b")]}, live=("b",)), at(20), job="job")
+    assert back.status.islands[0].rolled_at is not None
+    suspended = decide(job_spec(suspend=True), 3, back.status, rolling({}), at(30), job="job")
+    assert all(i.rolled_at is None and i.reform is None for i in suspended.status.islands)

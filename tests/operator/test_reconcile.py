@@ -15,7 +15,7 @@ from diloco.operator.children import OperatorRef
 from diloco.operator.job_status import FragmentReport, ShardObservation
 from diloco.operator.job_tls import secret_bytes
 from diloco.operator.kube import ApiError
-from diloco.operator.reconcile import Reconciler, contains, read_token, status_patch
+from diloco.operator.reconcile import Reconciler, read_token, status_patch
 from diloco.transport.tls import Tls
 
 JOB = n.JobRef(name="demo", namespace="ml", uid="job-uid")
@@ -184,6 +184,40 @@ def test_a_spec_change_patches_only_what_it_touches_with_force(setup):
     assert [(e.reason, e.message) for e in outcome.events] == [("Updated", "updated 1: StatefulSet/demo-a")]
 
 
+def serving(kube, shard):
+    """The shard's Deployment as its controller reports it once its one pod runs its latest template."""
+    deployment = kube.objects[("Deployment", "ml", f"demo-syncer-{shard}")]
+    generation = deployment["metadata"]["generation"]
+    deployment["status"] = {"observedGeneration": generation, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+
+
+def test_shards_take_a_template_change_one_at_a_time_each_after_the_last_serves_again(setup):
+    kube, reconciler, _ = setup
+    reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    for shard in (0, 1):
+        serving(kube, shard)
+    newer = {**SPEC, "image": "diloco-trainer:v2"}
+    assert "Deployment/demo-syncer-1" not in reconciler.reconcile(JOB, 2, newer, None, NOW).applied
+    assert (
+        kube.objects[("Deployment", "ml", "demo-syncer-1")]["spec"]["template"]["spec"]["containers"][0]["image"]
+        == SPEC["image"]
+    )
+    assert reconciler.reconcile(JOB, 2, newer, None, NOW).applied == (), "shard 0 does not serve yet"
+    serving(kube, 0)
+    assert reconciler.reconcile(JOB, 2, newer, None, NOW).applied == ("Deployment/demo-syncer-1",)
+    serving(kube, 1)
+    assert reconciler.reconcile(JOB, 2, newer, None, NOW).applied == ()
+
+
+def test_an_island_only_knob_leaves_the_shards_running(setup):
+    kube, reconciler, _ = setup
+    reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    training = {"innerSteps": 40, "fragments": 2, "overlapSteps": 2, "inner": {"lr": 0.01}}
+    applied = reconciler.reconcile(JOB, 2, {**SPEC, "training": training}, None, NOW).applied
+    assert {"ConfigMap/demo-config", "StatefulSet/demo-a", "StatefulSet/demo-b"} <= set(applied)
+    assert not any(key.startswith("Deployment/") for key in applied)
+
+
 def test_drift_is_corrected_but_server_defaults_are_not_drift(setup):
     kube, reconciler, _ = setup
     reconciler.reconcile(JOB, 1, SPEC, None, NOW)
@@ -194,9 +228,10 @@ def test_drift_is_corrected_but_server_defaults_are_not_drift(setup):
         "requests": {"cpu": "2000m"}
     }
     kube.writes.clear()
-    assert reconciler.reconcile(
-        JOB, 1, {**SPEC, "syncer": {"shards": 2, "resources": {"requests": {"cpu": 2}}}}, None, NOW
-    ).applied == ("Deployment/demo-syncer-0", "Deployment/demo-syncer-1")
+    wider = {**SPEC, "syncer": {"shards": 2, "resources": {"requests": {"cpu": 2}}}}
+    assert reconciler.reconcile(JOB, 1, wider, None, NOW).applied == ("Deployment/demo-syncer-0",)
+    serving(kube, 0)
+    assert reconciler.reconcile(JOB, 1, wider, None, NOW).applied == ("Deployment/demo-syncer-1",)
     kube.objects[("Deployment", "ml", "demo-syncer-0")]["spec"]["template"]["spec"]["containers"][0]["resources"] = {
         "requests": {"cpu": "2000m"}
     }
@@ -211,13 +246,6 @@ def test_drift_is_corrected_but_server_defaults_are_not_drift(setup):
     outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
     assert set(outcome.applied) >= {"StatefulSet/demo-a", "ConfigMap/demo-config"}
     assert kube.objects[("StatefulSet", "ml", "demo-a")]["spec"]["replicas"] == 2
-
-
-def test_contains():
-    assert contains({"a": 1, "b": {"c": [1, {"d": 2, "e": 3}]}}, {"b": {"c": [1, {"d": 2}]}})
-    assert not contains({"b": {"c": [1]}}, {"b": {"c": [1, 2]}})
-    assert not contains({"a": "x"}, {"a": "y"}) and not contains({}, {"a": None})
-    assert contains({"cpu": "1"}, {"cpu": "1000m"}) and not contains({"cpu": "1"}, {"cpu": "2"})
 
 
 def test_a_removed_island_loses_its_children(setup):
