@@ -32,6 +32,7 @@ def test_reasons_keep_their_values_and_are_camel_case():
         "ISLAND_FAILED": "IslandFailed",
         "ISLAND_UPDATING": "IslandUpdating",
         "ISLAND_REFORMED": "IslandReformed",
+        "ISLAND_UPDATED": "IslandUpdated",
         "SYNCER_REFUSED": "SyncerRefused",
         "NAME_CONFLICT": "NameConflict",
         "RECONCILE_FAILED": "ReconcileFailed",
