@@ -4,9 +4,10 @@ Per job: a ConfigMap (training config JSON), a Secret (the gRPC bearer token, de
 `tokens.py`, and passed in; its fingerprint annotates every pod template, so a new token restarts every
 syncer and island together), the TLS Secret the operator makes when the job names none (`job_tls.py`, whose
 certificates' fingerprint rolls the pods the same way), and a NetworkPolicy that admits only the job's own
-pods (and the operator) to the syncers.
+pods (and the operator) to the syncers, or anyone once they are exposed outside the cluster.
 Per syncer shard: a Service, a Deployment (one pod, Recreate, so two incarnations never share a
-checkpoint) and a PersistentVolumeClaim. Per island: a headless Service and a StatefulSet whose pods take
+checkpoint), a PersistentVolumeClaim, and a GRPCRoute when the job exposes its shards through a Gateway
+(`exposure.py`). Per island: a headless Service and a StatefulSet whose pods take
 their torch.distributed ranks from the ordinal (one rank per accelerator, see `trainer_env`). Replica counts
 come from the caller's decisions (`Scale`), so suspending, re-forming and finishing are rendering the same
 objects with other numbers.
@@ -26,6 +27,7 @@ from typing import Any
 
 from diloco.api.job import (
     DiLoCoJobSpec,
+    Exposure,
     IslandSpec,
     PodTemplateOverride,
     ResourceRequirements,
@@ -34,6 +36,7 @@ from diloco.api.job import (
 )
 from diloco.core.config import Precision
 from diloco.operator import naming as n
+from diloco.operator.exposure import grpc_route, service_type, shard_targets
 from diloco.operator.job_tls import JobTls
 from diloco.operator.overrides import merge
 from diloco.operator.tokens import fingerprint
@@ -220,7 +223,7 @@ def syncer_service(job: n.JobRef, spec: DiLoCoJobSpec, shard: int) -> dict[str, 
             "kind": "Service",
             "metadata": _metadata(job, n.syncer_name(job.name, shard), n.shard_labels(job.name, shard)),
             "spec": {
-                "type": "ClusterIP",
+                "type": service_type(spec),
                 "selector": n.shard_selector(job.name, shard),
                 "ports": [
                     {
@@ -379,9 +382,7 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
     of one rank also gets RANK (the same number), while the ranks of a pod of N are numbered ordinal x N +
     local rank by the pod's launcher (the built-in worker's, or torchrun's). The pod's grace period goes
     down too, so that one setting bounds the worker's last pushes after SIGTERM."""
-    syncers = ",".join(
-        n.syncer_address(job.name, job.namespace, shard, spec.syncer.port) for shard in range(spec.syncer.shards)
-    )
+    syncers = ",".join(shard_targets(job, spec))
     values = {
         **_shared_env(),
         "DILOCO_JOB": job.name,
@@ -506,7 +507,9 @@ def island_statefulset(
 
 
 def network_policy(job: n.JobRef, spec: DiLoCoJobSpec, operator: OperatorRef | None) -> dict[str, Any]:
-    """The syncers' gRPC port admits the job's own pods and the operator; metrics stay open to scrapers."""
+    """The syncers' gRPC port admits the job's own pods and the operator, or every client once the shards are
+    exposed outside the cluster (spec.syncer.expose: islands of other clusters come from anywhere, and TLS
+    and the token are what keep strangers out); metrics stay open to scrapers."""
     peers: list[dict[str, Any]] = [{"podSelector": {"matchLabels": n.job_selector(job.name)}}]
     if operator is not None:
         peers.append(
@@ -524,7 +527,10 @@ def network_policy(job: n.JobRef, spec: DiLoCoJobSpec, operator: OperatorRef | N
                 "podSelector": {"matchLabels": {**n.job_selector(job.name), n.LABEL_COMPONENT: n.COMPONENT_SYNCER}},
                 "policyTypes": ["Ingress"],
                 "ingress": [
-                    {"from": peers, "ports": [{"port": spec.syncer.port, "protocol": "TCP"}]},
+                    {
+                        **({"from": peers} if spec.syncer.expose.type is Exposure.CLUSTER_IP else {}),
+                        "ports": [{"port": spec.syncer.port, "protocol": "TCP"}],
+                    },
                     {"ports": [{"port": spec.syncer.metrics_port, "protocol": "TCP"}]},
                 ],
             },
@@ -606,17 +612,22 @@ def render_children(
     job: n.JobRef, spec: DiLoCoJobSpec, token: str, scale: Scale, operator: OperatorRef | None, *, tls: JobTls
 ) -> list[dict[str, Any]]:
     """Every child, in the order they are best created: config and credentials, then syncers, then islands;
-    last the model's export once the job has succeeded and its shards have stopped."""
+    last the model's export once the job has succeeded and its shards have stopped. A job training against
+    another cluster's shards (spec.remoteSyncers) has no syncers here: `token` is theirs."""
     validate_job_name(job.name)
-    children = [config_map(job, spec), token_secret(job, token), network_policy(job, spec, operator)]
+    children = [config_map(job, spec), token_secret(job, token)]
+    if spec.remote_syncers is None:
+        children.append(network_policy(job, spec, operator))
     if tls.made is not None:
         children.append(tls_secret(job, tls.made))
-    for shard in range(spec.syncer.shards):
+    for shard in range(spec.syncer.shards if spec.remote_syncers is None else 0):
         children += [
             syncer_claim(job, spec, shard),
             syncer_service(job, spec, shard),
             syncer_deployment(job, spec, shard, scale.syncers, token, tls),
         ]
+        if spec.syncer.expose.type is Exposure.GRPC_ROUTE:
+            children.append(_stamped(grpc_route(job, spec, shard)))
     for island in spec.islands:
         children += [
             island_service(job, spec, island),

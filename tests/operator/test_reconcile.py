@@ -16,6 +16,7 @@ from diloco.operator.job_status import FragmentReport, ShardObservation
 from diloco.operator.job_tls import secret_bytes
 from diloco.operator.kube import ApiError
 from diloco.operator.reconcile import Reconciler, contains, read_token, status_patch
+from diloco.transport import certificates
 from diloco.transport.tls import Tls
 
 JOB = n.JobRef(name="demo", namespace="ml", uid="job-uid")
@@ -169,7 +170,7 @@ def test_named_tls_secrets_are_read_and_a_missing_one_leaves_the_shards_unreacha
     calls.clear()
     outcome = reconciler.reconcile(JOB, 1, named, None, NOW)
     assert calls == [], "nothing to call the shards with"
-    assert outcome.status["syncer"] == {"shards": 2, "ready": 2, "reachable": 0}
+    assert outcome.status["syncer"] == {"shards": 2, "ready": 2, "reachable": 0, "endpoints": []}
     assert any("Secret our-ca not found" in c.get("message", "") for c in outcome.status["conditions"])
 
 
@@ -287,7 +288,7 @@ def test_observed_pods_and_syncers_reach_the_status(setup):
     assert calls[-1][1] == [True, True]
     status = outcome.status
     assert status["phase"] == "Running" and status["islandsReady"] == "2/2"
-    assert status["outerStep"] == 4 and status["syncer"] == {"shards": 2, "ready": 2, "reachable": 2}
+    assert status["outerStep"] == 4 and status["syncer"] == {"shards": 2, "ready": 2, "reachable": 2, "endpoints": []}
     assert [i["ready"] for i in status["islands"]] == [2, 1]
 
 
@@ -326,3 +327,90 @@ def test_status_patch_clears_unset_fields():
     patch = status_patch(DiLoCoJobStatus())
     assert patch["phase"] == "Pending" and patch["startTime"] is None and patch["goodput"] is None
     assert set(patch) == {f.alias for f in DiLoCoJobStatus.model_fields.values()}
+
+
+def secret(name, **data):
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": "ml"},
+        "data": {key: base64.b64encode(value).decode() for key, value in data.items()},
+    }
+
+
+def test_exposed_shards_report_their_endpoints_and_their_certificate_names_them(setup):
+    kube, reconciler, _ = setup
+    exposed = {**SPEC, "syncer": {"shards": 2, "expose": {"type": "LoadBalancer"}}}
+    outcome = reconciler.reconcile(JOB, 1, exposed, None, NOW)
+    assert kube.get("Service", "ml", "demo-syncer-0")["spec"]["type"] == "LoadBalancer"
+    assert outcome.status["syncer"]["endpoints"] == [], "no address published yet"
+    for shard in (0, 1):  # what a cloud controller does
+        kube.objects[("Service", "ml", f"demo-syncer-{shard}")]["status"] = {
+            "loadBalancer": {"ingress": [{"ip": f"127.0.0.{5 + shard}"}]}
+        }
+    outcome = reconciler.reconcile(JOB, 1, exposed, outcome.status, NOW)
+    assert outcome.status["syncer"]["endpoints"] == ["127.0.0.5:50051", "127.0.0.6:50051"]
+    names = certificates.names_of(secret_bytes(kube.get("Secret", "ml", "demo-tls"))["tls.crt"])
+    assert {"127.0.0.5", "127.0.0.6", "demo-syncer-0.ml.svc"} <= names
+    assert "Secret/demo-tls" in outcome.applied and "Deployment/demo-syncer-0" in outcome.applied, "pods roll"
+
+
+REMOTE = {"endpoints": ["127.0.0.5:31000", "127.0.0.5:31001"], "tokenSecret": "far-token", "caSecret": "far-ca"}
+
+
+def test_a_job_against_remote_shards_runs_only_islands_and_reads_its_progress_from_them(setup):
+    kube, reconciler, calls = setup
+    kube.add(secret("far-token", token=b"their-token"))
+    kube.add(secret("far-ca", **{"ca.crt": TEST_PKI.ca.cert}))
+    outcome = reconciler.reconcile(JOB, 1, {**SPEC, "remoteSyncers": REMOTE}, None, NOW)
+    assert sorted(k for k in outcome.applied) == [
+        "ConfigMap/demo-config",
+        "Secret/demo-token",
+        "Service/demo-a",
+        "Service/demo-b",
+        "StatefulSet/demo-a",
+        "StatefulSet/demo-b",
+    ]
+    assert read_token(kube.get("Secret", "ml", "demo-token")) == "their-token"
+    assert calls == [(REMOTE["endpoints"], [True, True], "their-token", Tls(ca=TEST_PKI.ca.cert))]
+    syncer = outcome.status["syncer"]
+    assert syncer == {"shards": 2, "ready": 2, "reachable": 2, "endpoints": REMOTE["endpoints"]}
+    assert outcome.status["outerStep"] == 4
+
+
+def test_remote_shards_that_do_not_answer_are_not_ready(setup):
+    kube, _, _ = setup
+    kube.add(secret("far-token", token=b"their-token"))
+    kube.add(secret("far-ca", **{"ca.crt": TEST_PKI.ca.cert}))
+
+    def unreachable(targets, ready, token, security, timeout):
+        return [ShardObservation(shard=i, ready=True, error="UNAVAILABLE: down") for i in range(len(targets))]
+
+    reconciler = Reconciler(kube, None, poll_shards=unreachable, scrape_losses=lambda u, t: {}, token_key=bytes(32))
+    outcome = reconciler.reconcile(JOB, 1, {**SPEC, "remoteSyncers": REMOTE}, None, NOW)
+    assert outcome.status["syncer"]["ready"] == 0 and outcome.status["syncer"]["reachable"] == 0
+
+
+def test_without_the_remote_token_the_shards_are_not_called_and_the_status_says_why(setup):
+    kube, reconciler, calls = setup
+    kube.add(secret("far-ca", **{"ca.crt": TEST_PKI.ca.cert}))
+    outcome = reconciler.reconcile(JOB, 1, {**SPEC, "remoteSyncers": REMOTE}, None, NOW)
+    assert calls == []
+    assert any("spec.remoteSyncers.tokenSecret" in c.get("message", "") for c in outcome.status["conditions"])
+
+
+def test_islands_the_shards_report_live_that_the_spec_lacks_appear_as_remote_islands(setup):
+    kube, _, _ = setup
+
+    def live(targets, ready, token, security, timeout):
+        return [
+            ShardObservation(shard=i, ready=r, fragments=(), live_islands=frozenset({"a", "far-1"}))
+            for i, r in enumerate(ready)
+        ]
+
+    reconciler = Reconciler(kube, None, poll_shards=live, scrape_losses=lambda u, t: {}, token_key=bytes(32))
+    reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    for shard in (0, 1):
+        kube.objects[("Deployment", "ml", f"demo-syncer-{shard}")]["status"] = {"readyReplicas": 1}
+    outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    assert outcome.status["remoteIslands"] == [{"name": "far-1", "lastSync": "2026-01-01T00:00:00Z"}]
