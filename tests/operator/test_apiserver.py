@@ -72,6 +72,8 @@ def test_exposed_shards_and_remote_syncers_are_accepted(control_plane, kube):
         remote = kube.get("DiLoCoJob", ns, "remote")["spec"]
         assert remote["remoteSyncers"] == REMOTE and remote["syncer"]["expose"]["type"] == "ClusterIP"
     finally:
+        # Gone before a later test starts an operator, which would reconcile them in a terminating namespace.
+        control_plane.kubectl("-n", ns, "delete", "dj", "--all", "--wait=true", timeout=120)
         control_plane.kubectl("delete", "namespace", ns, "--wait=false")
 
 

@@ -6,17 +6,22 @@ import copy
 import datetime
 
 import pytest
+import torch
+from cluster.controlplane import free_port
 from pydantic import ValidationError
 from support import TEST_PKI
 
-from diloco.api.job import DiLoCoJobStatus
+from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus
 from diloco.operator import naming as n
 from diloco.operator.children import OperatorRef
 from diloco.operator.job_status import FragmentReport, ShardObservation
 from diloco.operator.job_tls import secret_bytes
 from diloco.operator.kube import ApiError
+from diloco.operator.probes import shard_statuses
 from diloco.operator.reconcile import Reconciler, contains, read_token, status_patch
+from diloco.syncer.server import SyncerServer
 from diloco.transport import certificates
+from diloco.transport.client import SyncerClient
 from diloco.transport.tls import Tls
 
 JOB = n.JobRef(name="demo", namespace="ml", uid="job-uid")
@@ -414,3 +419,72 @@ def test_islands_the_shards_report_live_that_the_spec_lacks_appear_as_remote_isl
         kube.objects[("Deployment", "ml", f"demo-syncer-{shard}")]["status"] = {"readyReplicas": 1}
     outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
     assert outcome.status["remoteIslands"] == [{"name": "far-1", "lastSync": "2026-01-01T00:00:00Z"}]
+
+
+def test_islands_of_another_cluster_train_against_exposed_shards_over_tls_and_each_cluster_sees_the_other():
+    """Cluster A exposes its shard through a LoadBalancer (the test publishes 127.0.0.5, as a cloud controller
+    would); a real shard serves the certificate A's operator made; cluster B's job names that endpoint, A's
+    token and A's CA. B's island verifies the shard's certificate at the exposed address, B's operator reads
+    its progress from the shard, and A's lists B's island among its remote islands."""
+    port = free_port()
+    spec_a = {
+        **SPEC,
+        "islands": [{"name": "a"}],
+        "syncer": {"shards": 1, "port": port, "expose": {"type": "LoadBalancer"}},
+    }
+    cluster_dns = {f"demo-syncer-0.ml.svc:{port}": f"127.0.0.5:{port}"}
+    kube_a = FakeKube()
+    operator_a = Reconciler(
+        kube_a,
+        None,
+        poll_shards=lambda targets, *rest: shard_statuses([cluster_dns[t] for t in targets], *rest),
+        scrape_losses=lambda urls, t: {},
+        token_key=bytes(32),
+    )
+    status_a = operator_a.reconcile(JOB, 1, spec_a, None, NOW).status
+    kube_a.objects[("Service", "ml", "demo-syncer-0")]["status"] = {"loadBalancer": {"ingress": [{"ip": "127.0.0.5"}]}}
+    status_a = operator_a.reconcile(JOB, 1, spec_a, status_a, NOW).status
+    assert status_a["syncer"]["endpoints"] == [f"127.0.0.5:{port}"]
+
+    token = read_token(kube_a.get("Secret", "ml", "demo-token"))
+    made = secret_bytes(kube_a.get("Secret", "ml", "demo-tls"))
+    config = DiLoCoJobSpec.model_validate(spec_a).training
+    shard = SyncerServer(
+        config,
+        shard_index=0,
+        num_shards=1,
+        token=token,
+        security=Tls(ca=made["ca.crt"], cert=made["tls.crt"], key=made["tls.key"]),
+        host="127.0.0.5",
+        port=port,
+    )
+    shard.start()
+    try:
+        for island in ("a", "far"):
+            with SyncerClient(
+                status_a["syncer"]["endpoints"][0], token, security=Tls(ca=made["ca.crt"]), island_id=island, timeout=5
+            ) as client:
+                client.join(2)
+                if island == "a":
+                    client.seed(0, [("w", torch.zeros(2))])
+
+        kube_b = FakeKube()
+        kube_b.add(secret("far-token", token=token.encode()))
+        kube_b.add(secret("far-ca", **{"ca.crt": made["ca.crt"]}))
+        remote = {"endpoints": status_a["syncer"]["endpoints"], "tokenSecret": "far-token", "caSecret": "far-ca"}
+        spec_b = {**SPEC, "islands": [{"name": "far"}], "syncer": {"shards": 1}, "remoteSyncers": remote}
+        job_b = n.JobRef(name="demo", namespace="ml", uid="another-cluster's-uid")
+        operator_b = Reconciler(kube_b, None, scrape_losses=lambda urls, t: {}, token_key=bytes([1] * 32))
+        status_b = operator_b.reconcile(job_b, 1, spec_b, None, NOW).status
+        assert status_b["syncer"] == {"shards": 1, "ready": 1, "reachable": 1, "endpoints": remote["endpoints"]}
+        assert [f["fragment"] for f in status_b["fragments"]] == [0]
+        assert status_b["islands"][0]["name"] == "far" and status_b["islands"][0]["lastSync"] == "2026-01-01T00:00:00Z"
+        assert [r["name"] for r in status_b["remoteIslands"]] == ["a"], "cluster A's island, seen from B"
+        assert kube_b.get("Deployment", "ml", "demo-syncer-0") is None
+
+        kube_a.objects[("Deployment", "ml", "demo-syncer-0")]["status"] = {"readyReplicas": 1}
+        status_a = operator_a.reconcile(JOB, 1, spec_a, status_a, NOW).status
+        assert status_a["syncer"]["reachable"] == 1
+        assert [r["name"] for r in status_a["remoteIslands"]] == ["far"]
+    finally:
+        shard.stop(grace=0)
