@@ -7,10 +7,11 @@ certificates' fingerprint rolls the pods the same way), and a NetworkPolicy that
 pods (and the operator) to the syncers, or anyone once they are exposed outside the cluster.
 Per syncer shard: a Service, a Deployment (one pod, Recreate, so two incarnations never share a
 checkpoint), a PersistentVolumeClaim, and a GRPCRoute when the job exposes its shards through a Gateway
-(`exposure.py`). Per island: a headless Service and a StatefulSet whose pods take
-their torch.distributed ranks from the ordinal (one rank per accelerator, see `trainer_env`). Replica counts
-come from the caller's decisions (`Scale`), so suspending, re-forming and finishing are rendering the same
-objects with other numbers.
+(`exposure.py`). Per island: a headless Service and a StatefulSet whose pods take their torch.distributed
+ranks from the ordinal (one rank per accelerator, see `trainer_env`). A job training against another
+cluster's shards (spec.remoteSyncers) has only its ConfigMap and islands, which mount the Secrets it names.
+Replica counts come from the caller's decisions (`Scale`), so suspending, re-forming and finishing are
+rendering the same objects with other numbers.
 
 Each object carries `diloco.dev/applied-hash`, a digest of everything else in it: the operator applies
 an object only when the live one carries another digest.
@@ -144,10 +145,14 @@ def _env(values: Mapping[str, str]) -> list[dict[str, Any]]:
     return [{"name": key, "value": value} for key, value in values.items()]
 
 
-def _shared_volumes(job: str) -> list[dict[str, Any]]:
+def _shared_volumes(job: str, spec: DiLoCoJobSpec) -> list[dict[str, Any]]:
+    """The config, and the token: the job's own Secret, or the remote shards' token Secret as the job names
+    it (until it exists the kubelet holds the pods back rather than start them without a token)."""
+    remote = spec.remote_syncers
+    token = remote.token_secret if remote is not None else n.token_secret_name(job)
     return [
         {"name": "config", "configMap": {"name": n.config_map_name(job)}},
-        {"name": "token", "secret": {"secretName": n.token_secret_name(job), "defaultMode": 0o440}},
+        {"name": "token", "secret": {"secretName": token, "defaultMode": 0o440}},
     ]
 
 
@@ -311,7 +316,7 @@ def syncer_deployment(
         "containers": [container],
         "volumes": [
             {"name": "checkpoints", "persistentVolumeClaim": {"claimName": n.syncer_name(job.name, shard)}},
-            *_shared_volumes(job.name),
+            *_shared_volumes(job.name, spec),
             *tls.volumes(job, syncer=True),
             {"name": "tmp", "emptyDir": {}},
         ],
@@ -459,7 +464,7 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
         "containers": [container],
         # Shared memory for data loaders and NCCL, which the container runtime's 64 MiB default starves.
         "volumes": [
-            *_shared_volumes(job.name),
+            *_shared_volumes(job.name, spec),
             *tls.volumes(job, syncer=False),
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         ],
@@ -613,11 +618,12 @@ def render_children(
 ) -> list[dict[str, Any]]:
     """Every child, in the order they are best created: config and credentials, then syncers, then islands;
     last the model's export once the job has succeeded and its shards have stopped. A job training against
-    another cluster's shards (spec.remoteSyncers) has no syncers here: `token` is theirs."""
+    another cluster's shards (spec.remoteSyncers) has no syncers here, and its islands mount the token Secret
+    it names (`token`, theirs, only fingerprints it)."""
     validate_job_name(job.name)
-    children = [config_map(job, spec), token_secret(job, token)]
+    children = [config_map(job, spec)]
     if spec.remote_syncers is None:
-        children.append(network_policy(job, spec, operator))
+        children += [token_secret(job, token), network_policy(job, spec, operator)]
     if tls.made is not None:
         children.append(tls_secret(job, tls.made))
     for shard in range(spec.syncer.shards if spec.remote_syncers is None else 0):

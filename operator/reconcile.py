@@ -311,7 +311,7 @@ class Reconciler:
         token = self._token(job, spec)
         tls = self._tls(job, spec, existing, now)
         probe: Security | str = tls.probe
-        if token is None:
+        if token is None:  # the islands wait for the Secret too (the kubelet holds back pods that mount it)
             probe, token = f"spec.remoteSyncers.tokenSecret: no Secret with a '{n.TOKEN_KEY}' key", ""
         decision = decide(
             spec,

@@ -22,6 +22,7 @@ from diloco.operator.children import (
 )
 from diloco.operator.job_tls import job_tls, operator_made_data, server_names
 from diloco.operator.overrides import merge
+from diloco.operator.tokens import fingerprint
 from diloco.settings import load_security
 from diloco.transport.tls import Role, TlsError
 
@@ -559,20 +560,22 @@ def test_exposed_shards_open_their_grpc_port_to_every_client_and_a_route_joins_e
     assert not any(kind == "GRPCRoute" for kind, _ in balanced)
 
 
-def test_a_job_against_remote_shards_renders_only_its_islands_dialling_them_with_their_token():
+def test_a_job_against_remote_shards_renders_only_its_islands_mounting_their_token_and_dialling_them():
     remote = {"endpoints": ["127.0.0.5:31000", "127.0.0.5:31001"], "tokenSecret": "far-token", "caSecret": "far-ca"}
     spec = make_spec(syncer={"shards": 2}, remoteSyncers=remote)
     named = {"far-ca": {"data": {"ca.crt": base64.b64encode(b"ca").decode()}}}
     children = render(spec, token="their-token", named=named)
     assert sorted(children) == [
         ("ConfigMap", "demo-config"),
-        ("Secret", "demo-token"),
         ("Service", "demo-a100"),
         ("Service", "demo-h100"),
         ("StatefulSet", "demo-a100"),
         ("StatefulSet", "demo-h100"),
     ]
-    assert base64.b64decode(children[("Secret", "demo-token")]["data"]["token"]) == b"their-token"
-    (trainer,) = children[("StatefulSet", "demo-h100")]["spec"]["template"]["spec"]["containers"]
+    pod = children[("StatefulSet", "demo-h100")]["spec"]["template"]
+    (token,) = [v for v in pod["spec"]["volumes"] if v["name"] == "token"]
+    assert token["secret"]["secretName"] == "far-token"
+    assert pod["metadata"]["annotations"][n.ANNOTATION_TOKEN_HASH] == fingerprint("their-token")
+    (trainer,) = pod["spec"]["containers"]
     assert env_of(trainer)["DILOCO_SYNCERS"] == "127.0.0.5:31000,127.0.0.5:31001"
     assert env_of(trainer)["DILOCO_TLS_CA_FILE"] == "/var/run/secrets/diloco-tls/ca.crt"

@@ -370,13 +370,12 @@ def test_a_job_against_remote_shards_runs_only_islands_and_reads_its_progress_fr
     outcome = reconciler.reconcile(JOB, 1, {**SPEC, "remoteSyncers": REMOTE}, None, NOW)
     assert sorted(k for k in outcome.applied) == [
         "ConfigMap/demo-config",
-        "Secret/demo-token",
         "Service/demo-a",
         "Service/demo-b",
         "StatefulSet/demo-a",
         "StatefulSet/demo-b",
     ]
-    assert read_token(kube.get("Secret", "ml", "demo-token")) == "their-token"
+    assert kube.get("Secret", "ml", "demo-token") is None, "the islands mount the Secret the job names"
     assert calls == [(REMOTE["endpoints"], [True, True], "their-token", Tls(ca=TEST_PKI.ca.cert))]
     syncer = outcome.status["syncer"]
     assert syncer == {"shards": 2, "ready": 2, "reachable": 2, "endpoints": REMOTE["endpoints"]}
