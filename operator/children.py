@@ -4,12 +4,14 @@ Per job: a ConfigMap (training config JSON), a Secret (the gRPC bearer token, de
 `tokens.py`, and passed in; its fingerprint annotates every pod template, so a new token restarts every
 syncer and island together), the TLS Secret the operator makes when the job names none (`job_tls.py`, whose
 certificates' fingerprint rolls the pods the same way), and a NetworkPolicy that admits only the job's own
-pods (and the operator) to the syncers.
+pods (and the operator) to the syncers, or anyone once they are exposed outside the cluster.
 Per syncer shard: a Service, a Deployment (one pod, Recreate, so two incarnations never share a
-checkpoint) and a PersistentVolumeClaim. Per island: a headless Service and a StatefulSet whose pods take
-their torch.distributed ranks from the ordinal (one rank per accelerator, see `trainer_env`). Replica counts
-come from the caller's decisions (`Scale`), so suspending, re-forming and finishing are rendering the same
-objects with other numbers.
+checkpoint), a PersistentVolumeClaim, and a GRPCRoute when the job exposes its shards through a Gateway
+(`exposure.py`). Per island: a headless Service and a StatefulSet whose pods take their torch.distributed
+ranks from the ordinal (one rank per accelerator, see `trainer_env`). A job training against another
+cluster's shards (spec.remoteSyncers) has only its ConfigMap and islands, which mount the Secrets it names.
+Replica counts come from the caller's decisions (`Scale`), so suspending, re-forming and finishing are
+rendering the same objects with other numbers.
 
 Each object carries `diloco.dev/applied-hash`, a digest of everything else in it: the operator applies
 an object only when the live one carries another digest.
@@ -26,6 +28,7 @@ from typing import Any
 
 from diloco.api.job import (
     DiLoCoJobSpec,
+    Exposure,
     IslandSpec,
     PodTemplateOverride,
     ResourceRequirements,
@@ -34,6 +37,7 @@ from diloco.api.job import (
 )
 from diloco.core.config import Precision
 from diloco.operator import naming as n
+from diloco.operator.exposure import grpc_route, service_type, shard_targets
 from diloco.operator.job_tls import JobTls
 from diloco.operator.overrides import merge
 from diloco.operator.tokens import fingerprint
@@ -141,10 +145,14 @@ def _env(values: Mapping[str, str]) -> list[dict[str, Any]]:
     return [{"name": key, "value": value} for key, value in values.items()]
 
 
-def _shared_volumes(job: str) -> list[dict[str, Any]]:
+def _shared_volumes(job: str, spec: DiLoCoJobSpec) -> list[dict[str, Any]]:
+    """The config, and the token: the job's own Secret, or the remote shards' token Secret as the job names
+    it (until it exists the kubelet holds the pods back rather than start them without a token)."""
+    remote = spec.remote_syncers
+    token = remote.token_secret if remote is not None else n.token_secret_name(job)
     return [
         {"name": "config", "configMap": {"name": n.config_map_name(job)}},
-        {"name": "token", "secret": {"secretName": n.token_secret_name(job), "defaultMode": 0o440}},
+        {"name": "token", "secret": {"secretName": token, "defaultMode": 0o440}},
     ]
 
 
@@ -221,7 +229,7 @@ def syncer_service(job: n.JobRef, spec: DiLoCoJobSpec, shard: int) -> dict[str, 
             "kind": "Service",
             "metadata": _metadata(job, n.syncer_name(job.name, shard), n.shard_labels(job.name, shard)),
             "spec": {
-                "type": "ClusterIP",
+                "type": service_type(spec),
                 "selector": n.shard_selector(job.name, shard),
                 "ports": [
                     {
@@ -309,7 +317,7 @@ def syncer_deployment(
         "containers": [container],
         "volumes": [
             {"name": "checkpoints", "persistentVolumeClaim": {"claimName": n.syncer_name(job.name, shard)}},
-            *_shared_volumes(job.name),
+            *_shared_volumes(job.name, spec),
             *tls.volumes(job, syncer=True),
             {"name": "tmp", "emptyDir": {}},
         ],
@@ -380,9 +388,7 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
     of one rank also gets RANK (the same number), while the ranks of a pod of N are numbered ordinal x N +
     local rank by the pod's launcher (the built-in worker's, or torchrun's). The pod's grace period goes
     down too, so that one setting bounds the worker's last pushes after SIGTERM."""
-    syncers = ",".join(
-        n.syncer_address(job.name, job.namespace, shard, spec.syncer.port) for shard in range(spec.syncer.shards)
-    )
+    syncers = ",".join(shard_targets(job, spec))
     values = {
         **_shared_env(),
         "DILOCO_JOB": job.name,
@@ -459,7 +465,7 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
         "containers": [container],
         # Shared memory for data loaders and NCCL, which the container runtime's 64 MiB default starves.
         "volumes": [
-            *_shared_volumes(job.name),
+            *_shared_volumes(job.name, spec),
             *tls.volumes(job, syncer=False),
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         ],
@@ -507,7 +513,9 @@ def island_statefulset(
 
 
 def network_policy(job: n.JobRef, spec: DiLoCoJobSpec, operator: OperatorRef | None) -> dict[str, Any]:
-    """The syncers' gRPC port admits the job's own pods and the operator; metrics stay open to scrapers."""
+    """The syncers' gRPC port admits the job's own pods and the operator, or every client once the shards are
+    exposed outside the cluster (spec.syncer.expose: islands of other clusters come from anywhere, and TLS
+    and the token are what keep strangers out); metrics stay open to scrapers."""
     peers: list[dict[str, Any]] = [{"podSelector": {"matchLabels": n.job_selector(job.name)}}]
     if operator is not None:
         peers.append(
@@ -525,7 +533,10 @@ def network_policy(job: n.JobRef, spec: DiLoCoJobSpec, operator: OperatorRef | N
                 "podSelector": {"matchLabels": {**n.job_selector(job.name), n.LABEL_COMPONENT: n.COMPONENT_SYNCER}},
                 "policyTypes": ["Ingress"],
                 "ingress": [
-                    {"from": peers, "ports": [{"port": spec.syncer.port, "protocol": "TCP"}]},
+                    {
+                        **({"from": peers} if spec.syncer.expose.type is Exposure.CLUSTER_IP else {}),
+                        "ports": [{"port": spec.syncer.port, "protocol": "TCP"}],
+                    },
                     {"ports": [{"port": spec.syncer.metrics_port, "protocol": "TCP"}]},
                 ],
             },
@@ -607,17 +618,23 @@ def render_children(
     job: n.JobRef, spec: DiLoCoJobSpec, token: str, scale: Scale, operator: OperatorRef | None, *, tls: JobTls
 ) -> list[dict[str, Any]]:
     """Every child, in the order they are best created: config and credentials, then syncers, then islands;
-    last the model's export once the job has succeeded and its shards have stopped."""
+    last the model's export once the job has succeeded and its shards have stopped. A job training against
+    another cluster's shards (spec.remoteSyncers) has no syncers here, and its islands mount the token Secret
+    it names (`token`, theirs, only fingerprints it)."""
     validate_job_name(job.name)
-    children = [config_map(job, spec), token_secret(job, token), network_policy(job, spec, operator)]
+    children = [config_map(job, spec)]
+    if spec.remote_syncers is None:
+        children += [token_secret(job, token), network_policy(job, spec, operator)]
     if tls.made is not None:
         children.append(tls_secret(job, tls.made))
-    for shard in range(spec.syncer.shards):
+    for shard in range(spec.syncer.shards if spec.remote_syncers is None else 0):
         children += [
             syncer_claim(job, spec, shard),
             syncer_service(job, spec, shard),
             syncer_deployment(job, spec, shard, scale.syncers, token, tls),
         ]
+        if spec.syncer.expose.type is Exposure.GRPC_ROUTE:
+            children.append(_stamped(grpc_route(job, spec, shard)))
     for island in spec.islands:
         children += [
             island_service(job, spec, island),

@@ -26,6 +26,7 @@ from diloco.operator.policies.phase import next_phase, readiness
 from diloco.operator.policies.rolling_update import finish_rolls, islands_free_to_update
 from diloco.operator.policies.stop_condition import slowest_fragment, stop_reached
 from diloco.operator.policies.ttl_after_finished import deletion_due
+from diloco.operator.remote_islands import remote_islands
 
 MAX_GOODPUT_GAP = datetime.timedelta(minutes=2)
 """A longer gap between two observations is the operator being away: it is counted neither way."""
@@ -88,6 +89,8 @@ class Observation:
     """Syncer shard pods that exist, terminating ones included."""
     export_job: Mapping[str, Any] | None = None
     """The batch Job exporting the model (spec.export), as last seen; None while there is none."""
+    endpoints: Sequence[str] = ()
+    """Where each shard is reached from outside the cluster (`exposure.endpoints`)."""
 
 
 @dataclass(frozen=True)
@@ -189,11 +192,12 @@ def _with_syncs_and_losses(
     ]
 
 
-def _syncer_status(spec: DiLoCoJobSpec, shards: Sequence[ShardObservation]) -> SyncerStatus:
+def _syncer_status(spec: DiLoCoJobSpec, observed: Observation) -> SyncerStatus:
     return SyncerStatus(
         shards=spec.syncer.shards,
-        ready=sum(1 for s in shards if s.serving),
-        reachable=sum(1 for s in shards if s.fragments is not None),
+        ready=sum(1 for s in observed.shards if s.serving),
+        reachable=sum(1 for s in observed.shards if s.fragments is not None),
+        endpoints=list(observed.endpoints),
     )
 
 
@@ -210,7 +214,7 @@ def decide(
     accounts = _account_islands(spec, previous, observed, now)
     islands, rolled = finish_rolls(_with_syncs_and_losses([a.status for a in accounts], observed, now))
     fragments = merge_fragments(previous.fragments, observed.shards, spec.syncer.shards)
-    syncer = _syncer_status(spec, observed.shards)
+    syncer = _syncer_status(spec, observed)
     ready = readiness(
         islands,
         [s.shard for s in observed.shards if not s.ready],
@@ -247,6 +251,9 @@ def decide(
         ),
         islands_ready=ready.islands_ready,
         islands=islands,
+        remote_islands=remote_islands(
+            spec, previous.remote_islands, (name for s in observed.shards for name in s.live_islands), now
+        ),
         syncer=syncer,
         fragments=fragments,
         outer_step=outer_step,

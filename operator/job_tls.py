@@ -8,6 +8,13 @@ server certificate for the syncer Services' names and a client certificate, made
 derivable like the token, so the live Secret is the record), re-issued only when the shards' names change or
 a certificate nears its end. A fingerprint of what the pods hold annotates their templates, so a new
 certificate rolls every syncer and island together, as a new token does.
+
+The server certificate names the Services and, for shards exposed outside the cluster (spec.syncer.expose),
+the hosts remote islands dial (`exposure.external_hosts`: a LoadBalancer's ingress address once the cloud
+has published it, the NodePort's node address, the route hostnames): a new address re-issues it. A job
+with its own Secrets must put those names in its certificate itself. A job training against another
+cluster's shards (spec.remoteSyncers) mounts that job's CA and, for mutual TLS, the client certificate it
+names, and makes nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import base64
 import datetime
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,14 +41,15 @@ RENEW_BEFORE = datetime.timedelta(days=30)
 """A certificate this close to its end is replaced on the next pass, long before anyone is refused."""
 
 
-def server_names(job: n.JobRef, shards: int) -> list[str]:
-    """Every name a client may reach a shard at: the Service, and its namespaced and fully qualified forms."""
+def server_names(job: n.JobRef, shards: int, external: Sequence[str] = ()) -> list[str]:
+    """Every name a client may reach a shard at: the Service, its namespaced and fully qualified forms, and
+    the `external` hosts the shards are exposed at."""
     names = []
     for shard in range(shards):
         service = n.syncer_name(job.name, shard)
         base = f"{service}.{job.namespace}"
         names += [service, base, f"{base}.svc", f"{base}.svc.cluster.local"]
-    return names
+    return list(dict.fromkeys([*names, *external]))
 
 
 def secret_bytes(secret: Mapping[str, Any] | None) -> dict[str, bytes]:
@@ -83,6 +91,12 @@ def operator_made_data(
     return data
 
 
+def islands_present_certificate(spec: DiLoCoJobSpec) -> bool:
+    """Mutual TLS: the job's own (spec.tls.mutual), or the remote shards' (spec.remoteSyncers.clientSecret)."""
+    remote = spec.remote_syncers
+    return remote.client_secret is not None if remote is not None else spec.tls.mutual
+
+
 @dataclass(frozen=True)
 class JobTls:
     """What a pass renders and probes with. `made`: the operator-made Secret's data (None when the job names
@@ -93,6 +107,10 @@ class JobTls:
     made: dict[str, bytes] | None
     held: dict[str, dict[str, bytes]]
     probe: Security | str
+
+    @property
+    def mutual(self) -> bool:
+        return islands_present_certificate(self.spec)
 
     def fingerprint(self, job: n.JobRef, syncer: bool) -> str:
         """Names the certificates and keys a syncer's (or an island's) pods mount, so new ones roll those
@@ -110,11 +128,17 @@ class JobTls:
     def _sources(self, job: n.JobRef, syncer: bool) -> list[dict[str, Any]]:
         """The projected volume's sources: the CA, and this side's certificate and key."""
         tls = self.spec.tls
-        mutual_island = tls.mutual and not syncer
+        mutual_island = self.mutual and not syncer
 
         def items(secret: str, pairs: list[tuple[str, str]]) -> dict[str, Any]:
             return {"secret": {"name": secret, "items": [{"key": key, "path": path} for key, path in pairs]}}
 
+        remote = self.spec.remote_syncers
+        if remote is not None:
+            sources = [items(remote.ca_secret, [(CA_FILE, CA_FILE)])]
+            if remote.client_secret is not None:
+                sources.append(items(remote.client_secret, [(CERT_FILE, CERT_FILE), (KEY_FILE, KEY_FILE)]))
+            return sources
         if tls.server_secret is not None and tls.ca_secret is not None:
             sources = [items(tls.ca_secret, [(CA_FILE, CA_FILE)])]
             if syncer:
@@ -143,9 +167,9 @@ class JobTls:
         if tls.insecure_plaintext:
             return {"DILOCO_INSECURE_PLAINTEXT": "1"}
         env = {"DILOCO_TLS_CA_FILE": f"{TLS_DIR}/{CA_FILE}"}
-        if syncer or tls.mutual:
+        if syncer or self.mutual:
             env |= {"DILOCO_TLS_CERT_FILE": f"{TLS_DIR}/{CERT_FILE}", "DILOCO_TLS_KEY_FILE": f"{TLS_DIR}/{KEY_FILE}"}
-        if tls.mutual:
+        if self.mutual:
             env["DILOCO_TLS_MUTUAL"] = "1"
         return env
 
@@ -156,22 +180,30 @@ def job_tls(
     live_made: Mapping[str, Any] | None,
     named: Mapping[str, Mapping[str, Any] | None],
     now: datetime.datetime,
+    external: Sequence[str] = (),
 ) -> JobTls:
     """The job's TLS this pass, from the live operator-made Secret (`live_made`) or the Secrets the job names
-    (`named`, by name: None for one that does not exist)."""
+    (`named`, by name: None for one that does not exist); `external`: the hosts its exposed shards are
+    reached at, which the operator-made server certificate names too."""
     tls = spec.tls
     if tls.insecure_plaintext:
         return JobTls(spec, None, {}, PLAINTEXT)
-    if tls.operator_made:
-        made = operator_made_data(job, secret_bytes(live_made), server_names(job, spec.syncer.shards), now)
+    if tls.operator_made and spec.remote_syncers is None:
+        names = server_names(job, spec.syncer.shards, external)
+        made = operator_made_data(job, secret_bytes(live_made), names, now)
         client = (made[CLIENT_CERT], made[CLIENT_KEY]) if tls.mutual else (None, None)
         probe = Tls(ca=made[CA_FILE], cert=client[0], key=client[1], mutual=tls.mutual)
         return JobTls(spec, made, {n.tls_secret_name(job.name): made}, probe)
-    held = {name: secret_bytes(named.get(name)) for name in tls.named_secrets}
-    missing = [name for name in tls.named_secrets if named.get(name) is None]
-    ca = held.get(tls.ca_secret, {}).get(CA_FILE) if tls.ca_secret else None
-    client = held.get(tls.client_secret, {}) if tls.client_secret else {}
-    if missing or ca is None or (tls.mutual and not {CERT_FILE, KEY_FILE} <= client.keys()):
+    remote = spec.remote_syncers
+    ca_secret, client_secret = (
+        (remote.ca_secret, remote.client_secret) if remote else (tls.ca_secret, tls.client_secret)
+    )
+    held = {name: secret_bytes(named.get(name)) for name in spec.tls_secrets}
+    missing = [name for name in spec.tls_secrets if named.get(name) is None]
+    ca = held.get(ca_secret, {}).get(CA_FILE) if ca_secret else None
+    client = held.get(client_secret, {}) if client_secret else {}
+    mutual = islands_present_certificate(spec)
+    if missing or ca is None or (mutual and not {CERT_FILE, KEY_FILE} <= client.keys()):
         why = f"Secret {', '.join(missing)} not found" if missing else "a named Secret lacks ca.crt, tls.crt or tls.key"
         return JobTls(spec, None, held, why)
-    return JobTls(spec, None, held, Tls(ca=ca, cert=client.get(CERT_FILE), key=client.get(KEY_FILE), mutual=tls.mutual))
+    return JobTls(spec, None, held, Tls(ca=ca, cert=client.get(CERT_FILE), key=client.get(KEY_FILE), mutual=mutual))

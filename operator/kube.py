@@ -34,6 +34,7 @@ RESOURCES: dict[str, tuple[str, str, bool]] = {
     "StatefulSet": ("apps/v1", "statefulsets", True),
     "Job": ("batch/v1", "jobs", True),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies", True),
+    "GRPCRoute": ("gateway.networking.k8s.io/v1", "grpcroutes", True),
     "DiLoCoJob": (f"{API_GROUP}/{API_VERSION}", PLURAL, True),
 }
 """kind -> (apiVersion, plural, namespaced) of every kind the operator touches."""

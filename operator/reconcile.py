@@ -13,7 +13,7 @@ import datetime
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from diloco.api.conditions import Reason
@@ -23,6 +23,7 @@ from diloco.operator.children import OperatorRef, child_key, render_children
 from diloco.operator.drift import in_sync
 from diloco.operator.event_recorder import EventRecorder
 from diloco.operator.events import Event
+from diloco.operator.exposure import endpoints, external_hosts, shard_targets
 from diloco.operator.island_accounting import PodObservation, nodes_to_check, observe_node, observe_pod
 from diloco.operator.job_status import Observation, ShardObservation, decide
 from diloco.operator.job_tls import JobTls, job_tls
@@ -46,7 +47,9 @@ CHILD_KINDS = (
     "Deployment",
     "StatefulSet",
     "Job",
+    "GRPCRoute",
 )
+"""A cluster without the Gateway API lists no GRPCRoute (`Kube.list` answers a missing kind with none)."""
 
 ShardPoller = Callable[[Sequence[str], Sequence[bool], str, Security, float], list[ShardObservation]]
 LossScraper = Callable[[Mapping[str, str], float], dict[str, float]]
@@ -98,6 +101,13 @@ def summarize(keys: Sequence[str], limit: int = 8) -> str:
 def _metrics_url(ip: str, port: int) -> str:
     host = f"[{ip}]" if ":" in ip else ip
     return f"http://{host}:{port}/metrics"
+
+
+def _shard_services(
+    job: n.JobRef, spec: DiLoCoJobSpec, existing: Mapping[tuple[str, str], Mapping[str, Any]]
+) -> dict[int, Mapping[str, Any] | None]:
+    """Each shard's live Service, by shard (None where there is none yet)."""
+    return {s: existing.get(("Service", n.syncer_name(job.name, s))) for s in range(spec.syncer.shards)}
 
 
 class Reconciler:
@@ -203,11 +213,14 @@ class Reconciler:
             > 0
             for shard in range(spec.syncer.shards)
         ]
-        targets = [n.syncer_address(job.name, job.namespace, s, spec.syncer.port) for s in range(spec.syncer.shards)]
+        if spec.remote_syncers is not None:  # another cluster's shards: called whenever, ready when they answer
+            ready = [True] * spec.syncer.shards
         if isinstance(probe, str):  # the job's TLS Secrets are not there: nothing to call the shards with
             shards = [ShardObservation(shard=s, ready=r, error=f"UNAVAILABLE: {probe}") for s, r in enumerate(ready)]
         else:
-            shards = self.poll_shards(targets, ready, token, probe, self.probe_timeout)
+            shards = self.poll_shards(shard_targets(job, spec), ready, token, probe, self.probe_timeout)
+        if spec.remote_syncers is not None:
+            shards = [replace(s, ready=s.fragments is not None) for s in shards]
 
         urls = {
             name: _metrics_url(pod.ip, spec.trainer.metrics_port)
@@ -228,6 +241,7 @@ class Reconciler:
             workloads=workloads,
             shard_pods=shard_pods,
             export_job=existing.get(("Job", n.export_job_name(job.name))),
+            endpoints=endpoints(job.name, spec, _shard_services(job, spec, existing)),
         )
 
     def _tls(
@@ -237,10 +251,19 @@ class Reconciler:
         existing: Mapping[tuple[str, str], Mapping[str, Any]],
         now: datetime.datetime,
     ) -> JobTls:
-        """The job's TLS: its operator-made Secret as it lives (if this job owns it), or the Secrets it names."""
+        """The job's TLS: its operator-made Secret as it lives (if this job owns it), naming the hosts its
+        exposed shards are reached at, or the Secrets it names."""
         live = existing.get(("Secret", n.tls_secret_name(job.name)))
-        named = {name: self.kube.get("Secret", job.namespace, name) for name in spec.tls.named_secrets}
-        return job_tls(job, spec, live if live is not None and owned_by(live, job.uid) else None, named, now)
+        named = {name: self.kube.get("Secret", job.namespace, name) for name in spec.tls_secrets}
+        external = external_hosts(job.name, spec, _shard_services(job, spec, existing))
+        return job_tls(job, spec, live if live is not None and owned_by(live, job.uid) else None, named, now, external)
+
+    def _token(self, job: n.JobRef, spec: DiLoCoJobSpec) -> str | None:
+        """The job's token: derived, or, against another cluster's shards, read from the Secret it names
+        (None while that Secret or its key is missing)."""
+        if spec.remote_syncers is None:
+            return job_token(self.token_key, job, job.token_rotation)
+        return read_token(self.kube.get("Secret", job.namespace, spec.remote_syncers.token_secret))
 
     def reconcile(
         self,
@@ -254,13 +277,16 @@ class Reconciler:
         spec = DiLoCoJobSpec.model_validate(dict(raw_spec))
         previous = DiLoCoJobStatus.model_validate(dict(raw_status or {}))
         existing, raw_pods = self._list(job)
-        token = job_token(self.token_key, job, job.token_rotation)
+        token = self._token(job, spec)
         tls = self._tls(job, spec, existing, now)
+        probe: Security | str = tls.probe
+        if token is None:  # the islands wait for the Secret too (the kubelet holds back pods that mount it)
+            probe, token = f"spec.remoteSyncers.tokenSecret: no Secret with a '{n.TOKEN_KEY}' key", ""
         decision = decide(
             spec,
             generation,
             previous,
-            self._observe(job, spec, previous, existing, raw_pods, token, tls.probe),
+            self._observe(job, spec, previous, existing, raw_pods, token, probe),
             now,
             job=job.name,
         )

@@ -56,12 +56,15 @@ def missing_binary(message: str) -> NoReturn:
 def largest_status() -> dict[str, object]:
     """The largest status a job can have within the CRD's bounds, as the operator writes it (camelCase JSON):
     MAX_ISLANDS islands of ISLAND_NAME_MAX characters re-forming, MAX_JOB_PODS pod records with the longest
-    node names and largest counts, MAX_FRAGMENTS fragments and five conditions with the longest message."""
+    node names and largest counts, as many remote islands of the longest island ids, MAX_SHARDS endpoints of
+    the longest form, MAX_FRAGMENTS fragments and five conditions with the longest message."""
     from diloco.api.job import (
+        ENDPOINT_MAX,
         ISLAND_NAME_MAX,
         MAX_CONDITION_MESSAGE,
         MAX_ISLANDS,
         MAX_JOB_PODS,
+        MAX_SHARDS,
         Condition,
         DiLoCoJobStatus,
         FragmentProgress,
@@ -69,8 +72,11 @@ def largest_status() -> dict[str, object]:
         Phase,
         PodRecord,
         Reform,
+        RemoteIsland,
+        SyncerStatus,
     )
     from diloco.core.config import MAX_FRAGMENTS
+    from diloco.core.island_id import ISLAND_ID_MAX_CHARS
 
     t = datetime.datetime(2026, 11, 24, 23, 59, 59, 999999, tzinfo=datetime.UTC)
     big = 2**63 - 1
@@ -116,6 +122,12 @@ def largest_status() -> dict[str, object]:
         ],
         islands_ready=f"{MAX_ISLANDS}/{MAX_ISLANDS}",
         islands=islands,
+        remote_islands=[
+            RemoteIsland(name=f"r{n:0{ISLAND_ID_MAX_CHARS - 1}d}", last_sync=t) for n in range(MAX_ISLANDS)
+        ],
+        syncer=SyncerStatus(
+            shards=MAX_SHARDS, ready=MAX_SHARDS, reachable=MAX_SHARDS, endpoints=["e" * ENDPOINT_MAX] * MAX_SHARDS
+        ),
         fragments=[
             FragmentProgress(fragment=MAX_FRAGMENTS - 1, shard=63, version=big, tokens=big, last_merge=t)
             for _ in range(MAX_FRAGMENTS)

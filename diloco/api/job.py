@@ -20,6 +20,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic.config import JsonDict, JsonValue
 
 from diloco.core.config import CamelModel, Precision, TrainingConfig
+from diloco.core.island_id import ISLAND_ID_MAX_CHARS
 from diloco.core.rules import QUORUM_WITHIN_ISLANDS, RULES, SHARDS_WITHIN_FRAGMENTS
 
 API_GROUP = "diloco.dev"
@@ -86,6 +87,16 @@ MSG_TLS_CLIENT_SECRET = (
     "spec.tls.clientSecret is named exactly when spec.tls.mutual is set with the job's own Secrets "
     "(spec.tls.serverSecret): islands present its certificate"
 )
+MSG_REMOTE_SHARDS = "spec.syncer.shards must equal the number of spec.remoteSyncers.endpoints (one per shard)"
+MSG_REMOTE_LOCAL_SYNCERS = (
+    "spec.remoteSyncers replaces the job's own syncers: spec.syncer.image, podTemplate, priorityClassName, "
+    "nodeSelector, tolerations and a spec.syncer.expose type other than ClusterIP cannot be set with it"
+)
+MSG_REMOTE_TLS = (
+    "spec.remoteSyncers names its own CA and client certificate: spec.tls (which secures the job's own syncers) "
+    "cannot be set with it"
+)
+MSG_REMOTE_EXPORT = "spec.export reads the job's own shards' volumes: it cannot be set with spec.remoteSyncers"
 MSG_TLS_PLAINTEXT = "spec.tls.insecurePlaintext turns TLS off: it cannot be set with Secrets or spec.tls.mutual"
 
 
@@ -411,6 +422,84 @@ class CheckpointStorage(CamelModel):
     interval_seconds: float = Field(30.0, gt=0, description="Seconds between two checkpoints of a shard.")
 
 
+class Exposure(str, enum.Enum):
+    """How each syncer shard is reached: inside the cluster only, or from outside it too."""
+
+    CLUSTER_IP = "ClusterIP"
+    NODE_PORT = "NodePort"
+    LOAD_BALANCER = "LoadBalancer"
+    GRPC_ROUTE = "GRPCRoute"
+
+
+MSG_EXPOSE_NODE_ADDRESS = "spec.syncer.expose.nodeAddress is set exactly when spec.syncer.expose.type is NodePort"
+MSG_EXPOSE_ROUTE = (
+    "spec.syncer.expose.gateway and spec.syncer.expose.domain are set exactly when spec.syncer.expose.type is GRPCRoute"
+)
+HOST = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*|[0-9a-fA-F.:]+)$"
+"""A DNS name or an IPv4/IPv6 address, as a certificate's subject alternative name holds it."""
+
+
+class GatewayRef(CamelModel):
+    """The user's Gateway (Gateway API) a GRPCRoute attaches to, as a route's parentRef."""
+
+    name: str = Field(min_length=1, max_length=253, description="Gateway name.")
+    namespace: str | None = Field(
+        None, min_length=1, max_length=63, description="Gateway namespace; the job's when unset."
+    )
+    section_name: str | None = Field(
+        None, min_length=1, max_length=253, description="Listener of the Gateway to attach to; all when unset."
+    )
+
+
+class SyncerExposure(CamelModel):
+    """How the shards are exposed. Each shard keeps its Service; NodePort and LoadBalancer make that Service of
+    the type, GRPCRoute adds a Gateway API route per shard (hostname <job>-syncer-<n>.<domain>) to the user's
+    Gateway. status.syncer.endpoints lists where each shard is reached, and the certificate the operator
+    makes names those addresses."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("has(self.nodeAddress) == (self.type == 'NodePort')", MSG_EXPOSE_NODE_ADDRESS, ".nodeAddress"),
+                cel(
+                    "has(self.gateway) == (self.type == 'GRPCRoute') && has(self.domain) == (self.type == 'GRPCRoute')",
+                    MSG_EXPOSE_ROUTE,
+                    ".gateway",
+                ),
+            ]
+        }
+    )
+
+    type: Exposure = Field(
+        Exposure.CLUSTER_IP,
+        description="ClusterIP (inside the cluster only), NodePort, LoadBalancer, or GRPCRoute (a route of the "
+        "user's Gateway).",
+    )
+    node_address: str | None = Field(
+        None,
+        max_length=253,
+        pattern=HOST,
+        description="NodePort: the address (IP or DNS name) at which islands outside the cluster reach the nodes.",
+    )
+    gateway: GatewayRef | None = Field(None, description="GRPCRoute: the Gateway the routes attach to.")
+    domain: str | None = Field(
+        None,
+        max_length=200,
+        pattern=DNS_SUBDOMAIN,
+        description="GRPCRoute: shard n is served at <job>-syncer-<n>.<domain>, a name the Gateway answers for.",
+    )
+    gateway_port: int = Field(443, ge=1, le=65535, description="GRPCRoute: port of the Gateway's listener.")
+
+    @model_validator(mode="after")
+    def _settings_of_the_type(self) -> SyncerExposure:
+        if (self.node_address is not None) != (self.type is Exposure.NODE_PORT):
+            raise ValueError(MSG_EXPOSE_NODE_ADDRESS)
+        route = self.type is Exposure.GRPC_ROUTE
+        if (self.gateway is not None) != route or (self.domain is not None) != route:
+            raise ValueError(MSG_EXPOSE_ROUTE)
+        return self
+
+
 class SyncerSpec(CamelModel):
     """The CPU-only shards that merge fragment deltas; shard i owns fragments p with p mod shards = i."""
 
@@ -450,6 +539,9 @@ class SyncerSpec(CamelModel):
         None,
         description="A PodTemplateSpec fragment merged into each shard's template, as for islands (the same "
         "fields may be set); the container is named 'syncer'.",
+    )
+    expose: SyncerExposure = Field(
+        default_factory=SyncerExposure, description="How each shard is reached from outside the cluster, if at all."
     )
 
     @model_validator(mode="after")
@@ -531,6 +623,36 @@ class TlsSpec(CamelModel):
         return not self.insecure_plaintext and self.server_secret is None
 
 
+ENDPOINT = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*|\[[0-9a-fA-F:]+\]):[0-9]{1,5}$"
+"""host:port, the host a DNS name, an IPv4 address or a bracketed IPv6 address."""
+ENDPOINT_MAX = 253 + len(":65535")
+
+
+class RemoteSyncers(CamelModel):
+    """Syncer shards another cluster runs (their job's status.syncer.endpoints): this job then runs only its
+    islands, which train against them, and reads its progress from them."""
+
+    endpoints: list[Annotated[str, Field(max_length=ENDPOINT_MAX, pattern=ENDPOINT)]] = Field(
+        min_length=1,
+        max_length=MAX_SHARDS,
+        description="host:port of each shard, in shard order (shard n owns fragments p with p mod shards = n).",
+    )
+    token_secret: SecretName = Field(
+        description="A Secret whose 'token' key is the bearer token of the syncers' job (its <job>-token Secret)."
+    )
+    ca_secret: SecretName = Field(description="A Secret whose ca.crt is the CA that signed the shards' certificate.")
+    client_secret: SecretName | None = Field(
+        None,
+        description="For shards that require mutual TLS: a kubernetes.io/tls Secret with a client certificate "
+        "their CA signed, which the islands and the operator present.",
+    )
+
+    @property
+    def named_secrets(self) -> list[str]:
+        """The Secrets holding the CA and the client certificate, each once (the token's is read apart)."""
+        return list(dict.fromkeys(n for n in (self.ca_secret, self.client_secret) if n))
+
+
 class FailurePolicy(CamelModel):
     """When failures end the job. A failure re-forms the island (all its pods restart together, so every
     rank rejoins the rendezvous); a preemption re-forms it too but is never counted."""
@@ -602,6 +724,27 @@ def _spec_rules() -> list[JsonValue]:
             ".training.fragments",
         ),
         cel(
+            "!has(self.remoteSyncers) || self.syncer.shards == size(self.remoteSyncers.endpoints)",
+            MSG_REMOTE_SHARDS,
+            ".syncer.shards",
+        ),
+        cel(
+            "!has(self.remoteSyncers) || !(has(self.syncer.image) || has(self.syncer.podTemplate) "
+            "|| has(self.syncer.priorityClassName) "
+            "|| (has(self.syncer.nodeSelector) && size(self.syncer.nodeSelector) > 0) "
+            "|| (has(self.syncer.tolerations) && size(self.syncer.tolerations) > 0) "
+            "|| self.syncer.expose.type != 'ClusterIP')",
+            MSG_REMOTE_LOCAL_SYNCERS,
+            ".syncer",
+        ),
+        cel(
+            "!has(self.remoteSyncers) || !(has(self.tls.serverSecret) || has(self.tls.caSecret) "
+            "|| has(self.tls.clientSecret) || self.tls.mutual || self.tls.insecurePlaintext)",
+            MSG_REMOTE_TLS,
+            ".tls",
+        ),
+        cel("!has(self.remoteSyncers) || !has(self.export)", MSG_REMOTE_EXPORT, ".export"),
+        cel(
             "self.syncer.shards == oldSelf.syncer.shards",
             "spec.syncer.shards is immutable: fragments are assigned to shards by their number",
             ".syncer.shards",
@@ -635,6 +778,11 @@ class DiLoCoJobSpec(CamelModel):
     )
     syncer: SyncerSpec = Field(default_factory=SyncerSpec, description="The syncer shards.")
     tls: TlsSpec = Field(default_factory=TlsSpec, description="TLS of the job's gRPC channels.")
+    remote_syncers: RemoteSyncers | None = Field(
+        None,
+        description="Train against the shards of a job in another cluster instead of running syncers here; "
+        "spec.syncer.shards must match, and spec.training must equal that job's.",
+    )
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description="Restart budget and backoff.")
     update_strategy: UpdateStrategy = Field(
         default_factory=UpdateStrategy, description="How pod-template changes roll through the islands."
@@ -670,6 +818,8 @@ class DiLoCoJobSpec(CamelModel):
         pods = sum(island.replicas for island in self.islands)
         if pods > MAX_JOB_PODS:
             raise ValueError(f"{MSG_JOB_PODS}, got {pods}")
+        if self.remote_syncers is not None:
+            self._remote_rules(self.remote_syncers)
         preset = self.trainer.preset
         if preset is not None and self.training.fragments > PRESET_TENSORS[preset]:
             raise ValueError(
@@ -678,6 +828,29 @@ class DiLoCoJobSpec(CamelModel):
                 "fragment holds at least one whole tensor"
             )
         return self
+
+    def _remote_rules(self, remote: RemoteSyncers) -> None:
+        if self.syncer.shards != len(remote.endpoints):
+            raise ValueError(f"{MSG_REMOTE_SHARDS}, got {self.syncer.shards} and {len(remote.endpoints)}")
+        syncer = self.syncer
+        local = (syncer.image, syncer.pod_template, syncer.priority_class_name)
+        if (
+            any(value is not None for value in local)
+            or syncer.node_selector
+            or syncer.tolerations
+            or syncer.expose.type is not Exposure.CLUSTER_IP
+        ):
+            raise ValueError(MSG_REMOTE_LOCAL_SYNCERS)
+        tls = self.tls
+        if tls.named_secrets or tls.mutual or tls.insecure_plaintext:
+            raise ValueError(MSG_REMOTE_TLS)
+        if self.export is not None:
+            raise ValueError(MSG_REMOTE_EXPORT)
+
+    @property
+    def tls_secrets(self) -> list[str]:
+        """The Secrets holding the CA and certificates the job's pods mount, when the job names them."""
+        return self.remote_syncers.named_secrets if self.remote_syncers is not None else self.tls.named_secrets
 
     @property
     def syncer_image(self) -> str:
@@ -765,6 +938,20 @@ class SyncerStatus(CamelModel):
     shards: int = Field(0, ge=0, description="Shards the job has.")
     ready: int = Field(0, ge=0, description="Shards whose Deployment reports a ready pod.")
     reachable: int = Field(0, ge=0, description="Shards that answered the last Status call.")
+    endpoints: list[Annotated[str, Field(max_length=ENDPOINT_MAX)]] = Field(
+        default_factory=list,
+        max_length=MAX_SHARDS,
+        description="host:port at which each shard is reached from outside the cluster (spec.syncer.expose), in "
+        "shard order, once known; with spec.remoteSyncers, their endpoints.",
+    )
+
+
+class RemoteIsland(CamelModel):
+    """An island that is not in this job's spec but that its shards report live: one of another cluster's job
+    training against them (spec.remoteSyncers there)."""
+
+    name: str = Field(max_length=ISLAND_ID_MAX_CHARS, description="Island name, as it joined the shards.")
+    last_sync: datetime.datetime = Field(description="Last time a shard reported the island live.")
 
 
 class FragmentProgress(CamelModel):
@@ -803,6 +990,11 @@ class DiLoCoJobStatus(CamelModel):
     )
     islands_ready: str = Field("0/0", description="Islands with every pod ready / islands that should run.")
     islands: list[IslandStatus] = Field(default_factory=list, description="Per-island counts.")
+    remote_islands: list[RemoteIsland] = Field(
+        default_factory=list,
+        max_length=MAX_ISLANDS,
+        description="Islands of other clusters' jobs that the shards reported live within the last hour.",
+    )
     syncer: SyncerStatus = Field(default_factory=SyncerStatus, description="Syncer readiness.")
     fragments: list[FragmentProgress] = Field(default_factory=list, description="Per-fragment progress.")
     outer_step: int = Field(0, ge=0, description="Outer steps every fragment has reached (the minimum).")

@@ -8,12 +8,15 @@ from diloco.api.job import (
     DiLoCoJob,
     DiLoCoJobSpec,
     DiLoCoJobStatus,
+    Exposure,
     IslandSpec,
     ModelSize,
     Phase,
     validate_job_name,
 )
 from diloco.core.config import Encoding, TrainingConfig
+
+REMOTE = {"endpoints": ["syncers.example.com:443"], "tokenSecret": "remote-token", "caSecret": "remote-ca"}
 
 
 def minimal(**overrides):
@@ -142,10 +145,39 @@ def test_field_bounds_are_refused_at_the_field(change, named):
         ({"tls": {"serverSecret": "s", "caSecret": "c", "mutual": True}}, "spec.tls.clientSecret is named exactly"),
         ({"tls": {"clientSecret": "c", "mutual": True}}, "spec.tls.clientSecret is named exactly"),
         ({"tls": {"insecurePlaintext": True, "mutual": True}}, "spec.tls.insecurePlaintext turns TLS off"),
+        ({"syncer": {"expose": {"type": "NodePort"}}}, "spec.syncer.expose.nodeAddress is set exactly when"),
+        ({"syncer": {"expose": {"nodeAddress": "10.0.0.1"}}}, "spec.syncer.expose.nodeAddress is set exactly when"),
+        ({"syncer": {"expose": {"type": "GRPCRoute", "domain": "x.io"}}}, "spec.syncer.expose.gateway and"),
+        ({"syncer": {"expose": {"gateway": {"name": "g"}}}}, "spec.syncer.expose.gateway and"),
+        ({"remoteSyncers": REMOTE, "syncer": {"shards": 2}}, "spec.syncer.shards must equal the number of"),
+        ({"remoteSyncers": REMOTE, "syncer": {"image": "s:1"}}, "spec.remoteSyncers replaces the job's own syncers"),
+        (
+            {"remoteSyncers": REMOTE, "syncer": {"expose": {"type": "LoadBalancer"}}},
+            "spec.remoteSyncers replaces the job's own syncers",
+        ),
+        ({"remoteSyncers": REMOTE, "tls": {"mutual": True}}, "spec.tls (which secures the job's own syncers)"),
+        ({"remoteSyncers": REMOTE, "export": {"claimName": "out"}}, "spec.export reads the job's own shards"),
     ],
 )
 def test_cross_field_rules_name_the_fields(change, message):
     assert message in refusal(minimal(**change))
+
+
+def test_shards_are_exposed_in_the_cluster_unless_the_job_says_how_else():
+    assert DiLoCoJobSpec.model_validate(minimal()).syncer.expose.type is Exposure.CLUSTER_IP
+    node_port = DiLoCoJobSpec.model_validate(minimal(syncer={"expose": {"type": "NodePort", "nodeAddress": "::1"}}))
+    assert node_port.syncer.expose.node_address == "::1"
+    route = {"type": "GRPCRoute", "gateway": {"name": "edge", "namespace": "infra"}, "domain": "syncers.example.com"}
+    exposed = DiLoCoJobSpec.model_validate(minimal(syncer={"expose": route})).syncer.expose
+    assert exposed.gateway is not None and exposed.gateway.namespace == "infra" and exposed.gateway_port == 443
+
+
+def test_remote_syncers_name_one_endpoint_per_shard_and_their_secrets():
+    remote = {**REMOTE, "endpoints": ["127.0.0.2:31000", "[::1]:31001"], "clientSecret": "client"}
+    spec = DiLoCoJobSpec.model_validate(minimal(remoteSyncers=remote, syncer={"shards": 2}, training={"fragments": 2}))
+    assert spec.remote_syncers is not None and spec.remote_syncers.endpoints == remote["endpoints"]
+    assert spec.tls_secrets == ["remote-ca", "client"]
+    assert "remoteSyncers.endpoints.0" in refusal(minimal(remoteSyncers={**REMOTE, "endpoints": ["no-port"]}))
 
 
 def test_a_custom_command_replaces_the_builtin_trainer():

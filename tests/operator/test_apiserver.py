@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RESYNC = 1.0
 
 
+REMOTE = {"endpoints": ["127.0.0.2:31000", "127.0.0.2:31001"], "tokenSecret": "t", "caSecret": "c"}
+
+
 def job_manifest(name, **spec):
     body = {
         "image": "diloco-trainer:dev",
@@ -56,6 +59,22 @@ def namespace(plane, name):
 
 
 # --- the CRD ------------------------------------------------------------------------------------
+
+
+def test_exposed_shards_and_remote_syncers_are_accepted(control_plane, kube):
+    ns = namespace(control_plane, "reach")
+    exposed = {"syncer": {"shards": 2, "expose": {"type": "LoadBalancer"}}}
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("exposed", **exposed))
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("remote", remoteSyncers=REMOTE))
+    try:
+        expose = kube.get("DiLoCoJob", ns, "exposed")["spec"]["syncer"]["expose"]
+        assert expose == {"type": "LoadBalancer", "gatewayPort": 443}
+        remote = kube.get("DiLoCoJob", ns, "remote")["spec"]
+        assert remote["remoteSyncers"] == REMOTE and remote["syncer"]["expose"]["type"] == "ClusterIP"
+    finally:
+        # Gone before a later test starts an operator, which would reconcile them in a terminating namespace.
+        control_plane.kubectl("-n", ns, "delete", "dj", "--all", "--wait=true", timeout=120)
+        control_plane.kubectl("delete", "namespace", ns, "--wait=false")
 
 
 def test_examples_are_accepted_with_every_default_filled_in(control_plane, kube):
@@ -104,6 +123,13 @@ def test_examples_are_accepted_with_every_default_filled_in(control_plane, kube)
         ("tls-ca", {"tls": {"serverSecret": "s"}}, "spec.tls.caSecret: Invalid value"),
         ("tls-client", {"tls": {"serverSecret": "s", "caSecret": "c", "mutual": True}}, "spec.tls.clientSecret"),
         ("tls-plain", {"tls": {"insecurePlaintext": True, "mutual": True}}, "spec.tls.insecurePlaintext: Invalid"),
+        ("np", {"syncer": {"expose": {"type": "NodePort"}}}, "spec.syncer.expose.nodeAddress: Invalid value"),
+        ("route", {"syncer": {"expose": {"type": "GRPCRoute"}}}, "spec.syncer.expose.gateway: Invalid value"),
+        ("r-shards", {"remoteSyncers": REMOTE, "syncer": {"shards": 1}}, "spec.syncer.shards: Invalid value"),
+        ("r-image", {"remoteSyncers": REMOTE, "syncer": {"image": "s:1"}}, "spec.syncer: Invalid value"),
+        ("r-tls", {"remoteSyncers": REMOTE, "tls": {"mutual": True}}, "spec.tls: Invalid value"),
+        ("r-export", {"remoteSyncers": REMOTE, "export": {"claimName": "out"}}, "spec.export: Invalid value"),
+        ("r-endpoint", {"remoteSyncers": {**REMOTE, "endpoints": ["x"]}}, "spec.remoteSyncers.endpoints[0]"),
         (
             "qty",
             {"islands": [{"name": "a", "resources": {"limits": {"memory": "lots"}}}]},

@@ -22,6 +22,7 @@ from diloco.operator.children import (
 )
 from diloco.operator.job_tls import job_tls, operator_made_data, server_names
 from diloco.operator.overrides import merge
+from diloco.operator.tokens import fingerprint
 from diloco.settings import load_security
 from diloco.transport.tls import Role, TlsError
 
@@ -554,3 +555,39 @@ def test_child_names_of_two_jobs_never_collide(first, second):
         return {child_key(obj) for obj in render_children(ref, spec, "t", scale, None, tls=tls)}
 
     assert not names(*first) & names(*second)
+
+
+def test_exposed_shards_open_their_grpc_port_to_every_client_and_a_route_joins_each_shard():
+    route = {"type": "GRPCRoute", "gateway": {"name": "edge"}, "domain": "ex.io"}
+    children = render(make_spec(syncer={"shards": 2, "expose": route}))
+    assert [key for key in children if key[0] == "GRPCRoute"] == [
+        ("GRPCRoute", "demo-syncer-0"),
+        ("GRPCRoute", "demo-syncer-1"),
+    ]
+    assert n.ANNOTATION_HASH in children[("GRPCRoute", "demo-syncer-0")]["metadata"]["annotations"]
+    grpc_rule = children[("NetworkPolicy", "demo-syncers")]["spec"]["ingress"][0]
+    assert grpc_rule == {"ports": [{"port": 50051, "protocol": "TCP"}]}, "TLS and the token keep strangers out"
+    balanced = render(make_spec(syncer={"shards": 2, "expose": {"type": "LoadBalancer"}}))
+    assert balanced[("Service", "demo-syncer-0")]["spec"]["type"] == "LoadBalancer"
+    assert not any(kind == "GRPCRoute" for kind, _ in balanced)
+
+
+def test_a_job_against_remote_shards_renders_only_its_islands_mounting_their_token_and_dialling_them():
+    remote = {"endpoints": ["127.0.0.5:31000", "127.0.0.5:31001"], "tokenSecret": "far-token", "caSecret": "far-ca"}
+    spec = make_spec(syncer={"shards": 2}, remoteSyncers=remote)
+    named = {"far-ca": {"data": {"ca.crt": base64.b64encode(b"ca").decode()}}}
+    children = render(spec, token="their-token", named=named)
+    assert sorted(children) == [
+        ("ConfigMap", "demo-config"),
+        ("Service", "demo-a100"),
+        ("Service", "demo-h100"),
+        ("StatefulSet", "demo-a100"),
+        ("StatefulSet", "demo-h100"),
+    ]
+    pod = children[("StatefulSet", "demo-h100")]["spec"]["template"]
+    (token,) = [v for v in pod["spec"]["volumes"] if v["name"] == "token"]
+    assert token["secret"]["secretName"] == "far-token"
+    assert pod["metadata"]["annotations"][n.ANNOTATION_TOKEN_HASH] == fingerprint("their-token")
+    (trainer,) = pod["spec"]["containers"]
+    assert env_of(trainer)["DILOCO_SYNCERS"] == "127.0.0.5:31000,127.0.0.5:31001"
+    assert env_of(trainer)["DILOCO_TLS_CA_FILE"] == "/var/run/secrets/diloco-tls/ca.crt"

@@ -166,3 +166,51 @@ def test_plaintext_mounts_nothing_and_says_so():
 
 def test_secret_bytes_of_a_missing_secret_is_empty():
     assert secret_bytes(None) == {}
+
+
+def test_the_server_certificate_also_names_the_hosts_the_shards_are_exposed_at():
+    made = job_tls(JOB, spec(), None, {}, NOW, external=["127.0.0.5", "syncers.example.com"]).made
+    assert made is not None
+    assert {"127.0.0.5", "syncers.example.com", "demo-syncer-1.ml.svc"} <= certificates.names_of(made["tls.crt"])
+    again = job_tls(JOB, spec(), as_secret(made), {}, NOW, external=["127.0.0.5", "syncers.example.com"]).made
+    assert again == made, "the same hosts keep the certificate"
+    moved = job_tls(JOB, spec(), as_secret(made), {}, NOW, external=["127.0.0.6"]).made
+    assert (
+        moved is not None
+        and moved["ca.crt"] == made["ca.crt"]
+        and "127.0.0.6" in certificates.names_of(moved["tls.crt"])
+    )
+
+
+def remote_spec(**remote) -> DiLoCoJobSpec:
+    endpoints = {"endpoints": ["127.0.0.5:31000", "127.0.0.5:31001"], "tokenSecret": "far-token", "caSecret": "far-ca"}
+    return DiLoCoJobSpec.model_validate(
+        {
+            "image": "img",
+            "islands": [{"name": "b"}],
+            "syncer": {"shards": 2},
+            "training": {"fragments": 2},
+            "remoteSyncers": {**endpoints, **remote},
+        }
+    )
+
+
+def test_islands_of_remote_shards_mount_the_ca_and_client_certificate_the_job_names_and_nothing_is_made():
+    named = {
+        "far-ca": as_secret({"ca.crt": TEST_PKI.ca.cert}),
+        "far-client": as_secret({"tls.crt": TEST_PKI.client_cert.cert, "tls.key": TEST_PKI.client_cert.key}),
+    }
+    server_tls = job_tls(JOB, remote_spec(), None, named, NOW)
+    assert server_tls.made is None and server_tls.probe == Tls(ca=TEST_PKI.ca.cert)
+    assert server_tls.env(syncer=False) == {"DILOCO_TLS_CA_FILE": "/var/run/secrets/diloco-tls/ca.crt"}
+
+    mutual = job_tls(JOB, remote_spec(clientSecret="far-client"), None, named, NOW)
+    assert mutual.probe == Tls(
+        ca=TEST_PKI.ca.cert, cert=TEST_PKI.client_cert.cert, key=TEST_PKI.client_cert.key, mutual=True
+    )
+    (island,) = mutual.volumes(JOB, syncer=False)
+    assert [s["secret"]["name"] for s in island["projected"]["sources"]] == ["far-ca", "far-client"]
+    assert mutual.env(syncer=False)["DILOCO_TLS_MUTUAL"] == "1"
+
+    missing = job_tls(JOB, remote_spec(clientSecret="far-client"), None, {"far-ca": named["far-ca"]}, NOW)
+    assert missing.probe == "Secret far-client not found"

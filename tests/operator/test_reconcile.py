@@ -6,16 +6,22 @@ import copy
 import datetime
 
 import pytest
+import torch
+from cluster.controlplane import free_port
 from pydantic import ValidationError
 from support import TEST_PKI
 
-from diloco.api.job import DiLoCoJobStatus
+from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus
 from diloco.operator import naming as n
 from diloco.operator.children import OperatorRef
 from diloco.operator.job_status import FragmentReport, ShardObservation
 from diloco.operator.job_tls import secret_bytes
 from diloco.operator.kube import ApiError
+from diloco.operator.probes import shard_statuses
 from diloco.operator.reconcile import Reconciler, read_token, status_patch
+from diloco.syncer.server import SyncerServer
+from diloco.transport import certificates
+from diloco.transport.client import SyncerClient
 from diloco.transport.tls import Tls
 
 JOB = n.JobRef(name="demo", namespace="ml", uid="job-uid")
@@ -169,7 +175,7 @@ def test_named_tls_secrets_are_read_and_a_missing_one_leaves_the_shards_unreacha
     calls.clear()
     outcome = reconciler.reconcile(JOB, 1, named, None, NOW)
     assert calls == [], "nothing to call the shards with"
-    assert outcome.status["syncer"] == {"shards": 2, "ready": 2, "reachable": 0}
+    assert outcome.status["syncer"] == {"shards": 2, "ready": 2, "reachable": 0, "endpoints": []}
     assert any("Secret our-ca not found" in c.get("message", "") for c in outcome.status["conditions"])
 
 
@@ -210,7 +216,7 @@ def test_shards_take_a_template_change_one_at_a_time_each_after_the_last_serves_
 
 
 def test_an_island_only_knob_leaves_the_shards_running(setup):
-    kube, reconciler, _ = setup
+    _, reconciler, _ = setup
     reconciler.reconcile(JOB, 1, SPEC, None, NOW)
     training = {"innerSteps": 40, "fragments": 2, "overlapSteps": 2, "inner": {"lr": 0.01}}
     applied = reconciler.reconcile(JOB, 2, {**SPEC, "training": training}, None, NOW).applied
@@ -315,7 +321,7 @@ def test_observed_pods_and_syncers_reach_the_status(setup):
     assert calls[-1][1] == [True, True]
     status = outcome.status
     assert status["phase"] == "Running" and status["islandsReady"] == "2/2"
-    assert status["outerStep"] == 4 and status["syncer"] == {"shards": 2, "ready": 2, "reachable": 2}
+    assert status["outerStep"] == 4 and status["syncer"] == {"shards": 2, "ready": 2, "reachable": 2, "endpoints": []}
     assert [i["ready"] for i in status["islands"]] == [2, 1]
 
 
@@ -354,3 +360,158 @@ def test_status_patch_clears_unset_fields():
     patch = status_patch(DiLoCoJobStatus())
     assert patch["phase"] == "Pending" and patch["startTime"] is None and patch["goodput"] is None
     assert set(patch) == {f.alias for f in DiLoCoJobStatus.model_fields.values()}
+
+
+def secret(name, **data):
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": "ml"},
+        "data": {key: base64.b64encode(value).decode() for key, value in data.items()},
+    }
+
+
+def test_exposed_shards_report_their_endpoints_and_their_certificate_names_them(setup):
+    kube, reconciler, _ = setup
+    exposed = {**SPEC, "syncer": {"shards": 2, "expose": {"type": "LoadBalancer"}}}
+    outcome = reconciler.reconcile(JOB, 1, exposed, None, NOW)
+    assert kube.get("Service", "ml", "demo-syncer-0")["spec"]["type"] == "LoadBalancer"
+    assert outcome.status["syncer"]["endpoints"] == [], "no address published yet"
+    for shard in (0, 1):  # what a cloud controller does
+        kube.objects[("Service", "ml", f"demo-syncer-{shard}")]["status"] = {
+            "loadBalancer": {"ingress": [{"ip": f"127.0.0.{5 + shard}"}]}
+        }
+    outcome = reconciler.reconcile(JOB, 1, exposed, outcome.status, NOW)
+    assert outcome.status["syncer"]["endpoints"] == ["127.0.0.5:50051", "127.0.0.6:50051"]
+    names = certificates.names_of(secret_bytes(kube.get("Secret", "ml", "demo-tls"))["tls.crt"])
+    assert {"127.0.0.5", "127.0.0.6", "demo-syncer-0.ml.svc"} <= names
+    assert "Secret/demo-tls" in outcome.applied and "Deployment/demo-syncer-0" in outcome.applied, "pods roll"
+
+
+REMOTE = {"endpoints": ["127.0.0.5:31000", "127.0.0.5:31001"], "tokenSecret": "far-token", "caSecret": "far-ca"}
+
+
+def test_a_job_against_remote_shards_runs_only_islands_and_reads_its_progress_from_them(setup):
+    kube, reconciler, calls = setup
+    kube.add(secret("far-token", token=b"their-token"))
+    kube.add(secret("far-ca", **{"ca.crt": TEST_PKI.ca.cert}))
+    outcome = reconciler.reconcile(JOB, 1, {**SPEC, "remoteSyncers": REMOTE}, None, NOW)
+    assert sorted(k for k in outcome.applied) == [
+        "ConfigMap/demo-config",
+        "Service/demo-a",
+        "Service/demo-b",
+        "StatefulSet/demo-a",
+        "StatefulSet/demo-b",
+    ]
+    assert kube.get("Secret", "ml", "demo-token") is None, "the islands mount the Secret the job names"
+    assert calls == [(REMOTE["endpoints"], [True, True], "their-token", Tls(ca=TEST_PKI.ca.cert))]
+    syncer = outcome.status["syncer"]
+    assert syncer == {"shards": 2, "ready": 2, "reachable": 2, "endpoints": REMOTE["endpoints"]}
+    assert outcome.status["outerStep"] == 4
+
+
+def test_remote_shards_that_do_not_answer_are_not_ready(setup):
+    kube, _, _ = setup
+    kube.add(secret("far-token", token=b"their-token"))
+    kube.add(secret("far-ca", **{"ca.crt": TEST_PKI.ca.cert}))
+
+    def unreachable(targets, ready, token, security, timeout):
+        return [ShardObservation(shard=i, ready=True, error="UNAVAILABLE: down") for i in range(len(targets))]
+
+    reconciler = Reconciler(kube, None, poll_shards=unreachable, scrape_losses=lambda u, t: {}, token_key=bytes(32))
+    outcome = reconciler.reconcile(JOB, 1, {**SPEC, "remoteSyncers": REMOTE}, None, NOW)
+    assert outcome.status["syncer"]["ready"] == 0 and outcome.status["syncer"]["reachable"] == 0
+
+
+def test_without_the_remote_token_the_shards_are_not_called_and_the_status_says_why(setup):
+    kube, reconciler, calls = setup
+    kube.add(secret("far-ca", **{"ca.crt": TEST_PKI.ca.cert}))
+    outcome = reconciler.reconcile(JOB, 1, {**SPEC, "remoteSyncers": REMOTE}, None, NOW)
+    assert calls == []
+    assert any("spec.remoteSyncers.tokenSecret" in c.get("message", "") for c in outcome.status["conditions"])
+
+
+def test_islands_the_shards_report_live_that_the_spec_lacks_appear_as_remote_islands(setup):
+    kube, _, _ = setup
+
+    def live(targets, ready, token, security, timeout):
+        return [
+            ShardObservation(shard=i, ready=r, fragments=(), live_islands=frozenset({"a", "far-1"}))
+            for i, r in enumerate(ready)
+        ]
+
+    reconciler = Reconciler(kube, None, poll_shards=live, scrape_losses=lambda u, t: {}, token_key=bytes(32))
+    reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    for shard in (0, 1):
+        kube.objects[("Deployment", "ml", f"demo-syncer-{shard}")]["status"] = {"readyReplicas": 1}
+    outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    assert outcome.status["remoteIslands"] == [{"name": "far-1", "lastSync": "2026-01-01T00:00:00Z"}]
+
+
+def test_islands_of_another_cluster_train_against_exposed_shards_over_tls_and_each_cluster_sees_the_other():
+    """Cluster A exposes its shard through a LoadBalancer (the test publishes 127.0.0.5, as a cloud controller
+    would); a real shard serves the certificate A's operator made; cluster B's job names that endpoint, A's
+    token and A's CA. B's island verifies the shard's certificate at the exposed address, B's operator reads
+    its progress from the shard, and A's lists B's island among its remote islands."""
+    port = free_port()
+    spec_a = {
+        **SPEC,
+        "islands": [{"name": "a"}],
+        "syncer": {"shards": 1, "port": port, "expose": {"type": "LoadBalancer"}},
+    }
+    cluster_dns = {f"demo-syncer-0.ml.svc:{port}": f"127.0.0.5:{port}"}
+    kube_a = FakeKube()
+    operator_a = Reconciler(
+        kube_a,
+        None,
+        poll_shards=lambda targets, *rest: shard_statuses([cluster_dns[t] for t in targets], *rest),
+        scrape_losses=lambda urls, t: {},
+        token_key=bytes(32),
+    )
+    status_a = operator_a.reconcile(JOB, 1, spec_a, None, NOW).status
+    kube_a.objects[("Service", "ml", "demo-syncer-0")]["status"] = {"loadBalancer": {"ingress": [{"ip": "127.0.0.5"}]}}
+    status_a = operator_a.reconcile(JOB, 1, spec_a, status_a, NOW).status
+    assert status_a["syncer"]["endpoints"] == [f"127.0.0.5:{port}"]
+
+    token = read_token(kube_a.get("Secret", "ml", "demo-token"))
+    made = secret_bytes(kube_a.get("Secret", "ml", "demo-tls"))
+    config = DiLoCoJobSpec.model_validate(spec_a).training
+    shard = SyncerServer(
+        config,
+        shard_index=0,
+        num_shards=1,
+        token=token,
+        security=Tls(ca=made["ca.crt"], cert=made["tls.crt"], key=made["tls.key"]),
+        host="127.0.0.5",
+        port=port,
+    )
+    shard.start()
+    try:
+        for island in ("a", "far"):
+            with SyncerClient(
+                status_a["syncer"]["endpoints"][0], token, security=Tls(ca=made["ca.crt"]), island_id=island, timeout=5
+            ) as client:
+                client.join(2)
+                if island == "a":
+                    client.seed(0, [("w", torch.zeros(2))])
+
+        kube_b = FakeKube()
+        kube_b.add(secret("far-token", token=token.encode()))
+        kube_b.add(secret("far-ca", **{"ca.crt": made["ca.crt"]}))
+        remote = {"endpoints": status_a["syncer"]["endpoints"], "tokenSecret": "far-token", "caSecret": "far-ca"}
+        spec_b = {**SPEC, "islands": [{"name": "far"}], "syncer": {"shards": 1}, "remoteSyncers": remote}
+        job_b = n.JobRef(name="demo", namespace="ml", uid="another-cluster's-uid")
+        operator_b = Reconciler(kube_b, None, scrape_losses=lambda urls, t: {}, token_key=bytes([1] * 32))
+        status_b = operator_b.reconcile(job_b, 1, spec_b, None, NOW).status
+        assert status_b["syncer"] == {"shards": 1, "ready": 1, "reachable": 1, "endpoints": remote["endpoints"]}
+        assert [f["fragment"] for f in status_b["fragments"]] == [0]
+        assert status_b["islands"][0]["name"] == "far" and status_b["islands"][0]["lastSync"] == "2026-01-01T00:00:00Z"
+        assert [r["name"] for r in status_b["remoteIslands"]] == ["a"], "cluster A's island, seen from B"
+        assert kube_b.get("Deployment", "ml", "demo-syncer-0") is None
+
+        kube_a.objects[("Deployment", "ml", "demo-syncer-0")]["status"] = {"readyReplicas": 1}
+        status_a = operator_a.reconcile(JOB, 1, spec_a, status_a, NOW).status
+        assert status_a["syncer"]["reachable"] == 1
+        assert [r["name"] for r in status_a["remoteIslands"]] == ["far"]
+    finally:
+        shard.stop(grace=0)
