@@ -274,6 +274,7 @@ class Learner:
                 error = failure
         succeeded = self.island.broadcast(torch.tensor([error is None], dtype=torch.int64))
         if not succeeded.item():
+            self._stop_metrics()
             raise error or RuntimeError(f"island {self.island_id}: rank 0 could not reach the syncers")
         versions = self.island.broadcast(
             torch.tensor([[f.base_version.incarnation, f.base_version.version] for f in self._fragments])
@@ -466,10 +467,15 @@ class Learner:
             except grpc.RpcError as error:
                 log.debug("leave not delivered", extra={"target": client.target, "code": str(error.code())})
             client.close()
+        self._stop_metrics()
+        log.info("learner closed", extra={"island": self.island_id, "rank": self.island.rank, **asdict(self.stats)})
+
+    def _stop_metrics(self) -> None:
+        """Frees the metrics port, so that a learner made again in this process can serve on it."""
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
-        log.info("learner closed", extra={"island": self.island_id, "rank": self.island.rank, **asdict(self.stats)})
+            self._metrics_server = None
 
     def _begin_round(self, f: _IslandFragment) -> None:
         f.mixable_at = self._step + self.config.overlap_steps
