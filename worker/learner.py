@@ -210,11 +210,10 @@ class Learner:
         LOCAL_RANK a launcher sets, as the built-in worker does) and DILOCO_METRICS_HOST for the metrics and
         readiness endpoint; DILOCO_TERMINATION_GRACE_SECONDS, the pod's grace period, within which the last
         steps are pushed after SIGTERM (whose handler it installs when called on the main thread; Ctrl-C
-        keeps its usual meaning). Without
-        `process_group`, an initialised default process group is taken to be the island (one
-        torch.distributed world per island, formed from the WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT
-        the operator sets). `options` are the constructor's keyword arguments, which win over the
-        environment."""
+        keeps its usual meaning). Without `process_group`, an initialised default process group is taken to
+        be the island (one torch.distributed world per island, formed from the WORLD_SIZE, RANK, MASTER_ADDR
+        and MASTER_PORT the operator sets). `options` are the constructor's keyword arguments, which win
+        over the environment."""
         syncers = [target.strip() for target in (env_default("SYNCERS") or "").split(",") if target.strip()]
         if not syncers:
             raise ValueError("DILOCO_SYNCERS is not set: expected comma-separated syncer addresses")
@@ -371,9 +370,7 @@ class Learner:
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer's post-step hook: one inner step, then its sync work, which never waits on the
-        network (except in the synchronous baseline)."""
-        if self._closed:
-            return
+        network (except in the synchronous baseline). Registered by `start`, removed by `close`."""
         started = time.perf_counter()
         tokens, self._pending_tokens = self._pending_tokens, 0
         self._step += 1
@@ -401,18 +398,19 @@ class Learner:
 
     def snapshot(self) -> WorkerSnapshot:
         """What this rank has done so far, as its metrics and readiness endpoint serves it (read from
-        another thread)."""
+        another thread). Synced from a successful `start` until `close`, when the island leaves the shards."""
+        stats = self.stats
         return WorkerSnapshot(
             island=self.island_id,
             rank=self.island.rank,
             mode=(Mode.SYNC_DILOCO if self.synchronous else Mode.DILOCO).value,
-            synced=self._started,
+            synced=self._started and not self._closed,
             step=self._step,
-            tokens=self._stats.snapshot().tokens,
+            tokens=stats.tokens,
             loss=self._loss,
             last_sync_unix=self._last_sync_unix,
             last_step_monotonic=self._last_step_monotonic,
-            learner=self.stats,
+            learner=stats,
         )
 
     def flush(self, timeout: float | None = None) -> None:
