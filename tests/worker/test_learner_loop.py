@@ -5,6 +5,7 @@ served without a line of code of its own."""
 from __future__ import annotations
 
 import math
+import os
 import signal
 import urllib.error
 import urllib.request
@@ -97,12 +98,13 @@ def test_a_learner_serves_the_workers_metrics_and_is_ready_once_joined_and_train
 def test_after_a_stop_request_the_loop_ends_pushes_its_last_steps_and_leaves(start_shards, island):
     shards = start_shards(make_config(inner_steps=8))
     stop = StopRequest(grace_seconds=10.0)
+    stop.install((signal.SIGTERM,))
     made = island(shards, seed=1, name="island-a", start=False, stop=stop)
     with made.learner:
         while not made.learner.stop_requested:
             made.train(1)
             if made.learner.inner_step == 3:
-                stop._on_signal(signal.SIGTERM, None)
+                os.kill(os.getpid(), signal.SIGTERM)
     assert made.learner.inner_step == 3, "no fragment was due yet: only the flush pushes these steps"
     assert made.learner.stats.syncs_merged == 2
     assert shards.live_islands(0) == []
