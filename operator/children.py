@@ -419,14 +419,16 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
 
 
 TRAINER_READINESS_PATH = "/readyz"
-"""What diloco-worker answers on its metrics port: 200 while the rank trains (it joined its syncers and
-finished a step recently), 503 otherwise (see diloco.worker.metrics)."""
+"""What a trainer's `Learner` (diloco-worker's or a custom command's, `Learner.from_env`) answers on its
+metrics port: 200 while the rank trains as part of the job (it joined every syncer shard, took the global
+model from them, and finished a step recently), 503 otherwise (see diloco.worker.metrics)."""
 
 
 def _trainer_readiness(port: int) -> dict[str, Any]:
-    """The built-in worker is Ready while it trains, so a crash-looping or hung island is never Ready. No
-    liveness probe: a slow step is not a dead process, and a kill would be charged to the restart budget.
-    A custom trainer command need not serve the path, so it gets none (its pod template may add one)."""
+    """Every trainer is Ready while it trains, so an island that cannot reach its shards, crash-loops or
+    hangs is never Ready. No liveness probe: a slow step is not a dead process, and a kill would be charged
+    to the restart budget. A custom command is one that trains with `Learner.from_env` (spec.trainer), which
+    serves the path: it gets the same probe."""
     return {
         "httpGet": {"path": TRAINER_READINESS_PATH, "port": port},
         "periodSeconds": 5,
@@ -448,14 +450,13 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
             {"name": "rendezvous", "containerPort": spec.trainer.rendezvous_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": spec.trainer.metrics_port, "protocol": "TCP"},
         ],
+        "readinessProbe": _trainer_readiness(spec.trainer.metrics_port),
         "resources": _resources(island.resources, accelerators),
         "securityContext": _container_security(read_only_root=False),
         "volumeMounts": [*_shared_mounts(), *tls.mounts(), {"name": "dshm", "mountPath": "/dev/shm"}],
     }
     if spec.trainer.args:
         container["args"] = list(spec.trainer.args)
-    if not spec.trainer.command:
-        container["readinessProbe"] = _trainer_readiness(spec.trainer.metrics_port)
     tolerations = _tolerations(island.tolerations) + (list(SPOT_TOLERATIONS) if island.spot else [])
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,

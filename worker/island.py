@@ -67,6 +67,10 @@ class Island:
         dist.all_reduce(total, group=self.group)
         return int(total.item())
 
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any of the island's ranks (a collective on every rank)."""
+        return self.sum(int(flag)) > 0
+
     def average_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Replaces every gradient by its mean over the island, in float32 buckets.
 

@@ -1,11 +1,21 @@
 """`Learner`: turns any PyTorch training loop into a Decoupled DiLoCo island in a few lines.
 
-    learner = Learner(model, optimizer, config, syncers=[...], token=..., security=..., island_id="island-0")
-    learner.start()
-    for batch in data:
-        loss_fn(model(batch)).backward()
-        learner.step(tokens=batch_tokens)
-    learner.close()
+    learner = Learner.from_env(model, optimizer)  # or Learner(model, optimizer, config, syncers=[...], ...)
+    with learner:  # joins the shards and takes the global model; at the end pushes the last steps, leaves
+        for batch in data:
+            if learner.stop_requested:  # SIGTERM: the pod is going
+                break
+            loss = loss_fn(model(batch))
+            loss.backward()
+            learner.report(tokens=batch_tokens, loss=loss)
+            optimizer.step()  # the learner's hook counts the inner step and does its sync work
+            optimizer.zero_grad()
+
+The loop stays the user's own: the learner hooks `optimizer.step()` (a post-step hook, as torchft's DiLoCo
+does), so gradient accumulation (one `optimizer.step()` per several backward passes), a GradScaler (whose
+skipped steps never call `optimizer.step()`, so they count as no inner step) and an LR scheduler the user
+steps all work unchanged. The learner serves the worker's metrics and readiness (`diloco.worker.metrics`)
+when given a metrics port, as `from_env` is on Kubernetes.
 
 Per fragment p the learner keeps the global values it last received (`base`, float32 on the host) and
 their version. When p falls due (every H inner steps, staggered by H/P), the training thread snapshots the
@@ -18,18 +28,24 @@ network: a round that fails or takes too long is dropped, and the fragment is pu
 from __future__ import annotations
 
 import logging
+import math
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
+from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
-from diloco.core.config import TrainingConfig
+from diloco.core.config import Mode, TrainingConfig
 from diloco.core.fragments import Fragment, fragments_due, plan_fragments, resume_step, shard_of
 from diloco.core.island_id import check_island_id
 from diloco.settings import env_default, load_security, load_token, load_training_config
@@ -37,6 +53,9 @@ from diloco.transport.client import Backoff, SyncerClient
 from diloco.transport.tls import Role, Security
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.island import Island
+from diloco.worker.metrics import WorkerSnapshot, serve_metrics
+from diloco.worker.pod_ranks import local_position, metrics_port
+from diloco.worker.shutdown import StopRequest
 from diloco.worker.stats import LearnerStats, StatsRecorder, Version
 from diloco.worker.sync import (
     FragmentSync,
@@ -112,6 +131,10 @@ class Learner:
         synchronous: bool = False,
         on_round: Callable[[RoundReport], None] | None = None,
         compressed_pulls: bool | None = None,
+        flush_timeout: float = 60.0,
+        stop: StopRequest | None = None,
+        metrics_port: int = 0,
+        metrics_host: str = "0.0.0.0",
     ) -> None:
         """`syncers[i]` is the address of shard i, reached with `security` (TLS, or plaintext by name). A
         round with no merge within `sync_timeout` seconds is abandoned; each call gets `rpc_timeout` seconds
@@ -120,7 +143,11 @@ class Learner:
         `synchronous` makes every sync a barrier (the island waits for the merge and mixes at once): the
         synchronous-DiLoCo baseline. `on_round` hears how every round ended, on every rank.
         `compressed_pulls` (default: DILOCO_COMPRESSED_PULLS, on unless "0") has the shards send merged
-        fragments as differences to the island's base in the job's encoding instead of float32 values."""
+        fragments as differences to the island's base in the job's encoding instead of float32 values.
+
+        `flush` waits up to `flush_timeout` seconds for the last merges; once `stop` is requested (SIGTERM),
+        `stop_requested` says so and `flush` and `close` keep within its grace period instead. With a
+        `metrics_port`, `start` serves the worker's metrics and readiness there until `close`."""
         if not syncers:
             raise ValueError("a learner needs at least one syncer shard")
         if not island_id:
@@ -136,6 +163,8 @@ class Learner:
         self.close_timeout = close_timeout
         self.synchronous = synchronous
         self.on_round = on_round
+        self.flush_timeout = flush_timeout
+        self.stop = stop
         self._token = token
         if compressed_pulls is None:
             compressed_pulls = env_default("COMPRESSED_PULLS", "1") != "0"
@@ -154,6 +183,14 @@ class Learner:
         self._stopping = threading.Event()
         self._stats = StatsRecorder()
         self._step = 0
+        self._pending_tokens = 0
+        self._loss = math.nan
+        self._last_step_monotonic: float | None = None
+        self._last_sync_unix = 0.0
+        self._stop_agreed = False
+        self._metrics_address = (metrics_host, metrics_port)
+        self._metrics_server: WSGIServer | None = None
+        self._step_hook: RemovableHandle | None = None
         self._started = False
         self._closed = False
 
@@ -164,13 +201,19 @@ class Learner:
         optimizer: torch.optim.Optimizer,
         *,
         process_group: dist.ProcessGroup | None = None,
+        **options: Any,
     ) -> Learner:
-        """A learner configured by the `DILOCO_*` variables the operator injects: DILOCO_SYNCERS
-        (comma-separated, index = shard), DILOCO_TOKEN or DILOCO_TOKEN_FILE, DILOCO_ISLAND,
-        DILOCO_CONFIG or DILOCO_CONFIG_FILE, and DILOCO_TLS_CA_FILE (with DILOCO_TLS_MUTUAL,
-        DILOCO_TLS_CERT_FILE and DILOCO_TLS_KEY_FILE for mutual TLS) or DILOCO_INSECURE_PLAINTEXT=1.
-        Without `process_group`, an initialised default process group is taken to be the island (one
-        torch.distributed world per island)."""
+        """A learner configured by what the operator injects into an island's pods: DILOCO_SYNCERS
+        (comma-separated, index = shard), DILOCO_TOKEN or DILOCO_TOKEN_FILE, DILOCO_ISLAND, DILOCO_CONFIG or
+        DILOCO_CONFIG_FILE, DILOCO_TLS_CA_FILE (with DILOCO_TLS_MUTUAL, DILOCO_TLS_CERT_FILE and
+        DILOCO_TLS_KEY_FILE for mutual TLS) or DILOCO_INSECURE_PLAINTEXT=1; DILOCO_METRICS_PORT (plus the
+        LOCAL_RANK a launcher sets, as the built-in worker does) and DILOCO_METRICS_HOST for the metrics and
+        readiness endpoint; DILOCO_TERMINATION_GRACE_SECONDS, the pod's grace period, within which the last
+        steps are pushed after SIGTERM (whose handler it installs when called on the main thread; Ctrl-C
+        keeps its usual meaning). Without `process_group`, an initialised default process group is taken to
+        be the island (one torch.distributed world per island, formed from the WORLD_SIZE, RANK, MASTER_ADDR
+        and MASTER_PORT the operator sets). `options` are the constructor's keyword arguments, which win
+        over the environment."""
         syncers = [target.strip() for target in (env_default("SYNCERS") or "").split(",") if target.strip()]
         if not syncers:
             raise ValueError("DILOCO_SYNCERS is not set: expected comma-separated syncer addresses")
@@ -179,16 +222,20 @@ class Learner:
             raise ValueError("DILOCO_ISLAND is not set: expected this island's id")
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
-        return cls(
-            model,
-            optimizer,
-            load_training_config(None),
-            syncers=syncers,
-            token=load_token(None),
-            security=load_security(Role.CLIENT),
-            island_id=island,
-            process_group=process_group,
-        )
+        stop = StopRequest(float(env_default("TERMINATION_GRACE_SECONDS", "30")))
+        if threading.current_thread() is threading.main_thread():
+            stop.install((signal.SIGTERM,))
+        settings: dict[str, Any] = {
+            "syncers": syncers,
+            "token": load_token(None),
+            "security": load_security(Role.CLIENT),
+            "island_id": island,
+            "process_group": process_group,
+            "stop": stop,
+            "metrics_port": metrics_port(int(env_default("METRICS_PORT", "0")), local_position(os.environ)[0]),
+            "metrics_host": env_default("METRICS_HOST", "0.0.0.0"),
+        }
+        return cls(model, optimizer, load_training_config(None), **(settings | options))
 
     @property
     def stats(self) -> LearnerStats:
@@ -202,13 +249,21 @@ class Learner:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
+        """A loop that ends normally pushes its last steps first; one that raised only leaves."""
+        if error is None:
+            self.flush()
         self.close()
 
     def start(self) -> None:
         """Joins every shard, seeds the fragments no island has seeded yet (the first island wins), then
-        takes the global values, so every island, and every rank of this one, starts from the same point."""
+        takes the global values, so every island, and every rank of this one, starts from the same point;
+        from then on every `optimizer.step()` is an inner step. With a metrics port, serves the metrics
+        and /readyz from the start, not ready until this has succeeded and a step has followed."""
         if self._started:
             raise RuntimeError("start() was already called")
+        host, port = self._metrics_address
+        if port:
+            self._metrics_server = serve_metrics(self.snapshot, port, host)[1]
         started = time.perf_counter()
         error: Exception | None = None
         if self.island.is_leader:
@@ -218,6 +273,7 @@ class Learner:
                 error = failure
         succeeded = self.island.broadcast(torch.tensor([error is None], dtype=torch.int64))
         if not succeeded.item():
+            self._stop_metrics()
             raise error or RuntimeError(f"island {self.island_id}: rank 0 could not reach the syncers")
         versions = self.island.broadcast(
             torch.tensor([[f.base_version.incarnation, f.base_version.version] for f in self._fragments])
@@ -227,6 +283,7 @@ class Learner:
             self._stats.set_version(f.plan.index, Version(*versions[f.plan.index].tolist()))
         if self.synchronous:
             self._step = resume_step(versions[:, 1].tolist(), self.config.inner_steps, self.config.fragments)
+        self._step_hook = self.optimizer.register_step_post_hook(self._after_optimizer_step)
         self._started = True
         log.info(
             "learner started",
@@ -299,16 +356,23 @@ class Learner:
         """Inner steps this island has taken; a synchronous island starts at the job's current step."""
         return self._step
 
-    def step(self, tokens: int = 0) -> None:
-        """One inner step: the optimizer's step and zero_grad, then the sync work of this step, which never
-        waits on the network. `tokens` is what this rank trained on; a push carries the island's sum."""
-        if not self._started or self._closed:
-            raise RuntimeError("step() needs a started learner that is not closed")
+    def report(self, *, tokens: int = 0, loss: float | torch.Tensor | None = None) -> None:
+        """What the loop trained on since the last call: `tokens` this rank consumed (a micro-batch's, or a
+        whole step's), credited to the next inner step (a push carries the island's sum), and the latest
+        training `loss`, served as the `diloco_worker_loss` metric that the job's status shows. A tensor
+        loss is read here (`item()`), so report it once per step rather than per micro-batch on an
+        accelerator."""
         if tokens < 0:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        self._pending_tokens += tokens
+        if loss is not None:
+            self._loss = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The optimizer's post-step hook: one inner step, then its sync work, which never waits on the
+        network (except in the synchronous baseline). Registered by `start`, removed by `close`."""
         started = time.perf_counter()
+        tokens, self._pending_tokens = self._pending_tokens, 0
         self._step += 1
         for f in self._fragments:
             f.tokens += tokens
@@ -320,11 +384,41 @@ class Learner:
                 self._begin_round(self._fragments[index])
         if self.synchronous and due:
             self._await_rounds(self.sync_timeout)
+        self._last_step_monotonic = time.monotonic()
         self._stats.add(inner_steps=1, tokens=tokens, blocked_seconds=time.perf_counter() - started)
 
-    def flush(self, timeout: float) -> None:
-        """Pushes every fragment's progress since its last sync and waits up to `timeout` seconds for the
-        merges: the end of a run, so that its last steps reach the global model too."""
+    @property
+    def stop_requested(self) -> bool:
+        """Whether any rank of the island was asked to stop (SIGTERM): every rank must ask at the same step
+        (a collective in a multi-rank island), and all then leave the loop together, none left waiting in a
+        collective for the others. False without a `stop`."""
+        if self.stop is not None and not self._stop_agreed:
+            self._stop_agreed = self.island.any(self.stop.requested)
+        return self._stop_agreed
+
+    def snapshot(self) -> WorkerSnapshot:
+        """What this rank has done so far, as its metrics and readiness endpoint serves it (read from
+        another thread). Synced from a successful `start` until `close`, when the island leaves the shards."""
+        stats = self.stats
+        return WorkerSnapshot(
+            island=self.island_id,
+            rank=self.island.rank,
+            mode=(Mode.SYNC_DILOCO if self.synchronous else Mode.DILOCO).value,
+            synced=self._started and not self._closed,
+            step=self._step,
+            tokens=stats.tokens,
+            loss=self._loss,
+            last_sync_unix=self._last_sync_unix,
+            last_step_monotonic=self._last_step_monotonic,
+            learner=stats,
+        )
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Pushes every fragment's progress since its last sync and waits up to `timeout` seconds (default
+        `flush_timeout`, or after a stop request what its grace period leaves) for the merges: the end of a
+        run, so that its last steps reach the global model too."""
+        if timeout is None:
+            timeout = self.stop.flush_budget() if self.stop is not None and self.stop_requested else self.flush_timeout
         for f in self._fragments:
             if f.mixable_at is None:
                 self._begin_round(f)
@@ -351,14 +445,18 @@ class Learner:
         return all(r.join(max(0.0, deadline - time.monotonic())) for r in list(self._rounds.values()))
 
     def close(self, timeout: float | None = None) -> None:
-        """Gives running pushes up to `timeout` seconds (default `close_timeout`) to land, stops polling,
-        tells the shards the island has left (so no merge waits for it), closes the channels. Issues no
-        collective, so the ranks of an island may close in any order."""
+        """Gives running pushes up to `timeout` seconds (default `close_timeout`, or after a stop request
+        what its grace period keeps for leaving) to land, stops polling, tells the shards the island has left
+        (so no merge waits for it), closes the channels and the metrics endpoint; later optimizer steps
+        are the model's alone. Issues no collective, so the ranks of an island may close in any order."""
         if self._closed:
             return
         self._closed = True
         self._stopping.set()
-        timeout = self.close_timeout if timeout is None else timeout
+        if self._step_hook is not None:
+            self._step_hook.remove()
+        if timeout is None:
+            timeout = self.stop.leave_reserve if self.stop is not None and self._stop_agreed else self.close_timeout
         deadline = time.monotonic() + timeout
         self.wait_for_syncs(timeout)
         for client in self._clients:
@@ -367,7 +465,15 @@ class Learner:
             except grpc.RpcError as error:
                 log.debug("leave not delivered", extra={"target": client.target, "code": str(error.code())})
             client.close()
+        self._stop_metrics()
         log.info("learner closed", extra={"island": self.island_id, "rank": self.island.rank, **asdict(self.stats)})
+
+    def _stop_metrics(self) -> None:
+        """Frees the metrics port, so that a learner made again in this process can serve on it."""
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
 
     def _begin_round(self, f: _IslandFragment) -> None:
         f.mixable_at = self._step + self.config.overlap_steps
@@ -438,6 +544,7 @@ class Learner:
                 )
             if outcome.adopts:
                 self._mix(f, Version(incarnation, version))
+                self._last_sync_unix = time.time()
             elif self.island.is_leader:
                 self._rounds.pop(index)
             self._stats.add(**{_OUTCOME_COUNTERS[outcome]: 1})

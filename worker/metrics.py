@@ -6,9 +6,10 @@ dashboards: steps, tokens, tokens per second and MFU, pushes and pulls with thei
 time blocked on syncs, the fragment versions held and when a sync last brought global values. Steps, pushes
 and bytes are per process: a restarted worker starts them again, as Prometheus counters expect.
 
-The same port answers the kubelet's readiness probe on /readyz: 200 while this rank trains (it has finished
-a step, which it can only do once it has joined its syncers, within READY_STALENESS_SECONDS), 503 otherwise,
-so that an island that crash-loops or hangs is never Ready.
+The same port answers the kubelet's readiness probe on /readyz: 200 while this rank trains as part of the
+job (it has joined every syncer shard and taken the global model from them, and has finished a step within
+READY_STALENESS_SECONDS since), 503 otherwise, so that an island that cannot reach its shards, crash-loops
+or hangs is never Ready. The built-in worker and any loop with a `Learner` serve it alike.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class WorkerSnapshot:
     island: str
     rank: int
     mode: str
+    synced: bool = False  # joined every shard and holds the global model (the data-parallel baseline: always)
     step: int = 0
     tokens: int = 0  # trained on by this process
     loss: float = math.nan  # latest training loss
@@ -57,6 +59,8 @@ the slowest legitimate step, a sync-diloco barrier that waits up to 600 s, plus 
 
 def readiness(snapshot: WorkerSnapshot, now: float) -> tuple[bool, str]:
     """Whether this rank trains (see the module docstring), and why in words; `now` is time.monotonic()."""
+    if not snapshot.synced:
+        return False, "not joined to the syncer shards yet"
     if snapshot.last_step_monotonic is None:
         return False, "no step finished yet"
     age = now - snapshot.last_step_monotonic

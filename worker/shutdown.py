@@ -29,10 +29,10 @@ class StopRequest:
         self.grace_seconds = grace_seconds
         self.signalled_at: float | None = None
 
-    def install(self) -> None:
-        """Handles SIGTERM and SIGINT from now on; only the main thread may call it."""
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+    def install(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        """Handles `signals` from now on; only the main thread may call it."""
+        for signum in signals:
+            signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signalled_at is None:

@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -183,36 +183,41 @@ class Trainer:
                 synchronous=settings.mode == Mode.SYNC_DILOCO,
                 sync_timeout=600.0 if settings.mode == Mode.SYNC_DILOCO else 60.0,
                 on_round=self._on_round,
+                flush_timeout=settings.flush_seconds,
+                stop=stop,
             )
         self.step = 0
         self.tokens = 0
         self.loss = math.nan
         self.eval_loss = math.nan
-        self.last_sync_unix = 0.0
-        self.last_step_monotonic: float | None = None
+        self.last_step_monotonic: float | None = None  # the data-parallel baseline's; a learner keeps its own
         self.stopped = False
 
     def snapshot(self) -> WorkerSnapshot:
-        """What this rank has done so far, for its metrics endpoint (read from another thread)."""
-        return WorkerSnapshot(
-            island=self.island_id,
-            rank=self.ranks.rank,
-            mode=self.settings.mode,
-            step=self.step,
-            tokens=self.tokens,
-            loss=self.loss,
+        """What this rank has done so far, for its metrics endpoint (read from another thread): the
+        learner's, as any loop's, plus what only the built-in trainer measures."""
+        if self.learner is not None:
+            done = self.learner.snapshot()
+        else:  # nothing to join: ready once a step is done
+            done = WorkerSnapshot(
+                island=self.island_id,
+                rank=self.ranks.rank,
+                mode=self.settings.mode,
+                synced=True,
+                step=self.step,
+                tokens=self.tokens,
+                loss=self.loss,
+                last_step_monotonic=self.last_step_monotonic,
+            )
+        return replace(
+            done,
             eval_loss=self.eval_loss,
-            last_sync_unix=self.last_sync_unix,
-            last_step_monotonic=self.last_step_monotonic,
             tokens_per_second=self.rate.tokens_per_second,
             island_tokens_per_second=self.rate.island_tokens_per_second,
             mfu=self.rate.mfu,
-            learner=self.learner.stats if self.learner is not None else None,
         )
 
     def _on_round(self, report: RoundReport) -> None:
-        if report.outcome.adopts:
-            self.last_sync_unix = time.time()
         self.progress.write(
             RoundEvent,
             fragment=report.fragment,
@@ -270,7 +275,8 @@ class Trainer:
         tokens_per_step = s.batch_size * self.context
         self.model.train()
         while s.steps is None or self.step < s.steps:
-            if self._stop_agreed():
+            self.stopped = self._stop_requested()
+            if self.stopped:
                 break
             started = time.perf_counter()
             for group in self.optimizer.param_groups:
@@ -283,14 +289,13 @@ class Trainer:
             if self.config.inner.grad_clip:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
             blocked_before = self._blocked_seconds()
+            self.loss = loss.item()
             if self.learner is not None:
-                self.learner.step(tokens=tokens_per_step)
-            else:
-                self.optimizer.step()
-                self.optimizer.zero_grad()
+                self.learner.report(tokens=tokens_per_step, loss=self.loss)
+            self.optimizer.step()  # with a learner, its hook counts the inner step and does the sync work
+            self.optimizer.zero_grad()
             self.step += 1
             self.tokens += tokens_per_step
-            self.loss = loss.item()
             self.last_step_monotonic = time.monotonic()
             if s.slowdown > 1.0:
                 time.sleep((s.slowdown - 1.0) * (time.perf_counter() - started))
@@ -312,7 +317,7 @@ class Trainer:
                 self.eval_loss = self.evaluate()
                 self.progress.write(EvalEvent, step=self.step, loss=self.eval_loss)
         if self.learner is not None:
-            self.learner.flush(self.stop.flush_budget() if self.stop and self.stopped else s.flush_seconds)
+            self.learner.flush()
         else:
             self._save()
         if self.stopped:
@@ -322,12 +327,12 @@ class Trainer:
         self.progress.write(DoneEvent, step=self.step, loss=final, learner=self._learner_totals())
         return final
 
-    def _stop_agreed(self) -> bool:
+    def _stop_requested(self) -> bool:
         """Whether any rank of the island was asked to stop: all ranks leave the loop at the same step, so
-        none is left waiting in a collective for the others."""
-        if self.stop is not None and not self.stopped:
-            self.stopped = self.ranks.sum(int(self.stop.requested)) > 0
-        return self.stopped
+        none is left waiting in a collective for the others (the learner's rule, where there is one)."""
+        if self.learner is not None:
+            return self.learner.stop_requested
+        return self.stop is not None and self.ranks.any(self.stop.requested)
 
     def _learner_totals(self) -> LearnerTotals | None:
         """The learner's counters for the `done` event (none in data-parallel)."""
@@ -345,7 +350,7 @@ class Trainer:
 
     def close(self) -> None:
         if self.learner is not None:
-            self.learner.close(self.stop.leave_reserve if self.stop and self.stopped else None)
+            self.learner.close()
         self.progress.close()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()

@@ -240,7 +240,10 @@ def test_peering_crds_are_kopfs():
         k8s.V1CustomResourceDefinition.from_dict(crd)
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "deploy" / "examples").glob("*.yaml")), ids=lambda p: p.name)
+EXAMPLE_JOBS = [*sorted((ROOT / "deploy" / "examples").glob("*.yaml")), ROOT / "examples" / "custom_loop" / "job.yaml"]
+
+
+@pytest.mark.parametrize("path", EXAMPLE_JOBS, ids=lambda p: p.name)
 def test_examples_are_valid_jobs(path):
     job = DiLoCoJob.model_validate(yaml.safe_load(path.read_text()))
     assert job.spec.islands

@@ -56,7 +56,9 @@ def trained_shards(tmp_path):
         batch = torch.randint(0, 256, (2, 33), generator=tokens)
         _, loss = model(batch[:, :-1], batch[:, 1:])
         loss.backward()
-        learner.step(tokens=64)
+        learner.report(tokens=64)
+        optimizer.step()
+        optimizer.zero_grad()
     learner.flush(30)
     learner.close()
     yield servers, targets, tmp_path / "ckpt"

@@ -264,8 +264,9 @@ def test_island_statefulset():
     assert pod["securityContext"]["runAsNonRoot"] is True
 
 
-def test_the_built_in_trainer_is_ready_only_while_it_trains():
-    """Its readiness probe asks diloco-worker's /readyz on the metrics port; a custom command gets none."""
+def test_every_trainer_is_ready_only_while_it_trains():
+    """The readiness probe asks the learner's /readyz on the metrics port, the built-in worker's and a custom
+    command's alike (`Learner.from_env` serves it)."""
     container = render()[("StatefulSet", "demo-h100")]["spec"]["template"]["spec"]["containers"][0]
     probe = container["readinessProbe"]
     assert probe["httpGet"] == {"path": "/readyz", "port": 9090}
@@ -273,7 +274,7 @@ def test_the_built_in_trainer_is_ready_only_while_it_trains():
     assert "livenessProbe" not in container
     custom = make_spec(trainer={"command": ["python", "-m", "mine"]})
     trainer = render(custom)[("StatefulSet", "demo-a100")]["spec"]["template"]["spec"]["containers"][0]
-    assert "readinessProbe" not in trainer
+    assert trainer["readinessProbe"] == probe
 
 
 def test_the_trainer_readiness_probe_asks_what_diloco_worker_serves():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +16,14 @@ from diloco.core.config import TrainingConfig
 from diloco.syncer.server import SyncerServer
 from diloco.transport.client import SyncerClient
 from diloco.worker.learner import Learner
+
+
+@pytest.fixture(autouse=True)
+def own_sigterm():
+    """`Learner.from_env` takes SIGTERM, as a pod's process should; the test process gets its own back."""
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)
 
 
 @pytest.fixture

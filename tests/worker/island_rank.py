@@ -54,7 +54,9 @@ def main() -> None:
         x = torch.randn(BATCH, 8, generator=data)
         nn.functional.mse_loss(model(x), x @ teacher).backward()
         learner.all_reduce_gradients()
-        learner.step(tokens=RANK_TOKENS[rank])
+        learner.report(tokens=RANK_TOKENS[rank])
+        optimizer.step()
+        optimizer.zero_grad()
         learner.wait_for_syncs(30.0)
     torch.save(
         {"after_start": after_start, "final": flat_params(model), "stats": dataclasses.asdict(learner.stats)},

@@ -54,6 +54,8 @@ class SingleIsland:
         for _ in range(steps):
             x = torch.randn(BATCH, 8, generator=self.data)
             nn.functional.mse_loss(self.model(x), x @ self.teacher).backward()
-            self.learner.step(tokens=BATCH)
+            self.learner.report(tokens=BATCH)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
             if wait:
                 assert self.learner.wait_for_syncs(30.0)

@@ -44,12 +44,15 @@ def test_from_env_splits_the_shard_list_and_reads_the_config(monkeypatch):
     assert learner.config == config
 
 
-def test_step_needs_a_started_learner():
+def test_optimizer_steps_before_start_are_not_inner_steps():
+    model, optimizer = optimized_model()
     learner = Learner(
-        *optimized_model(), make_config(), syncers=["127.0.0.1:1"], token=TOKEN, security=PLAINTEXT, island_id="a"
+        model, optimizer, make_config(), syncers=["127.0.0.1:1"], token=TOKEN, security=PLAINTEXT, island_id="a"
     )
-    with pytest.raises(RuntimeError, match="started"):
-        learner.step(tokens=1)
+    model(torch.ones(1, 8)).sum().backward()
+    learner.report(tokens=1)
+    optimizer.step()
+    assert learner.inner_step == 0 and learner.stats.inner_steps == 0
 
 
 def test_more_fragments_than_tensors_is_refused():

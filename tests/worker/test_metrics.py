@@ -122,12 +122,15 @@ def served():
     server.server_close()
 
 
-def test_readyz_answers_503_until_the_rank_has_finished_a_step(served):
+def test_readyz_answers_503_until_the_rank_has_joined_its_shards_and_finished_a_step(served):
     current, base = served
+    status, body = get(f"{base}/readyz")
+    assert status == 503 and "not joined" in body
+    current["snapshot"] = WorkerSnapshot(island="island-0", rank=0, mode="diloco", synced=True)
     status, body = get(f"{base}/readyz")
     assert status == 503 and "no step" in body
     current["snapshot"] = WorkerSnapshot(
-        island="island-0", rank=0, mode="diloco", step=3, loss=2.5, last_step_monotonic=time.monotonic()
+        island="island-0", rank=0, mode="diloco", synced=True, step=3, loss=2.5, last_step_monotonic=time.monotonic()
     )
     status, body = get(f"{base}/readyz")
     assert status == 200 and "step 3" in body
@@ -136,7 +139,9 @@ def test_readyz_answers_503_until_the_rank_has_finished_a_step(served):
 def test_readyz_answers_503_once_the_last_step_is_stale(served):
     current, base = served
     stale = time.monotonic() - READY_STALENESS_SECONDS - 60
-    current["snapshot"] = WorkerSnapshot(island="island-0", rank=0, mode="diloco", step=9, last_step_monotonic=stale)
+    current["snapshot"] = WorkerSnapshot(
+        island="island-0", rank=0, mode="diloco", synced=True, step=9, last_step_monotonic=stale
+    )
     status, body = get(f"{base}/readyz")
     assert status == 503 and "last step" in body
 
