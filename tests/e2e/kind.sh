@@ -18,8 +18,11 @@ TAG=$TAG bash deploy/images/build.sh operator trainer
 if [[ ${KEEP_CLUSTER:-} != 1 ]]; then
     trap '"$BIN/kind" delete cluster --name "$CLUSTER"; rm -f "$KUBECONFIG_FILE"' EXIT
 fi
-docker tag "diloco-trainer:$TAG" "diloco-trainer:$TAG-rolled"   # the image an update rolls the job onto
-"$BIN/kind" load docker-image --name "$CLUSTER" "diloco-trainer:$TAG" "diloco-trainer:$TAG-rolled" "diloco-operator:$TAG"
+# Also as the image an update rolls the job onto, and as the :dev the README's examples name.
+docker tag "diloco-trainer:$TAG" "diloco-trainer:$TAG-rolled"
+docker tag "diloco-trainer:$TAG" "diloco-trainer:dev"
+"$BIN/kind" load docker-image --name "$CLUSTER" "diloco-trainer:$TAG" "diloco-trainer:$TAG-rolled" \
+    "diloco-trainer:dev" "diloco-operator:$TAG"
 
 DILOCO_E2E_KUBECONFIG=$KUBECONFIG_FILE DILOCO_E2E_IMAGE_TAG=$TAG DILOCO_CLUSTER_BIN=$BIN \
     .venv/bin/python -m pytest -m e2e tests/e2e "$@"
