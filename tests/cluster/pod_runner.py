@@ -4,14 +4,10 @@ that container's command and args run as a local process from this checkout's vi
 would run them. What the pod spec says is honoured (podspec.py): the environment (env, ConfigMap and Secret
 references, downward API, envFrom), ConfigMap, Secret, emptyDir and PersistentVolumeClaim volumes (files
 under the runner's directory, container paths rewritten to them), the pod's hostname and an /etc/hosts in
-which the job's Service names and the pods of headless Services resolve to their pod IPs. Processes run in
-the pod network (podnet.py), where pod IPs are real and the API server is the `kubernetes` Service's
-ClusterIP, each in mount and UTS namespaces of its own for its hostname and /etc/hosts (`unshare`).
-
-Pods share the pod network's ports, so processes that know a bind-address setting get their pod's IP through
-it (BIND_ENV): two syncer shards both listening on 0.0.0.0:50051 would collide. For the same reason only one
-island of several ranks (several pods, or a pod of several accelerators) at a time can run here
-(torch.distributed's store listens on every address of MASTER_PORT).
+which the job's Service names and the pods of headless Services resolve to their pod IPs. Each pod has a
+network namespace of its own with its pod IP on `eth0` (pod_network.py), where other pods' IPs are reachable
+and the API server is the `kubernetes` Service's ClusterIP; each process runs there, in mount and UTS
+namespaces of its own for its hostname and /etc/hosts (`unshare`).
 
 A pod being deleted has its processes sent SIGTERM, and SIGKILL (to the whole process group) once it is gone
 or its grace period (at most MAX_GRACE seconds) has passed; the runner's finalizer keeps the pod, Terminating,
@@ -53,7 +49,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from cluster.controlplane import group_alive, stop_group
-from cluster.podnet import KUBERNETES_SERVICE, PodNetwork
+from cluster.pod_network import KUBERNETES_SERVICE, PodNetwork
 from cluster.podspec import (
     Unresolvable,
     accelerators,
@@ -77,7 +73,6 @@ IMAGES = {
 }
 """Repository name -> Dockerfile of the images this project builds (the examples' spec.image, the chart's
 image.repository); the Dockerfile's ENTRYPOINT and CMD stand in for the image's."""
-BIND_ENV = {"diloco-syncer": "DILOCO_SYNCER_HOST", "diloco-worker": "DILOCO_METRICS_HOST"}
 MAX_GRACE = 10.0
 MAX_ACCELERATORS = 2
 FINALIZER = "test.diloco.dev/pod-runner"
@@ -107,11 +102,11 @@ def image_name(image: str) -> str:
 
 
 def in_pod(
-    network: PodNetwork, command: Sequence[str], hosts: Path, hostname: str, run_mounts: Mapping[str, str]
+    network: PodNetwork, uid: str, command: Sequence[str], hosts: Path, hostname: str, run_mounts: Mapping[str, str]
 ) -> list[str]:
-    """`command` wrapped to run in `network` with `hosts` as its /etc/hosts, `hostname` as its host name and
-    `run_mounts` (path under /run -> local directory) bind-mounted over a private /run, in mount and UTS
-    namespaces of its own."""
+    """`command` wrapped to run in the network namespace of pod `uid` with `hosts` as its /etc/hosts,
+    `hostname` as its host name and `run_mounts` (path under /run -> local directory) bind-mounted over a
+    private /run, in mount and UTS namespaces of its own."""
     steps = [f"mount --bind {shlex.quote(str(hosts))} /etc/hosts"]
     steps.append(f"hostname {shlex.quote(hostname)}")
     if run_mounts:
@@ -119,8 +114,8 @@ def in_pod(
         for target, source in run_mounts.items():
             steps += [f"mkdir -p {shlex.quote(target)}", f"mount --bind {shlex.quote(source)} {shlex.quote(target)}"]
     script = " && ".join([*steps, 'exec "$@"'])
-    return network.enter(
-        ["unshare", "--mount", "--uts", "--propagation", "private", "--", "/bin/sh", "-c", script, "pod", *command]
+    return network.enter_pod(
+        uid, ["unshare", "--mount", "--uts", "--propagation", "private", "--", "/bin/sh", "-c", script, "pod", *command]
     )
 
 
@@ -208,7 +203,7 @@ class PodRunner:
         deadline = time.monotonic() + 30
         while not self.prober_socket.exists():
             if time.monotonic() > deadline or self._prober.poll() is not None:
-                raise RuntimeError("the prober did not start in the pod network")
+                raise RuntimeError("the prober did not start in the node namespace")
             time.sleep(0.1)
         self._thread.start()
 
@@ -258,13 +253,13 @@ class PodRunner:
         return found
 
     def get(self, url: str) -> str:
-        """The body of an HTTP GET of `url` from inside the pod network, where pod IPs are reachable."""
+        """The body of an HTTP GET of `url` from the pod network's node namespace, where pod IPs are reachable."""
         fetch = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
         result = subprocess.run(
             self.network.enter([sys.executable, "-c", fetch, url]), capture_output=True, text=True, timeout=60
         )
         if result.returncode != 0:
-            raise OSError(f"GET {url} in the pod network failed: {result.stderr.strip()[-400:]}")
+            raise OSError(f"GET {url} in the node namespace failed: {result.stderr.strip()[-400:]}")
         return result.stdout
 
     def kill(self, namespace: str, pod: str, sig: int = signal.SIGKILL) -> int:
@@ -313,8 +308,9 @@ class PodRunner:
         )
 
     def pass_once(self) -> None:
-        """One look at every pod: processes of pods gone are killed first (their ports and addresses freed for
-        their successors), then every runnable container converges to running."""
+        """One look at every pod: processes of pods gone are killed first and their network namespaces taken
+        away once none is left (their addresses freed for their successors), then every runnable pod gets its
+        namespace and its containers converge to running."""
         every_pod = self._list(self.core.list_pod_for_all_namespaces)
         pods = [p for p in every_pod if self.runnable(p)]
         entries = service_names(self._list(self.discovery.list_endpoint_slice_for_all_namespaces))
@@ -324,12 +320,17 @@ class PodRunner:
                 self._kill(container)
                 if not (container.process and group_alive(container.process.pid)):
                     del self.containers[key]
+        in_use = {uid for uid, _ in self.containers} | {uid for uid, _ in live}
+        for uid in set(self.network.pods) - in_use:
+            self.network.remove_pod(uid)
         for pod in pods:
             meta = pod["metadata"]
             directory = self.workdir / f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
             directory.mkdir(parents=True, exist_ok=True)
             own = (pod["status"]["podIP"], own_names(pod))
             write_in_place(directory / "hosts", render_hosts(entries, own, meta["namespace"]))
+            if not meta.get("deletionTimestamp"):
+                self.network.add_pod(meta["uid"], pod["status"]["podIP"])
             for spec in pod["spec"]["containers"]:
                 if image_name(spec["image"]) not in self.images:
                     continue
@@ -502,7 +503,7 @@ class PodRunner:
     def _prepare(
         self, container: Container, pod: Mapping[str, Any], spec: Mapping[str, Any]
     ) -> tuple[list[str], dict[str, str], Path]:
-        """Command (wrapped by in_pod_network), environment and working directory of the next incarnation;
+        """Command (wrapped by in_pod), environment and working directory of the next incarnation;
         volumes materialized."""
         namespace = pod["metadata"]["namespace"]
 
@@ -536,9 +537,6 @@ class PodRunner:
         command = [rewrite_paths(part, mounts) for part in command]
         if not command:
             raise Unresolvable("neither the container nor the image's Dockerfile says what to run")
-        bind = BIND_ENV.get(Path(command[0]).name)
-        if bind:
-            env.setdefault(bind, pod["status"]["podIP"])
         base = {
             "PATH": f"{self.bin_dir}:/usr/local/bin:/usr/bin:/bin",
             "HOME": str(container.directory),
@@ -546,13 +544,14 @@ class PodRunner:
             "LANG": "C.UTF-8",
             "PYTHONUNBUFFERED": "1",
             "CUDA_VISIBLE_DEVICES": "",
-            # What every pod gets for the `kubernetes` Service (podnet.py relays it to the API server).
+            # What every pod gets for the `kubernetes` Service (pod_network.py relays it to the API server).
             "KUBERNETES_SERVICE_HOST": KUBERNETES_SERVICE[0],
             "KUBERNETES_SERVICE_PORT": str(KUBERNETES_SERVICE[1]),
         }
         if "/tmp" in mounts:
             base["TMPDIR"] = mounts["/tmp"]
-        wrapped = in_pod(self.network, command, container.directory / "hosts", pod["metadata"]["name"], run_mounts)
+        hosts, hostname = container.directory / "hosts", pod["metadata"]["name"]
+        wrapped = in_pod(self.network, container.uid, command, hosts, hostname, run_mounts)
         return wrapped, base | env, container.directory
 
     def _token(self, pod: Mapping[str, Any], source: Mapping[str, Any]) -> str:

@@ -3,7 +3,7 @@ container (env with $(VAR) expansion, ConfigMap and Secret references, the downw
 of its ConfigMap, Secret and projected volumes, container paths rewritten to where volumes live on this
 machine, and the /etc/hosts a pod sees: names of Services and of pods behind headless Services resolve to
 their endpoints' pod IPs (cluster DNS has no equivalent here), so a Service's port must equal its target port,
-as it does for every Service this project makes. pod_runner.py does the I/O; podnet.py makes pod IPs real.
+as it does for every Service this project makes. pod_runner.py does the I/O; pod_network.py makes pod IPs real.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 its results make a container Ready (`Readiness`, pure: periodSeconds, initialDelaySeconds, successThreshold,
 failureThreshold, with the kubelet's defaults), and the check itself (`check`).
 
-Pod IPs are reachable only inside the pod network (podnet.py), so the checks run there, in one prober
-process the pod runner starts (`python -m cluster.probes UNIX_PATH`); the runner hands it each probe over a
-Unix socket, which crosses network namespaces (`ask`). httpGet, tcpSocket and grpc probes are run (the
-operator renders httpGet for trainers and grpc for syncers); an exec probe fails, saying the pod runner does
-not run it. Startup and liveness probes are not run.
+Pod IPs are reachable only inside the pod network (pod_network.py), so the checks run in its node namespace,
+as a kubelet's run on its node, in one prober process the pod runner starts (`python -m cluster.probes
+UNIX_PATH`); the runner hands it each probe over a Unix socket, which crosses network namespaces (`ask`).
+httpGet, tcpSocket and grpc probes are run (the operator renders httpGet for trainers and grpc for syncers);
+an exec probe fails, saying the pod runner does not run it. Startup and liveness probes are not run.
 """
 
 from __future__ import annotations

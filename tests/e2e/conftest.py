@@ -9,13 +9,14 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cluster.cluster import Cluster
-from cluster.controlplane import binaries_dir, free_port
+from cluster.controlplane import binaries_dir
 from cluster.pod_runner import PodRunner
 from kubernetes import config as kube_config
 from support import missing_binary
@@ -55,6 +56,18 @@ class Target:
         if check and result.returncode != 0:
             raise AssertionError(f"{tool} {' '.join(args)} failed: {result.stderr}")
         return result
+
+    def get(self, pod: Mapping[str, Any], port: int, path: str) -> str:
+        """The body of an HTTP GET of `path` on the pod's IP and `port`: from the pod network on the KWOK
+        cluster, else through the API server's proxy to the pod. An OSError while it does not answer."""
+        if self.runner is not None:
+            return self.runner.get(f"http://{pod['status']['podIP']}:{port}{path}")
+        meta = pod["metadata"]
+        proxy = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}:{port}/proxy{path}"
+        result = self.kubectl("get", "--raw", proxy, check=False)
+        if result.returncode != 0:
+            raise OSError(f"GET {proxy} failed: {result.stderr.strip()}")
+        return result.stdout
 
     def crash(self, namespace: str, pod: str) -> None:
         """Makes the pod's main process die as a crash would: SIGKILL on the KWOK cluster; in a real container
@@ -131,11 +144,6 @@ def operator(target: Target) -> Iterator[str]:
         "replicaCount=1",
         "--set",
         "resyncSeconds=2",
-        # Pods of the KWOK cluster share this machine's ports: free ones for the operator's listeners.
-        "--set",
-        f"metrics.port={free_port()}",
-        "--set",
-        f"livenessPort={free_port()}",
     )
     try:
         yield OPERATOR_NAMESPACE

@@ -1,5 +1,7 @@
-"""deploy/examples/spot-h100-ondemand-a100.yaml as written, on a cluster with its GPU pools: islands of mixed
-generations land on their own pools, spot pods on spot nodes, every pod on a node with GPUs free for it."""
+"""The examples in deploy/examples as written. tiny-cpu.yaml, applied as the README does, trains: its island of
+two pods forms one torch.distributed world across them. spot-h100-ondemand-a100.yaml, on a cluster with its
+GPU pools: islands of mixed generations land on their own pools, spot pods on spot nodes, every pod on a
+node with GPUs free for it."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 import support
 import yaml
+from test_ranks_per_pod import metric
 
 pytestmark = [pytest.mark.process, pytest.mark.e2e]
 
@@ -53,6 +56,39 @@ def island_pods(target, island):
 
 def running(pods, count):
     return len(pods) == count and all(p["status"].get("phase") == "Running" for p in pods) and pods
+
+
+@pytest.mark.timeout(1800)
+def test_tiny_cpu_trains_with_its_island_of_two_pods(target, operator):
+    """`kubectl apply -f deploy/examples/tiny-cpu.yaml`: both islands Ready, the `pair` island's two ranks, one
+    in each of its pods, both step, and the job's outer step rises. The example's trainers take every core and
+    50 inner steps per round: on a busy machine its rounds take minutes."""
+    if target.image_tag != "dev":
+        pytest.skip(f"the example runs diloco-trainer:dev; this cluster's images are tagged {target.image_tag}")
+    namespace = "e2e-tiny-cpu"
+    target.kubectl("create", "namespace", namespace)
+    try:
+        target.kubectl("-n", namespace, "apply", "-f", str(ROOT / "deploy" / "examples" / "tiny-cpu.yaml"))
+
+        def status():
+            found = target.kubectl("-n", namespace, "get", "dilocojob", "tiny-cpu", "-o", "json").stdout
+            return json.loads(found).get("status") or {}
+
+        def steps():
+            """Each rank of the pair island's inner step, its pods in ordinal order, once both have stepped."""
+            selector = "diloco.dev/job=tiny-cpu,diloco.dev/island=pair"
+            out = target.kubectl("-n", namespace, "get", "pods", "-l", selector, "-o", "json").stdout
+            pods = sorted(json.loads(out)["items"], key=lambda p: p["metadata"]["name"])
+            found = [metric(target, pod, 0, "diloco_worker_step", rank=str(rank)) for rank, pod in enumerate(pods)]
+            return len(found) == 2 and all(found) and found
+
+        wait_until(lambda: status().get("islandsReady") == "2/2", timeout=300)
+        before = wait_until(steps, timeout=600)
+        first = wait_until(lambda: status().get("outerStep", 0), timeout=900)
+        wait_until(lambda: status()["outerStep"] > first, timeout=900)
+        wait_until(lambda: (now := steps()) and all(a > b for a, b in zip(now, before, strict=True)))
+    finally:
+        target.kubectl("delete", "namespace", namespace, "--wait=true", timeout=180)
 
 
 def test_mixed_generations_land_on_their_pools(target, operator):

@@ -85,9 +85,8 @@ def metric(target, pod, local_rank, name, **labels):
     """A sample of local rank `local_rank`'s metrics (served on the pod's metrics port + local rank), or None
     while it does not answer or has no such sample."""
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
-    url = f"http://{pod['status']['podIP']}:{int(env['DILOCO_METRICS_PORT']) + local_rank}/metrics"
     try:
-        text = target.runner.get(url)
+        text = target.get(pod, int(env["DILOCO_METRICS_PORT"]) + local_rank, "/metrics")
     except OSError:
         return None
     for line in text.splitlines():
