@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes.utils.quantity import parse_quantity
+
 from diloco.api.job import (
     DiLoCoJobSpec,
     Exposure,
@@ -381,6 +383,16 @@ def island_grace_seconds(island: IslandSpec) -> int:
     return TRAINER_GRACE_SECONDS if override is None else override
 
 
+def threads_per_rank(island: IslandSpec) -> int | None:
+    """CPU threads for each rank: the pod's CPU (its limit, else its request) shared among its ranks. torch
+    otherwise starts a thread per core of the node however little CPU the pod has, and a pod of one CPU on a
+    many-core node then runs many times slower than with one thread. None: the island names no CPU."""
+    cpu = island.resources.limits.get("cpu") or island.resources.requests.get("cpu")
+    if cpu is None:
+        return None
+    return max(1, int(parse_quantity(str(cpu)) // max(1, island.accelerators_per_pod)))
+
+
 def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[dict[str, Any]]:
     """DILOCO_* for `Learner.from_env` and the built-in worker, and torch.distributed's static rendezvous,
     whose master is the island's ordinal-0 pod. The world is every rank of the island: one per accelerator
@@ -404,6 +416,8 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
         values["DILOCO_PRECISION"] = (spec.trainer.precision or Precision.AUTO).value
         values["DILOCO_ACTIVATION_CHECKPOINTING"] = "1" if spec.trainer.activation_checkpointing else "0"
     ranks_per_pod = max(1, island.accelerators_per_pod)
+    if (threads := threads_per_rank(island)) is not None:
+        values["OMP_NUM_THREADS"] = str(threads)
     values |= {
         "WORLD_SIZE": str(island.replicas * ranks_per_pod),
         "MASTER_ADDR": n.rank0_address(job.name, job.namespace, island.name),

@@ -592,3 +592,18 @@ def test_a_job_against_remote_shards_renders_only_its_islands_mounting_their_tok
     (trainer,) = pod["spec"]["containers"]
     assert env_of(trainer)["DILOCO_SYNCERS"] == "127.0.0.5:31000,127.0.0.5:31001"
     assert env_of(trainer)["DILOCO_TLS_CA_FILE"] == "/var/run/secrets/diloco-tls/ca.crt"
+
+
+def test_each_rank_gets_its_share_of_the_pods_cpu_as_threads():
+    spec = make_spec()
+    rendered = render(spec)
+
+    def threads(island):
+        (container,) = rendered[("StatefulSet", f"demo-{island}")]["spec"]["template"]["spec"]["containers"]
+        return env_of(container).get("OMP_NUM_THREADS")
+
+    assert threads("h100") == "4", "32 CPUs among 8 ranks"
+    assert threads("a100") is None, "no CPU named: torch's own default"
+    one_cpu = make_spec(islands=[{"name": "cpu", "replicas": 2, "resources": {"requests": {"cpu": "500m"}}}])
+    (container,) = render(one_cpu)[("StatefulSet", "demo-cpu")]["spec"]["template"]["spec"]["containers"]
+    assert env_of(container)["OMP_NUM_THREADS"] == "1", "never fewer than one"
