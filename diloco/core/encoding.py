@@ -159,6 +159,9 @@ def decode(
     shape = tuple(int(d) for d in shape)
     if any(d < 0 for d in shape):
         raise EncodingError(f"negative dimension in shape {list(shape)}")
+    if math.prod(max(d, 1) for d in shape) >= 2**63:
+        # An empty tensor's other dimensions still make its strides, which must fit in 64 bits.
+        raise EncodingError(f"shape {list(shape)} has dimensions beyond what a tensor can index")
     numel = math.prod(shape)
     expected = encoded_nbytes(numel, encoding, block_size, top_k)
     if len(data) != expected:
