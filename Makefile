@@ -42,14 +42,14 @@ protos: $(STAMP)  ## regenerate the gRPC stubs from protos/
 bench-syncer: $(STAMP)  ## merge-and-serve throughput of one shard vs raw loopback
 	$(BIN)/python bench/syncer_throughput.py
 
-bench-comm: $(STAMP)  ## communication bytes per token, DiLoCo with int4 at the default H vs ddp, same machine
+bench-comm: $(STAMP)  ## communication bytes per token, DiLoCo with int4 and sparse at the default H vs ddp, same machine
 	$(BIN)/python bench/comm_bytes.py
 
 bench-simulator: $(STAMP)  ## diloco simulate's goodput predictions vs diloco run --compare on one failure trace (~5 min)
 	$(BIN)/python bench/simulate_vs_run.py
 
 .PHONY: bench-loss bench-step-time bench-goodput bench-accelerator
-bench-loss: $(STAMP)  ## held-out loss at equal tokens: decoupled DiLoCo vs ddp and sync-diloco, 4 islands (~5 min)
+bench-loss: $(STAMP)  ## held-out loss at equal tokens: decoupled DiLoCo (int4, sparse) vs ddp and sync-diloco, 4 islands
 	$(BIN)/python bench/training.py loss
 
 bench-step-time: $(STAMP)  ## training-step time with syncing on vs off, alternating repeats (~5 min)

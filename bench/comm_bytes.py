@@ -7,6 +7,8 @@ P=4, τ=5, int4 outer gradients, so "int4 at the default H").
 - ours: decoupled DiLoCo with compressed pulls (merged fragments come back as int4 differences).
 - ours, float32 pulls: the same run with DILOCO_COMPRESSED_PULLS=0, for the pulls' share of the traffic and
   to check that compressed pulls do not cost loss (held-out loss of the syncers' global model).
+- sparse: decoupled DiLoCo with the sparse encoding both ways (each block's top-k values at 2 bits, what is
+  not sent carried by the island's error feedback), the job's default top-k fraction.
 - baseline: `ddp`, the same M workers all-reducing float32 gradients every step. Its bytes per token do not
   depend on the run's length, so it runs for fewer steps.
 
@@ -19,7 +21,7 @@ the launcher's metric scrapes, gloo's rendezvous and ddp's initial broadcast. Fo
 leaves one worker and reaches another, so the per-worker-link figure is twice the counter; for DiLoCo every
 byte has an island at one end, so it is the counter itself.
 
-Target (issue: workers): ddp / ours ≥ 400 with int4 at the default H.
+Targets: ddp / ours ≥ 400 with int4 at the default H (issue: workers); ddp / sparse ≥ 5000 (issue 19).
 Per token, both sides scale the same way with the batch, so the ratio does not depend on it; only DiLoCo's
 one-off start-up (the seed, in float32) needs enough steps to be amortised.
 Usage: python bench/comm_bytes.py [--islands 4] [--steps 300] [--ddp-steps 30] [--plot out/bench/comm_bytes.png]
@@ -39,10 +41,12 @@ import time
 from pathlib import Path
 
 TARGET = 400.0
-RUNS = (
-    ("ours", "diloco", "1"),
-    ("ours, float32 pulls", "diloco", "0"),
-    ("ddp", "ddp", "1"),
+SPARSE_TARGET = 5000.0
+RUNS = (  # name, mode, compressed pulls, encoding
+    ("ours", "diloco", "1", "int4"),
+    ("ours, float32 pulls", "diloco", "0", "int4"),
+    ("sparse", "diloco", "1", "sparse"),
+    ("ddp", "ddp", "1", "int4"),
 )
 
 
@@ -65,7 +69,7 @@ def child(args: argparse.Namespace) -> None:
     before = loopback_bytes() if args.netns else 0
     plan = RunPlan(
         mode=args.mode,
-        config=TrainingConfig(),
+        config=TrainingConfig(encoding=args.encoding),
         out=Path(args.out),
         islands=args.islands,
         steps=args.steps,
@@ -106,7 +110,7 @@ def _netns_works() -> bool:
     return probe.returncode == 0
 
 
-def run_one(args: argparse.Namespace, mode: str, compressed: str, out: Path, netns: bool) -> dict:
+def run_one(args: argparse.Namespace, mode: str, compressed: str, encoding: str, out: Path, netns: bool) -> dict:
     steps = args.ddp_steps if mode == "ddp" else args.steps
     command = [
         sys.executable,
@@ -114,6 +118,8 @@ def run_one(args: argparse.Namespace, mode: str, compressed: str, out: Path, net
         "--child",
         "--mode",
         mode,
+        "--encoding",
+        encoding,
         "--islands",
         str(args.islands),
         "--steps",
@@ -179,6 +185,7 @@ def main() -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--netns", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--encoding", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -189,7 +196,7 @@ def main() -> int:
     load = os.getloadavg()
     print(
         f"comm_bytes: {args.islands} islands, tiny preset, batch {args.batch_size}, "
-        "H=100 P=4 tau=5 int4 (TrainingConfig defaults); "
+        "H=100 P=4 tau=5 int4 (TrainingConfig defaults), and sparse; "
         f"DiLoCo {args.steps} steps, ddp {args.ddp_steps} steps; loopback measure: "
         f"{'private netns' if netns else 'unavailable (no unshare -rn)'}; load {load[0]:.1f} on {os.cpu_count()} cores",
         flush=True,
@@ -197,8 +204,9 @@ def main() -> int:
     results = {}
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="comm-bytes-") as tmp:
-        for name, mode, compressed in RUNS:
-            results[name] = run_one(args, mode, compressed, Path(tmp) / name.replace(" ", "-").replace(",", ""), netns)
+        for name, mode, compressed, encoding in RUNS:
+            out = Path(tmp) / name.replace(" ", "-").replace(",", "")
+            results[name] = run_one(args, mode, compressed, encoding, out, netns)
             r = results[name]
             print(
                 f"  {name:<20} {r['bytes_per_token']:10.2f} B/token counted, {r['wire_bytes_per_token']:10.2f} on "
@@ -207,8 +215,9 @@ def main() -> int:
                 + ("  (timed out)" if r["timed_out"] else ""),
                 flush=True,
             )
-    ours, fp32, ddp = (results[name] for name, _, _ in RUNS)
+    ours, fp32, sparse, ddp = (results[name] for name, *_ in RUNS)
     ratio = ddp["bytes_per_token"] / ours["bytes_per_token"]
+    sparse_ratio = ddp["bytes_per_token"] / sparse["bytes_per_token"]
     wire_ratio = ddp["wire_bytes_per_token"] / ours["wire_bytes_per_token"]
     print(
         f"ours (int4 push + int4 compressed pull): {ours['bytes_per_token']:.2f} B/token; "
@@ -228,9 +237,17 @@ def main() -> int:
         f"held-out loss of the global model: compressed pulls {ours['loss']:.4f}, float32 pulls {fp32['loss']:.4f} "
         f"(ratio {ours['loss'] / fp32['loss']:.4f}); {time.time() - started:.0f} s in all"
     )
+    print(
+        f"sparse (top-k at 2 bits both ways, error feedback): {sparse['bytes_per_token']:.3f} B/token, "
+        f"{ours['bytes_per_token'] / sparse['bytes_per_token']:.1f}x fewer than int4; ratio to ddp {sparse_ratio:.0f}x "
+        f"(target >= {SPARSE_TARGET:.0f}x) -> {'MET' if sparse_ratio >= SPARSE_TARGET else 'NOT MET'}; on the "
+        f"loopback wire {ddp['wire_bytes_per_token'] / sparse['wire_bytes_per_token']:.0f}x; held-out loss "
+        f"{sparse['loss']:.4f}, {sparse['loss'] / ours['loss']:.4f} x int4's"
+    )
     plot(args.plot, results, ratio)
     print(f"plot: {args.plot}")
-    return 0 if ratio >= TARGET and not any(r["timed_out"] for r in results.values()) else 1
+    met = ratio >= TARGET and sparse_ratio >= SPARSE_TARGET
+    return 0 if met and not any(r["timed_out"] for r in results.values()) else 1
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 their ratio, and writing a PNG under out/bench/. Every mode is launched by `diloco run` itself (the same
 processes, trace and accounting as `diloco run --compare`), so what is measured is what users run.
 
-  loss       held-out loss at equal tokens: decoupled DiLoCo vs `ddp` and `sync-diloco` (4 islands).
-             Targets: ours <= 1.03 x the ddp loss and <= 1.01 x the sync-diloco loss.
+  loss       held-out loss at equal tokens: decoupled DiLoCo vs `ddp` and `sync-diloco` (4 islands), and
+             decoupled DiLoCo with sparse outer gradients beside it (int4 is the job's default encoding).
+             Targets: ours <= 1.03 x the ddp loss and <= 1.01 x the sync-diloco loss; sparse <= 1.01 x
+             int4's loss, with its bytes per token beside int4's and ddp's.
   step-time  training-step time of decoupled DiLoCo with syncing on vs off (off: H beyond the run, so no
              fragment ever falls due), in alternating repeats so a change of machine load hits both.
              Target: time(off) / time(on) >= 0.95.
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 from diloco.cli import main as diloco_main
+from diloco.core.config import TrainingConfig
 from diloco.progress import StepEvent, read_events
 from diloco.settings import DEFAULT_CORPUS_BYTES
 
@@ -125,6 +128,16 @@ def verdict(passed: bool, what: str) -> bool:
 def bench_loss(args: argparse.Namespace) -> bool:
     summaries = compare_at_equal_tokens(args, args.out / "loss", "--eval-every", str(args.eval_every))
     ours, ddp, sync = summaries["diloco"], summaries["ddp"], summaries["sync-diloco"]
+    (sparse,) = diloco_run(
+        args.out / "loss-sparse",
+        "--encoding",
+        "sparse",
+        "--top-k-fraction",
+        str(args.top_k_fraction),
+        "--eval-every",
+        str(args.eval_every),
+        *shape(args),
+    )
     print(
         f"\nheld-out loss after {ours['tokens_trained']} tokens per mode ({args.islands} islands, {args.preset} "
         f"preset on {args.device}):"
@@ -144,12 +157,21 @@ def bench_loss(args: argparse.Namespace) -> bool:
         args.png_dir / "loss_vs_baselines.png",
         f"held-out loss at equal tokens, {args.islands} islands",
         "loss (nats/byte)",
-        {s["mode"]: s["final_loss"] for s in (ours, sync, ddp)},
+        {**{s["mode"]: s["final_loss"] for s in (ours, sync, ddp)}, "diloco sparse": sparse["final_loss"]},
         (1.03 * ddp["final_loss"], "1.03 x ddp"),
+    )
+    vs_int4 = sparse["final_loss"] / ours["final_loss"]
+    print(
+        f"sparse (top {args.top_k_fraction:.2%} of each block at 2 bits, error feedback): eval loss "
+        f"{sparse['final_loss']:.4f}, ratio {vs_int4:.3f} to int4 (target <= 1.01); bytes per token: sparse "
+        f"{sparse['comm_bytes_per_token']:.2f}, int4 {ours['comm_bytes_per_token']:.2f} "
+        f"({ours['comm_bytes_per_token'] / sparse['comm_bytes_per_token']:.1f}x), ddp "
+        f"{ddp['comm_bytes_per_token']:.0f} ({ddp['comm_bytes_per_token'] / sparse['comm_bytes_per_token']:.0f}x)"
     )
     met = [
         verdict(vs_ddp <= 1.03, f"ours / ddp = {vs_ddp:.3f} <= 1.03"),
         verdict(vs_sync <= 1.01, f"ours / sync-diloco = {vs_sync:.3f} <= 1.01"),
+        verdict(vs_int4 <= 1.01, f"sparse / int4 = {vs_int4:.3f} <= 1.01"),
     ]
     return all(met)
 
@@ -262,6 +284,9 @@ def main() -> int:
     p.add_argument("--inner-steps", type=int, default=20, help="H")
     p.add_argument("--fragments", type=int, default=2, help="P")
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument(
+        "--top-k-fraction", type=float, default=TrainingConfig().top_k_fraction, help="loss: of the sparse run"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="tiny", help="model preset (medium: GPT-2 small size, for an accelerator)")
     p.add_argument("--device", default="cpu", help="cuda: the islands share the machine's GPUs as processes")

@@ -432,7 +432,7 @@ class SyncerServer:
         cached = self._replies.get((index, encoding))
         if cached is None or cached[0] != frag.version:
             named = [(s.name, v) for s, v in zip(frag.specs, frag.values)]
-            payloads, blobs = wire.tensor_payloads(named, encoding, self.config.block_size)
+            payloads, blobs = wire.tensor_payloads(named, encoding, self.config.block_size, self.config.top_k)
             for payload, spec in zip(payloads, frag.specs):
                 payload.dtype = spec.dtype
             version = _version(self.state.incarnation, frag.version)
@@ -480,12 +480,12 @@ class SyncerServer:
         """The difference from `held` to the values of `version` in `encoding`; records what the island will
         hold once it applies it. Called without the lock: it encodes, and takes the lock to record."""
         frag = self.state.fragments[request.fragment_id]
-        block_size = self.config.block_size
+        block_size, top_k = self.config.block_size, self.config.top_k
         named = [(spec.name, d) for spec, d in zip(frag.specs, differences)]
-        payloads, blobs = wire.tensor_payloads(named, encoding, block_size)
+        payloads, blobs = wire.tensor_payloads(named, encoding, block_size, top_k)
         for payload, spec in zip(payloads, frag.specs):
             payload.dtype = spec.dtype
-        values = tuple(held_after(held.values, blobs, encoding, block_size))
+        values = tuple(held_after(held.values, blobs, encoding, block_size, top_k))
         ref = Reference(self.state.incarnation, version, values, values_digest(values))
         with self._cond:
             self._references.record(request.island_id, request.fragment_id, ref)

@@ -25,7 +25,7 @@ from diloco.core.merge import (
     merge_deltas,
     tokens_are_possible,
 )
-from diloco.core.outer_optimizer import init_momentum, outer_step
+from diloco.core.outer_optimizer import init_momentum, outer_momentum, outer_step
 from diloco.core.refusal import Refusal
 
 CHECKPOINT_FORMAT = 1
@@ -418,7 +418,7 @@ class ShardState:
             momentum,
             outer_grad,
             lr=outer.lr,
-            momentum_coef=outer.momentum,
+            momentum_coef=outer_momentum(self.config),
             nesterov=outer.nesterov,
             share=self.merge_share(len(pending), now),
         )

@@ -45,13 +45,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from diloco.core.config import Mode, TrainingConfig
+from diloco.core.config import Encoding, Mode, TrainingConfig
 from diloco.core.fragments import Fragment, fragments_due, plan_fragments, resume_step, shard_of
 from diloco.core.island_id import check_island_id
 from diloco.settings import env_default, load_security, load_token, load_training_config
 from diloco.transport.client import Backoff, SyncerClient
 from diloco.transport.tls import Role, Security
 from diloco.transport.v1 import syncer_pb2 as pb
+from diloco.worker.error_feedback import ErrorFeedback
 from diloco.worker.island import Island
 from diloco.worker.metrics import WorkerSnapshot, serve_metrics
 from diloco.worker.pod_ranks import local_position, metrics_port
@@ -169,6 +170,7 @@ class Learner:
         if compressed_pulls is None:
             compressed_pulls = env_default("COMPRESSED_PULLS", "1") != "0"
         self._pull_encoding = config.encoding if compressed_pulls else None
+        self._feedback = ErrorFeedback() if config.encoding is Encoding.SPARSE else None
         self._security = security
         self._client_options = {"timeout": rpc_timeout, "retry_for": retry_for, "backoff": backoff}
         # Names must be the same on every island, whether or not it wraps its model in DDP ("module." prefix).
@@ -324,6 +326,7 @@ class Learner:
         if self.synchronous:
             self._await_islands()
         sequence = time.time_ns()
+        trained = []
         for f in self._fragments:
             # Islands start from the same initial values as the one that seeded: then the shard need not
             # send them again, only the (compressed) difference to its newest.
@@ -338,6 +341,21 @@ class Learner:
                     param.copy_(value)
             f.base, f.base_version, f.sequence = values, version, sequence
             self._stats.add(bytes_pulled=pulled.wire_bytes)
+            if version.version > 0:
+                trained.append(f.plan.index)
+        self._declare_feedback_lost(trained)
+
+    def _declare_feedback_lost(self, trained: list[int]) -> None:
+        """An island that starts on fragments already merged into may be a restart: whatever its previous
+        run's error-feedback buffers held back is gone (islands keep no state across restarts; see
+        `diloco.worker.error_feedback`). Said and counted on rank 0, like pushes."""
+        if self._feedback is None or not trained or not self.island.is_leader:
+            return
+        log.warning(
+            "error feedback starts empty: what a previous run of this island held back is lost",
+            extra={"fragments": trained},
+        )
+        self._stats.add(feedback_lost=len(trained))
 
     def _await_islands(self) -> None:
         """The synchronous baseline's first barrier: every shard hears from `quorum` islands (K = M) before
@@ -497,10 +515,12 @@ class Learner:
             request,
             encoding=self.config.encoding,
             block_size=self.config.block_size,
+            top_k=self.config.top_k,
             timeout=self.sync_timeout,
             stopping=self._stopping,
             stats=self._stats,
             pull_encoding=self._pull_encoding,
+            feedback=self._feedback,
         )
         self._rounds[f.plan.index] = round_
         round_.start()

@@ -30,6 +30,7 @@ class LearnerStats:
     bytes_pushed: int = 0
     bytes_pulled: int = 0
     blocked_seconds: float = 0.0
+    feedback_lost: int = 0  # fragments whose error-feedback buffer a restart lost (diloco.worker.error_feedback)
     versions: dict[int, Version] = field(default_factory=dict)
 
 

@@ -5,7 +5,8 @@ shard refuses as out of step (a base that is stale, from an older incarnation, o
 FAILED_PRECONDITION on the wire) turns into a fresh pull, so the island re-bases instead of stalling. Every
 other failure ends the round: the learner drops it and trains on, and the next due step pushes again. With a
 pull encoding, pulls are compressed: the shard sends the difference from the island's base
-(`diloco.core.compressed_pull`).
+(`diloco.core.compressed_pull`). With error feedback (the sparse encoding), the push carries the delta plus
+what earlier pushes left out (`diloco.worker.error_feedback`).
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import grpc
 import torch
 
 from diloco.core.compressed_pull import values_digest
-from diloco.core.encoding import Encoding, encoded_nbytes
+from diloco.core.encoding import Encoding, decode
 from diloco.core.refusal import Refusal
+from diloco.transport import wire
 from diloco.transport.client import Held, Pulled, SyncerClient
 from diloco.transport.codes import refusal_of
 from diloco.transport.v1 import syncer_pb2 as pb
+from diloco.worker.error_feedback import ErrorFeedback
 from diloco.worker.stats import StatsRecorder
 
 log = logging.getLogger("diloco.worker")
@@ -87,14 +90,19 @@ class FragmentSync:
         timeout: float,
         stopping: threading.Event,
         stats: StatsRecorder,
+        top_k: int = 0,
         pull_encoding: Encoding | None = None,
+        feedback: ErrorFeedback | None = None,
     ) -> None:
-        """`pull_encoding`: the encoding of compressed pulls, None for full float32 ones."""
+        """`pull_encoding`: the encoding of compressed pulls, None for full float32 ones. `feedback`: the
+        island's error-feedback buffers, None to push each delta as it is."""
         self.client = client
         self.request = request
         self.encoding = encoding
         self.pull_encoding = pull_encoding
         self.block_size = block_size
+        self.top_k = top_k
+        self.feedback = feedback
         self.timeout = timeout
         self._stopping = stopping
         self._stats = stats
@@ -130,23 +138,28 @@ class FragmentSync:
     def _round(self) -> SyncResult:
         r = self.request
         delta = [torch.sub(base, local, out=local) for base, local in zip(r.base, r.local.values())]
+        if self.feedback is not None:
+            delta = self.feedback.compensated(r.fragment, delta)
+        encoded = wire.tensor_payloads(list(zip(r.names, delta)), self.encoding, self.block_size, self.top_k)
         try:
-            reply = self.client.push(
+            reply = self.client.push_encoded(
                 r.fragment,
                 base=r.base_version,
                 tokens=r.tokens,
                 inner_steps=r.inner_steps,
                 sequence=r.sequence,
-                delta=list(zip(r.names, delta)),
-                encoding=self.encoding,
-                block_size=self.block_size,
+                encoded=encoded,
             )
         except grpc.RpcError as error:
             if refusal_of(error.code()) is Refusal.OUT_OF_STEP:
                 log.debug("push refused, pulling afresh", extra=self._fields(detail=error.details()))
                 return self._fresh()
             return self._failed("push", error)
-        nbytes = sum(encoded_nbytes(d.numel(), self.encoding, self.block_size) for d in delta)
+        blobs = encoded[1]
+        if self.feedback is not None:
+            sent = [decode(b, d.shape, self.encoding, self.block_size, self.top_k) for b, d in zip(blobs, delta)]
+            self.feedback.accepted(r.fragment, delta, sent)
+        nbytes = sum(len(b) for b in blobs)
         self._stats.add(syncs_pushed=1, bytes_pushed=nbytes)
         log.debug(
             "pushed",

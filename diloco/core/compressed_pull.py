@@ -45,10 +45,10 @@ def apply_delta(held: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) ->
 
 
 def held_after(
-    held: Sequence[torch.Tensor], blobs: Sequence[bytes], encoding: Encoding, block_size: int
+    held: Sequence[torch.Tensor], blobs: Sequence[bytes], encoding: Encoding, block_size: int, top_k: int = 0
 ) -> list[torch.Tensor]:
     """What an island holds after applying encoded differences to `held`: the shard's side of the agreement
     (the island decodes the same bytes from the stream and calls `apply_delta`)."""
     if len(blobs) != len(held):
         raise ValueError(f"{len(blobs)} encoded differences for {len(held)} held tensors")
-    return apply_delta(held, [decode(blob, h.shape, encoding, block_size) for blob, h in zip(blobs, held)])
+    return apply_delta(held, [decode(blob, h.shape, encoding, block_size, top_k) for blob, h in zip(blobs, held)])

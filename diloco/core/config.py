@@ -47,12 +47,14 @@ class Precision(str, enum.Enum):
 
 
 class Encoding(str, enum.Enum):
-    """How an outer gradient is encoded on the wire (INT8 and INT4 carry one float32 scale per block)."""
+    """How an outer gradient is encoded on the wire (INT8 and INT4 carry one float32 scale per block; SPARSE
+    keeps each block's top-k values at 2 bits, the rest carried by the island into its next delta)."""
 
     FP32 = "fp32"
     BF16 = "bf16"
     INT8 = "int8"
     INT4 = "int4"
+    SPARSE = "sparse"
 
 
 MAX_BLOCK_SIZE = 65536
@@ -111,14 +113,23 @@ class TrainingConfig(CamelModel):
         description="alpha: on receipt, fragment = alpha * local + (1 - alpha) * merged global; 0 takes the "
         "global values as they are.",
     )
-    encoding: Encoding = Field(Encoding.INT4, description="Wire encoding of outer gradients: fp32, bf16, int8 or int4.")
+    encoding: Encoding = Field(
+        Encoding.INT4, description="Wire encoding of outer gradients: fp32, bf16, int8, int4 or sparse."
+    )
     block_size: int = Field(
         128,
         ge=2,
         le=MAX_BLOCK_SIZE,
         multiple_of=2,
-        description=f"Elements per scale block for int8/int4 encodings; must be even (int4 packs pairs), at most "
-        f"{MAX_BLOCK_SIZE}.",
+        description=f"Elements per scale block for int8/int4/sparse encodings; must be even (int4 packs pairs), at "
+        f"most {MAX_BLOCK_SIZE}.",
+    )
+    top_k_fraction: float = Field(
+        1 / 64,
+        gt=0,
+        le=1,
+        description="Share of each block's values the sparse encoding sends: its top-k by magnitude, at least "
+        "one per block (SparseLoCo sends 1-3%).",
     )
     quorum: int = Field(
         1, ge=1, description="K: contributions a syncer shard waits for before merging (capped by live islands)."
@@ -157,6 +168,11 @@ class TrainingConfig(CamelModel):
             overlap_steps=self.overlap_steps, inner_steps=self.inner_steps, fragments=self.fragments
         )
         return self
+
+    @property
+    def top_k(self) -> int:
+        """Values the sparse encoding keeps per block of `block_size`."""
+        return max(1, round(self.top_k_fraction * self.block_size))
 
     def updated(self, **changes: Any) -> TrainingConfig:
         """A copy with `changes` (snake_case names) applied and validated, which `model_copy` does not do."""

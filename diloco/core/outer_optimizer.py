@@ -13,6 +13,20 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from diloco.core.config import Encoding, TrainingConfig
+
+
+def outer_momentum(config: TrainingConfig) -> float:
+    """The momentum coefficient a shard's outer step uses: the job's, but none for sparse outer gradients.
+
+    With the sparse encoding each island keeps what it did not send in an error-feedback buffer and sends it
+    later (`diloco.worker.error_feedback`): that decayed buffer already carries past rounds into each push, as
+    momentum would. Momentum on the shard as well would apply every sent value again round after round while
+    the island's buffer still holds the rest of it, and sparse, one-sided pushes make that overshoot worst;
+    SparseLoCo likewise replaces outer momentum with error feedback.
+    """
+    return 0.0 if config.encoding is Encoding.SPARSE else config.outer.momentum
+
 
 def init_momentum(params: Sequence[Tensor]) -> list[Tensor]:
     """Zero momentum buffers shaped, typed and placed like `params`."""

@@ -239,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         fragments=args.fragments,
         overlap_steps=args.overlap_steps,
         encoding=args.encoding,
+        top_k_fraction=args.top_k_fraction,
         quorum=args.quorum,
         grace_seconds=args.grace_seconds,
     )
@@ -345,6 +346,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fragments", type=int, default=2, help=f"P (a job's default: {job.fragments})")
     p.add_argument("--overlap-steps", type=int, default=2, help=f"tau (a job's default: {job.overlap_steps})")
     p.add_argument("--encoding", default=job.encoding.value, choices=[e.value for e in Encoding])
+    p.add_argument(
+        "--top-k-fraction", type=float, default=job.top_k_fraction, help="share of values the sparse encoding sends"
+    )
     p.add_argument("--quorum", type=int, default=job.quorum, help="K")
     p.add_argument(
         "--grace-seconds",

@@ -7,7 +7,8 @@ stalls compute, so utilisation = compute / (compute + exposed transfer time) ove
 
 - Data-parallel: the bf16 gradient every step, hidden behind that step's own compute.
 - DiLoCo: the whole outer gradient every H steps, not overlapped.
-- Streaming DiLoCo: one of P fragments every H/P steps, in 4 bits, hidden behind tau steps.
+- Streaming DiLoCo: one of P fragments every H/P steps, in 4 bits (or the job's encoding: under half a bit
+  per value when sparse), hidden behind tau steps.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ def diloco(inner_steps: int = 100, bits: float = 16) -> SyncScheme:
 
 
 def streaming_diloco(inner_steps: int = 100, fragments: int = 4, overlap_steps: int = 5, bits: float = 4) -> SyncScheme:
-    """One fragment's outer gradient every H/P steps, overlapped with tau steps, in low precision."""
+    """One fragment's outer gradient every H/P steps, overlapped with tau steps, in low precision: `bits` per
+    value of the encoding (`diloco.core.encoding.bits_per_value`; a fraction of a bit when sparse)."""
     return SyncScheme(
-        f"Streaming DiLoCo H={inner_steps} P={fragments} tau={overlap_steps} {bits:g}-bit",
+        f"Streaming DiLoCo H={inner_steps} P={fragments} tau={overlap_steps} {bits:.3g}-bit",
         bits,
         inner_steps / fragments,
         1.0 / fragments,

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from diloco.core.config import Encoding
+from diloco.core.encoding import bits_per_value
 from diloco.local.failure_trace import load_trace, save_trace
 from diloco.logs import setup_logging
 from diloco.sim import bandwidth
@@ -201,7 +203,12 @@ def bandwidth_table(
     """One row per scheme: Gbit/s per site needed for `utilisation`, then the utilisation `link_gbps` gives."""
     schemes = [bandwidth.data_parallel(), bandwidth.diloco(100), bandwidth.streaming_diloco(100, 4, 5)]
     training = config.training
-    simulated = bandwidth.streaming_diloco(training.inner_steps, training.fragments, training.overlap_steps)
+    simulated = bandwidth.streaming_diloco(
+        training.inner_steps,
+        training.fragments,
+        training.overlap_steps,
+        bits_per_value(training.encoding, training.block_size, training.top_k),
+    )
     if simulated not in schemes:
         schemes.append(simulated)
     steps = [step_s if step_s is not None else bandwidth.step_seconds(params) for params in params_list]
@@ -440,6 +447,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         overlap_steps=args.overlap_steps,
         quorum=args.quorum,
         grace_seconds=args.grace_seconds,
+        encoding=args.encoding,
+        top_k_fraction=args.top_k_fraction,
         **({} if timeout is None else {"island_timeout_seconds": timeout}),
     )
     return SimConfig(
@@ -601,6 +610,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="overlap: a learner waits for its push's merge after tau steps; round: only a round later, when the "
         "fragment is due again (diloco run's decoupled worker)",
     )
+    add("--encoding", default=job.encoding.value, choices=[e.value for e in Encoding], help="of outer gradients")
+    add("--top-k-fraction", type=float, default=job.top_k_fraction, help="share of values the sparse encoding sends")
     add("--quorum", type=int, default=job.quorum, help="K: pushes a merge waits for (capped by live islands)")
     add("--grace-seconds", type=float, default=job.grace_seconds, help="seconds a merge waits for more once K are in")
     add(

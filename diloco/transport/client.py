@@ -214,9 +214,31 @@ class SyncerClient:
         delta: Sequence[tuple[str, torch.Tensor]],
         encoding: Encoding,
         block_size: int,
+        top_k: int = 0,
     ) -> pb.PushReply:
         """Streams one outer gradient; encoded once, re-sent whole on a retry, counted once by the shard."""
-        payloads, blobs = wire.tensor_payloads(delta, encoding, block_size)
+        return self.push_encoded(
+            fragment_id,
+            base=base,
+            tokens=tokens,
+            inner_steps=inner_steps,
+            sequence=sequence,
+            encoded=wire.tensor_payloads(delta, encoding, block_size, top_k),
+        )
+
+    def push_encoded(
+        self,
+        fragment_id: int,
+        *,
+        base: pb.FragmentVersion,
+        tokens: int,
+        inner_steps: int,
+        sequence: int,
+        encoded: tuple[Sequence[pb.TensorPayload], Sequence[bytes]],
+    ) -> pb.PushReply:
+        """`push` of an outer gradient the caller encoded (`wire.tensor_payloads`), for a caller that needs
+        the bytes it sends (error feedback decodes them)."""
+        payloads, blobs = encoded
         header = pb.PushHeader(
             island_id=self.island_id,
             fragment_id=fragment_id,

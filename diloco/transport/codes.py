@@ -16,6 +16,7 @@ _WIRE_ENCODINGS: dict[Encoding, pb.Encoding] = {
     Encoding.BF16: pb.BF16,
     Encoding.INT8: pb.INT8,
     Encoding.INT4: pb.INT4,
+    Encoding.SPARSE: pb.SPARSE,
 }
 _ENCODINGS: dict[int, Encoding] = {value: encoding for encoding, value in _WIRE_ENCODINGS.items()}
 

@@ -4,10 +4,11 @@ gRPC caps message sizes, so a fragment travels as one header (names, shapes, dty
 lengths) followed by data messages of at most `MAX_CHUNK_BYTES`, each carrying its offset in the stream and a
 CRC-32 of its bytes. Both the worker (pushing deltas, seeding) and the syncer (serving pulls, receiving pushes
 and seeds) build and read streams here, so the two sides cannot drift apart. Readers treat the peer as
-untrusted: every declared length is checked against what the encoding implies before data is buffered, every
-chunk's offset and checksum before its bytes are used (a reordered, repeated, lost or damaged chunk would
-otherwise decode as other values), and every refusal is a `WireError` carrying its kind of `Refusal` (and so
-the status code that the contract prescribes).
+untrusted: every declared length is checked against what the encoding implies before data is buffered (and
+the stream's limit bounds the float32 tensors it decodes to as well as its bytes: a sparse tensor decodes to
+far more than it sends), every chunk's offset and checksum before its bytes are used (a reordered, repeated,
+lost or damaged chunk would otherwise decode as other values), and every refusal is a `WireError` carrying
+its kind of `Refusal` (and so the status code that the contract prescribes).
 """
 
 import math
@@ -31,7 +32,7 @@ MAX_STREAM_BYTES = 16 * 1024**3
 default, so an island reading a pull never tries to reserve what a lying header declares."""
 
 _DTYPES = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16}
-_QUANTISED = (Encoding.INT8, Encoding.INT4)
+_BLOCKED = (Encoding.INT8, Encoding.INT4, Encoding.SPARSE)
 
 # The data message's fields, numbered alike in PushChunk and FragmentChunk.
 _DATA_TAG = b"\x12"  # field 2 (`data`), length-delimited
@@ -81,15 +82,17 @@ def _invalid(message: str) -> WireError:
 
 
 def tensor_payloads(
-    named: Sequence[tuple[str, torch.Tensor]], encoding: Encoding, block_size: int
+    named: Sequence[tuple[str, torch.Tensor]], encoding: Encoding, block_size: int, top_k: int = 0
 ) -> tuple[list[pb.TensorPayload], list[bytes]]:
-    """Describe and encode tensors for a header: one TensorPayload and one byte string per tensor, in order."""
-    payload_block = block_size if encoding in _QUANTISED else 0
+    """Describe and encode tensors for a header: one TensorPayload and one byte string per tensor, in order.
+    `top_k` is for SPARSE only, as `block_size` is for the blocked encodings only."""
+    payload_block = block_size if encoding in _BLOCKED else 0
+    payload_top_k = top_k if encoding is Encoding.SPARSE else 0
     payloads, blobs = [], []
     for name, tensor in named:
         if tensor.dtype not in _DTYPES:
             raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}; the wire carries float32, bfloat16 or float16")
-        blob = encode(tensor, encoding, block_size)
+        blob = encode(tensor, encoding, block_size, top_k)
         payloads.append(
             pb.TensorPayload(
                 name=name,
@@ -97,6 +100,7 @@ def tensor_payloads(
                 dtype=_DTYPES[tensor.dtype],
                 encoding=wire_encoding(encoding),
                 block_size=payload_block,
+                top_k=payload_top_k,
                 byte_length=len(blob),
             )
         )
@@ -270,7 +274,7 @@ def _declared_total(payloads: Iterable[pb.TensorPayload]) -> int:
         if p.dtype not in _DTYPES.values():
             raise _invalid(f"tensor {p.name!r}: unknown dtype {p.dtype}")
         try:
-            expected = encoded_nbytes(math.prod(p.shape), encoding_of(p.encoding), p.block_size)
+            expected = encoded_nbytes(math.prod(p.shape), encoding_of(p.encoding), p.block_size, p.top_k)
         except EncodingError as e:
             raise _invalid(f"tensor {p.name!r}: {e}") from None
         if p.byte_length != expected:
@@ -295,10 +299,11 @@ def _read_stream(
     if not isinstance(header, header_type):
         raise _invalid("first message is not a header")
     total = _declared_total(header.tensors)
-    if total > max_total_bytes:
+    decoded = sum(4 * math.prod(p.shape) for p in header.tensors)
+    if max(total, decoded) > max_total_bytes:
         raise WireError(
             Refusal.TOO_LARGE,
-            f"header declares {total} bytes, more than the limit of {max_total_bytes}",
+            f"header declares {total} bytes that decode to {decoded}, more than the limit of {max_total_bytes}",
         )
     # Uninitialised memory: its pages are committed only as data lands, so a header that lies costs nothing.
     buffer = torch.empty(total, dtype=torch.uint8)
@@ -333,7 +338,9 @@ def _read_stream(
     offset = 0
     for p in header.tensors:
         try:
-            values = decode(buffer[offset : offset + p.byte_length], p.shape, encoding_of(p.encoding), p.block_size)
+            values = decode(
+                buffer[offset : offset + p.byte_length], p.shape, encoding_of(p.encoding), p.block_size, p.top_k
+            )
         except EncodingError as e:
             raise _invalid(f"tensor {p.name!r}: {e}") from None
         tensors.append((p, values))

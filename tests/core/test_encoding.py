@@ -250,3 +250,9 @@ def test_decode_allocates_no_more_than_the_tensor_whatever_the_block_size(encodi
     y = decode(encode(x, encoding, MAX_BLOCK_SIZE), [numel], encoding, MAX_BLOCK_SIZE)
     assert y.untyped_storage().nbytes() == 4 * numel
     assert bool(((y - x).abs() <= error_bound(x, encoding, MAX_BLOCK_SIZE)).all())
+
+
+def test_an_empty_shape_whose_other_dimensions_overflow_is_refused():
+    """Zero elements, so zero bytes, but strides beyond 64 bits: refused as malformed, not a crash."""
+    with pytest.raises(EncodingError, match="beyond what a tensor can index"):
+        decode(b"", [0, 2**40, 2**40], Encoding.FP32, 0)

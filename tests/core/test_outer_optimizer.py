@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from diloco.core.outer_optimizer import init_momentum, outer_step
+from diloco.core.config import Encoding, TrainingConfig
+from diloco.core.outer_optimizer import init_momentum, outer_momentum, outer_step
 
 
 def test_hand_computed_three_nesterov_steps():
@@ -117,3 +118,9 @@ def test_partial_steps_of_a_round_move_as_far_as_one_full_step(islands):
 def test_share_outside_0_1_is_refused(share):
     with pytest.raises(ValueError, match="share"):
         outer_step([torch.zeros(1)], [torch.zeros(1)], [torch.ones(1)], lr=0.7, momentum_coef=0.9, share=share)
+
+
+def test_the_shard_leaves_momentum_to_the_islands_error_feedback_when_deltas_are_sparse():
+    job = TrainingConfig()
+    assert outer_momentum(job) == job.outer.momentum == 0.9
+    assert outer_momentum(job.updated(encoding=Encoding.SPARSE)) == 0.0

@@ -7,6 +7,8 @@ model lands in both ranges for 1B, 10B and 100B parameters.
 
 import pytest
 
+from diloco.core.config import Encoding, TrainingConfig
+from diloco.core.encoding import bits_per_value
 from diloco.sim import bandwidth
 
 SIZES = (1e9, 1e10, 1e11)
@@ -76,3 +78,14 @@ def test_utilisation_target_must_be_a_fraction(bad):
 def test_a_link_needs_two_sites():
     with pytest.raises(ValueError):
         bandwidth.transfer_bits(bandwidth.data_parallel(), 1e9, 1)
+
+
+def test_sparse_outer_gradients_need_a_tenth_of_the_bandwidth_of_int4():
+    """The job's encoding sets the bits per value: sparse sends 2 of 128 values at 2 + 7 bits, plus a scale."""
+    job = TrainingConfig(encoding=Encoding.SPARSE)
+    bits = bits_per_value(job.encoding, job.block_size, job.top_k)
+    assert bits == (32 + 2 * (2 + 7)) / 128 and bits_per_value(Encoding.INT4, 128) == 4.25
+    step = bandwidth.step_seconds(1e10)
+    int4 = bandwidth.required_gbps(bandwidth.streaming_diloco(100, 4, 5, 4.25), 1e10, step, 0.95)
+    sparse = bandwidth.required_gbps(bandwidth.streaming_diloco(100, 4, 5, bits), 1e10, step, 0.95)
+    assert sparse < int4 / 10

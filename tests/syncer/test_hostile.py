@@ -29,7 +29,7 @@ from syncer_harness import (
     wait_until,
 )
 
-from diloco.core.encoding import Encoding
+from diloco.core.encoding import Encoding, encoded_nbytes
 from diloco.syncer.server import SyncerServer
 from diloco.transport import tls, wire
 from diloco.transport.client import SyncerClient
@@ -240,15 +240,23 @@ def flip_a_byte(chunks: list, index: int = 1) -> list:
     return chunks
 
 
-def corrupt_first_value(encoding: Encoding, block_size: int, raw: bytes) -> Callable:
+def corrupt_first_value(encoding: Encoding, block_size: int, raw: bytes, top_k: int = 0) -> Callable:
     """A stream whose first tensor's first 4 (or 2) bytes — a value, or the first block's scale — are `raw`."""
 
     def build(scene, island):
-        payloads, blobs = wire.tensor_payloads(valid_delta(), encoding, block_size)
+        payloads, blobs = wire.tensor_payloads(valid_delta(), encoding, block_size, top_k)
         blobs[0] = raw + blobs[0][len(raw) :]
         return with_data(scene, island, payloads, b"".join(blobs))
 
     return build
+
+
+def sparse_indices_zeroed(scene, island):
+    """A sparse stream whose first tensor names index 0 for every kept value: repeated within each block.
+    Its last bytes are the indices (two per block of 32, five bits each: 2048 / 32 · 10 bits = 80 bytes)."""
+    payloads, blobs = wire.tensor_payloads(valid_delta(), Encoding.SPARSE, 32, 2)
+    blobs[0] = blobs[0][:-80] + bytes(80)
+    return with_data(scene, island, payloads, b"".join(blobs))
 
 
 def with_payload_changes(
@@ -256,9 +264,10 @@ def with_payload_changes(
     extra: bytes = b"",
     encoding: Encoding = Encoding.FP32,
     block_size: int = 0,
+    top_k: int = 0,
 ) -> Callable:
     def build(scene, island):
-        payloads, blobs = wire.tensor_payloads(valid_delta(), encoding, block_size)
+        payloads, blobs = wire.tensor_payloads(valid_delta(), encoding, block_size, top_k)
         change(payloads)
         return with_data(scene, island, payloads, b"".join(blobs) + extra)
 
@@ -331,6 +340,17 @@ PUSH_CASES = {
     "NaN in bf16 data": (corrupt_first_value(Encoding.BF16, 0, b"\xc0\x7f"), INVALID),
     "Inf scale in int8 data": (corrupt_first_value(Encoding.INT8, 32, INF32), INVALID),
     "NaN scale in int4 data": (corrupt_first_value(Encoding.INT4, 32, NAN32), INVALID),
+    "NaN scale in sparse data": (corrupt_first_value(Encoding.SPARSE, 32, NAN32, top_k=2), INVALID),
+    "negative scale in sparse data": (corrupt_first_value(Encoding.SPARSE, 32, struct.pack("<f", -1.0), 2), INVALID),
+    "sparse indices repeated within a block": (sparse_indices_zeroed, INVALID),
+    "sparse without top_k": (
+        with_payload_changes(set_field(0, top_k=0), encoding=Encoding.SPARSE, block_size=32, top_k=2),
+        INVALID,
+    ),
+    "sparse top_k beyond its block": (
+        with_payload_changes(set_field(0, top_k=33), encoding=Encoding.SPARSE, block_size=32, top_k=2),
+        INVALID,
+    ),
     "unknown encoding": (with_payload_changes(set_field(0, encoding=9)), INVALID),
     "odd int4 block size": (
         with_payload_changes(set_field(0, block_size=3), encoding=Encoding.INT4, block_size=32),
@@ -441,6 +461,23 @@ def seed_declaring_4_tib():
     return [pb.FragmentChunk(header=header), framed(pb.FragmentChunk, b"\0" * 1024)]
 
 
+def sparse_seed_declaring_4_tib():
+    """A sparse tensor of 2^40 values is 64 MiB on the wire (one scale and one value per block of 64 Ki) but
+    4 TiB once decoded: the decoded size is bounded as well as the bytes."""
+    numel, block_size = 2**40, 2**16
+    huge = pb.TensorPayload(
+        name="w",
+        shape=[numel],
+        dtype=pb.FLOAT32,
+        encoding=pb.SPARSE,
+        block_size=block_size,
+        top_k=1,
+        byte_length=encoded_nbytes(numel, Encoding.SPARSE, block_size, 1),
+    )
+    header = pb.FragmentHeader(fragment_id=2, tensors=[huge])
+    return [pb.FragmentChunk(header=header), framed(pb.FragmentChunk, b"\0" * 1024)]
+
+
 def chunked_seed() -> list[pb.FragmentChunk]:
     return seed_chunks(2, *wire.tensor_payloads(random_values(5), Encoding.FP32, 0), max_chunk=1024)
 
@@ -449,6 +486,7 @@ SEED_CASES = {
     "NaN value": (seed_with_nan, INVALID),
     "no tensors": (lambda: seed_stream([]), INVALID),
     "header declares more than a fragment may hold": (seed_declaring_4_tib, EXHAUSTED),
+    "sparse header decoding to more than a fragment may hold": (sparse_seed_declaring_4_tib, EXHAUSTED),
     "truncated": (lambda: seed_stream(random_values(5))[:1], INVALID),
     "data chunks reordered": (lambda: swap_chunks(chunked_seed()), INVALID),
     "a flipped byte in the data": (lambda: flip_a_byte(chunked_seed()), INVALID),

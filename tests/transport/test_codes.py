@@ -12,8 +12,8 @@ from diloco.transport.wire import WireError, read_fragment_stream
 
 
 def test_encoding_wire_values():
-    assert [wire_encoding(e) for e in Encoding] == [pb.FP32, pb.BF16, pb.INT8, pb.INT4]
-    assert [encoding_of(v) for v in (pb.FP32, pb.BF16, pb.INT8, pb.INT4)] == list(Encoding)
+    assert [wire_encoding(e) for e in Encoding] == [pb.FP32, pb.BF16, pb.INT8, pb.INT4, pb.SPARSE]
+    assert [encoding_of(v) for v in (pb.FP32, pb.BF16, pb.INT8, pb.INT4, pb.SPARSE)] == list(Encoding)
 
 
 @pytest.mark.parametrize("value", [pb.ENCODING_UNSPECIFIED, 99])

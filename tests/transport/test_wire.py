@@ -1,5 +1,6 @@
 """Specification of the chunked tensor streams: round trips, chunk bounds, and every refusal with its code."""
 
+import math
 import zlib
 
 import grpc
@@ -324,16 +325,18 @@ def test_oversize_data_message_is_resource_exhausted():
 
 
 def test_header_declaring_too_much_is_resource_exhausted_before_any_data():
+    """The limit bounds the bytes sent and the float32 bytes they decode to (beyond them, when quantised)."""
     chunks = _fragment_chunks()
     declared = sum(p.byte_length for p in chunks[0].header.tensors)
-    read_fragment_stream(chunks, max_total_bytes=declared)
+    decoded = sum(4 * math.prod(p.shape) for p in chunks[0].header.tensors)
+    read_fragment_stream(chunks, max_total_bytes=max(declared, decoded))
 
     def header_only():
         yield chunks[0]
         raise AssertionError("data was read after an oversize header")
 
-    error = _refusal(read_fragment_stream, header_only(), max_total_bytes=declared - 1)
-    assert error.code == EXHAUSTED and str(declared) in error.message
+    error = _refusal(read_fragment_stream, header_only(), max_total_bytes=max(declared, decoded) - 1)
+    assert error.code == EXHAUSTED and f"{declared} bytes that decode to {decoded}" in error.message
 
 
 @pytest.mark.parametrize("encoding", [Encoding.FP32, Encoding.INT8])

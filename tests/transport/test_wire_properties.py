@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from diloco.core.encoding import Encoding
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.wire import (
+    MAX_STREAM_BYTES,
     WireError,
     data_message,
     fragment_messages,
@@ -28,9 +29,17 @@ pytestmark = pytest.mark.fuzz
 
 FUZZ = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MAX_CHUNK = 64  # small chunks, so a few hundred bytes make streams of many messages
-DECODED_PER_BYTE = 8  # the most float32 bytes one wire byte decodes to (int4: two values per byte)
+DECODED_PER_BYTE = 8  # the most float32 bytes one dense wire byte decodes to (int4: two values per byte)
 
-encodings = st.sampled_from([(Encoding.FP32, 0), (Encoding.BF16, 0), (Encoding.INT8, 4), (Encoding.INT4, 4)])
+encodings = st.sampled_from(  # encoding, block size, top_k
+    [
+        (Encoding.FP32, 0, 0),
+        (Encoding.BF16, 0, 0),
+        (Encoding.INT8, 4, 0),
+        (Encoding.INT4, 4, 0),
+        (Encoding.SPARSE, 4, 1),
+    ]
+)
 shapes = st.lists(st.integers(0, 6), min_size=0, max_size=3)
 finite = st.floats(-(2.0**126), 2.0**126, width=32)  # finite in every encoding, bfloat16 included
 
@@ -54,12 +63,13 @@ def hostile_payload() -> st.SearchStrategy[pb.TensorPayload]:
         dtype=st.integers(0, 4),
         encoding=st.integers(0, 5),
         block_size=st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1)),
+        top_k=st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1)),
         byte_length=st.one_of(st.integers(0, 256), st.integers(0, 2**64 - 1)),
     )
 
 
-def _framed(named, encoding, block_size, push: bool) -> list[bytes]:
-    payloads, blobs = tensor_payloads(named, encoding, block_size)
+def _framed(named, encoding, block_size, top_k, push: bool) -> list[bytes]:
+    payloads, blobs = tensor_payloads(named, encoding, block_size, top_k)
     if push:
         return list(push_messages(pb.PushHeader(island_id="a"), payloads, blobs, MAX_CHUNK))
     return list(fragment_messages(1, pb.FragmentVersion(), payloads, blobs, MAX_CHUNK))
@@ -70,10 +80,15 @@ def _read(messages: list[bytes], push: bool, **limits):
     return read([parse(raw) for raw in messages], max_chunk=MAX_CHUNK, **limits)
 
 
-def _assert_bounded_by_what_was_sent(messages: list[bytes], decoded) -> None:
+def _assert_bounded_by_what_was_sent(messages: list[bytes], decoded, limit: int = MAX_STREAM_BYTES) -> None:
+    """Dense tensors hold at most DECODED_PER_BYTE bytes per byte sent; sparse ones, which decode to far more
+    than they send, stay within the reader's limit."""
     sent = sum(len(raw) for raw in messages)
     held = sum(values.numel() * values.element_size() for _, values in decoded)
-    assert held <= DECODED_PER_BYTE * sent, f"{held} bytes of tensors from {sent} bytes sent"
+    if any(payload.encoding == pb.SPARSE for payload, _ in decoded):
+        assert held <= limit, f"{held} bytes of tensors beyond the limit of {limit}"
+    else:
+        assert held <= DECODED_PER_BYTE * sent, f"{held} bytes of tensors from {sent} bytes sent"
 
 
 @FUZZ
@@ -108,7 +123,7 @@ def test_any_header_with_any_data_is_read_or_refused(tensors, data):
             decoded = _read(messages, push=False, **limits)[1]
         except WireError:
             continue
-        _assert_bounded_by_what_was_sent(messages, decoded)
+        _assert_bounded_by_what_was_sent(messages, decoded, **({"limit": limits["max_total_bytes"]} if limits else {}))
 
 
 @FUZZ

@@ -47,13 +47,16 @@ class SingleIsland:
         self.learner = learner_for(self.model, self.optimizer)
         self.data = torch.Generator().manual_seed(1000 + seed)
         self.teacher = torch.randn(8, 4, generator=self.data)
+        self.losses: list[float] = []
 
     def train(self, steps: int, wait: bool = True) -> None:
         """`steps` inner steps; with `wait`, each step's round is answered before the next step, so the
         sequence of syncs is the same on every run."""
         for _ in range(steps):
             x = torch.randn(BATCH, 8, generator=self.data)
-            nn.functional.mse_loss(self.model(x), x @ self.teacher).backward()
+            loss = nn.functional.mse_loss(self.model(x), x @ self.teacher)
+            loss.backward()
+            self.losses.append(float(loss.detach()))
             self.learner.report(tokens=BATCH)
             self.optimizer.step()
             self.optimizer.zero_grad()

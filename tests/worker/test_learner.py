@@ -12,6 +12,7 @@ import torch
 from learner_harness import BATCH, TOKEN, flat_params, make_config, tiny_model
 from support import tls_env
 
+from diloco.core.encoding import Encoding, encoded_nbytes
 from diloco.worker.learner import Learner
 
 pytestmark = pytest.mark.process
@@ -72,6 +73,41 @@ def test_two_islands_merge_and_move_toward_each_other(start_shards, island):
     # int4 with 8-element blocks: a byte per 2 values plus a float32 scale per block, far below fp32.
     numel = sum(p.numel() for p in a.model.parameters())
     assert a.learner.stats.bytes_pushed < a.learner.stats.syncs_pushed * numel * 4 / 2
+
+
+def test_sparse_islands_train_through_a_shard_sending_a_few_values_of_each_block(start_shards, island):
+    config = make_config(encoding="sparse", block_size=16, top_k_fraction=1 / 8)
+    shards = start_shards(config)
+    a = island(shards, seed=1, name="island-a")
+    b = island(shards, seed=2, name="island-b")
+    start = pulled_params(shards, a.learner)
+    for _ in range(24):
+        a.train(1)
+        b.train(1)
+
+    served = pulled_params(shards, a.learner)
+    moved = sum(int((served[name] != value).sum()) for name, value in start.items())
+    assert moved > 0 and all(bool(torch.isfinite(v).all()) for v in served.values())
+    assert min(a.losses[-4:]) < a.losses[0], "island a learns its task while it syncs sparsely"
+    sizes = [p.numel() for p in a.model.parameters()]
+    sparse_model = sum(encoded_nbytes(n, Encoding.SPARSE, config.block_size, config.top_k) for n in sizes)
+    int4_model = sum(encoded_nbytes(n, Encoding.INT4, config.block_size) for n in sizes)
+    for learner in (a.learner, b.learner):
+        stats = learner.stats
+        assert stats.syncs_merged > 0 and stats.syncs_failed == 0 and stats.feedback_lost == 0
+        # A push is one fragment: two values of each 16 at 2 bits and 4 index bits, and a scale per block.
+        assert stats.bytes_pushed <= stats.syncs_pushed * sparse_model
+        assert sparse_model < int4_model / 2
+
+
+def test_a_sparse_island_starting_on_merged_fragments_declares_its_held_back_values_lost(start_shards, island):
+    """A restarted island keeps no state, its error-feedback buffers included: it says so and counts them."""
+    shards = start_shards(make_config(encoding="sparse", block_size=16, top_k_fraction=1 / 8))
+    first = island(shards, seed=1, name="island-a")
+    first.train(9)
+    assert first.learner.stats.feedback_lost == 0, "its first start found nothing merged"
+    again = island(shards, seed=1, name="island-b")
+    assert again.learner.stats.feedback_lost == shards.config.fragments
 
 
 def test_fragments_go_to_the_shard_that_owns_them(start_shards, island):

@@ -21,6 +21,7 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BF16: _ClassVar[Encoding]
     INT8: _ClassVar[Encoding]
     INT4: _ClassVar[Encoding]
+    SPARSE: _ClassVar[Encoding]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 BFLOAT16: DType
@@ -30,22 +31,25 @@ FP32: Encoding
 BF16: Encoding
 INT8: Encoding
 INT4: Encoding
+SPARSE: Encoding
 
 class TensorPayload(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "encoding", "block_size", "byte_length")
+    __slots__ = ("name", "shape", "dtype", "encoding", "block_size", "byte_length", "top_k")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BYTE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     encoding: Encoding
     block_size: int
     byte_length: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., block_size: _Optional[int] = ..., byte_length: _Optional[int] = ...) -> None: ...
+    top_k: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., block_size: _Optional[int] = ..., byte_length: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class FragmentVersion(_message.Message):
     __slots__ = ("incarnation", "version")
