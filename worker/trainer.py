@@ -34,6 +34,7 @@ from diloco.progress import (
 )
 from diloco.settings import DEFAULT_CORPUS_BYTES
 from diloco.transport.tls import Security
+from diloco.worker.adamw import AdamW
 from diloco.worker.data import EVAL_WINDOWS, BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
 from diloco.worker.learner import Learner, RoundReport
@@ -93,7 +94,7 @@ def inner_optimizer(model: torch.nn.Module, settings: InnerOptimizerConfig) -> t
     """AdamW with decoupled weight decay on matrices only, as GPT recipes do."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW(
+    return AdamW(
         [{"params": decay, "weight_decay": settings.weight_decay}, {"params": rest, "weight_decay": 0.0}],
         lr=settings.lr,
         betas=(settings.beta1, settings.beta2),
