@@ -37,6 +37,7 @@ from diloco.transport.tls import Security
 from diloco.worker.adamw import AdamW
 from diloco.worker.data import EVAL_WINDOWS, BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
+from diloco.worker.island_checkpoint import IslandCheckpointer, checkpoint_path
 from diloco.worker.learner import Learner, RoundReport
 from diloco.worker.metrics import WorkerSnapshot
 from diloco.worker.model import GPT, build_model, resolve_preset
@@ -44,8 +45,11 @@ from diloco.worker.pod_ranks import local_position, place
 from diloco.worker.precision import autocast, resolve_precision
 from diloco.worker.shutdown import StopRequest
 from diloco.worker.throughput import Rate, ThroughputMeter, peak_flops
+from diloco.worker.warm_start import warm_start
 
 log = logging.getLogger("diloco.worker")
+
+CHECKPOINT_CLOSE_SECONDS = 5.0  # for an island checkpoint still being written when the worker exits
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,10 @@ class Trainer:
                 sync_timeout=600.0 if settings.mode == Mode.SYNC_DILOCO else 60.0,
                 on_round=self._on_round,
             )
+        self.checkpointer: IslandCheckpointer | None = None
+        if self.learner is not None and settings.checkpoint_dir is not None:
+            path = checkpoint_path(settings.checkpoint_dir, island, self.ranks.rank)
+            self.checkpointer = IslandCheckpointer(path, self.optimizer)
         self.step = 0
         self.tokens = 0
         self.loss = math.nan
@@ -236,6 +244,13 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
 
+    def _checkpoint(self) -> None:
+        """An island's optimizer state, written off the step path; in data-parallel, everything, at once."""
+        if self.checkpointer is not None:
+            self.checkpointer.save(self.step)
+        elif self.learner is None:
+            self._save()
+
     def _save(self) -> None:
         path = self._checkpoint_path()
         if path is None or not self.ranks.is_leader:
@@ -251,9 +266,11 @@ class Trainer:
         """Trains until `steps` inner steps (with none, until stopped), then flushes the last progress;
         returns the held-out loss (after a stop, the last one measured: the grace period is for the flush)."""
         s = self.settings
+        tokens_per_step = s.batch_size * self.context
         if self.learner is not None:
             self.learner.start()
-            self.step = self.learner.inner_step
+            saved = self.checkpointer.path if self.checkpointer is not None else None
+            self.step = warm_start(self.learner, self.optimizer, saved, tokens_per_step * self.ranks.size)
         else:
             self._resume()
             self.ranks.broadcast_tensors(list(self.model.parameters()))
@@ -268,7 +285,6 @@ class Trainer:
             flops_per_token=self.meter.flops_per_token,
             peak_flops=self.meter.peak,
         )
-        tokens_per_step = s.batch_size * self.context
         self.model.train()
         while s.steps is None or self.step < s.steps:
             if self._stop_agreed():
@@ -307,8 +323,8 @@ class Trainer:
                 tokens_per_second=self.rate.tokens_per_second,
                 mfu=self.rate.mfu,
             )
-            if self.learner is None and self.step % s.checkpoint_every == 0:
-                self._save()
+            if self.step % s.checkpoint_every == 0:
+                self._checkpoint()
             if self.step % s.eval_every == 0 and self.ranks.is_leader:
                 self.eval_loss = self.evaluate()
                 self.progress.write(EvalEvent, step=self.step, loss=self.eval_loss)
@@ -317,6 +333,8 @@ class Trainer:
         else:
             self._save()
         if self.stopped:
+            if self.checkpointer is not None:  # a stopped island is replaced (a roll, a drain): warm, then
+                self.checkpointer.save(self.step)
             log.info("stopped", extra={"island": self.island_id, "rank": self.ranks.rank, "step": self.step})
             return self.eval_loss
         final = self.evaluate()
@@ -345,6 +363,8 @@ class Trainer:
         return evaluate(self.model, self.heldout, self.context, self.settings.batch_size, self.settings.eval_windows)
 
     def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close(CHECKPOINT_CLOSE_SECONDS)
         if self.learner is not None:
             self.learner.close(self.stop.leave_reserve if self.stop and self.stopped else None)
         self.progress.close()
