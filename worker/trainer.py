@@ -363,10 +363,11 @@ class Trainer:
         return evaluate(self.model, self.heldout, self.context, self.settings.batch_size, self.settings.eval_windows)
 
     def close(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.close(CHECKPOINT_CLOSE_SECONDS)
+        """Says Leave first (the shards' live set matters more), while a checkpoint write goes on beside it."""
         if self.learner is not None:
             self.learner.close(self.stop.leave_reserve if self.stop and self.stopped else None)
+        if self.checkpointer is not None:
+            self.checkpointer.close(CHECKPOINT_CLOSE_SECONDS)
         self.progress.close()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()
