@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from torch import nn
 
@@ -30,6 +31,7 @@ def test_it_steps_exactly_as_torchs_adamw():
     assert all(p.grad is None for p in ours.parameters())
 
 
+@pytest.mark.process
 def test_a_worker_builds_and_trains_its_model_without_importing_dynamo():
     """Importing torch._dynamo costs over a second of CPU at every worker start (sympy, inductor, FSDP)."""
     program = """
