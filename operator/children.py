@@ -409,6 +409,7 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
         "DILOCO_METRICS_PORT": str(spec.trainer.metrics_port),
         "DILOCO_ACCELERATORS_PER_POD": str(island.accelerators_per_pod),
         "DILOCO_TERMINATION_GRACE_SECONDS": str(island_grace_seconds(island)),
+        "DILOCO_CHECKPOINT_DIR": CHECKPOINT_DIR,
     }
     if spec.trainer.preset is not None:
         values["DILOCO_MODEL"] = spec.trainer.preset.value
@@ -467,7 +468,12 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
         "readinessProbe": _trainer_readiness(spec.trainer.metrics_port),
         "resources": _resources(island.resources, accelerators),
         "securityContext": _container_security(read_only_root=False),
-        "volumeMounts": [*_shared_mounts(), *tls.mounts(), {"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [
+            *_shared_mounts(),
+            *tls.mounts(),
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "checkpoints", "mountPath": CHECKPOINT_DIR},
+        ],
     }
     if spec.trainer.args:
         container["args"] = list(spec.trainer.args)
@@ -483,6 +489,9 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
             *_shared_volumes(job.name, spec),
             *tls.volumes(job, syncer=False),
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            # The island's optimizer checkpoints (diloco.worker.island_checkpoint): a trainer container the
+            # kubelet restarts in its pod resumes warm from them.
+            {"name": "checkpoints", "emptyDir": {}},
         ],
     }
     if island.node_selector:

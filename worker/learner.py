@@ -374,6 +374,18 @@ class Learner:
         """Inner steps this island has taken; a synchronous island starts at the job's current step."""
         return self._step
 
+    def resume(self, step: int) -> None:
+        """Continues the island's step count at `step` before its first optimizer step (a restarted island
+        taking up the job where it is: `diloco.worker.warm_start`); the fragments then fall due on its
+        schedule."""
+        if not self._started or self._stats.snapshot().inner_steps:
+            raise RuntimeError("resume() goes between start() and the first optimizer step")
+        self._step = step
+
+    def shard_status(self) -> list[pb.StatusReply]:
+        """Every shard's status, in shard order (rank 0 alone holds the channels: [] on the other ranks)."""
+        return [client.status() for client in self._clients]
+
     def report(self, *, tokens: int = 0, loss: float | torch.Tensor | None = None) -> None:
         """What the loop trained on since the last call: `tokens` this rank consumed (a micro-batch's, or a
         whole step's), credited to the next inner step (a push carries the island's sum), and the latest

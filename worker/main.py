@@ -98,8 +98,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=env("PROGRESS_FILE"),
         help="append JSON progress events here; {rank} in it becomes the rank in the island",
     )
-    p.add_argument("--checkpoint-dir", default=env("CHECKPOINT_DIR"), help="ddp mode: checkpoints for restarts")
-    p.add_argument("--checkpoint-every", type=int, default=int(env("CHECKPOINT_EVERY", "50")))
+    p.add_argument(
+        "--checkpoint-dir",
+        default=env("CHECKPOINT_DIR"),
+        help="checkpoints for restarts: an island's inner-optimizer state (a replacement starts warm), or in "
+        "ddp mode the whole training state",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=int(env("CHECKPOINT_EVERY", "50")), help="inner steps")
     p.add_argument(
         "--metrics-port",
         type=int,

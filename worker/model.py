@@ -127,8 +127,12 @@ class GPT(nn.Module):
         super().__init__()
         self.preset = preset
         self.checkpoint_activations = checkpoint_activations
-        self.tok_emb = nn.Embedding(preset.vocab_size, preset.d_model)
-        self.pos_emb = nn.Embedding(preset.context, preset.d_model)
+        # Given weights, nn.Embedding skips its own normal_() init, which on the meta device runs a Python
+        # reference that imports torch._dynamo (over a second of a worker's start); _initialise sets them.
+        self.tok_emb = nn.Embedding(
+            preset.vocab_size, preset.d_model, _weight=torch.empty(preset.vocab_size, preset.d_model)
+        )
+        self.pos_emb = nn.Embedding(preset.context, preset.d_model, _weight=torch.empty(preset.context, preset.d_model))
         self.drop = nn.Dropout(preset.dropout)
         self.blocks = nn.ModuleList(Block(preset) for _ in range(preset.n_layers))
         self.ln_f = nn.LayerNorm(preset.d_model)

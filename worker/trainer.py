@@ -34,8 +34,10 @@ from diloco.progress import (
 )
 from diloco.settings import DEFAULT_CORPUS_BYTES
 from diloco.transport.tls import Security
+from diloco.worker.adamw import AdamW
 from diloco.worker.data import EVAL_WINDOWS, BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
+from diloco.worker.island_checkpoint import IslandCheckpointer, checkpoint_path
 from diloco.worker.learner import Learner, RoundReport
 from diloco.worker.metrics import WorkerSnapshot
 from diloco.worker.model import GPT, build_model, resolve_preset
@@ -43,8 +45,11 @@ from diloco.worker.pod_ranks import local_position, place
 from diloco.worker.precision import autocast, resolve_precision
 from diloco.worker.shutdown import StopRequest
 from diloco.worker.throughput import Rate, ThroughputMeter, peak_flops
+from diloco.worker.warm_start import warm_start
 
 log = logging.getLogger("diloco.worker")
+
+CHECKPOINT_CLOSE_SECONDS = 5.0  # for an island checkpoint still being written when the worker exits
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ def inner_optimizer(model: torch.nn.Module, settings: InnerOptimizerConfig) -> t
     """AdamW with decoupled weight decay on matrices only, as GPT recipes do."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW(
+    return AdamW(
         [{"params": decay, "weight_decay": settings.weight_decay}, {"params": rest, "weight_decay": 0.0}],
         lr=settings.lr,
         betas=(settings.beta1, settings.beta2),
@@ -186,6 +191,10 @@ class Trainer:
                 flush_timeout=settings.flush_seconds,
                 stop=stop,
             )
+        self.checkpointer: IslandCheckpointer | None = None
+        if self.learner is not None and settings.checkpoint_dir is not None:
+            path = checkpoint_path(settings.checkpoint_dir, island, self.ranks.rank)
+            self.checkpointer = IslandCheckpointer(path, self.optimizer)
         self.step = 0
         self.tokens = 0
         self.loss = math.nan
@@ -240,6 +249,13 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
 
+    def _checkpoint(self) -> None:
+        """An island's optimizer state, written off the step path; in data-parallel, everything, at once."""
+        if self.checkpointer is not None:
+            self.checkpointer.save(self.step)
+        elif self.learner is None:
+            self._save()
+
     def _save(self) -> None:
         path = self._checkpoint_path()
         if path is None or not self.ranks.is_leader:
@@ -255,9 +271,11 @@ class Trainer:
         """Trains until `steps` inner steps (with none, until stopped), then flushes the last progress;
         returns the held-out loss (after a stop, the last one measured: the grace period is for the flush)."""
         s = self.settings
+        tokens_per_step = s.batch_size * self.context
         if self.learner is not None:
             self.learner.start()
-            self.step = self.learner.inner_step
+            saved = self.checkpointer.path if self.checkpointer is not None else None
+            self.step = warm_start(self.learner, self.optimizer, saved, tokens_per_step * self.ranks.size)
         else:
             self._resume()
             self.ranks.broadcast_tensors(list(self.model.parameters()))
@@ -272,7 +290,6 @@ class Trainer:
             flops_per_token=self.meter.flops_per_token,
             peak_flops=self.meter.peak,
         )
-        tokens_per_step = s.batch_size * self.context
         self.model.train()
         while s.steps is None or self.step < s.steps:
             self.stopped = self._stop_requested()
@@ -311,8 +328,8 @@ class Trainer:
                 tokens_per_second=self.rate.tokens_per_second,
                 mfu=self.rate.mfu,
             )
-            if self.learner is None and self.step % s.checkpoint_every == 0:
-                self._save()
+            if self.step % s.checkpoint_every == 0:
+                self._checkpoint()
             if self.step % s.eval_every == 0 and self.ranks.is_leader:
                 self.eval_loss = self.evaluate()
                 self.progress.write(EvalEvent, step=self.step, loss=self.eval_loss)
@@ -321,6 +338,8 @@ class Trainer:
         else:
             self._save()
         if self.stopped:
+            if self.checkpointer is not None:  # a stopped island is replaced (a roll, a drain): warm, then
+                self.checkpointer.save(self.step)
             log.info("stopped", extra={"island": self.island_id, "rank": self.ranks.rank, "step": self.step})
             return self.eval_loss
         final = self.evaluate()
@@ -349,8 +368,11 @@ class Trainer:
         return evaluate(self.model, self.heldout, self.context, self.settings.batch_size, self.settings.eval_windows)
 
     def close(self) -> None:
+        """Says Leave first (the shards' live set matters more), while a checkpoint write goes on beside it."""
         if self.learner is not None:
             self.learner.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close(CHECKPOINT_CLOSE_SECONDS)
         self.progress.close()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()

@@ -67,6 +67,7 @@ class RunPlan:
     data: str | None = None
     seed: int = 0
     eval_every: int = 50
+    checkpoint_every: int = 50
     slowdowns: tuple[float, ...] = ()
     trace: tuple[FailureEvent, ...] = ()
     threads: int = 1
@@ -302,7 +303,9 @@ class LocalJob:
             "--progress-file",
             str(self.out / "progress" / f"{name}-rank{{rank}}.jsonl"),
             "--checkpoint-dir",
-            str(self.out / "checkpoints" / "ddp"),
+            str(self.out / "checkpoints" / "workers"),
+            "--checkpoint-every",
+            str(p.checkpoint_every),
         ]
         if p.data:
             command += ["--data", p.data]

@@ -278,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
             data=args.data,
             seed=args.seed,
             eval_every=args.eval_every,
+            checkpoint_every=args.checkpoint_every,
             slowdowns=slowdowns,
             trace=tuple(trace),
             threads=args.threads,
@@ -363,6 +364,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kill-syncer-at", type=float, nargs="*", default=[], help="kill -9 shard 0 at these seconds")
     p.add_argument("--trace", type=Path, help="a failure trace JSON file (overrides the random one)")
     p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        help="inner steps between a worker's checkpoints (an island's optimizer state; ddp: everything)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
     p.add_argument("--device", default="cpu", help="every worker's device (cuda: islands share the GPU as processes)")

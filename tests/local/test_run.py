@@ -63,6 +63,16 @@ def test_a_short_run_lowers_the_loss_and_faults_do_not_derail_it(tmp_path, capsy
     assert load_trace(out / "trace.json") == trace, "the trace the run replayed is kept beside its results"
 
 
+def pid_at_step(out, island, at_step, rank=0):
+    """The process of `rank` of `island` once it has trained `at_step` steps, else None."""
+    hits = [
+        e
+        for e in read_events(out / "progress")
+        if isinstance(e, StepEvent) and e.source.slot == (island, rank) and e.step >= at_step
+    ]
+    return hits[0].source.pid if hits else None
+
+
 def run_killing(tmp_path, name, mode, island, at_step, *extra, rank=0):
     """A run in which `rank` of `island` gets kill -9 once it has trained `at_step` steps (a real SIGKILL,
     aimed by progress rather than by the clock, so it lands mid-training however loaded the machine is); the
@@ -71,14 +81,7 @@ def run_killing(tmp_path, name, mode, island, at_step, *extra, rank=0):
     killed = {}
 
     def killer():
-        def reached():
-            events = read_events(out / mode / "progress")
-            hits = [
-                e for e in events if isinstance(e, StepEvent) and e.source.slot == (island, rank) and e.step >= at_step
-            ]
-            return hits[0].source.pid if hits else None
-
-        pid = wait_until(reached, timeout=240, interval=0.2)
+        pid = wait_until(lambda: pid_at_step(out / mode, island, at_step, rank), timeout=240, interval=0.2)
         os.kill(pid, signal.SIGKILL)
         killed["pid"] = pid
 
@@ -103,8 +106,11 @@ def step_rate(out, island):
 def test_a_restarted_island_rejoins_with_the_current_fragments(tmp_path):
     """island-1 is killed at step 15 of 40: its replacement's first pull returns the global versions of
     that moment (at least those island-0 had already mixed in), not the initial ones, and it trains on from
-    the trained model rather than from scratch."""
-    (summary,), out, pid = run_killing(tmp_path, "rejoin", "diloco", "island-1", 15, "--eval-every", "5")
+    the trained model rather than from scratch (with the optimizer state it checkpointed every 5 steps: a
+    cold Adam's first steps alone lift the loss by a few tenths, see the warm-restart test below)."""
+    (summary,), out, pid = run_killing(
+        tmp_path, "rejoin", "diloco", "island-1", 15, "--eval-every", "5", "--checkpoint-every", "5"
+    )
     out = out / "diloco"
     restarted = [e for e in island_events(out, "island-1", StartEvent) if e.source.pid != pid]
     assert len(restarted) == 1 and summary["restarts"] == 1
@@ -118,6 +124,55 @@ def test_a_restarted_island_rejoins_with_the_current_fragments(tmp_path):
     first_eval = next(e for e in island_events(out, "island-1", EvalEvent) if e.source.pid == rejoined.source.pid)
     assert first_eval.loss < 4.0 < INITIAL_LOSS, "the replacement trains on from the global model"
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 3.5
+
+
+def test_a_killed_island_resumes_at_the_jobs_step_with_warm_optimizer_state(tmp_path):
+    """Three islands of 50 steps, H=10, checkpoints every 10 steps; island-1 and island-2 get kill -9 at
+    step 30, island-2's checkpoint deleted with it (a cold start, for comparison). Both replacements resume
+    at the job's step as the shards count it, not at 0, so the run trains about 3 x 50 steps' tokens, not
+    the 2 x 30 more of islands that start over; island-1's first steps, on warm AdamW moments, stay near
+    island-0's loss at the same steps, where island-2's fresh moments throw it off."""
+    steps, inner_steps, kill_at = 50, 10, 30
+    out = tmp_path / "warm" / "diloco"
+    killed = {}
+
+    def killer():
+        for island in ("island-1", "island-2"):
+            pid = wait_until(lambda: pid_at_step(out, island, kill_at), timeout=240, interval=0.2)
+            os.kill(pid, signal.SIGKILL)
+            if island == "island-2":
+                (out / "checkpoints" / "workers" / f"{island}-rank0.safetensors").unlink()
+            killed[island] = pid
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    (summary,), _ = run(
+        tmp_path, "warm", "--islands", "3", "--steps", str(steps), "--inner-steps", str(inner_steps),
+        "--checkpoint-every", "10", "--eval-every", "1000",
+    )  # fmt: skip
+    thread.join(1)
+    assert len(killed) == 2 and summary["restarts"] == 2
+
+    def replacement(island):
+        (start,) = [e for e in island_events(out, island, StartEvent) if e.source.pid != killed[island]]
+        return start
+
+    for island in killed:
+        island_0 = [e.step for e in island_events(out, "island-0", StepEvent) if e.t <= replacement(island).t]
+        assert kill_at - inner_steps <= replacement(island).step <= island_0[-1], "where the job is, not step 0"
+    tokens_per_step = 16 * 128  # batch 16 of the tiny preset's 128-token context
+    assert summary["tokens_trained"] <= (3 * steps + 2 * inner_steps) * tokens_per_step, "at most H lost per kill"
+    done = {e.source.island: e.step for e in read_events(out / "progress") if isinstance(e, DoneEvent)}
+    assert done == {f"island-{i}": steps for i in range(3)}
+
+    def first_steps_above_island_0(island, count=5):
+        """Mean loss of the replacement's first steps less island-0's at the same step numbers."""
+        first = [e for e in island_events(out, island, StepEvent) if e.source.pid != killed[island]][:count]
+        beside = {e.step: e.loss for e in island_events(out, "island-0", StepEvent)}
+        return sum(e.loss - beside[e.step] for e in first) / count
+
+    warm, cold = first_steps_above_island_0("island-1"), first_steps_above_island_0("island-2")
+    assert warm < 0.2 and warm < cold / 2, (warm, cold)
 
 
 def test_an_island_of_two_ranks_re_forms_when_one_of_them_dies(tmp_path):

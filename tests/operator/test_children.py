@@ -261,6 +261,9 @@ def test_island_statefulset():
     assert pod["tolerations"][0] == {"key": "gpu", "operator": "Exists"}
     assert pod["tolerations"][1:] == list(SPOT_TOLERATIONS)
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert {"name": "checkpoints", "emptyDir": {}} in pod["volumes"], "a restarted trainer container resumes warm"
+    assert {"name": "checkpoints", "mountPath": "/var/lib/diloco"} in trainer["volumeMounts"]
+    assert env_of(trainer)["DILOCO_CHECKPOINT_DIR"] == "/var/lib/diloco"
     assert pod["securityContext"]["runAsNonRoot"] is True
 
 
@@ -460,7 +463,14 @@ def test_pod_template_override_is_merged_last():
     env = env_of(trainer)
     assert env["NCCL_IB_DISABLE"] == "1" and env["DILOCO_DATA"] == "/mnt/override" and env["DILOCO_ISLAND"] == "old"
     assert {k: v for k, v in sidecar.items() if k != "securityContext"} == {"name": "sidecar", "image": "busybox"}
-    assert [v["name"] for v in template["spec"]["volumes"]] == ["config", "token", "tls", "dshm", "corpus"]
+    assert [v["name"] for v in template["spec"]["volumes"]] == [
+        "config",
+        "token",
+        "tls",
+        "dshm",
+        "checkpoints",
+        "corpus",
+    ]
     assert template["spec"]["terminationGracePeriodSeconds"] == 120
     k8s.V1PodTemplateSpec.from_dict(template)
 
