@@ -35,6 +35,14 @@ CNI_PLUGINS = Path("/usr/lib/cni")
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 
 
+def not_enabled() -> str | None:
+    """Why the real-node tier may not run here, or None: it is opt-in (it changes the host: cgroups, a bridge),
+    and needs root."""
+    if os.environ.get("DILOCO_REALNODE") != "1" or os.geteuid() != 0:
+        return "real-node tier: opt-in with DILOCO_REALNODE=1, as root (docs/real-nodes.md)"
+    return None
+
+
 class MissingToolchain(RuntimeError):
     """realnode/build.sh has not been run, or Debian's containerd, runc or CNI plugins are not installed."""
 

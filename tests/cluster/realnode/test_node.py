@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import pytest
 import yaml
 
 from cluster.cluster import Cluster, MissingBinaries, start_cluster
-from cluster.realnode.node import POD_SUBNET, MissingToolchain, RealNode, start_real_node
+from cluster.realnode.node import POD_SUBNET, MissingToolchain, RealNode, not_enabled, start_real_node
 
 pytestmark = pytest.mark.process
 HERE = Path(__file__).resolve().parent
@@ -35,8 +34,8 @@ def iptables_rules() -> str:
 @pytest.fixture(scope="module")
 def real_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, RealNode]]:
     """A control plane with no KWOK node and one real node, its busybox image preloaded."""
-    if os.environ.get("DILOCO_REALNODE") != "1" or os.geteuid() != 0:
-        pytest.skip("real-node tier: opt-in with DILOCO_REALNODE=1, as root (docs/real-nodes.md)")
+    if reason := not_enabled():
+        pytest.skip(reason)
     workdir = tmp_path_factory.mktemp("realnode")
     image = workdir / "busybox.tar"
     subprocess.run(
