@@ -77,7 +77,14 @@ class RealNode:
             left.append(f"process {self.process.pid}")
         if subprocess.run(["ip", "link", "show", self.bridge], capture_output=True).returncode == 0:
             left.append(f"bridge {self.bridge}")
+        left += [f"iptables {rule}" for rule in self.iptables_rules()]
         return left
+
+    def iptables_rules(self) -> list[str]:
+        """Host iptables rules that a kubelet, the CNI plugins or this node's pods would have written."""
+        saved = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
+        marks = (self.bridge, POD_SUBNET.rsplit(".", 1)[0] + ".", "KUBE-", "CNI-")
+        return [line for line in saved.splitlines() if any(mark in line for mark in marks)]
 
 
 def _cgroup_dirs(root: str) -> list[Path]:
