@@ -4,10 +4,9 @@
 # pause image compiled from kubernetes' own build/pause/linux/pause.c. runc and the CNI plugins come
 # from Debian (see ensure_debian_packages below); nothing is pulled from an image registry.
 #
-# Usage: NODE_BIN=$(tests/cluster/realnode/build.sh | tail -1)
+# Usage: tests/cluster/realnode/build.sh      (node.py finds both in the cache)
 #
-# Same cache conventions as ../build.sh ($CACHE/<name>-<version>/, atomic rename, progress on stderr,
-# the bin directory's path as the last line of stdout).
+# Same cache conventions as ../build.sh ($CACHE/<name>-<version>/, atomic rename, progress on stderr).
 set -euo pipefail
 shopt -s inherit_errexit
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.controlplane import ControlPlane, free_port, kubeconfig, spawn, stop_group
+from cluster.controlplane import ControlPlane, free_port, kubeconfig, pinned_version, spawn, stop_group
 
 HERE = Path(__file__).resolve().parent
 NODE_NAME = "realnode-0"
@@ -100,17 +100,17 @@ def _cgroup_dirs(root: str) -> list[Path]:
 def node_binaries() -> dict[str, Path]:
     """The kubelet and the pause image archive from build.sh's cache; raises MissingToolchain without them."""
     cache = Path(os.environ.get("DILOCO_CLUSTER_CACHE", os.path.expanduser("~/.cache/diloco-cluster")))
-    kubelets = sorted(cache.glob("kubelet-*/kubelet"))
+    kubelet = cache / f"kubelet-{pinned_version('K8S_VERSION')}" / "kubelet"
     pauses = sorted(cache.glob("pause-*/pause.tar"))
     missing = [p for p in ("containerd", "ctr", "runc") if not _on_path(p)]
     if not (CNI_PLUGINS / "bridge").exists():
         missing.append("CNI plugins")
-    if not kubelets or not pauses or missing:
+    if not kubelet.exists() or not pauses or missing:
         raise MissingToolchain(
             f"no real-node toolchain ({', '.join(missing) or 'kubelet/pause'}): "
             f"apt-get install {' '.join(DEBIAN_PACKAGES)} and run tests/cluster/realnode/build.sh"
         )
-    return {"kubelet": kubelets[-1], "pause": pauses[-1]}
+    return {"kubelet": kubelet, "pause": pauses[-1]}
 
 
 def _on_path(name: str) -> bool:
