@@ -30,6 +30,8 @@ TOKENS = {
     "kube-scheduler-token": ("system:kube-scheduler", ""),
     # KWOK stands in for every kubelet and the node lifecycle: it writes node and pod status everywhere.
     "kwok-token": ("kwok", "system:masters"),
+    # The kubelet of realnode/node.py's one real node, as the Node authorizer and NodeRestriction expect it.
+    "realnode-token": ("system:node:realnode-0", "system:nodes"),
 }
 BINARIES = ("etcd", "kube-apiserver", "kubectl")
 SERVICE_CIDR = "10.96.0.0/16"

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Builds the project's images with `make images` (deploy/images/build.sh) for the real node, and saves each
+# as an archive that node.py preloads into containerd (no registry between them).
+#
+# Usage: tests/cluster/realnode/images.sh [operator] [trainer]     (root; Debian's docker.io and debootstrap)
+#
+# deploy/images/build.sh needs a Docker daemon. This one is Debian's dockerd, started here in network, mount
+# and PID namespaces of its own: its builds run with --network none anyway, so it needs no bridge and writes
+# no iptables rule on the host, and stopping it leaves no mount. Its data stays in $CACHE/docker so the base
+# image and layers are reused. The archives go to $CACHE/images/<image>-<tag>.tar; the last line of stdout
+# is that directory.
+set -euo pipefail
+shopt -s inherit_errexit
+
+cd "$(dirname "${BASH_SOURCE[0]}")/../../.."
+CACHE=${DILOCO_CLUSTER_CACHE:-$HOME/.cache/diloco-cluster}
+TAG=${TAG:-dev}
+images=("$@")
+[[ ${#images[@]} -gt 0 ]] || images=(operator trainer)
+docker_dir=$CACHE/docker
+mkdir -p "$docker_dir" "$CACHE/images"
+export DOCKER_HOST=unix://$docker_dir/docker.sock
+
+# The daemon: lo up, a private /run, no bridge, no iptables. Its containerd is started first, as dockerd's
+# own wait for one it starts itself times out on a loaded machine.
+unshare --net --mount --pid --fork --mount-proc --propagation private bash -c '
+    set -e
+    ip link set lo up
+    mount -t tmpfs tmpfs /run
+    containerd --root "$1/containerd" --state /run/containerd --address /run/containerd/containerd.sock &
+    exec dockerd --data-root "$1/data" --exec-root /run/docker -H "unix://$1/docker.sock" \
+        --containerd /run/containerd/containerd.sock --pidfile /run/docker.pid \
+        --bridge none --iptables=false --ip-forward=false --ip-masq=false' \
+    _ "$docker_dir" >>"$docker_dir/dockerd.log" 2>&1 </dev/null &
+daemon=$!
+# unshare ignores SIGTERM while it waits: stop dockerd, the namespace's PID 1, and everything in it goes.
+trap 'kill -TERM $(cat /proc/$daemon/task/$daemon/children) 2>/dev/null; wait $daemon || true' EXIT
+for _ in $(seq 300); do
+    docker version >/dev/null 2>&1 && break
+    sleep 0.3
+done
+
+TAG=$TAG deploy/images/build.sh "${images[@]}" >&2
+for image in "${images[@]}"; do
+    start=$SECONDS
+    docker save "diloco-$image:$TAG" -o "$CACHE/images/diloco-$image-$TAG.tar.part"
+    mv "$CACHE/images/diloco-$image-$TAG.tar.part" "$CACHE/images/diloco-$image-$TAG.tar"
+    echo "[images] diloco-$image:$TAG saved in $((SECONDS - start)) s" >&2
+done
+echo "$CACHE/images"

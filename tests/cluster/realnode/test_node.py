@@ -1,0 +1,131 @@
+"""On a real node, pods are real containers: the kubelet runs each one through containerd and runc as the user
+its image or pod names, probes it over its own network namespace, and pods reach each other by IP. Stopping
+the node leaves nothing behind on the machine.
+
+Opt-in (DILOCO_REALNODE=1, `make test-realnode`), as root, after tests/cluster/realnode/build.sh and
+`apt-get install` of node.DEBIAN_PACKAGES; skipped otherwise, CI included (docs/real-nodes.md)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.cluster import Cluster, MissingBinaries, start_cluster
+from cluster.realnode.node import POD_SUBNET, MissingToolchain, RealNode, not_enabled, start_real_node
+
+pytestmark = pytest.mark.process
+HERE = Path(__file__).resolve().parent
+IMAGE = "diloco.local/busybox:test"
+USER = 65532
+
+
+@pytest.fixture(scope="module")
+def real_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, RealNode]]:
+    """A control plane with no KWOK node and one real node, its busybox image preloaded; checks on the way out
+    that the node left nothing behind."""
+    if reason := not_enabled():
+        pytest.skip(reason)
+    workdir = tmp_path_factory.mktemp("realnode")
+    image = workdir / "busybox.tar"
+    subprocess.run(
+        ["python3", str(HERE / "ociimage.py"), IMAGE, str(image), "--add", "/bin/busybox:/bin/busybox"],
+        check=True,
+    )
+    (workdir / "cluster").mkdir()
+    try:
+        cluster = start_cluster(workdir / "cluster", pools=())
+    except MissingBinaries as error:
+        pytest.skip(str(error))
+    try:
+        node = start_real_node(cluster, workdir / "node", images=(image,))
+    except MissingToolchain as error:
+        cluster.stop()
+        pytest.skip(str(error))
+    try:
+        yield cluster, node
+    finally:
+        node.stop()
+        cluster.stop()
+    mounts = Path("/proc/mounts").read_text()
+    assert not node.leftovers(), node.leftovers()
+    assert str(workdir) not in mounts
+
+
+def web_pod(name: str, fetch: str = "") -> str:
+    """A pod serving /srv over HTTP on 8080, with `uid` (its user id) and, given `fetch` (a URL), what that
+    URL answered; ready once `uid` is served."""
+    script = "id -u > /srv/uid"
+    if fetch:
+        script += f"; until wget -q -O /srv/fetched {fetch}; do sleep 1; done"
+    script += "; exec httpd -f -p 8080 -h /srv"
+    container = {
+        "name": "web",
+        "image": IMAGE,
+        "imagePullPolicy": "Never",
+        "command": ["/bin/busybox", "sh", "-c", script],
+        "env": [{"name": "PATH", "value": "/bin"}],
+        "readinessProbe": {"httpGet": {"path": "/uid", "port": 8080}, "periodSeconds": 1},
+        "livenessProbe": {"tcpSocket": {"port": 8080}, "initialDelaySeconds": 30},
+        "resources": {"limits": {"memory": "32Mi", "cpu": "100m"}},
+        "volumeMounts": [{"name": "srv", "mountPath": "/srv"}],
+    }
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "securityContext": {"runAsNonRoot": True, "runAsUser": USER, "fsGroup": USER},
+            "containers": [container],
+            "volumes": [{"name": "srv", "emptyDir": {}}],
+        },
+    }
+    return yaml.safe_dump(pod)
+
+
+def running(cluster: Cluster, namespace: str, manifest: str) -> dict:
+    """Applies `manifest` (one pod), waits until it is Ready and returns it."""
+    name = yaml.safe_load(manifest)["metadata"]["name"]
+    cluster.kubectl("-n", namespace, "apply", "-f", "-", stdin=manifest)
+    cluster.kubectl("-n", namespace, "wait", "--for=condition=Ready", f"pod/{name}", "--timeout=120s", timeout=150)
+    return json.loads(cluster.kubectl("-n", namespace, "get", "pod", name, "-o", "json").stdout)
+
+
+def served(pod: dict, path: str) -> str:
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8080/{path}", timeout=10) as reply:
+        return reply.read().decode().strip()
+
+
+@pytest.fixture
+def namespace(real_node: tuple[Cluster, RealNode], request: pytest.FixtureRequest) -> Iterator[str]:
+    cluster, _ = real_node
+    name = request.node.name.replace("_", "-")[:50].rstrip("-")
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s", timeout=150)
+
+
+def test_a_pod_is_a_real_container_running_as_its_user_with_its_probes_passing(real_node, namespace):
+    cluster, node = real_node
+    pod = running(cluster, namespace, web_pod("web"))
+
+    assert pod["spec"]["nodeName"] == node.name
+    (status,) = pod["status"]["containerStatuses"]
+    assert status["containerID"].startswith("containerd://") and status["ready"]
+    assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network(POD_SUBNET)
+    assert served(pod, "uid") == str(USER)
+
+
+def test_pods_reach_each_other_by_ip(real_node, namespace):
+    cluster, _ = real_node
+    server = running(cluster, namespace, web_pod("server"))
+    client = running(cluster, namespace, web_pod("client", fetch=f"http://{server['status']['podIP']}:8080/uid"))
+
+    assert client["status"]["podIP"] != server["status"]["podIP"]
+    assert served(client, "fetched") == str(USER)
