@@ -30,6 +30,7 @@ from diloco.local.delay_proxy import DelayProxy
 from diloco.local.failure_trace import FailureEvent, syncer_target, worker_island
 from diloco.local.netns import HUB_ADDRESS, ISLAND_DEVICE, IslandNetwork, island_address
 from diloco.local.wan import Link
+from diloco.progress import StartEvent, read_events
 from diloco.settings import DEFAULT_CORPUS_BYTES
 from diloco.transport.tls import LOOPBACK_NAMES, throwaway_pki
 
@@ -350,6 +351,17 @@ class LocalJob:
                 total = sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
                 self._counters[shard, name].observe(total)
 
+    def _shape_once_started(self) -> None:
+        """Shapes the links once every island has begun training: the initial model (seeded in float32, then
+        pulled) crosses at full speed, as it would for a job resumed from checkpoints held in every region,
+        and every training step and sync after it crosses the link."""
+        if self.network is None or self.network.shaped:
+            return
+        started = {e.source.island for e in read_events(self.out / "progress") if isinstance(e, StartEvent)}
+        if started >= set(self.workers):
+            self.network.shape()
+            log.info("links shaped", extra={"link": self.plan.link.describe()})
+
     def _counter(self, name: str) -> float:
         return sum(tracker.total for (_, counter), tracker in self._counters.items() if counter == name)
 
@@ -406,12 +418,13 @@ class LocalJob:
                 self._supervise(now, logs)
                 if now >= next_scrape:
                     self._scrape_syncers()
+                    self._shape_once_started()
                     next_scrape = now + 1.0
                 on_tick()
                 time.sleep(POLL_SECONDS)
             result.finished_at = time.time()
             self._scrape_syncers()
-            if self.syncers:
+            if self.syncers and not result.timed_out:  # a job that ran out of time has no final model
                 result.model_dir = self._export_global()
                 result.global_eval_loss = self._evaluate(result.model_dir)
         finally:

@@ -57,8 +57,8 @@ def check_available() -> None:
     """Raises WanUnavailable, saying why, where network namespaces cannot be made here."""
     if os.geteuid() != 0:
         raise WanUnavailable("shaped links need network namespaces, which need root (CAP_NET_ADMIN)")
-    with IslandNetwork(1, Link(mbps=1.0)):
-        pass
+    with IslandNetwork(1, Link(mbps=1.0)) as network:
+        network.shape()
 
 
 class IslandNetwork:
@@ -71,6 +71,7 @@ class IslandNetwork:
         self.hub = f"{tag}-hub"
         self.islands = [f"{tag}-i{i}" for i in range(islands)]
         self._made: list[str] = []
+        self.shaped = False
 
     def namespace(self, island: int) -> str:
         return self.islands[island]
@@ -98,17 +99,22 @@ class IslandNetwork:
         _ip("link", "set", "lo", "up", namespace=name)
 
     def _add_island(self, island: int, name: str) -> None:
-        """The island's namespace and its veth pair: `eth0` inside, `i<n>` on the hub's bridge, each end's
-        egress shaped (the island's upload on its own end, its download on the hub's)."""
+        """The island's namespace and its veth pair: `eth0` inside, `i<n>` on the hub's bridge."""
         self._add_namespace(name)
         hub_end = f"i{island}"
         _ip("link", "add", ISLAND_DEVICE, "netns", name, "type", "veth", "peer", "name", hub_end, "netns", self.hub)
         _ip("addr", "add", f"{island_address(island)}/{_PREFIX}", "dev", ISLAND_DEVICE, namespace=name)
         _ip("link", "set", ISLAND_DEVICE, "up", namespace=name)
         _ip("link", "set", hub_end, "master", "br0", "up", namespace=self.hub)
-        if self.link.mbps is not None:
-            _tc(name, ISLAND_DEVICE, self.link.mbps)
-            _tc(self.hub, hub_end, self.link.mbps)
+
+    def shape(self) -> None:
+        """Holds every island's link to its rate from now on, both ways: tbf on the island's end (its upload)
+        and on the hub's (its download). Until then the links run at memory speed."""
+        if self.link.mbps is not None and not self.shaped:
+            for island, name in enumerate(self.islands):
+                _tc(name, ISLAND_DEVICE, self.link.mbps)
+                _tc(self.hub, f"i{island}", self.link.mbps)
+        self.shaped = True
 
     def listen(self, port: int) -> socket.socket:
         """A listening TCP socket on the hub's bridge at `port`, made inside the hub namespace from this thread

@@ -9,6 +9,7 @@ from diloco.core.config import TrainingConfig
 from diloco.local.launcher import LocalJob, RunPlan, check_gpus, island_gpus, syncer_threads
 from diloco.local.netns import HUB_ADDRESS, ISLAND_DEVICE, island_address
 from diloco.local.wan import Link
+from diloco.progress import ProgressWriter, Source, StartEvent
 from diloco.transport import certificates
 
 
@@ -87,3 +88,21 @@ def test_islands_without_a_link_run_on_loopback(tmp_path):
     job = LocalJob(RunPlan(mode="diloco", config=TrainingConfig(), out=tmp_path, islands=1))
     assert job.network is None
     assert job.workers["island-0"].command[0] == sys.executable
+
+
+def test_links_are_shaped_once_every_island_has_started_not_before(tmp_path, monkeypatch):
+    """The initial model crosses at full speed; training and its syncs cross the link."""
+    job = LocalJob(RunPlan(mode="diloco", config=TrainingConfig(), out=tmp_path, islands=2, link=Link(mbps=1.0)))
+    shaped = []
+    monkeypatch.setattr(job.network, "shape", lambda: shaped.append(True))
+
+    def started(island: str) -> None:
+        with ProgressWriter(tmp_path / "progress" / f"{island}-rank0.jsonl", Source(island, 0, "diloco", 1)) as w:
+            w.write(StartEvent, step=0, world=1)
+
+    started("island-0")
+    job._shape_once_started()
+    assert shaped == []
+    started("island-1")
+    job._shape_once_started()
+    assert shaped == [True]

@@ -65,6 +65,7 @@ def test_an_island_sees_the_links_rate_and_round_trip_to_the_host():
     before = namespaces()
     try:
         with IslandNetwork(1, link) as network:
+            network.shape()
             listener = network.listen(echo.port)
             with DelayProxy({listener: ("127.0.0.1", echo.port)}, link.one_way_seconds):
                 probe = network.command(0, [sys.executable, str(PROBE), HUB_ADDRESS, str(echo.port), str(size)])
