@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -118,6 +119,24 @@ def syncer_threads(cpus: int, workers: int, threads_per_worker: int, shards: int
     decodes, merges and re-encodes whole fragments on the CPU, which at accelerator model sizes (62 M
     parameters a fragment) is what every round waits for; pinned to one thread, it held back a GPU run."""
     return max(1, (cpus - workers * threads_per_worker) // shards)
+
+
+@contextmanager
+def terminate_as_exit() -> Iterator[None]:
+    """A SIGTERM to the launcher raises SystemExit, so that its `finally`s stop the job's processes (each in a
+    session of its own, which the signal does not reach) and delete the islands' namespaces, as Ctrl-C does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -381,7 +400,7 @@ class LocalJob:
 
     def run(self, on_tick: Callable[[], None] = lambda: None) -> JobResult:
         """Runs the job to completion (or the plan's timeout), replaying the failure trace."""
-        with self._links():
+        with terminate_as_exit(), self._links():
             return self._run(on_tick)
 
     def _run(self, on_tick: Callable[[], None]) -> JobResult:

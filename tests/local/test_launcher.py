@@ -1,12 +1,14 @@
 """A local job's folder and processes: what a run finds there from an earlier run, what each process is given."""
 
 import os
+import signal
 import sys
+import time
 
 import pytest
 
 from diloco.core.config import TrainingConfig
-from diloco.local.launcher import LocalJob, RunPlan, check_gpus, island_gpus, syncer_threads
+from diloco.local.launcher import LocalJob, RunPlan, check_gpus, island_gpus, syncer_threads, terminate_as_exit
 from diloco.local.netns import HUB_ADDRESS, ISLAND_DEVICE, island_address
 from diloco.local.wan import Link
 from diloco.progress import ProgressWriter, Source, StartEvent
@@ -106,3 +108,12 @@ def test_links_are_shaped_once_every_island_has_started_not_before(tmp_path, mon
     started("island-1")
     job._shape_once_started()
     assert shaped == [True]
+
+
+def test_a_sigterm_to_the_launcher_unwinds_it_so_it_stops_what_it_started():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as leaving, terminate_as_exit():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    assert leaving.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == before
