@@ -80,6 +80,8 @@ class DelayProxy:
             await asyncio.gather(_pump(down_reader, up_writer, self.delay), _pump(up_reader, down_writer, self.delay))
         except OSError:
             pass  # either side went away (a killed worker or syncer): drop both, as a router would
+        except asyncio.CancelledError:
+            pass  # the proxy is stopping: end quietly (asyncio logs a connection handler that ends cancelled)
         finally:
             for writer in (up_writer, down_writer):
                 writer.close()
