@@ -52,7 +52,7 @@ bench-comm: $(STAMP)  ## communication bytes per token, DiLoCo with int4 and spa
 bench-simulator: $(STAMP)  ## diloco simulate's goodput predictions vs diloco run --compare on one failure trace (~5 min)
 	$(BIN)/python bench/simulate_vs_run.py
 
-.PHONY: bench-loss bench-step-time bench-goodput bench-accelerator
+.PHONY: bench-loss bench-step-time bench-goodput bench-accelerator bench-wan
 bench-loss: $(STAMP)  ## held-out loss at equal tokens: decoupled DiLoCo (int4, sparse) vs ddp and sync-diloco, 4 islands
 	$(BIN)/python bench/training.py loss
 
@@ -61,6 +61,9 @@ bench-step-time: $(STAMP)  ## training-step time with syncing on vs off, alterna
 
 bench-goodput: $(STAMP)  ## goodput under one failure trace: decoupled vs sync-diloco vs ddp (~5 min)
 	$(BIN)/python bench/training.py goodput
+
+bench-wan: $(STAMP)  ## step rate behind 12B-equivalent WAN links (netns, tbf, delay; root): decoupled vs sync-diloco vs ddp (~12 min)
+	$(BIN)/python bench/wan.py
 
 bench-accelerator: $(STAMP)  ## one GPU: tokens/s, MFU and peak memory of the medium and xl presets, bf16 vs fp32 (~2 min)
 	$(BIN)/python bench/accelerator.py

@@ -18,16 +18,22 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.core.config import Mode, TrainingConfig
+from diloco.local.delay_proxy import DelayProxy
 from diloco.local.failure_trace import FailureEvent, syncer_target, worker_island
+from diloco.local.netns import HUB_ADDRESS, ISLAND_DEVICE, IslandNetwork, island_address
+from diloco.local.wan import Link
+from diloco.progress import StartEvent, read_events
 from diloco.settings import DEFAULT_CORPUS_BYTES
-from diloco.transport.tls import throwaway_pki
+from diloco.transport.tls import LOOPBACK_NAMES, throwaway_pki
 
 log = logging.getLogger("diloco.local.launcher")
 
@@ -76,6 +82,9 @@ class RunPlan:
     gpus: int = 0  # CUDA devices visible to the run, which the islands divide among themselves
     max_data_bytes: int = DEFAULT_CORPUS_BYTES  # of the corpus, the same for the workers and the global evaluation
     precision: str = "auto"
+    link: Link = field(
+        default_factory=Link
+    )  # between each island and the syncers (and the other islands); unshaped: loopback
 
     def island_name(self, index: int) -> str:
         return f"island-{index}"
@@ -111,6 +120,24 @@ def syncer_threads(cpus: int, workers: int, threads_per_worker: int, shards: int
     decodes, merges and re-encodes whole fragments on the CPU, which at accelerator model sizes (62 M
     parameters a fragment) is what every round waits for; pinned to one thread, it held back a GPU run."""
     return max(1, (cpus - workers * threads_per_worker) // shards)
+
+
+@contextmanager
+def terminate_as_exit() -> Iterator[None]:
+    """A SIGTERM to the launcher raises SystemExit, so that its `finally`s stop the job's processes (each in a
+    session of its own, which the signal does not reach) and delete the islands' namespaces, as Ctrl-C does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -192,8 +219,10 @@ class LocalJob:
             (self.out / folder).mkdir(parents=True)
         self.config_file = self.out / "config.json"
         self.config_file.write_text(plan.config.to_json())
+        # Islands behind links run in namespaces of their own and reach the syncers through the hub.
+        self.network = IslandNetwork(plan.islands, plan.link) if plan.link.shaped else None
         # A CA for this run alone, so the shards and islands speak TLS exactly as they do on a cluster.
-        self.pki = throwaway_pki()
+        self.pki = throwaway_pki(LOOPBACK_NAMES + ((HUB_ADDRESS,) if self.network else ()))
         self.tls_files = _write_pem(
             self.out / "tls",
             {"ca.crt": self.pki.ca.cert, "tls.crt": self.pki.server_cert.cert, "tls.key": self.pki.server_cert.key},
@@ -264,6 +293,11 @@ class LocalJob:
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self.island_ports[0] if ddp else self.island_ports[island]),
         }
+        if self.network and ddp:
+            # One world across the islands' links: it meets at island 0 and all-reduces over each island's own
+            # end of its link, however long a collective takes to cross it.
+            env |= {"MASTER_ADDR": island_address(0), "GLOO_SOCKET_IFNAME": ISLAND_DEVICE}
+            env["DILOCO_DIST_TIMEOUT"] = str(p.timeout)
         if p.ranks_per_island == 1:
             env["RANK"] = node_rank
         if p.device.startswith("cuda") and p.gpus:
@@ -277,7 +311,7 @@ class LocalJob:
             "--island",
             name,
             "--syncers",
-            ",".join(f"127.0.0.1:{port}" for port in self.syncer_ports),
+            ",".join(f"{HUB_ADDRESS if self.network else '127.0.0.1'}:{port}" for port in self.syncer_ports),
             "--config",
             str(self.config_file),
             "--model",
@@ -309,6 +343,8 @@ class LocalJob:
         ]
         if p.data:
             command += ["--data", p.data]
+        if self.network:
+            command = self.network.command(island, command)
         return _Proc(f"worker:{name}", command, env)
 
     def _fails_with(self, island: str) -> list[_Proc]:
@@ -337,11 +373,40 @@ class LocalJob:
                 total = sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
                 self._counters[shard, name].observe(total)
 
+    def _shape_once_started(self) -> None:
+        """Shapes the links once every island has begun training: the initial model (seeded in float32, then
+        pulled) crosses at full speed, as it would for a job resumed from checkpoints held in every region,
+        and every training step and sync after it crosses the link."""
+        if self.network is None or self.network.shaped:
+            return
+        started = {e.source.island for e in read_events(self.out / "progress") if isinstance(e, StartEvent)}
+        if started >= set(self.workers):
+            self.network.shape()
+            log.info("links shaped", extra={"link": self.plan.link.describe()})
+
     def _counter(self, name: str) -> float:
         return sum(tracker.total for (_, counter), tracker in self._counters.items() if counter == name)
 
+    @contextmanager
+    def _links(self) -> Iterator[None]:
+        """The islands' namespaces and links, and a delay proxy in the hub for each shard, for as long as the
+        job runs; deleted after its processes stop."""
+        if self.network is None:
+            yield
+            return
+        with self.network:
+            listeners = {
+                self.network.listen(port): ("127.0.0.1", port) for port in self.syncer_ports[: len(self.syncers)]
+            }
+            with DelayProxy(listeners, self.plan.link.one_way_seconds):
+                yield
+
     def run(self, on_tick: Callable[[], None] = lambda: None) -> JobResult:
         """Runs the job to completion (or the plan's timeout), replaying the failure trace."""
+        with terminate_as_exit(), self._links():
+            return self._run(on_tick)
+
+    def _run(self, on_tick: Callable[[], None]) -> JobResult:
         from diloco.transport.client import SyncerClient
 
         logs = self.out / "logs"
@@ -375,12 +440,13 @@ class LocalJob:
                 self._supervise(now, logs)
                 if now >= next_scrape:
                     self._scrape_syncers()
+                    self._shape_once_started()
                     next_scrape = now + 1.0
                 on_tick()
                 time.sleep(POLL_SECONDS)
             result.finished_at = time.time()
             self._scrape_syncers()
-            if self.syncers:
+            if self.syncers and not result.timed_out:  # a job that ran out of time has no final model
                 result.model_dir = self._export_global()
                 result.global_eval_loss = self._evaluate(result.model_dir)
         finally:

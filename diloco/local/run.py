@@ -20,6 +20,8 @@ from diloco.core.rules import QUORUM_WITHIN_ISLANDS
 from diloco.local.failure_trace import FailureEvent, load_trace, random_trace, save_trace, syncer_target, worker_target
 from diloco.local.goodput import Account, account
 from diloco.local.launcher import JobResult, LocalJob, RunPlan, check_gpus
+from diloco.local.netns import check_available
+from diloco.local.wan import Link
 from diloco.progress import DoneEvent, EvalEvent, ProgressFollower, StepEvent, read_events
 from diloco.settings import DEFAULT_CORPUS_BYTES
 
@@ -250,6 +252,9 @@ def run(args: argparse.Namespace) -> int:
             {"quorum": "--quorum", "islands": "--islands"}, quorum=config.quorum, islands=args.islands
         )
         trace = build_trace(args, workers)
+        link = Link(mbps=args.link_mbps, rtt_ms=args.rtt_ms)
+        if link.shaped:
+            check_available()
         modes = [args.mode] + ([m.value for m in Mode if m != args.mode] if args.compare else [])
         gpus = visible_gpus() if args.device.startswith("cuda") else 0
         check_gpus(args.device, modes, len(workers), gpus)
@@ -262,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         f"diloco run: {args.islands} islands x {args.ranks_per_island} ranks, {args.shards} syncer shard(s), "
         f"{args.steps} steps of the {args.preset} preset; H={config.inner_steps} P={config.fragments} "
         f"tau={config.overlap_steps} {config.encoding.value}; {len(trace)} injected failures; out: {args.out}"
+        + (f"; each island behind a link of {link.describe()}" if link.shaped else "")
     )
     summaries, accounts, models = [], [], []
     for mode in modes:
@@ -287,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
             precision=args.precision,
             max_data_bytes=args.max_data_bytes,
             gpus=gpus,
+            link=link,
         )
         summary, acct, result = run_mode(plan, quiet=args.quiet)
         summaries.append(summary)
@@ -363,6 +370,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fail-until", type=float, default=60.0, help="inject worker kills until this many seconds")
     p.add_argument("--kill-syncer-at", type=float, nargs="*", default=[], help="kill -9 shard 0 at these seconds")
     p.add_argument("--trace", type=Path, help="a failure trace JSON file (overrides the random one)")
+    p.add_argument(
+        "--link-mbps",
+        type=float,
+        help="put each island behind a link of this many Mbit/s each way (network namespaces and tc tbf: root)",
+    )
+    p.add_argument(
+        "--rtt-ms", type=float, default=0.0, help="round trip each island's link adds to its exchanges (root)"
+    )
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument(
         "--checkpoint-every",

@@ -197,10 +197,12 @@ def bandwidth_table(
     step_s: float | None,
     config: SimConfig,
     utilisation: float,
-    link_gbps: float,
+    link_mbps: float,
     sites: int,
 ) -> str:
-    """One row per scheme: Gbit/s per site needed for `utilisation`, then the utilisation `link_gbps` gives."""
+    """One row per scheme: Gbit/s per site needed for `utilisation`, then the utilisation `link_mbps` gives
+    (the knob `diloco run --link-mbps` shapes its islands' links with)."""
+    link_gbps = link_mbps / 1000
     schemes = [bandwidth.data_parallel(), bandwidth.diloco(100), bandwidth.streaming_diloco(100, 4, 5)]
     training = config.training
     simulated = bandwidth.streaming_diloco(
@@ -482,7 +484,7 @@ def run(args: argparse.Namespace) -> int:
             args.step_seconds[0] if args.step_seconds else None,
             base,
             args.utilisation,
-            args.link_gbps,
+            args.link_mbps,
             args.sites,
         )
     except ValueError as error:
@@ -630,7 +632,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bw = parser.add_argument_group("bandwidth")
     add = bw.add_argument
     add("--model-params", type=_floats, default=DEFAULT_MODEL_PARAMS, help="model sizes, comma-separated")
-    add("--link-gbps", type=float, default=5.0, help="link speed per site to report utilisation at")
+    add("--link-mbps", type=float, default=5000.0, help="link speed per site (Mbit/s) to report utilisation at")
     add("--utilisation", type=float, default=0.95, help="target compute utilisation")
     add("--sites", type=int, default=2, help="sites (datacenters) exchanging over the link")
     parser.add_argument("--out", default="out/simulate", help="directory for report.md, goodput.png, goodput.csv")

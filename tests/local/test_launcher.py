@@ -1,11 +1,18 @@
 """A local job's folder and processes: what a run finds there from an earlier run, what each process is given."""
 
 import os
+import signal
+import sys
+import time
 
 import pytest
 
 from diloco.core.config import TrainingConfig
-from diloco.local.launcher import LocalJob, RunPlan, check_gpus, island_gpus, syncer_threads
+from diloco.local.launcher import LocalJob, RunPlan, check_gpus, island_gpus, syncer_threads, terminate_as_exit
+from diloco.local.netns import HUB_ADDRESS, ISLAND_DEVICE, island_address
+from diloco.local.wan import Link
+from diloco.progress import ProgressWriter, Source, StartEvent
+from diloco.transport import certificates
 
 
 def test_a_run_starts_from_nothing_even_where_an_earlier_run_left_its_files(tmp_path):
@@ -60,3 +67,53 @@ def test_a_cuda_run_that_cannot_start_is_refused_before_anything_starts():
         check_gpus("cuda", ["diloco"], workers=1, gpus=0)
     with pytest.raises(ValueError, match="4 workers, 1 GPU"):
         check_gpus("cuda", ["diloco", "ddp"], workers=4, gpus=1)
+
+
+def test_islands_behind_a_link_run_in_their_namespaces_and_reach_the_syncers_through_the_hub(tmp_path):
+    plan = RunPlan(mode="diloco", config=TrainingConfig(), out=tmp_path, islands=2, link=Link(mbps=1.0, rtt_ms=50))
+    job = LocalJob(plan)
+    for island, worker in enumerate(job.workers.values()):
+        assert worker.command[:4] == ["ip", "netns", "exec", job.network.namespace(island)]
+        syncers = worker.command[worker.command.index("--syncers") + 1]
+        assert syncers == f"{HUB_ADDRESS}:{job.syncer_ports[0]}"
+    assert HUB_ADDRESS in certificates.names_of(job.pki.server_cert.cert), "the certificate names the hub's address"
+
+
+def test_a_data_parallel_world_behind_links_meets_at_island_0_over_the_links(tmp_path):
+    plan = RunPlan(mode="ddp", config=TrainingConfig(), out=tmp_path, islands=2, link=Link(mbps=1.0))
+    for worker in LocalJob(plan).workers.values():
+        assert worker.env["MASTER_ADDR"] == island_address(0)
+        assert worker.env["GLOO_SOCKET_IFNAME"] == ISLAND_DEVICE
+
+
+def test_islands_without_a_link_run_on_loopback(tmp_path):
+    job = LocalJob(RunPlan(mode="diloco", config=TrainingConfig(), out=tmp_path, islands=1))
+    assert job.network is None
+    assert job.workers["island-0"].command[0] == sys.executable
+
+
+def test_links_are_shaped_once_every_island_has_started_not_before(tmp_path, monkeypatch):
+    """The initial model crosses at full speed; training and its syncs cross the link."""
+    job = LocalJob(RunPlan(mode="diloco", config=TrainingConfig(), out=tmp_path, islands=2, link=Link(mbps=1.0)))
+    shaped = []
+    monkeypatch.setattr(job.network, "shape", lambda: shaped.append(True))
+
+    def started(island: str) -> None:
+        with ProgressWriter(tmp_path / "progress" / f"{island}-rank0.jsonl", Source(island, 0, "diloco", 1)) as w:
+            w.write(StartEvent, step=0, world=1)
+
+    started("island-0")
+    job._shape_once_started()
+    assert shaped == []
+    started("island-1")
+    job._shape_once_started()
+    assert shaped == [True]
+
+
+def test_a_sigterm_to_the_launcher_unwinds_it_so_it_stops_what_it_started():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as leaving, terminate_as_exit():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    assert leaving.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == before

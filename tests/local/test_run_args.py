@@ -8,3 +8,18 @@ def test_a_quorum_above_the_islands_is_refused(tmp_path, capsys):
     assert main(args) == 2
     assert "--quorum (K=3) must not exceed the number of islands in --islands (2)" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_link_no_network_has_is_refused(tmp_path, capsys):
+    args = ["run", "--islands", "2", "--link-mbps", "0", "--quiet", "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    assert "--link-mbps must be a positive number of Mbit/s" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_shaped_run_where_namespaces_cannot_be_made_is_refused_saying_why(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    args = ["run", "--islands", "2", "--link-mbps", "10", "--quiet", "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    assert "shaped links need network namespaces, which need root" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

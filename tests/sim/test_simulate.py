@@ -33,7 +33,7 @@ def rows(path):
 
 def test_writes_table_plot_and_report(tmp_path, capsys):
     out = tmp_path / "sim"
-    assert main(["simulate", *SMALL, "--out", str(out), "--model-params", "7e10", "--link-gbps", "2"]) == 0
+    assert main(["simulate", *SMALL, "--out", str(out), "--model-params", "7e10", "--link-mbps", "2000"]) == 0
     printed = capsys.readouterr().out
     assert "Goodput (%) against fleet size" in printed and "| 20,000 |" in printed and "| 40,000 |" in printed
     assert "Published scenarios" not in printed  # a 0.1-year MTBI is not the published setting
