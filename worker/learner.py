@@ -13,6 +13,10 @@ fragment and a background round pushes Δ_p = base_p − θ_p to the owning shar
 τ inner steps later, or at the first step after that when the reply is in, the fragment is mixed,
 θ_p ← α·θ_p + (1−α)·θ_p(global), and the global values become the new base. Training never waits on the
 network: a round that fails or takes too long is dropped, and the fragment is pushed again when next due.
+
+A speed-aware island (`speedAware`, decoupled only) slower than the job's fastest runs fewer inner steps per
+round (`diloco.core.pace`): its schedule runs on a phase that advances H / H_i per inner step, so H and τ
+above are counted in phase units.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from types import TracebackType
 
 import grpc
@@ -30,8 +35,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco.core.config import TrainingConfig
-from diloco.core.fragments import Fragment, fragments_due, plan_fragments, resume_step, shard_of
+from diloco.core.fragments import Fragment, plan_fragments, resume_step, shard_of
 from diloco.core.island_id import check_island_id
+from diloco.core.pace import fragments_due_in, paced_inner_steps, phase_stride
 from diloco.settings import env_default, load_security, load_token, load_training_config
 from diloco.transport.client import Backoff, SyncerClient
 from diloco.transport.tls import Role, Security
@@ -49,6 +55,9 @@ from diloco.worker.sync import (
 )
 
 log = logging.getLogger("diloco.worker")
+
+STEP_SECONDS_SMOOTHING = 0.2
+"""Weight of the newest inner step in the island's measured seconds per step (an exponential average)."""
 
 _OUTCOME_COUNTERS = {
     RoundOutcome.MERGED: "syncs_merged",
@@ -81,7 +90,7 @@ class _IslandFragment:
     tokens: int = 0
     steps: int = 0
     sequence: int = 0
-    mixable_at: int | None = None  # while a round runs: the first step that may act on its result (push + τ)
+    mixable_at: Fraction | None = None  # while a round runs: the first phase that may act on its result (push + τ)
     began_at: int = 0  # the step the last round began at
 
 
@@ -154,6 +163,11 @@ class Learner:
         self._stopping = threading.Event()
         self._stats = StatsRecorder()
         self._step = 0
+        self._phase = Fraction(0)
+        self._round_steps = config.inner_steps
+        self._stats.set_round_steps(self._round_steps)
+        self._step_seconds = 0.0
+        self._last_step_at: float | None = None
         self._started = False
         self._closed = False
 
@@ -227,6 +241,7 @@ class Learner:
             self._stats.set_version(f.plan.index, Version(*versions[f.plan.index].tolist()))
         if self.synchronous:
             self._step = resume_step(versions[:, 1].tolist(), self.config.inner_steps, self.config.fragments)
+            self._phase = Fraction(self._step)
         self._started = True
         log.info(
             "learner started",
@@ -295,6 +310,16 @@ class Learner:
                 time.sleep(0.1)
 
     @property
+    def speed_aware(self) -> bool:
+        """Whether this island sizes its rounds by its speed: `speedAware`, and never at a barrier."""
+        return self.config.speed_aware and not self.synchronous
+
+    @property
+    def round_steps(self) -> int:
+        """Inner steps per round this island runs now: H, or fewer when it is speed-aware and slower."""
+        return self._round_steps
+
+    @property
     def inner_step(self) -> int:
         """Inner steps this island has taken; a synchronous island starts at the job's current step."""
         return self._step
@@ -309,18 +334,28 @@ class Learner:
         self.optimizer.step()
         self.optimizer.zero_grad()
         started = time.perf_counter()
+        self._measure_step(started)
         self._step += 1
         for f in self._fragments:
             f.tokens += tokens
             f.steps += 1
         self._finish_rounds()
-        due = fragments_due(self._step, self.config.inner_steps, self.config.fragments)
+        before, self._phase = self._phase, self._phase + phase_stride(self.config.inner_steps, self._round_steps)
+        due = fragments_due_in(before, self._phase, self.config.inner_steps, self.config.fragments)
         for index in due:
             if self._fragments[index].mixable_at is None:
                 self._begin_round(self._fragments[index])
         if self.synchronous and due:
             self._await_rounds(self.sync_timeout)
         self._stats.add(inner_steps=1, tokens=tokens, blocked_seconds=time.perf_counter() - started)
+
+    def _measure_step(self, now: float) -> None:
+        """Folds the time since the previous inner step into the island's seconds per step."""
+        if self._last_step_at is not None:
+            seconds = now - self._last_step_at
+            smoothed = STEP_SECONDS_SMOOTHING * seconds + (1 - STEP_SECONDS_SMOOTHING) * self._step_seconds
+            self._step_seconds = smoothed if self._step_seconds else seconds
+        self._last_step_at = now
 
     def flush(self, timeout: float) -> None:
         """Pushes every fragment's progress since its last sync and waits up to `timeout` seconds for the
@@ -334,7 +369,7 @@ class Learner:
         """Waits for the running rounds and mixes their results now rather than τ steps later."""
         for f in self._fragments:
             if f.mixable_at is not None:
-                f.mixable_at = self._step
+                f.mixable_at = self._phase
         if self.island.is_leader:
             self.wait_for_syncs(timeout)
         self._finish_rounds()
@@ -370,12 +405,13 @@ class Learner:
         log.info("learner closed", extra={"island": self.island_id, "rank": self.island.rank, **asdict(self.stats)})
 
     def _begin_round(self, f: _IslandFragment) -> None:
-        f.mixable_at = self._step + self.config.overlap_steps
+        f.mixable_at = self._phase + self.config.overlap_steps
         f.began_at = self._step
         tokens = self.island.sum(f.tokens)
         if not self.island.is_leader:
             return
         f.sequence += 1
+        self._stats.add(rounds_begun=1, round_inner_steps=f.steps)
         request = SyncRequest(
             fragment=f.plan.index,
             names=f.plan.names,
@@ -385,6 +421,7 @@ class Learner:
             tokens=tokens,
             inner_steps=f.steps,
             sequence=f.sequence,
+            step_seconds=self._step_seconds,
         )
         round_ = FragmentSync(
             self._clients[f.shard],
@@ -399,20 +436,25 @@ class Learner:
         self._rounds[f.plan.index] = round_
         round_.start()
 
-    def _decisions(self, running: dict[int, int]) -> torch.Tensor:
-        """Rank 0's verdict per fragment: (outcome, incarnation, version), outcome 0 while a round must go
-        on (reply not in, or fewer than τ steps since its push began)."""
-        decisions = torch.zeros(len(self._fragments), 3, dtype=torch.int64)
+    def _decisions(self, running: dict[int, Fraction]) -> torch.Tensor:
+        """Rank 0's verdict per fragment: (outcome, incarnation, version, inner steps per round), outcome 0
+        while a round must go on (reply not in, or fewer than τ steps since its push began), steps per round
+        0 to keep them as they are."""
+        decisions = torch.zeros(len(self._fragments), 4, dtype=torch.int64)
         if not self.island.is_leader:
             return decisions
         for index, mixable_at in running.items():
             result = self._rounds[index].result
-            if result is None or self._step < mixable_at:
+            if result is None or self._phase < mixable_at:
                 continue
             decisions[index, 0] = result.outcome
             if result.version is not None:
                 decisions[index, 1] = result.version.incarnation
                 decisions[index, 2] = result.version.version
+            if self.speed_aware:
+                decisions[index, 3] = paced_inner_steps(
+                    self.config.inner_steps, self.config.fragments, self._step_seconds, result.cadence_step_seconds
+                )
         return decisions
 
     def _finish_rounds(self) -> None:
@@ -422,9 +464,13 @@ class Learner:
         decisions = self.island.broadcast(self._decisions(running)).cpu()
         for index in running:
             f = self._fragments[index]
-            code, incarnation, version = decisions[index].tolist()
+            code, incarnation, version, round_steps = decisions[index].tolist()
             if code == 0:
                 continue
+            if round_steps and round_steps != self._round_steps:
+                log.info("inner steps per round", extra={"island": self.island_id, "steps": round_steps})
+                self._round_steps = round_steps
+                self._stats.set_round_steps(round_steps)
             outcome = RoundOutcome(code)
             f.mixable_at = None
             if self.on_round is not None:

@@ -440,6 +440,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         overlap_steps=args.overlap_steps,
         quorum=args.quorum,
         grace_seconds=args.grace_seconds,
+        speed_aware=args.speed_aware,
         **({} if timeout is None else {"island_timeout_seconds": timeout}),
     )
     return SimConfig(
@@ -603,6 +604,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add("--quorum", type=int, default=job.quorum, help="K: pushes a merge waits for (capped by live islands)")
     add("--grace-seconds", type=float, default=job.grace_seconds, help="seconds a merge waits for more once K are in")
+    add(
+        "--speed-aware",
+        action=argparse.BooleanOptionalAction,
+        default=job.speed_aware,
+        help="decoupled learners of a slower generation run fewer inner steps per round, at the fastest's cadence",
+    )
     add(
         "--sync-latency-seconds",
         type=float,

@@ -214,8 +214,10 @@ class SyncerClient:
         delta: Sequence[tuple[str, torch.Tensor]],
         encoding: Encoding,
         block_size: int,
+        step_seconds: float = 0.0,
     ) -> pb.PushReply:
-        """Streams one outer gradient; encoded once, re-sent whole on a retry, counted once by the shard."""
+        """Streams one outer gradient; encoded once, re-sent whole on a retry, counted once by the shard.
+        `step_seconds` is the island's measured seconds per inner step, for speed-aware islands."""
         payloads, blobs = wire.tensor_payloads(delta, encoding, block_size)
         header = pb.PushHeader(
             island_id=self.island_id,
@@ -224,6 +226,7 @@ class SyncerClient:
             tokens=tokens,
             inner_steps=inner_steps,
             sequence=sequence,
+            step_seconds=step_seconds,
         )
         return self._retrying(
             "PushDelta",
