@@ -56,7 +56,7 @@ from diloco.worker.sync import (
 
 log = logging.getLogger("diloco.worker")
 
-STEP_SECONDS_SMOOTHING = 0.2
+STEP_SECONDS_SMOOTHING = 0.1
 """Weight of the newest inner step in the island's measured seconds per step (an exponential average)."""
 
 _OUTCOME_COUNTERS = {
@@ -411,7 +411,7 @@ class Learner:
         if not self.island.is_leader:
             return
         f.sequence += 1
-        self._stats.add(rounds_begun=1, round_inner_steps=f.steps)
+        self._stats.add(rounds_begun=1, round_inner_steps=self._round_steps)
         request = SyncRequest(
             fragment=f.plan.index,
             names=f.plan.names,

@@ -14,7 +14,7 @@ def test_an_island_three_times_slower_runs_a_third_of_the_steps_per_round():
 
 def test_the_fastest_island_and_one_within_tolerance_run_the_full_h():
     assert paced_inner_steps(20, 2, step_seconds=0.1, cadence_step_seconds=0.1) == 20
-    assert paced_inner_steps(20, 2, step_seconds=0.1 / TOLERANCE, cadence_step_seconds=0.1) == 20
+    assert paced_inner_steps(20, 2, step_seconds=0.1 / TOLERANCE * 0.999, cadence_step_seconds=0.1) == 20
 
 
 @pytest.mark.parametrize(("step_seconds", "cadence"), [(0.0, 0.1), (0.3, 0.0), (0.0, 0.0)])

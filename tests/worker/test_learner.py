@@ -157,17 +157,22 @@ def test_a_slow_island_does_not_hold_back_merges(start_shards, island):
     assert all(status[p][1] >= 10 for p in (0, 1)), status
 
 
-def test_a_speed_aware_slow_island_runs_fewer_inner_steps_per_round(start_shards, island):
-    """The slow island steps once per five of the fast one's: it learns the fast one's cadence from the
-    shard and runs fewer inner steps per round, and its pushes say so; the fast one runs the full H."""
-    shards = start_shards(make_config(quorum=1, inner_steps=12, overlap_steps=1))
+def train_one_fast_one_slow(start_shards, island, steps: int, **config: object):
+    """Two islands at H=12, the slow one stepping once per five of the fast one's."""
+    shards = start_shards(make_config(quorum=1, inner_steps=12, overlap_steps=1, **config))
     fast = island(shards, seed=1, name="fast")
     slow = island(shards, seed=2, name="slow")
-
-    for i in range(150):
+    for i in range(steps):
         fast.train(1)
         if i % 5 == 4:
             slow.train(1)
+    return fast, slow
+
+
+def test_a_speed_aware_slow_island_runs_fewer_inner_steps_per_round(start_shards, island):
+    """The slow island steps once per five of the fast one's: it learns the fast one's cadence from the
+    shard and runs fewer inner steps per round, and its pushes say so; the fast one runs the full H."""
+    fast, slow = train_one_fast_one_slow(start_shards, island, steps=150)
 
     assert fast.learner.round_steps == 12
     assert slow.learner.round_steps < 12 and slow.learner.stats.round_steps == slow.learner.round_steps
@@ -177,13 +182,7 @@ def test_a_speed_aware_slow_island_runs_fewer_inner_steps_per_round(start_shards
 
 
 def test_speed_awareness_off_keeps_h_whatever_the_speed(start_shards, island):
-    shards = start_shards(make_config(quorum=1, inner_steps=12, overlap_steps=1, speed_aware=False))
-    fast = island(shards, seed=1, name="fast")
-    slow = island(shards, seed=2, name="slow")
-    for i in range(100):
-        fast.train(1)
-        if i % 5 == 4:
-            slow.train(1)
+    _, slow = train_one_fast_one_slow(start_shards, island, steps=100, speed_aware=False)
     assert slow.learner.round_steps == 12
 
 
