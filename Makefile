@@ -48,7 +48,7 @@ bench-comm: $(STAMP)  ## communication bytes per token, DiLoCo with int4 at the 
 bench-simulator: $(STAMP)  ## diloco simulate's goodput predictions vs diloco run --compare on one failure trace (~5 min)
 	$(BIN)/python bench/simulate_vs_run.py
 
-.PHONY: bench-loss bench-step-time bench-goodput bench-accelerator
+.PHONY: bench-loss bench-step-time bench-goodput bench-accelerator bench-mixed-hardware
 bench-loss: $(STAMP)  ## held-out loss at equal tokens: decoupled DiLoCo vs ddp and sync-diloco, 4 islands (~5 min)
 	$(BIN)/python bench/training.py loss
 
@@ -57,6 +57,9 @@ bench-step-time: $(STAMP)  ## training-step time with syncing on vs off, alterna
 
 bench-goodput: $(STAMP)  ## goodput under one failure trace: decoupled vs sync-diloco vs ddp (~5 min)
 	$(BIN)/python bench/training.py goodput
+
+bench-mixed-hardware: $(STAMP)  ## islands at speeds 1,1,1,3 and 1,1,2,2: time to a held-out loss, speed-aware vs fixed H vs sync-diloco vs ddp (~15 min)
+	$(BIN)/python bench/mixed_hardware.py
 
 bench-accelerator: $(STAMP)  ## one GPU: tokens/s, MFU and peak memory of the medium and xl presets, bf16 vs fp32 (~2 min)
 	$(BIN)/python bench/accelerator.py
