@@ -336,11 +336,11 @@ class Learner:
         started = time.perf_counter()
         self._measure_step(started)
         self._step += 1
+        before, self._phase = self._phase, self._phase + phase_stride(self.config.inner_steps, self._round_steps)
         for f in self._fragments:
             f.tokens += tokens
             f.steps += 1
         self._finish_rounds()
-        before, self._phase = self._phase, self._phase + phase_stride(self.config.inner_steps, self._round_steps)
         due = fragments_due_in(before, self._phase, self.config.inner_steps, self.config.fragments)
         for index in due:
             if self._fragments[index].mixable_at is None:
@@ -444,16 +444,20 @@ class Learner:
         if not self.island.is_leader:
             return decisions
         for index, mixable_at in running.items():
-            result = self._rounds[index].result
+            round_ = self._rounds[index]
+            result = round_.result
             if result is None or self._phase < mixable_at:
                 continue
             decisions[index, 0] = result.outcome
             if result.version is not None:
                 decisions[index, 1] = result.version.incarnation
                 decisions[index, 2] = result.version.version
-            if self.speed_aware:
+            if self.speed_aware:  # against the speed the push reported, which the shard's cadence counted
                 decisions[index, 3] = paced_inner_steps(
-                    self.config.inner_steps, self.config.fragments, self._step_seconds, result.cadence_step_seconds
+                    self.config.inner_steps,
+                    self.config.fragments,
+                    round_.request.step_seconds,
+                    result.cadence_step_seconds,
                 )
         return decisions
 
