@@ -52,7 +52,7 @@ bench-comm: $(STAMP)  ## communication bytes per token, DiLoCo with int4 and spa
 bench-simulator: $(STAMP)  ## diloco simulate's goodput predictions vs diloco run --compare on one failure trace (~5 min)
 	$(BIN)/python bench/simulate_vs_run.py
 
-.PHONY: bench-loss bench-step-time bench-goodput bench-accelerator bench-wan
+.PHONY: bench-loss bench-step-time bench-goodput bench-accelerator bench-wan bench-mixed-hardware
 bench-loss: $(STAMP)  ## held-out loss at equal tokens: decoupled DiLoCo (int4, sparse) vs ddp and sync-diloco, 4 islands
 	$(BIN)/python bench/training.py loss
 
@@ -64,6 +64,9 @@ bench-goodput: $(STAMP)  ## goodput under one failure trace: decoupled vs sync-d
 
 bench-wan: $(STAMP)  ## step rate behind 12B-equivalent WAN links (netns, tbf, delay; root): decoupled vs sync-diloco vs ddp (~12 min)
 	$(BIN)/python bench/wan.py
+
+bench-mixed-hardware: $(STAMP)  ## islands at speeds 1,1,1,3 and 1,1,2,2: time to a held-out loss, speed-aware vs fixed H vs sync-diloco vs ddp (~15 min)
+	$(BIN)/python bench/mixed_hardware.py
 
 bench-accelerator: $(STAMP)  ## one GPU: tokens/s, MFU and peak memory of the medium and xl presets, bf16 vs fp32 (~2 min)
 	$(BIN)/python bench/accelerator.py

@@ -148,6 +148,8 @@ class LearnerTotals:
     bytes_pushed: int
     bytes_pulled: int
     blocked_seconds: float
+    rounds_begun: int = 0  # fragment rounds begun (rank 0 of an island)
+    round_inner_steps: int = 0  # their inner steps per round together: below H per round on a slow speed-aware island
 
 
 _TOTALS = tuple(f.name for f in fields(LearnerTotals))

@@ -38,6 +38,11 @@ class SyncerMetrics:
             "TLS handshakes begun, one per connection, refused ones included (gRPC reports no outcome)",
             registry=r,
         )
+        self.grace_seconds = Gauge(
+            "diloco_syncer_grace_seconds",
+            "How long a merge now waits for more islands once its quorum is in (adaptive, at most graceSeconds)",
+            registry=r,
+        )
         self.live_islands = Gauge("diloco_syncer_live_islands", "Islands heard from within the timeout", registry=r)
         self.checkpoint_seconds = Histogram(
             "diloco_syncer_checkpoint_seconds", "Time to write a checkpoint", registry=r

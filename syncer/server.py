@@ -252,6 +252,7 @@ class SyncerServer:
         """Merges every fragment that is due; the caller holds the lock."""
         now = self.clock()
         self.metrics.live_islands.set(len(self.state.live_islands(now)))
+        self.metrics.grace_seconds.set(self.state.grace_seconds())
         for index in self.state.poll(now):
             started = time.perf_counter()
             record = self.state.merge(index, now)
@@ -356,13 +357,19 @@ class SyncerServer:
         delta: Sequence[torch.Tensor],
         tokens: int,
         inner_steps: int,
+        step_seconds: float,
     ) -> PushResult:
         """Takes a decoded push and wakes the merge thread, which may find the fragment due now."""
         with self._cond:
-            result = self.state.submit(key, fragment, specs, delta, tokens, inner_steps, self.clock())
+            result = self.state.submit(key, fragment, specs, delta, tokens, inner_steps, self.clock(), step_seconds)
             self._dirty |= not result.duplicate
             self._cond.notify_all()
             return result
+
+    def cadence_step_seconds(self) -> float:
+        """The job's cadence that a push reply tells a speed-aware island."""
+        with self._cond:
+            return self.state.cadence_step_seconds(self.clock())
 
     def pull(self, request: pb.PullRequest, encoding: Encoding, delta_encoding: Encoding | None) -> ServedPull | None:
         """The Pull reply to `request`, None when the island holds the newest version: a difference in
@@ -703,7 +710,8 @@ class _Servicer:
                     watched.expect(min(_declared_bytes(h.tensors), limit))
                     _, tensors = wire.read_push_stream(itertools.chain([h], parts), max_total_bytes=limit)
             if early is None:
-                result = s.submit_push(key, h.fragment_id, specs, [t for _, t in tensors], h.tokens, h.inner_steps)
+                delta = [t for _, t in tensors]
+                result = s.submit_push(key, h.fragment_id, specs, delta, h.tokens, h.inner_steps, h.step_seconds)
                 s.metrics.bytes_in.inc(sum(p.byte_length for p, _ in tensors))
             else:
                 result = early
@@ -714,7 +722,12 @@ class _Servicer:
         s.metrics.pushes.labels("duplicate" if result.duplicate else "accepted").inc()
         if not result.duplicate:
             s.metrics.staleness.observe(result.staleness)
-        return pb.PushReply(duplicate=result.duplicate, current=s.version(result.version), staleness=result.staleness)
+        return pb.PushReply(
+            duplicate=result.duplicate,
+            current=s.version(result.version),
+            staleness=result.staleness,
+            cadence_step_seconds=s.cadence_step_seconds(),
+        )
 
     def Pull(self, request: pb.PullRequest | wire.Undecodable, context: grpc.ServicerContext) -> Iterator[bytes]:
         s = self.s

@@ -8,6 +8,7 @@ metrics label; a refused call never changes the state.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from diloco.core.config import TrainingConfig
 from diloco.core.fragments import owned_fragments
+from diloco.core.grace import HISTORY, grace_window
 from diloco.core.island_id import check_island_id
 from diloco.core.merge import (
     MAX_TOKENS_PER_INNER_STEP,
@@ -101,6 +103,7 @@ class ShardFragment:
     version: int = 0
     pending: dict[str, Pending] = field(default_factory=dict)
     quorum_since: float | None = None
+    merged_quorum_since: float | None = None  # when the last merge's quorum was reached
     merged_keys: set[PushKey] = field(default_factory=set)
     last_merge_unix: float = 0.0
     last_contributors: int = 0
@@ -139,6 +142,8 @@ class ShardState:
         self.islands: dict[str, float] = {}
         self.left: set[str] = set()
         self.rejected_pushes = 0
+        self.step_seconds: dict[str, float] = {}
+        self.lateness: deque[float] = deque(maxlen=HISTORY)
 
     # Islands
 
@@ -187,6 +192,16 @@ class ShardState:
     def effective_quorum(self, now: float) -> int:
         """K, capped by the islands alive, so dead islands never hold a merge back."""
         return max(1, min(self.config.quorum, len(self.live_islands(now))))
+
+    def cadence_step_seconds(self, now: float) -> float:
+        """The job's cadence for speed-aware islands: the fewest seconds per inner step a live island
+        reported with its pushes (0 while none has)."""
+        live = self.step_seconds.keys() & set(self.live_islands(now))
+        return min((self.step_seconds[island] for island in live), default=0.0)
+
+    def grace_seconds(self) -> float:
+        """How long a merge waits once its quorum is in: sized from the lateness seen, at most graceSeconds."""
+        return grace_window(self.lateness, self.config.grace_seconds)
 
     # Fragments
 
@@ -254,11 +269,13 @@ class ShardState:
         tokens: int,
         inner_steps: int,
         now: float,
+        step_seconds: float = 0.0,
     ) -> PushResult:
         """Takes a decoded delta as the island's pending contribution to the fragment's next merge.
 
         An island has at most one pending contribution per fragment: its deltas are cumulative against its
         base, so a newer push replaces an older one, and a late retry of an older push changes nothing.
+        `step_seconds` is the island's measured seconds per inner step (0: not measured).
         """
         duplicate = self.check_push(key, fragment, specs, tokens, inner_steps)
         if duplicate is not None:
@@ -271,10 +288,22 @@ class ShardState:
             key.sequence,
         ):
             return PushResult(duplicate=True, version=frag.version, staleness=staleness)
+        self._record_lateness(frag, staleness, now)
         frag.pending[key.island] = Pending(key, [d.to(torch.float32) for d in delta], tokens, inner_steps)
         frag.max_staleness_seen = max(frag.max_staleness_seen, staleness)
         self.touch(key.island, now)
+        if step_seconds > 0 and key.island in self.islands:
+            self.step_seconds[key.island] = step_seconds
         return PushResult(duplicate=False, version=frag.version, staleness=staleness)
+
+    def _record_lateness(self, frag: ShardFragment, staleness: int, now: float) -> None:
+        """How long after its round's quorum a contribution arrived. One based on the version before the last
+        merge was a round late: it counts from that merge's quorum, so a window too short to take it in
+        still learns how late it was."""
+        if staleness == 0 and frag.quorum_since is not None:
+            self.lateness.append(now - frag.quorum_since)
+        elif staleness == 1 and frag.merged_quorum_since is not None:
+            self.lateness.append(now - frag.merged_quorum_since)
 
     def pending_room(self) -> int:
         """How many pending contributions a fragment holds before it takes no more from islands that have
@@ -371,13 +400,14 @@ class ShardState:
             if frag.quorum_since is None:
                 frag.quorum_since = now
             everyone = bool(live) and live <= frag.pending.keys()
-            if everyone or now >= frag.quorum_since + self.config.grace_seconds:
+            if everyone or now >= frag.quorum_since + self.grace_seconds():
                 due.append(frag.index)
         return due
 
     def next_deadline(self) -> float | None:
         """When the earliest running grace window closes, for the server's merge thread to wake."""
-        ends = [f.quorum_since + self.config.grace_seconds for f in self.fragments.values() if f.quorum_since]
+        grace = self.grace_seconds()
+        ends = [f.quorum_since + grace for f in self.fragments.values() if f.quorum_since is not None]
         return min(ends, default=None)
 
     def merge_share(self, contributors: int, now: float) -> float:
@@ -423,7 +453,7 @@ class ShardState:
             share=self.merge_share(len(pending), now),
         )
         frag.pending.clear()
-        frag.quorum_since = None
+        frag.merged_quorum_since, frag.quorum_since = frag.quorum_since, None
         tokens = sum(p.tokens for p in pending)
         dropped = None if all_finite(values) and all_finite(momentum) else "non_finite"
         if dropped is None:

@@ -60,7 +60,7 @@ WORKER_LINES = [
     f'{{"event": "done", {HEADER}, "step": 40, "loss": 2.5}}\n',
     f'{{"event": "done", {HEADER}, "step": 40, "loss": 2.5, "inner_steps": 40, "tokens": 81920, "syncs_pushed": 8, '
     '"syncs_merged": 7, "syncs_resynced": 0, "syncs_abandoned": 1, "syncs_failed": 0, "bytes_pushed": 1000, '
-    '"bytes_pulled": 2000, "blocked_seconds": 0.0}\n',
+    '"bytes_pulled": 2000, "blocked_seconds": 0.0, "rounds_begun": 8, "round_inner_steps": 40}\n',
 ]
 
 

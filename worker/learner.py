@@ -23,6 +23,10 @@ fragment and a background round pushes Δ_p = base_p − θ_p to the owning shar
 τ inner steps later, or at the first step after that when the reply is in, the fragment is mixed,
 θ_p ← α·θ_p + (1−α)·θ_p(global), and the global values become the new base. Training never waits on the
 network: a round that fails or takes too long is dropped, and the fragment is pushed again when next due.
+
+A speed-aware island (`speedAware`, decoupled only) slower than the job's fastest runs fewer inner steps per
+round (`diloco.core.pace`): its schedule runs on a phase that advances H / H_i per inner step, so H and τ
+above are counted in phase units.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from types import TracebackType
 from typing import Any
 from wsgiref.simple_server import WSGIServer
@@ -46,8 +51,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from diloco.core.config import Encoding, Mode, TrainingConfig
-from diloco.core.fragments import Fragment, fragments_due, plan_fragments, resume_step, shard_of
+from diloco.core.fragments import Fragment, plan_fragments, resume_step, shard_of
 from diloco.core.island_id import check_island_id
+from diloco.core.pace import fragments_due_in, paced_inner_steps, phase_stride
 from diloco.settings import env_default, load_security, load_token, load_training_config
 from diloco.transport.client import Backoff, SyncerClient
 from diloco.transport.tls import Role, Security
@@ -69,6 +75,9 @@ from diloco.worker.sync import (
 )
 
 log = logging.getLogger("diloco.worker")
+
+STEP_SECONDS_SMOOTHING = 0.1
+"""Weight of the newest inner step in the island's measured seconds per step (an exponential average)."""
 
 _OUTCOME_COUNTERS = {
     RoundOutcome.MERGED: "syncs_merged",
@@ -101,7 +110,7 @@ class _IslandFragment:
     tokens: int = 0
     steps: int = 0
     sequence: int = 0
-    mixable_at: int | None = None  # while a round runs: the first step that may act on its result (push + τ)
+    mixable_at: Fraction | None = None  # while a round runs: the first phase that may act on its result (push + τ)
     began_at: int = 0  # the step the last round began at
 
 
@@ -193,6 +202,11 @@ class Learner:
         self._metrics_address = (metrics_host, metrics_port)
         self._metrics_server: WSGIServer | None = None
         self._step_hook: RemovableHandle | None = None
+        self._phase = Fraction(0)
+        self._round_steps = config.inner_steps
+        self._stats.set_round_steps(self._round_steps)
+        self._step_seconds = 0.0
+        self._last_step_at: float | None = None
         self._started = False
         self._closed = False
 
@@ -285,6 +299,7 @@ class Learner:
             self._stats.set_version(f.plan.index, Version(*versions[f.plan.index].tolist()))
         if self.synchronous:
             self._step = resume_step(versions[:, 1].tolist(), self.config.inner_steps, self.config.fragments)
+            self._phase = Fraction(self._step)
         self._step_hook = self.optimizer.register_step_post_hook(self._after_optimizer_step)
         self._started = True
         log.info(
@@ -370,6 +385,16 @@ class Learner:
                 time.sleep(0.1)
 
     @property
+    def speed_aware(self) -> bool:
+        """Whether this island sizes its rounds by its speed: `speedAware`, and never at a barrier."""
+        return self.config.speed_aware and not self.synchronous
+
+    @property
+    def round_steps(self) -> int:
+        """Inner steps per round this island runs now: H, or fewer when it is speed-aware and slower."""
+        return self._round_steps
+
+    @property
     def inner_step(self) -> int:
         """Inner steps this island has taken; a synchronous island starts at the job's current step."""
         return self._step
@@ -381,6 +406,7 @@ class Learner:
         if not self._started or self._stats.snapshot().inner_steps:
             raise RuntimeError("resume() goes between start() and the first optimizer step")
         self._step = step
+        self._phase = Fraction(step)
 
     def shard_status(self) -> list[pb.StatusReply]:
         """Every shard's status, in shard order (rank 0 alone holds the channels: [] on the other ranks)."""
@@ -403,12 +429,14 @@ class Learner:
         network (except in the synchronous baseline). Registered by `start`, removed by `close`."""
         started = time.perf_counter()
         tokens, self._pending_tokens = self._pending_tokens, 0
+        self._measure_step(started)
         self._step += 1
+        before, self._phase = self._phase, self._phase + phase_stride(self.config.inner_steps, self._round_steps)
         for f in self._fragments:
             f.tokens += tokens
             f.steps += 1
         self._finish_rounds()
-        due = fragments_due(self._step, self.config.inner_steps, self.config.fragments)
+        due = fragments_due_in(before, self._phase, self.config.inner_steps, self.config.fragments)
         for index in due:
             if self._fragments[index].mixable_at is None:
                 self._begin_round(self._fragments[index])
@@ -443,6 +471,14 @@ class Learner:
             learner=stats,
         )
 
+    def _measure_step(self, now: float) -> None:
+        """Folds the time since the previous inner step into the island's seconds per step."""
+        if self._last_step_at is not None:
+            seconds = now - self._last_step_at
+            smoothed = STEP_SECONDS_SMOOTHING * seconds + (1 - STEP_SECONDS_SMOOTHING) * self._step_seconds
+            self._step_seconds = smoothed if self._step_seconds else seconds
+        self._last_step_at = now
+
     def flush(self, timeout: float | None = None) -> None:
         """Pushes every fragment's progress since its last sync and waits up to `timeout` seconds (default
         `flush_timeout`, or after a stop request what its grace period leaves) for the merges: the end of a
@@ -458,7 +494,7 @@ class Learner:
         """Waits for the running rounds and mixes their results now rather than τ steps later."""
         for f in self._fragments:
             if f.mixable_at is not None:
-                f.mixable_at = self._step
+                f.mixable_at = self._phase
         if self.island.is_leader:
             self.wait_for_syncs(timeout)
         self._finish_rounds()
@@ -506,12 +542,13 @@ class Learner:
             self._metrics_server = None
 
     def _begin_round(self, f: _IslandFragment) -> None:
-        f.mixable_at = self._step + self.config.overlap_steps
+        f.mixable_at = self._phase + self.config.overlap_steps
         f.began_at = self._step
         tokens = self.island.sum(f.tokens)
         if not self.island.is_leader:
             return
         f.sequence += 1
+        self._stats.add(rounds_begun=1, round_inner_steps=self._round_steps)
         request = SyncRequest(
             fragment=f.plan.index,
             names=f.plan.names,
@@ -521,6 +558,7 @@ class Learner:
             tokens=tokens,
             inner_steps=f.steps,
             sequence=f.sequence,
+            step_seconds=self._step_seconds,
         )
         round_ = FragmentSync(
             self._clients[f.shard],
@@ -537,20 +575,29 @@ class Learner:
         self._rounds[f.plan.index] = round_
         round_.start()
 
-    def _decisions(self, running: dict[int, int]) -> torch.Tensor:
-        """Rank 0's verdict per fragment: (outcome, incarnation, version), outcome 0 while a round must go
-        on (reply not in, or fewer than τ steps since its push began)."""
-        decisions = torch.zeros(len(self._fragments), 3, dtype=torch.int64)
+    def _decisions(self, running: dict[int, Fraction]) -> torch.Tensor:
+        """Rank 0's verdict per fragment: (outcome, incarnation, version, inner steps per round), outcome 0
+        while a round must go on (reply not in, or fewer than τ steps since its push began), steps per round
+        0 to keep them as they are."""
+        decisions = torch.zeros(len(self._fragments), 4, dtype=torch.int64)
         if not self.island.is_leader:
             return decisions
         for index, mixable_at in running.items():
-            result = self._rounds[index].result
-            if result is None or self._step < mixable_at:
+            round_ = self._rounds[index]
+            result = round_.result
+            if result is None or self._phase < mixable_at:
                 continue
             decisions[index, 0] = result.outcome
             if result.version is not None:
                 decisions[index, 1] = result.version.incarnation
                 decisions[index, 2] = result.version.version
+            if self.speed_aware:  # against the speed the push reported, which the shard's cadence counted
+                decisions[index, 3] = paced_inner_steps(
+                    self.config.inner_steps,
+                    self.config.fragments,
+                    round_.request.step_seconds,
+                    result.cadence_step_seconds,
+                )
         return decisions
 
     def _finish_rounds(self) -> None:
@@ -560,9 +607,13 @@ class Learner:
         decisions = self.island.broadcast(self._decisions(running)).cpu()
         for index in running:
             f = self._fragments[index]
-            code, incarnation, version = decisions[index].tolist()
+            code, incarnation, version, round_steps = decisions[index].tolist()
             if code == 0:
                 continue
+            if round_steps and round_steps != self._round_steps:
+                log.info("inner steps per round", extra={"island": self.island_id, "steps": round_steps})
+                self._round_steps = round_steps
+                self._stats.set_round_steps(round_steps)
             outcome = RoundOutcome(code)
             f.mixable_at = None
             if self.on_round is not None:

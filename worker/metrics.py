@@ -126,6 +126,11 @@ class WorkerCollector(Collector):
         yield counter(
             "diloco_worker_blocked_seconds", "Seconds the training thread spent on sync work", learner.blocked_seconds
         )
+        yield gauge(
+            "diloco_worker_round_steps",
+            "Inner steps per round the island runs: H, fewer on a speed-aware island slower than the fastest",
+            learner.round_steps,
+        )
         syncs = CounterMetricFamily(
             "diloco_worker_syncs", "Fragment rounds by how they ended", labels=[*labels, "outcome"]
         )

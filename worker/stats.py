@@ -31,10 +31,13 @@ class LearnerStats:
     bytes_pulled: int = 0
     blocked_seconds: float = 0.0
     feedback_lost: int = 0  # fragments whose error-feedback buffer a restart lost (diloco.worker.error_feedback)
+    rounds_begun: int = 0
+    round_inner_steps: int = 0
+    round_steps: int = 0  # inner steps per round the island runs now: H, or fewer when speed-aware and slow
     versions: dict[int, Version] = field(default_factory=dict)
 
 
-_COUNTERS = frozenset(f.name for f in fields(LearnerStats) if f.name != "versions")
+_COUNTERS = frozenset(f.name for f in fields(LearnerStats) if f.name not in ("versions", "round_steps"))
 
 
 class StatsRecorder:
@@ -51,6 +54,10 @@ class StatsRecorder:
         with self._lock:
             for name, amount in amounts.items():
                 setattr(self._stats, name, getattr(self._stats, name) + amount)
+
+    def set_round_steps(self, steps: int) -> None:
+        with self._lock:
+            self._stats.round_steps = steps
 
     def set_version(self, fragment: int, version: Version) -> None:
         with self._lock:

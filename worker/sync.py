@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
@@ -64,6 +64,7 @@ class SyncRequest:
     tokens: int
     inner_steps: int
     sequence: int
+    step_seconds: float = 0.0  # the island's measured seconds per inner step (0: not measured)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class SyncResult:
     outcome: RoundOutcome
     version: pb.FragmentVersion | None = None
     values: list[torch.Tensor] | None = None
+    cadence_step_seconds: float = 0.0  # the job's cadence the shard answered the push with (0: unknown)
 
 
 class FragmentSync:
@@ -149,6 +151,7 @@ class FragmentSync:
                 inner_steps=r.inner_steps,
                 sequence=r.sequence,
                 encoded=encoded,
+                step_seconds=r.step_seconds,
             )
         except grpc.RpcError as error:
             if refusal_of(error.code()) is Refusal.OUT_OF_STEP:
@@ -175,7 +178,7 @@ class FragmentSync:
         # Wait for a version newer than the one the push was taken at: that merge includes this delta, so
         # the next delta, taken against it, does not count this round's progress a second time.
         have = r.base_version if reply.duplicate else reply.current
-        return self._await_merge(have)
+        return replace(self._await_merge(have), cadence_step_seconds=reply.cadence_step_seconds)
 
     def _await_merge(self, have: pb.FragmentVersion) -> SyncResult:
         deadline = time.monotonic() + self.timeout

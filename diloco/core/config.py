@@ -85,7 +85,7 @@ class OuterOptimizerConfig(CamelModel):
     nesterov: bool = Field(True, description="Use Nesterov momentum (as in DiLoCo) rather than heavy-ball.")
 
 
-ISLAND_ONLY_KNOBS = frozenset({"inner_steps", "overlap_steps", "mix_alpha", "encoding", "inner"})
+ISLAND_ONLY_KNOBS = frozenset({"inner_steps", "overlap_steps", "mix_alpha", "encoding", "speed_aware", "inner"})
 """TrainingConfig fields only islands act on: a shard reads H, the encoding and the counts from each push's
 header, never from its config. Every other field, including any added later, counts as the shards' own."""
 
@@ -135,7 +135,11 @@ class TrainingConfig(CamelModel):
         1, ge=1, description="K: contributions a syncer shard waits for before merging (capped by live islands)."
     )
     grace_seconds: float = Field(
-        2.0, ge=0, description="Seconds a shard waits for more contributions once the quorum is reached."
+        2.0,
+        ge=0,
+        description="The most seconds a shard waits for more contributions once the quorum is reached; it "
+        "sizes each wait from how late it has seen contributions arrive, and never waits for an island that "
+        "left or timed out.",
     )
     max_staleness: int = Field(
         4, ge=0, description="Contributions based on a fragment version older than this many merges are refused."
@@ -150,6 +154,11 @@ class TrainingConfig(CamelModel):
         False,
         description="Merge with radial-directional averaging (mean norm times mean direction) instead of a "
         "plain weighted mean.",
+    )
+    speed_aware: bool = Field(
+        True,
+        description="Islands slower than the fastest run fewer inner steps per round (H x its speed / the "
+        "fastest's), so that every island pushes at about the fastest's cadence; islands of equal speed run H.",
     )
     island_timeout_seconds: float = Field(
         60.0, gt=0, description="An island unseen for longer than this no longer counts towards the quorum cap."

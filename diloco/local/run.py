@@ -10,7 +10,8 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -22,7 +23,7 @@ from diloco.local.goodput import Account, account
 from diloco.local.launcher import JobResult, LocalJob, RunPlan, check_gpus
 from diloco.local.netns import check_available
 from diloco.local.wan import Link
-from diloco.progress import DoneEvent, EvalEvent, ProgressFollower, StepEvent, read_events
+from diloco.progress import DoneEvent, EvalEvent, ProgressEvent, ProgressFollower, StepEvent, read_events
 from diloco.settings import DEFAULT_CORPUS_BYTES
 
 
@@ -45,6 +46,18 @@ class ModeSummary:
     tokens_per_second_per_island: float = 0.0
     tokens_per_second_per_accelerator: float = 0.0  # per worker process: one accelerator each
     mfu: float | None = None  # model FLOPs utilisation (None: no accelerator peak known, e.g. on CPU)
+    round_steps: dict[str, float] = field(default_factory=dict)  # per island: mean inner steps per round
+
+
+def round_steps(events: list[ProgressEvent]) -> dict[str, float]:
+    """Each island's mean inner steps per round over its processes: H, fewer on a slow speed-aware island."""
+    rounds: Counter[str] = Counter()
+    steps: Counter[str] = Counter()
+    for e in events:
+        if isinstance(e, DoneEvent) and e.source.rank == 0 and e.learner is not None:
+            rounds[e.source.island] += e.learner.rounds_begun
+            steps[e.source.island] += e.learner.round_inner_steps
+    return {island: steps[island] / rounds[island] for island in sorted(rounds) if rounds[island]}
 
 
 def ddp_comm_bytes(parameters: int, workers: int, steps_executed_per_worker: float) -> float:
@@ -126,6 +139,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         tokens_per_second_per_island=acct.tokens_per_second / plan.islands,
         tokens_per_second_per_accelerator=acct.tokens_per_second / workers,
         mfu=acct.mfu,
+        round_steps=round_steps(events),
     )
     return summary, acct, result
 
@@ -164,6 +178,10 @@ def print_summary(summaries: list[ModeSummary]) -> None:
             f"{s.islands_per_merge:>13.2f} {s.tokens_per_second:>9.0f} {s.tokens_per_second_per_island:>10.0f} {mfu}"
             + ("  (timed out)" if s.timed_out else "")
         )
+    for s in summaries:
+        if s.round_steps:
+            steps = ", ".join(f"{island} {n:.1f}" for island, n in s.round_steps.items())
+            print(f"{s.mode} mean inner steps per round: {steps}")
     by_mode = {s.mode: s for s in summaries}
     if Mode.DILOCO in by_mode and len(by_mode) > 1:
         ours = by_mode[Mode.DILOCO]
@@ -244,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
         top_k_fraction=args.top_k_fraction,
         quorum=args.quorum,
         grace_seconds=args.grace_seconds,
+        speed_aware=args.speed_aware,
     )
     slowdowns = tuple(float(x) for x in args.slowdown.split(",")) if args.slowdown else ()
     workers = [worker_target(f"island-{i}", r) for i in range(args.islands) for r in range(args.ranks_per_island)]
@@ -362,7 +381,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--grace-seconds",
         type=float,
         default=job.grace_seconds,
-        help="seconds a shard waits for more contributions once the quorum is reached",
+        help="the most seconds a shard waits for more contributions once the quorum is reached (adaptive below)",
+    )
+    p.add_argument(
+        "--speed-aware",
+        action=argparse.BooleanOptionalAction,
+        default=job.speed_aware,
+        help="islands slower than the fastest run fewer inner steps per round, at the fastest's cadence",
     )
     p.add_argument("--slowdown", default="", help="per-island slowdown factors, e.g. 1,1,3,1")
     p.add_argument("--kill-every", type=float, default=0.0, help="mean seconds between kill -9 of a random worker")

@@ -14,7 +14,8 @@ chip and says how long its replacement takes. Every policy replays the same even
   pushes are pending (K capped by the live learners), wait up to the grace window for the other live
   learners, then merge. A learner that has pushed must see that push merged within `overlap_steps` (tau)
   inner steps (or within the round, with `MergeWait.ROUND`) or it waits. Synchronous DiLoCo is the same
-  engine with K = M, never capped, and no grace.
+  engine with K = M, never capped, and no grace. With `speedAware`, a decoupled learner of a slower
+  generation runs fewer inner steps per round (`diloco.core.pace`), tau scaled alike.
 
 Every group first spends `startup_seconds` starting (0 by default). Interruptions strike only hardware that is
 running: an event on a group that is already down or restarting (or on a replica already out) is absorbed
@@ -37,6 +38,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from diloco.core.config import Mode, TrainingConfig
+from diloco.core.pace import paced_inner_steps
 from diloco.core.rules import QUORUM_WITHIN_ISLANDS
 from diloco.local.failure_trace import FailureEvent, chip_target
 
@@ -495,13 +497,18 @@ class _DilocoRun:
         self.m = config.islands
         self.h, self.fragments = float(training.inner_steps), training.fragments
         self.tau = float(training.overlap_steps) if config.merge_wait is MergeWait.OVERLAP else self.h
-        self.offsets = [p * self.h / self.fragments for p in range(self.fragments)]
         self.quorum = self.m if synchronous else training.quorum
         self.grace = 0.0 if synchronous else training.grace_seconds
         self.latency = config.sync_latency_seconds
         self.timeout = 0.0 if config.instant_failure_detection else training.island_timeout_seconds
         sizes = np.diff(config.learner_bounds()).tolist()
         self.learners = [_Learner(step, chips) for step, chips in zip(config.learner_steps(), sizes)]
+        fastest = min(config.learner_steps())
+        paced = training.speed_aware and not synchronous
+        self.round_steps = [
+            float(paced_inner_steps(training.inner_steps, training.fragments, step, fastest) if paced else self.h)
+            for step in config.learner_steps()
+        ]
         self.learner_of = (np.searchsorted(config.learner_bounds(), failures.chips, side="right") - 1).tolist()
         self.pending: set[int] = set()  # learners whose push waits for the next merge
         self.down = self.m  # learners down (all, until their start-up is over)
@@ -562,21 +569,23 @@ class _DilocoRun:
 
     def schedule(self, i: int, t: float) -> None:
         """The learner's next own event: the τ check on its unmerged push, or its next round push."""
-        learner = self.learners[i]
+        learner, h = self.learners[i], self.round_steps[i]
         if learner.awaiting:
-            deadline = t + (self.tau - learner.phase) * learner.step_s
+            tau = self.tau * h / self.h
+            deadline = t + (tau - learner.phase) * learner.step_s
             if self.timer_at is None or self.timer_at + self.latency > deadline:
-                if learner.phase >= self.tau:
+                if learner.phase >= tau:
                     learner.block()
                 else:
                     heapq.heappush(self.heap, (deadline, _TAU, i, learner.epoch))
                 return
-        heapq.heappush(self.heap, (t + (self.h - learner.phase) * learner.step_s, _PUSH, i, learner.epoch))
+        heapq.heappush(self.heap, (t + (h - learner.phase) * learner.step_s, _PUSH, i, learner.epoch))
 
-    def rollback(self, learner: _Learner) -> float:
+    def rollback(self, i: int) -> float:
         """Progress lost by restarting from the global fragments: each fragment's steps since its own push."""
+        learner, h = self.learners[i], self.round_steps[i]
         a, cap = learner.phase, learner.since_restart
-        return sum(min((a - o) % self.h, cap) for o in self.offsets) / self.fragments
+        return sum(min((a - p * h / self.fragments) % h, cap) for p in range(self.fragments)) / self.fragments
 
     def strike(self, i: int, t: float, downtime: float) -> None:
         """A failure hits learner i: it loses its unpushed progress and is down until it recovers."""
@@ -591,7 +600,7 @@ class _DilocoRun:
             return
         self.struck += 1
         learner.advance(t)
-        learner.steps_lost += self.rollback(learner)
+        learner.steps_lost += self.rollback(i)
         learner.up_time += t - learner.up_since
         learner.status = _DOWN
         learner.awaiting = False

@@ -451,6 +451,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         grace_seconds=args.grace_seconds,
         encoding=args.encoding,
         top_k_fraction=args.top_k_fraction,
+        speed_aware=args.speed_aware,
         **({} if timeout is None else {"island_timeout_seconds": timeout}),
     )
     return SimConfig(
@@ -616,6 +617,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--top-k-fraction", type=float, default=job.top_k_fraction, help="share of values the sparse encoding sends")
     add("--quorum", type=int, default=job.quorum, help="K: pushes a merge waits for (capped by live islands)")
     add("--grace-seconds", type=float, default=job.grace_seconds, help="seconds a merge waits for more once K are in")
+    add(
+        "--speed-aware",
+        action=argparse.BooleanOptionalAction,
+        default=job.speed_aware,
+        help="decoupled learners of a slower generation run fewer inner steps per round, at the fastest's cadence",
+    )
     add(
         "--sync-latency-seconds",
         type=float,

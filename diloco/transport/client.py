@@ -215,8 +215,10 @@ class SyncerClient:
         encoding: Encoding,
         block_size: int,
         top_k: int = 0,
+        step_seconds: float = 0.0,
     ) -> pb.PushReply:
-        """Streams one outer gradient; encoded once, re-sent whole on a retry, counted once by the shard."""
+        """Streams one outer gradient; encoded once, re-sent whole on a retry, counted once by the shard.
+        `step_seconds` is the island's measured seconds per inner step, for speed-aware islands."""
         return self.push_encoded(
             fragment_id,
             base=base,
@@ -224,6 +226,7 @@ class SyncerClient:
             inner_steps=inner_steps,
             sequence=sequence,
             encoded=wire.tensor_payloads(delta, encoding, block_size, top_k),
+            step_seconds=step_seconds,
         )
 
     def push_encoded(
@@ -235,6 +238,7 @@ class SyncerClient:
         inner_steps: int,
         sequence: int,
         encoded: tuple[Sequence[pb.TensorPayload], Sequence[bytes]],
+        step_seconds: float = 0.0,
     ) -> pb.PushReply:
         """`push` of an outer gradient the caller encoded (`wire.tensor_payloads`), for a caller that needs
         the bytes it sends (error feedback decodes them)."""
@@ -246,6 +250,7 @@ class SyncerClient:
             tokens=tokens,
             inner_steps=inner_steps,
             sequence=sequence,
+            step_seconds=step_seconds,
         )
         return self._retrying(
             "PushDelta",

@@ -195,7 +195,8 @@ def test_an_island_of_two_ranks_re_forms_when_one_of_them_dies(tmp_path):
 
 def test_a_slow_island_does_not_slow_the_others(tmp_path):
     """island-1 four times slower (older hardware): island-0 keeps the pace it has beside a full-speed
-    island-1, and the shards merge its deltas without waiting for island-1's."""
+    island-1, and the shards merge its deltas without waiting for island-1's; speed-aware (the default),
+    island-1 runs fewer inner steps per round than island-0."""
     (_alone,), alone_out = run(tmp_path, "alone")
     (slow,), slow_out = run(tmp_path, "slow", "--slowdown", "1,4")
     reference = step_rate(alone_out / "diloco", "island-0")
@@ -203,6 +204,7 @@ def test_a_slow_island_does_not_slow_the_others(tmp_path):
     assert fast > 0.7 * reference, (fast, reference)
     assert fast > 2.5 * step_rate(slow_out / "diloco", "island-1"), "island-1 really was slower"
     assert slow["islands_per_merge"] < 2, "some merges went ahead without the slow island"
+    assert slow["round_steps"]["island-1"] < slow["round_steps"]["island-0"], slow["round_steps"]
     assert math.isfinite(slow["final_loss"]) and slow["final_loss"] < 3.5
 
 
@@ -225,4 +227,9 @@ def test_sync_diloco_is_a_barrier_across_all_islands(tmp_path):
 def test_the_merge_policy_defaults_are_a_jobs_own():
     """A local run merges as a DiLoCoJob with the same knobs unset would; only the schedule is scaled down."""
     args, job = build_parser().parse_args(["run"]), TrainingConfig()
-    assert (args.encoding, args.quorum, args.grace_seconds) == (job.encoding.value, job.quorum, job.grace_seconds)
+    assert (args.encoding, args.quorum, args.grace_seconds, args.speed_aware) == (
+        job.encoding.value,
+        job.quorum,
+        job.grace_seconds,
+        job.speed_aware,
+    )

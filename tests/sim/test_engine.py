@@ -127,6 +127,21 @@ def test_without_failures_only_lockstep_wastes_mixed_generations():
     assert all(p.uptime == pytest.approx(1.0) for p in result.policies)
 
 
+def test_speed_aware_learners_of_a_slow_generation_push_at_the_fast_cadence():
+    # Generations of 1 s and 3 s steps, H = 12: with a fixed H the slow learners push every 36 s, the fast
+    # every 12 s, and a grace window of 2 s seldom holds both; speed-aware, the slow run 4 steps per round
+    # and every learner pushes every 12 s, so merges take in more of them, and none waits on its merge.
+    training = SIM_TRAINING.updated(inner_steps=12, fragments=1, overlap_steps=1, grace_seconds=2.0)
+    config = SimConfig(
+        chips=1000, islands=4, mtbi_years=1e12, horizon_hours=1, step_seconds=(1.0, 3.0), training=training
+    )
+    paced = one(Policy.DECOUPLED_DILOCO, config)
+    fixed = one(Policy.DECOUPLED_DILOCO, replace(config, training=training.updated(speed_aware=False)))
+    assert paced.contributors_per_merge > fixed.contributors_per_merge + 0.5
+    assert paced.goodput == pytest.approx(1.0)
+    assert paced.goodput >= fixed.goodput
+
+
 # --- hand-computed traces ------------------------------------------------------------------------------------
 
 

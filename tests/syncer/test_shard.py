@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from diloco.core.config import TrainingConfig
+from diloco.core.grace import MARGIN
 from diloco.core.island_id import ISLAND_ID_MAX_CHARS
 from diloco.core.merge import MAX_TOKEN_RATIO
 from diloco.syncer.shard import MAX_KNOWN_ISLANDS, MAX_PENDING_BYTES, PushKey, Refused, ShardState, TensorSpec
@@ -117,6 +118,88 @@ class TestQuorumAndGrace:
         push(shard, "a", 0.0)
         assert shard.poll(100.0) == [], "a timed out: nobody is live, so the grace window still runs"
         assert shard.poll(105.0) == [0]
+
+
+ARRIVALS = {"a": 0.0, "b": 0.5, "c": 0.5, "d": 2.0}
+"""Seconds after a that each island pushes in TestAdaptiveGrace's rounds."""
+
+
+class TestAdaptiveGrace:
+    """Islands b and c arrive 0.5 s after a, d 2 s after: the window learns 2 s, not the 30 s configured."""
+
+    def learned_shard(self, rounds: int = 3) -> tuple[ShardState, float]:
+        shard = make_shard(quorum=1, grace_seconds=30.0, island_timeout_seconds=1000.0)
+        for island in ARRIVALS:
+            shard.join(island, 0.0)
+        start = 0.0
+        for _ in range(rounds):
+            self.round(shard, start, ARRIVALS)
+            start += 10.0
+        return shard, start
+
+    @staticmethod
+    def round(shard: ShardState, start: float, arrivals: dict[str, float]) -> list[int]:
+        """Pushes of fragment 0 at `start` + each island's lateness; merges as soon as one is due."""
+        for island, late in sorted(arrivals.items(), key=lambda item: item[1]):
+            push(shard, island, start + late)
+            due = shard.poll(start + late)
+            if due:
+                shard.merge(0, start + late)
+                return due
+        return []
+
+    def test_the_window_is_sized_from_the_lateness_seen(self):
+        shard, _ = self.learned_shard()
+        assert shard.grace_seconds() == pytest.approx(MARGIN * 2.0)
+
+    def test_a_late_island_is_held_and_merged(self):
+        shard, start = self.learned_shard()
+        assert self.round(shard, start, {"a": 0.0, "b": 0.5, "c": 0.5}) == []
+        assert shard.poll(start + 2.9) == [], "d is late, not dead: within the window it learned"
+        push(shard, "d", start + 2.9)
+        assert shard.poll(start + 2.9) == [0]
+        assert shard.merge(0, start + 2.9).contributors == ("a", "b", "c", "d")
+        assert shard.lateness[-1] == pytest.approx(2.9)
+
+    def test_an_island_that_left_is_not_waited_for(self):
+        shard, start = self.learned_shard()
+        shard.leave("d")
+        assert self.round(shard, start, {"a": 0.0, "b": 0.5, "c": 0.5}) == [0]
+
+    def test_an_island_whose_lease_expired_is_not_waited_for(self):
+        shard, start = self.learned_shard()
+        start += 1000.0
+        assert self.round(shard, start, {"a": 0.0, "b": 0.5, "c": 0.5}) == [0], "d was last seen 1000 s ago"
+
+    def test_a_silent_live_island_holds_a_merge_only_for_the_learned_window(self):
+        shard, start = self.learned_shard()
+        self.round(shard, start, {"a": 0.0, "b": 0.5, "c": 0.5})
+        assert shard.next_deadline() == pytest.approx(start + MARGIN * 2.0)
+        assert shard.poll(start + MARGIN * 2.0) == [0], "not the 30 s configured"
+
+    def test_an_island_that_missed_a_merge_is_counted_late_for_it(self):
+        shard, start = self.learned_shard()
+        self.round(shard, start, {"a": 0.0, "b": 0.5, "c": 0.5})
+        shard.merge(0, start + 3.0)
+        push(shard, "d", start + 6.0, base=shard.fragments[0].version - 1)
+        assert shard.lateness[-1] == 6.0, "the window that cut it off learns how late it was"
+
+    def test_before_it_has_seen_enough_the_shard_waits_the_configured_window(self):
+        shard = make_shard(quorum=1, grace_seconds=30.0, island_timeout_seconds=1000.0)
+        assert shard.grace_seconds() == 30.0
+
+
+class TestCadence:
+    def test_the_cadence_is_the_fastest_live_island_s_seconds_per_step(self):
+        shard = make_shard(island_timeout_seconds=100.0)
+        for island, seconds in (("a", 0.3), ("b", 0.1)):
+            shard.join(island, 0.0)
+            key = PushKey(island, INCARNATION, 0, 0)
+            shard.submit(key, 0, SPECS, [torch.zeros(2), torch.zeros(1)], 100, 10, 1.0, step_seconds=seconds)
+        assert shard.cadence_step_seconds(1.0) == 0.1
+        shard.leave("b")
+        assert shard.cadence_step_seconds(1.0) == 0.3, "an island that left sets no cadence"
+        assert shard.cadence_step_seconds(500.0) == 0.0, "nor one whose lease expired"
 
 
 class TestMerge:

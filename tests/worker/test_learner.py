@@ -193,6 +193,35 @@ def test_a_slow_island_does_not_hold_back_merges(start_shards, island):
     assert all(status[p][1] >= 10 for p in (0, 1)), status
 
 
+def train_one_fast_one_slow(start_shards, island, steps: int, **config: object):
+    """Two islands at H=12, the slow one stepping once per five of the fast one's."""
+    shards = start_shards(make_config(quorum=1, inner_steps=12, overlap_steps=1, **config))
+    fast = island(shards, seed=1, name="fast")
+    slow = island(shards, seed=2, name="slow")
+    for i in range(steps):
+        fast.train(1)
+        if i % 5 == 4:
+            slow.train(1)
+    return fast, slow
+
+
+def test_a_speed_aware_slow_island_runs_fewer_inner_steps_per_round(start_shards, island):
+    """The slow island steps once per five of the fast one's: it learns the fast one's cadence from the
+    shard and runs fewer inner steps per round, and its pushes say so; the fast one runs the full H."""
+    fast, slow = train_one_fast_one_slow(start_shards, island, steps=150)
+
+    assert fast.learner.round_steps == 12
+    assert slow.learner.round_steps < 12 and slow.learner.stats.round_steps == slow.learner.round_steps
+    stats = slow.learner.stats
+    assert stats.round_inner_steps < 12 * stats.rounds_begun, "its pushes claim the fewer steps they trained"
+    assert stats.syncs_merged > 30 // 12 * 2, "so it pushes more often than a fixed H would"
+
+
+def test_speed_awareness_off_keeps_h_whatever_the_speed(start_shards, island):
+    _, slow = train_one_fast_one_slow(start_shards, island, steps=100, speed_aware=False)
+    assert slow.learner.round_steps == 12
+
+
 def test_an_island_that_finished_holds_back_no_merge(start_shards, island):
     """K = M = 2: once b has closed, a's rounds merge on their own instead of waiting for b to time out."""
     shards = start_shards(make_config(quorum=2))

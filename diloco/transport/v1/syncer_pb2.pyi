@@ -114,7 +114,7 @@ class SeedReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[_Union[FragmentVersion, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("island_id", "fragment_id", "base", "tokens", "inner_steps", "sequence", "tensors")
+    __slots__ = ("island_id", "fragment_id", "base", "tokens", "inner_steps", "sequence", "tensors", "step_seconds")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class PushHeader(_message.Message):
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     fragment_id: int
     base: FragmentVersion
@@ -129,7 +130,8 @@ class PushHeader(_message.Message):
     inner_steps: int
     sequence: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorPayload]
-    def __init__(self, island_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., sequence: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ...) -> None: ...
+    step_seconds: float
+    def __init__(self, island_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., sequence: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data", "offset", "crc32")
@@ -144,14 +146,16 @@ class PushChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("duplicate", "current", "staleness")
+    __slots__ = ("duplicate", "current", "staleness", "cadence_step_seconds")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    CADENCE_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
     current: FragmentVersion
     staleness: int
-    def __init__(self, duplicate: _Optional[bool] = ..., current: _Optional[_Union[FragmentVersion, _Mapping]] = ..., staleness: _Optional[int] = ...) -> None: ...
+    cadence_step_seconds: float
+    def __init__(self, duplicate: _Optional[bool] = ..., current: _Optional[_Union[FragmentVersion, _Mapping]] = ..., staleness: _Optional[int] = ..., cadence_step_seconds: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("fragment_id", "have", "encoding", "island_id", "held", "delta_encoding")
