@@ -11,7 +11,8 @@ first), then every kept index within its block as `index_bits(block_size)` bits 
 order and indices strictly increasing within a block, which is the one canonical form: a receiver refuses
 repeated, unordered or out-of-block indices. A value's two bits q in 0..3 stand for (q − 1.5) · scale, the
 midpoints of four equal steps across [−2·scale, 2·scale] where 2·scale is the block's largest magnitude, so
-a kept value is off by at most scale / 2 and is never decoded as zero.
+a kept value is off by at most scale / 2 and is never decoded as zero (unless the block lies in float32's
+subnormal range, below 1e-38, where scale / 2 itself rounds to zero).
 """
 
 from __future__ import annotations
