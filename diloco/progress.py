@@ -70,7 +70,7 @@ _HEADER = tuple(f.name for f in fields(ProgressEvent))
 class StartEvent(ProgressEvent):
     """A process began training at `step` in a world of `world` ranks, holding these fragment versions, on
     this device and precision; `flops_per_token` and `peak_flops` (None: unknown) turn its tokens per second
-    into model FLOPs utilisation."""
+    into model FLOPs utilisation; `warm`: it restored its optimizer state from a checkpoint."""
 
     kind: ClassVar[str] = "start"
     step: int
@@ -80,6 +80,7 @@ class StartEvent(ProgressEvent):
     precision: str = ""
     flops_per_token: float = 0.0
     peak_flops: float | None = None
+    warm: bool = False
 
 
 @dataclass(frozen=True)

@@ -239,15 +239,17 @@ class Trainer:
         folder = self.settings.checkpoint_dir
         return folder / "ddp.pt" if folder else None
 
-    def _resume(self) -> None:
-        """The data-parallel baseline restarts everyone from its last checkpoint after any failure."""
+    def _resume(self) -> bool:
+        """The data-parallel baseline restarts everyone from its last checkpoint after any failure; whether
+        there was one."""
         path = self._checkpoint_path()
         if path is None or not path.exists():
-            return
+            return False
         state = torch.load(path, map_location=self.device, weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+        return True
 
     def _checkpoint(self) -> None:
         """An island's optimizer state, written off the step path; in data-parallel, everything, at once."""
@@ -275,9 +277,9 @@ class Trainer:
         if self.learner is not None:
             self.learner.start()
             saved = self.checkpointer.path if self.checkpointer is not None else None
-            self.step = warm_start(self.learner, self.optimizer, saved, tokens_per_step * self.ranks.size)
+            self.step, warm = warm_start(self.learner, self.optimizer, saved, tokens_per_step * self.ranks.size)
         else:
-            self._resume()
+            warm = self._resume()
             self.ranks.broadcast_tensors(list(self.model.parameters()))
         versions = self.learner.stats.versions if self.learner is not None else {}
         self.progress.write(
@@ -289,6 +291,7 @@ class Trainer:
             precision=self.precision.value,
             flops_per_token=self.meter.flops_per_token,
             peak_flops=self.meter.peak,
+            warm=warm,
         )
         self.model.train()
         while s.steps is None or self.step < s.steps:

@@ -37,10 +37,11 @@ def job_step(statuses: Sequence[pb.StatusReply], tokens_per_step: int) -> int:
 
 def warm_start(
     learner: Learner, optimizer: torch.optim.Optimizer, checkpoint: Path | None, tokens_per_step: int
-) -> int:
+) -> tuple[int, bool]:
     """After `learner.start()`, on every rank of the island: restores the optimizer state when every rank
     has the same checkpoint, and resumes the decoupled island at the later of the job's step and its
-    checkpoint's (a synchronous island keeps the barrier's step); returns the step it resumes at."""
+    checkpoint's (a synchronous island keeps the barrier's step); returns the step it resumes at and whether
+    it restored the optimizer state."""
     island = learner.island
     mine = island_checkpoint.load(checkpoint, optimizer) if checkpoint is not None else None
     saved = -1 if mine is None else mine
@@ -58,4 +59,4 @@ def warm_start(
         "island resumes",
         extra={"island": learner.island_id, "rank": island.rank, "step": step, "warm": warm, "checkpoint": leaders},
     )
-    return step
+    return step, warm

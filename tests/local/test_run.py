@@ -130,8 +130,9 @@ def test_a_killed_island_resumes_at_the_jobs_step_with_warm_optimizer_state(tmp_
     """Three islands of 50 steps, H=10, checkpoints every 10 steps; island-1 and island-2 get kill -9 at
     step 30, island-2's checkpoint deleted with it (a cold start, for comparison). Both replacements resume
     at the job's step as the shards count it, not at 0, so the run trains about 3 x 50 steps' tokens, not
-    the 2 x 30 more of islands that start over; island-1's first steps, on warm AdamW moments, stay near
-    island-0's loss at the same steps, where island-2's fresh moments throw it off."""
+    the 2 x 30 more of islands that start over; island-1 restores its AdamW moments, island-2 cannot, and
+    island-1's first steps stay near island-0's loss at the same steps. (How far fresh moments throw island-2
+    off is within the noise of five steps of this tiny model, so it is not compared.)"""
     steps, inner_steps, kill_at = 50, 10, 30
     out = tmp_path / "warm" / "diloco"
     killed = {}
@@ -171,8 +172,9 @@ def test_a_killed_island_resumes_at_the_jobs_step_with_warm_optimizer_state(tmp_
         beside = {e.step: e.loss for e in island_events(out, "island-0", StepEvent)}
         return sum(e.loss - beside[e.step] for e in first) / count
 
-    warm, cold = first_steps_above_island_0("island-1"), first_steps_above_island_0("island-2")
-    assert warm < 0.2 and warm < cold / 2, (warm, cold)
+    assert replacement("island-1").warm and not replacement("island-2").warm, "island-2 lost its checkpoint"
+    warm = first_steps_above_island_0("island-1")
+    assert warm < 0.2, f"the warm replacement's first steps are {warm:.3f} above island-0's"
 
 
 def test_an_island_of_two_ranks_re_forms_when_one_of_them_dies(tmp_path):
