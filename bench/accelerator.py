@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import figures
 import torch
 
 from diloco.core.config import Mode, TrainingConfig
@@ -99,10 +100,7 @@ def plot(path: Path, rows: list[tuple[Measured, Measured]]) -> None:
     ax.set_ylabel("MFU (% of dense bf16 peak)")
     ax.set_title(f"built-in trainer on {torch.cuda.get_device_name()}", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figures.save(fig, path)
 
 
 if __name__ == "__main__":

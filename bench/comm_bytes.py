@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import figures
+
 TARGET = 400.0
 SPARSE_TARGET = 5000.0
 RUNS = (  # name, mode, compressed pulls, encoding
@@ -162,10 +164,7 @@ def plot(path: Path, results: dict[str, dict], ratio: float) -> None:
     ax.set_title(f"communication per token: ddp / ours = {ratio:.0f}x (target >= {TARGET:.0f}x)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figures.save(fig, path)
 
 
 def main() -> int:

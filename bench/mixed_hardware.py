@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import figures
 import training
 
 from diloco.progress import EvalEvent, StartEvent, read_events
@@ -118,10 +119,7 @@ def plot(path: Path, results: Sequence[tuple[str, dict[str, Curve], float]]) -> 
         ax.set_ylabel("held-out loss (lowest of the islands' latest)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figures.save(fig, path)
 
 
 def main() -> int:

@@ -36,6 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "operator")]
 
+import figures  # noqa: E402
 import yaml  # noqa: E402
 from cluster.cluster import Cluster, MissingBinaries, start_cluster  # noqa: E402
 from cluster.nodes import Pool  # noqa: E402
@@ -268,9 +269,7 @@ def plot(measures: list[Measure], path: Path) -> None:
     for axis in (left, right):
         axis.tick_params(axis="x", labelsize=8)
     fig.suptitle("diloco operator at scale on the KWOK cluster (same run)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    figures.save(fig, path)
 
 
 def main() -> None:

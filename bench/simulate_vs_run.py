@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+import figures
+
 from diloco.local.failure_trace import random_trace, save_trace, worker_target
 from diloco.sim.predict_run import Check, check
 
@@ -105,9 +107,7 @@ def plot(result: Check, path: Path) -> None:
         f"Simulator vs diloco run on one failure trace (error bars: ±{result.tolerance:g} pass band)", fontsize=9
     )
     ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figures.save(fig, path)
 
 
 def main() -> int:

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+import figures
+
 if TYPE_CHECKING:
     from diloco.core.encoding import Encoding
 
@@ -421,9 +423,7 @@ def plot(path: Path, raw: float, sink: dict, ours: dict) -> None:
     ax.set_xlabel("GB/s")
     ax.set_title("One syncer shard vs raw loopback, same run")
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    figures.save(fig, path)
 
 
 def main() -> int:

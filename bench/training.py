@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+import figures
+
 from diloco.cli import main as diloco_main
 from diloco.core.config import TrainingConfig
 from diloco.progress import StepEvent, read_events
@@ -116,10 +118,7 @@ def bar_chart(
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figures.save(fig, path)
 
 
 def verdict(passed: bool, what: str) -> bool:

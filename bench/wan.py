@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import figures
 from training import diloco_run, shape, verdict
 
 from diloco.core.config import Mode, TrainingConfig
@@ -181,10 +182,7 @@ def plot(path: Path, links: dict[str, Link], results: dict[str, dict[str, Measur
     ax.set_title("step rate kept behind a shaped WAN link", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="center left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figures.save(fig, path)
 
 
 def main() -> int:
