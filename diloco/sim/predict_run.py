@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from diloco.core.config import Mode, TrainingConfig
+from diloco.core.fragments import fragments_due
 from diloco.local.failure_trace import FailureEvent, load_trace
 from diloco.local.goodput import account
 from diloco.progress import DoneEvent, StepEvent, read_events
@@ -94,11 +95,12 @@ def measure(
     for e, seconds in zip(steps, compute):
         per_island[e.source.island].append(seconds)
     step = _median(compute, math.nan)
-    # At a barrier every island blocks at the same step; the last to arrive waits least, and only for the
-    # merge to reach it (merging, its polling, the pull): that shortest wait per barrier is the latency.
+    # At a barrier (a step where a fragment's sync falls due) every island blocks; the last to arrive waits
+    # least, and only for the merge to reach it (merging, its polling, the pull): that shortest wait per
+    # barrier is the latency. Other steps' sync seconds are the learner's bookkeeping, never a barrier.
     barriers: dict[int, list[float]] = defaultdict(list)
     for e in steps:
-        if e.sync_seconds > 0.0:
+        if e.sync_seconds > 0.0 and fragments_due(e.step, config.inner_steps, config.fragments):
             barriers[e.step].append(e.sync_seconds)
     latencies = [min(waits) for waits in barriers.values()]
 
