@@ -23,7 +23,7 @@ TRACE = [FailureEvent(4.0, "worker:island-0/0", 0.5), FailureEvent(11.0, "worker
 TOLERANCE = 0.2
 
 
-def test_simulator_predicts_the_runs_ordering_and_decoupled_goodput(tmp_path):
+def test_simulator_predicts_decoupled_goodput_on_a_run_that_ranks_it_first(tmp_path):
     save_trace(tmp_path / "trace.json", TRACE)
     run_dir = tmp_path / "run"
     args = [
