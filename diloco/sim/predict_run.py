@@ -95,14 +95,15 @@ def measure(
     for e, seconds in zip(steps, compute):
         per_island[e.source.island].append(seconds)
     step = _median(compute, math.nan)
-    # At a barrier (a step where a fragment's sync falls due) every island blocks; the last to arrive waits
-    # least, and only for the merge to reach it (merging, its polling, the pull): that shortest wait per
-    # barrier is the latency. Other steps' sync seconds are the learner's bookkeeping, never a barrier.
+    # At a barrier (a step where a fragment's sync falls due) every island blocks: the last to arrive only for
+    # the merge to reach it (merging, its polling, the pull), the others for the last as well. The simulator's
+    # islands step in lockstep, so the mean wait per barrier is what a barrier costs an island there. Other
+    # steps' sync seconds are the learner's bookkeeping, never a barrier.
     barriers: dict[int, list[float]] = defaultdict(list)
     for e in steps:
         if e.sync_seconds > 0.0 and fragments_due(e.step, config.inner_steps, config.fragments):
             barriers[e.step].append(e.sync_seconds)
-    latencies = [min(waits) for waits in barriers.values()]
+    latencies = [statistics.fmean(waits) for waits in barriers.values()]
 
     # A process's launch: the job's start, or when the trace last killed its island (data-parallel: anyone)
     # before its first step, plus that kill's downtime. Start-up is the time from launch to its first step.
