@@ -12,6 +12,7 @@ an exec probe fails, saying the pod runner does not run it. Startup and liveness
 from __future__ import annotations
 
 import json
+import os
 import socket
 import ssl
 import sys
@@ -201,18 +202,26 @@ def _answer(conn: socket.socket) -> None:
         stream.write(json.dumps({"ok": ok, "detail": detail}).encode() + b"\n")
 
 
-def serve(path: str) -> None:
-    """The prober: answers each connection on the Unix socket `path` with `check` of the request it sends."""
+def listen(path: str) -> socket.socket:
+    """A Unix socket listening at `path`; it appears there only once it accepts, so a caller that sees the
+    path can connect at once."""
+    pending = f"{path}.binding"
     listener = socket.socket(socket.AF_UNIX)
-    listener.bind(path)
+    listener.bind(pending)
     listener.listen(64)
+    os.rename(pending, path)
+    return listener
+
+
+def serve(listener: socket.socket) -> None:
+    """The prober: answers each connection on `listener` with `check` of the request it sends."""
     while True:
         conn, _ = listener.accept()
         threading.Thread(target=_answer, args=(conn,), daemon=True).start()
 
 
 def main(argv: Sequence[str]) -> None:
-    serve(argv[0])
+    serve(listen(argv[0]))
 
 
 if __name__ == "__main__":

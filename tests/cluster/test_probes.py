@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.controlplane import free_port
-from cluster.probes import ProbeTiming, Readiness, ask, check, probe_request, serve
+from cluster.probes import ProbeTiming, Readiness, ask, check, listen, probe_request, serve
 
 TRAINER = {"name": "trainer", "ports": [{"name": "metrics", "containerPort": 9100}]}
 
@@ -78,7 +78,7 @@ class TestRequests:
 @pytest.fixture
 def prober(tmp_path) -> str:
     path = str(tmp_path / "prober.sock")
-    threading.Thread(target=serve, args=(path,), daemon=True).start()
+    threading.Thread(target=serve, args=(listen(path),), daemon=True).start()
     return path
 
 
