@@ -8,6 +8,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from diloco.lifetime import follow_launcher
 from diloco.logs import setup_logging
 from diloco.settings import add_tls_arguments, env_default, load_security, load_token, load_training_config
 from diloco.syncer.metrics import SyncerMetrics
@@ -49,6 +50,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    follow_launcher()
     args = parse_args(argv)
     setup_logging(args.log_level)
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from diloco.core.config import Mode, Precision
+from diloco.lifetime import follow_launcher
 from diloco.logs import setup_logging
 from diloco.settings import (
     DEFAULT_CORPUS_BYTES,
@@ -26,7 +27,7 @@ from diloco.settings import (
 )
 from diloco.transport.tls import PLAINTEXT, Role
 from diloco.worker.metrics import serve_metrics
-from diloco.worker.pod_launcher import follow_launcher, is_local_rank, launch
+from diloco.worker.pod_launcher import is_local_rank, launch
 from diloco.worker.pod_ranks import LOOPBACK, PodShape, local_position, metrics_port
 from diloco.worker.shutdown import StopRequest
 from diloco.worker.trainer import Trainer, TrainerSettings

@@ -6,15 +6,13 @@ Each local rank gets torchrun's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, 
 MASTER_PORT and runs the same command line as the pod; `diloco.worker.pod_ranks` says where it sits. A rank
 that dies takes the pod down: the agent stops the others and this process exits non-zero, so the island
 re-forms as it does for a dead pod. SIGTERM (and SIGINT, SIGHUP, SIGQUIT) to this process reaches every
-local rank through the agent, and a rank never outlives this process, however it ends (`follow_launcher`).
+local rank through the agent, and a rank never outlives this process, however it ends (`diloco.lifetime`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -22,31 +20,17 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from diloco.lifetime import launcher_env
 from diloco.worker.pod_ranks import LOOPBACK, PodShape
 
 log = logging.getLogger("diloco.worker")
 
 WORKER_MODULE = "diloco.worker.main"
-LAUNCHER_PID = "DILOCO_LAUNCHER_PID"
-PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def is_local_rank() -> bool:
     """Whether this process was started by a launcher (torchrun's convention: LOCAL_RANK is set)."""
     return "LOCAL_RANK" in os.environ
-
-
-def follow_launcher() -> None:
-    """In a local rank: be killed when the launcher that started it dies. The agent starts each rank in a
-    session of its own, so a SIGKILL of the launcher, or of its process group (what the local runner and the
-    test cluster's pod runner do; a container runtime kills the whole container), would leave it running,
-    stuck in its island's collectives. Linux only; a process no launcher of ours started is left alone."""
-    launcher = os.environ.get(LAUNCHER_PID)
-    if launcher is None or not sys.platform.startswith("linux"):
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != int(launcher):  # it died before the line above took effect
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def exit_code(error: ChildFailedError) -> int:
@@ -65,7 +49,7 @@ def launch(
     GLOO_SOCKET_IFNAME says otherwise): every peer is in the pod, and the pod's address need not sit on an
     interface gloo can find."""
     host = shape.rendezvous_host(master_addr)
-    os.environ[LAUNCHER_PID] = str(os.getpid())
+    os.environ.update(launcher_env())
     if host == LOOPBACK:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     config = LaunchConfig(

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.core.config import Mode, TrainingConfig
+from diloco.lifetime import launcher_env
 from diloco.local.delay_proxy import DelayProxy
 from diloco.local.failure_trace import FailureEvent, syncer_target, worker_island
 from diloco.local.netns import HUB_ADDRESS, ISLAND_DEVICE, IslandNetwork, island_address
@@ -245,6 +246,7 @@ class LocalJob:
             "MKL_NUM_THREADS": threads,
             "DILOCO_LOG_LEVEL": "WARNING",
             "PYTHONUNBUFFERED": "1",
+            **launcher_env(),
         }
 
     def _syncer(self, shard: int) -> _Proc:
