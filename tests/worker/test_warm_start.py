@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from warm_rank import ISLAND, optimizer_after
+from test_island_checkpoint import trained
+from warm_rank import ISLAND
 
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.island import Island
@@ -64,16 +65,16 @@ def test_an_island_none_of_whose_ranks_has_a_checkpoint_trains_cold():
 
 
 def save(folder: Path, rank: int, steps: int) -> None:
-    write_atomically(checkpoint_path(folder, ISLAND, rank), optimizer_tensors(optimizer_after(steps)), steps)
+    write_atomically(checkpoint_path(folder, ISLAND, rank), optimizer_tensors(trained(steps)[1]), steps)
 
 
 def test_a_single_rank_island_restores_its_own_checkpoint_or_trains_cold(tmp_path):
-    optimizer = optimizer_after(0)
+    _, optimizer = trained(0)
     assert restore_island(Island(None), optimizer, checkpoint_path(tmp_path, ISLAND, 0)) is None
     assert not optimizer.state
     save(tmp_path, 0, steps=4)
     assert restore_island(Island(None), optimizer, checkpoint_path(tmp_path, ISLAND, 0)) == 4
-    assert restore_island(Island(None), optimizer_after(0), None) is None, "no checkpoint folder"
+    assert restore_island(Island(None), trained(0)[1], None) is None, "no checkpoint folder"
 
 
 @pytest.mark.process
@@ -98,7 +99,7 @@ def test_ranks_without_the_newest_checkpoint_take_it_from_the_rank_that_has_it(t
             proc.kill()
     assert codes == [0, 0, 0]
 
-    newest = optimizer_tensors(optimizer_after(6))
+    newest = optimizer_tensors(trained(6)[1])
     for out in outs:
         taken = torch.load(out, weights_only=False)
         assert taken["step"] == 6
