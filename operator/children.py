@@ -35,6 +35,7 @@ from diloco.api.job import (
     PodTemplateOverride,
     ResourceRequirements,
     Toleration,
+    VolumeRequest,
     validate_job_name,
 )
 from diloco.core.config import Precision
@@ -47,6 +48,7 @@ from diloco.operator.tokens import fingerprint
 CONFIG_DIR = "/etc/diloco"
 TOKEN_DIR = "/var/run/secrets/diloco"
 CHECKPOINT_DIR = "/var/lib/diloco"
+CHECKPOINT_VOLUME = "checkpoints"
 EXPORT_DIR = "/export"
 SHARD_CHECKPOINTS_DIR = "/shards"
 EXPORT_ATTEMPTS = 3
@@ -248,19 +250,24 @@ def syncer_service(job: n.JobRef, spec: DiLoCoJobSpec, shard: int) -> dict[str, 
     )
 
 
-def syncer_claim(job: n.JobRef, spec: DiLoCoJobSpec, shard: int) -> dict[str, Any]:
+def _claim_spec(request: VolumeRequest) -> dict[str, Any]:
+    """A PersistentVolumeClaim's spec: one node's volume of the size and StorageClass asked for."""
     claim: dict[str, Any] = {
         "accessModes": ["ReadWriteOnce"],
-        "resources": {"requests": {"storage": str(spec.syncer.checkpoint.size)}},
+        "resources": {"requests": {"storage": str(request.size)}},
     }
-    if spec.syncer.checkpoint.storage_class_name:
-        claim["storageClassName"] = spec.syncer.checkpoint.storage_class_name
+    if request.storage_class_name:
+        claim["storageClassName"] = request.storage_class_name
+    return claim
+
+
+def syncer_claim(job: n.JobRef, spec: DiLoCoJobSpec, shard: int) -> dict[str, Any]:
     return _stamped(
         {
             "apiVersion": "v1",
             "kind": "PersistentVolumeClaim",
             "metadata": _metadata(job, n.syncer_name(job.name, shard), n.shard_labels(job.name, shard)),
-            "spec": claim,
+            "spec": _claim_spec(spec.syncer.checkpoint),
         }
     )
 
@@ -304,7 +311,7 @@ def syncer_deployment(
         "resources": _resources(syncer.resources),
         "securityContext": _container_security(read_only_root=True),
         "volumeMounts": [
-            {"name": "checkpoints", "mountPath": CHECKPOINT_DIR},
+            {"name": CHECKPOINT_VOLUME, "mountPath": CHECKPOINT_DIR},
             *_shared_mounts(),
             *tls.mounts(),
             {"name": "tmp", "mountPath": "/tmp"},
@@ -318,7 +325,7 @@ def syncer_deployment(
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
         "volumes": [
-            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": n.syncer_name(job.name, shard)}},
+            {"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": n.syncer_name(job.name, shard)}},
             *_shared_volumes(job.name, spec),
             *tls.volumes(job, syncer=True),
             {"name": "tmp", "emptyDir": {}},
@@ -411,6 +418,8 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
         "DILOCO_TERMINATION_GRACE_SECONDS": str(island_grace_seconds(island)),
         "DILOCO_CHECKPOINT_DIR": CHECKPOINT_DIR,
     }
+    if island.checkpoint is not None and island.checkpoint.checkpoint_every is not None:
+        values["DILOCO_CHECKPOINT_EVERY"] = str(island.checkpoint.checkpoint_every)
     if spec.trainer.preset is not None:
         values["DILOCO_MODEL"] = spec.trainer.preset.value
         values["DILOCO_DATA"] = spec.trainer.data or DEFAULT_DATA
@@ -472,7 +481,7 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
             *_shared_mounts(),
             *tls.mounts(),
             {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "checkpoints", "mountPath": CHECKPOINT_DIR},
+            {"name": CHECKPOINT_VOLUME, "mountPath": CHECKPOINT_DIR},
         ],
     }
     if spec.trainer.args:
@@ -490,8 +499,9 @@ def island_template(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec, toke
             *tls.volumes(job, syncer=False),
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
             # The island's optimizer checkpoints (diloco.worker.island_checkpoint): a trainer container the
-            # kubelet restarts in its pod resumes warm from them.
-            {"name": "checkpoints", "emptyDir": {}},
+            # kubelet restarts in its pod resumes warm from them; with island.checkpoint, a replaced pod too
+            # (the StatefulSet's claim of that name, `island_statefulset`).
+            *([{"name": CHECKPOINT_VOLUME, "emptyDir": {}}] if island.checkpoint is None else []),
         ],
     }
     if island.node_selector:
@@ -517,21 +527,29 @@ def island_statefulset(
 ) -> dict[str, Any]:
     """Parallel pod management: ranks start together. OnDelete updates: a template change is rolled out by
     the operator re-forming the whole island, never one rank at a time (which would break the
-    torch.distributed world once per pod)."""
+    torch.distributed world once per pod). With island.checkpoint, a claim per pod for its checkpoints, kept
+    while the island is scaled down (a re-form scales it to zero) and deleted with the StatefulSet."""
     name = n.island_name(job.name, island.name)
+    labels = n.island_labels(job.name, island.name)
+    statefulset: dict[str, Any] = {
+        "serviceName": name,
+        "replicas": replicas,
+        "podManagementPolicy": "Parallel",
+        "updateStrategy": {"type": "OnDelete"},
+        "selector": {"matchLabels": n.island_selector(job.name, island.name)},
+        "template": island_template(job, spec, island, token, tls),
+    }
+    if island.checkpoint is not None:
+        statefulset["volumeClaimTemplates"] = [
+            {"metadata": {"name": CHECKPOINT_VOLUME, "labels": labels}, "spec": _claim_spec(island.checkpoint)}
+        ]
+        statefulset["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
     return _stamped(
         {
             "apiVersion": "apps/v1",
             "kind": "StatefulSet",
-            "metadata": _metadata(job, name, n.island_labels(job.name, island.name)),
-            "spec": {
-                "serviceName": name,
-                "replicas": replicas,
-                "podManagementPolicy": "Parallel",
-                "updateStrategy": {"type": "OnDelete"},
-                "selector": {"matchLabels": n.island_selector(job.name, island.name)},
-                "template": island_template(job, spec, island, token, tls),
-            },
+            "metadata": _metadata(job, name, labels),
+            "spec": statefulset,
         }
     )
 

@@ -8,12 +8,16 @@ into a no-op or an identity, so the learner has one code path.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-GRADIENT_BUCKET_ELEMENTS = 16 * 1024 * 1024
+BUCKET_ELEMENTS = 16 * 1024 * 1024
+"""Elements one collective carries at most (float32: 64 MiB), so a whole model's worth is never copied at once."""
+
+T = TypeVar("T")
 
 
 class Island:
@@ -49,15 +53,34 @@ class Island:
         dist.broadcast(moved, self._leader, group=self.group)
         return moved
 
-    def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Overwrites `tensors` in place with the leader's values, in one collective (float32 on the wire,
-        which holds bf16 and fp16 values exactly)."""
-        if not self.distributed or not tensors:
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], source: int = 0) -> None:
+        """Overwrites `tensors` in place with the values of rank `source` (the leader unless named), in
+        buckets (float32 on the wire, which holds bf16 and fp16 values exactly)."""
+        if not self.distributed:
             return
-        flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float32) for t in tensors])
-        dist.broadcast(flat, self._leader, group=self.group)
-        if not self.is_leader:
-            _unflatten_into(flat, tensors)
+        sender = dist.get_global_rank(self.group, source)
+        for bucket in _buckets(tensors):
+            flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float32) for t in bucket])
+            dist.broadcast(flat, sender, group=self.group)
+            if self.rank != source:
+                _unflatten_into(flat, bucket)
+
+    def broadcast_object(self, obj: T, source: int) -> T:
+        """Rank `source`'s `obj` (picklable) on every rank; the others pass a placeholder."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, dist.get_global_rank(self.group, source), group=self.group, device=self.device)
+        return box[0]
+
+    def gather(self, value: int) -> list[int]:
+        """Every rank's `value`, in rank order."""
+        if not self.distributed:
+            return [value]
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self.group)
+        return [int(t.item()) for t in every]
 
     def sum(self, value: int) -> int:
         """The sum of `value` over the island's ranks."""
@@ -79,19 +102,14 @@ class Island:
         """
         if not self.distributed:
             return
-        bucket: list[torch.Tensor] = []
-        elements = 0
+        grads: list[torch.Tensor] = []
         for param in params:
             if not param.requires_grad:
                 continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            bucket.append(param.grad)
-            elements += param.numel()
-            if elements >= GRADIENT_BUCKET_ELEMENTS:
-                self._average(bucket)
-                bucket, elements = [], 0
-        if bucket:
+            grads.append(param.grad)
+        for bucket in _buckets(grads):
             self._average(bucket)
 
     def _average(self, grads: Sequence[torch.Tensor]) -> None:
@@ -99,6 +117,20 @@ class Island:
         dist.all_reduce(flat, group=self.group)
         flat /= self.size
         _unflatten_into(flat, grads)
+
+
+def _buckets(tensors: Iterable[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """`tensors` in order, cut into runs of about BUCKET_ELEMENTS elements (a larger tensor alone)."""
+    bucket: list[torch.Tensor] = []
+    elements = 0
+    for tensor in tensors:
+        bucket.append(tensor)
+        elements += tensor.numel()
+        if elements >= BUCKET_ELEMENTS:
+            yield bucket
+            bucket, elements = [], 0
+    if bucket:
+        yield bucket
 
 
 def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

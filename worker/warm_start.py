@@ -3,22 +3,28 @@
 An island killed and replaced used to start over at step 0 with fresh AdamW moments: it trained its whole
 step count again (in `diloco run`, one kill added 10% to the run's tokens and ended it 18 s late), re-ran its
 learning-rate warmup, and took the large first steps of a cold Adam. Now its ranks load the optimizer state
-they last checkpointed (`diloco.worker.island_checkpoint`; all of them or none, so the island's ranks stay
-identical), and the island resumes at the job's step as the shards count it: the tokens merged into the
-global model, spread over the islands that took part, in this island's steps. The steps it resumes past
-were trained by the job already; those after its last merged push, which the kill lost, it trains again.
+they last checkpointed (`diloco.worker.island_checkpoint`), and the island resumes at the job's step as the
+shards count it: the tokens merged into the global model, spread over the islands that took part, in this
+island's steps. The steps it resumes past were trained by the job already; those after its last merged
+push, which the kill lost, it trains again.
+
+The ranks of an island are data-parallel replicas whose optimizer states are identical, so one checkpoint
+serves them all: the island takes the newest any rank holds, and that rank sends it to the others (a rank
+whose pod came back on a fresh volume, or that was stopped before the others saved, trains warm too).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker import island_checkpoint
+from diloco.worker.island import Island
 from diloco.worker.learner import Learner
 
 log = logging.getLogger("diloco.worker")
@@ -35,28 +41,74 @@ def job_step(statuses: Sequence[pb.StatusReply], tokens_per_step: int) -> int:
     return merged // (tokens_per_step * max(1, len(islands)))
 
 
+@dataclass(frozen=True)
+class Source:
+    """The rank whose checkpoint an island resumes from, and that checkpoint's step."""
+
+    rank: int
+    step: int
+
+
+def newest_checkpoint(steps: Sequence[int | None]) -> Source | None:
+    """Which rank serves the island's optimizer state, from the step each rank's checkpoint holds (None: it
+    has none usable): the newest, the lowest rank among equals; None when no rank has one."""
+    held = [(step, rank) for rank, step in enumerate(steps) if step is not None]
+    if not held:
+        return None
+    step, rank = max(held, key=lambda pair: (pair[0], -pair[1]))
+    return Source(rank, step)
+
+
+def restore_island(island: Island, optimizer: torch.optim.Optimizer, checkpoint: Path | None) -> int | None:
+    """On every rank of the island: loads this rank's checkpoint, then gives every rank the newest state any
+    of them loaded, sent by the rank that holds it; returns that state's step, or None when the island
+    trains cold (no rank had a checkpoint, or one could not take the state: all ranks then start alike)."""
+    mine = island_checkpoint.load(checkpoint, optimizer) if checkpoint is not None else None
+    steps = island.gather(-1 if mine is None else mine)
+    source = newest_checkpoint([None if step < 0 else step for step in steps])
+    if source is None:
+        return None
+    taken = all(step == source.step for step in steps) or _receive(island, optimizer, source)
+    if island.any(not taken):
+        optimizer.state.clear()
+        return None
+    return source.step
+
+
+def _receive(island: Island, optimizer: torch.optim.Optimizer, source: Source) -> bool:
+    """`source`'s optimizer state on every rank: its names, shapes and dtypes, then the tensors, in buckets;
+    whether this rank's optimizer took it."""
+    sending = island.rank == source.rank
+    named = island_checkpoint.optimizer_tensors(optimizer) if sending else {}
+    layout = island.broadcast_object([(name, t.shape, t.dtype) for name, t in named.items()], source.rank)
+    received = named or {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in layout}
+    island.broadcast_tensors(list(received.values()), source.rank)
+    return sending or island_checkpoint.restore_optimizer(optimizer, received)
+
+
 def warm_start(
     learner: Learner, optimizer: torch.optim.Optimizer, checkpoint: Path | None, tokens_per_step: int
 ) -> tuple[int, bool]:
-    """After `learner.start()`, on every rank of the island: restores the optimizer state when every rank
-    has the same checkpoint, and resumes the decoupled island at the later of the job's step and its
-    checkpoint's (a synchronous island keeps the barrier's step); returns the step it resumes at and whether
-    it restored the optimizer state."""
+    """After `learner.start()`, on every rank of the island: restores the optimizer state from the newest
+    checkpoint of any rank (`restore_island`), and resumes the decoupled island at the later of the job's
+    step and that checkpoint's (a synchronous island keeps the barrier's step); returns the step it resumes
+    at and whether it restored the optimizer state."""
     island = learner.island
-    mine = island_checkpoint.load(checkpoint, optimizer) if checkpoint is not None else None
-    saved = -1 if mine is None else mine
-    leaders = int(island.broadcast(torch.tensor([saved])).item())
-    warm = island.sum(int(saved != leaders or saved < 0)) == 0
-    if not warm:
-        optimizer.state.clear()  # a rank that loaded while another could not trains cold like the rest
+    restored = restore_island(island, optimizer, checkpoint)
     if learner.synchronous:
         step = learner.inner_step
     else:
         counted = job_step(learner.shard_status(), tokens_per_step) if island.is_leader else 0
-        step = int(island.broadcast(torch.tensor([max(counted, leaders if warm else 0)])).item())
+        step = int(island.broadcast(torch.tensor([max(counted, restored or 0)])).item())
         learner.resume(step)
     log.info(
         "island resumes",
-        extra={"island": learner.island_id, "rank": island.rank, "step": step, "warm": warm, "checkpoint": leaders},
+        extra={
+            "island": learner.island_id,
+            "rank": island.rank,
+            "step": step,
+            "warm": restored is not None,
+            "checkpoint": restored,
+        },
     )
-    return step, warm
+    return step, restored is not None

@@ -51,6 +51,9 @@ MAX_CONDITION_MESSAGE = 1024
 QUANTITY = (
     r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
+QUANTITY_MAX = 64
+"""Characters of a quantity written as a string, where a CEL rule compares it: the API server estimates a rule's
+cost from the longest value a field may hold (and takes an int-or-string for one of any length)."""
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 RELATIVE_PATH = r"^[A-Za-z0-9_][-A-Za-z0-9_.]*(/[A-Za-z0-9_][-A-Za-z0-9_.]*)*$"
 """A relative path whose segments do not start with a dot: no `..`, no way out of the volume."""
@@ -77,6 +80,17 @@ MSG_RESERVED_ISLAND = (
 MSG_JOB_PODS = (
     f"spec.islands[].replicas must add up to at most {MAX_JOB_PODS} pods: the job's status keeps a record of each, "
     "and the job must fit in one object of the API server"
+)
+MSG_ISLAND_VOLUME_FIXED = (
+    "spec.islands[].checkpoint cannot be added to or removed from an island that exists, nor its size or "
+    "storageClassName changed: they are its StatefulSet's volumeClaimTemplates, which Kubernetes keeps as "
+    "created (checkpointEvery may change; or add the island under a new name)"
+)
+ISLAND_VOLUME_FIXED_RULE = (
+    "has(self.checkpoint) == has(oldSelf.checkpoint) && (!has(self.checkpoint) || "
+    "(self.checkpoint.size == oldSelf.checkpoint.size && "
+    "(has(self.checkpoint.storageClassName) ? self.checkpoint.storageClassName : '') == "
+    "(has(oldSelf.checkpoint.storageClassName) ? oldSelf.checkpoint.storageClassName : '')))"
 )
 MSG_SYNCER_PORTS = "spec.syncer.port, metricsPort and healthPort must differ"
 MSG_TLS_SERVER_AND_CA = (
@@ -371,7 +385,8 @@ class IslandSpec(CamelModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel(f"!self.name.matches('{RESERVED_ISLAND_NAME}')", MSG_RESERVED_ISLAND, ".name")
+                cel(f"!self.name.matches('{RESERVED_ISLAND_NAME}')", MSG_RESERVED_ISLAND, ".name"),
+                cel(ISLAND_VOLUME_FIXED_RULE, MSG_ISLAND_VOLUME_FIXED, ".checkpoint"),
             ]
         }
     )
@@ -404,6 +419,14 @@ class IslandSpec(CamelModel):
         "(GKE, AKS, EKS/Karpenter). Preemptions never count against the restart budget, spot or not.",
     )
     priority_class_name: str | None = Field(None, description="PriorityClass of the island's pods.")
+    checkpoint: IslandCheckpoint | None = Field(
+        None,
+        description="A PersistentVolumeClaim per pod for the island's optimizer checkpoints, so that a pod "
+        "deleted or lost with its node comes back warm; an emptyDir (lost with the pod) when unset. The claims "
+        "are kept while the island is scaled down (a re-form, a suspend, the job's end: whenScaled Retain) and "
+        "deleted with the job (whenDeleted Delete). Set when the island is created: it cannot be added, removed "
+        "or resized later.",
+    )
     pod_template: PodTemplateOverride | None = Field(
         None,
         description="A PodTemplateSpec fragment merged last into the generated template (RFC 7386 merge patch, "
@@ -414,12 +437,38 @@ class IslandSpec(CamelModel):
     )
 
 
-class CheckpointStorage(CamelModel):
+class VolumeRequest(CamelModel):
+    """The PersistentVolumeClaims the operator asks for: their size and StorageClass."""
+
+    size: Quantity = Field("1Gi", description="Requested size of each volume.")
+    storage_class_name: str | None = Field(
+        None, max_length=253, description="StorageClass of the volumes; cluster default when unset."
+    )
+
+
+class CheckpointStorage(VolumeRequest):
     """The PersistentVolumeClaim each syncer shard keeps its fragments, momentum and versions in."""
 
-    size: Quantity = Field("1Gi", description="Requested size of each shard's volume.")
-    storage_class_name: str | None = Field(None, description="StorageClass of the volumes; cluster default when unset.")
     interval_seconds: float = Field(30.0, gt=0, description="Seconds between two checkpoints of a shard.")
+
+
+class IslandCheckpoint(VolumeRequest):
+    """The island's StatefulSet's volumeClaimTemplates, holding each pod's ranks' inner-optimizer checkpoints
+    (`diloco.worker.island_checkpoint`), and how often they are written. Its size is a quantity string only:
+    a CEL rule compares it (ISLAND_VOLUME_FIXED_RULE), within the API server's cost budget (QUANTITY_MAX)."""
+
+    size: str = Field(
+        "1Gi",
+        pattern=QUANTITY,
+        max_length=QUANTITY_MAX,
+        description="Requested size of each volume, a quantity string such as 2Gi.",
+    )
+    checkpoint_every: int | None = Field(
+        None,
+        ge=1,
+        description="Inner steps between two checkpoints of each rank (the built-in trainer's "
+        "--checkpoint-every); its default when unset.",
+    )
 
 
 class Exposure(str, enum.Enum):

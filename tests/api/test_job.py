@@ -39,6 +39,7 @@ def test_defaults_are_those_documented():
     island = spec.islands[0]
     assert (island.replicas, island.accelerators_per_pod, island.accelerator_resource) == (1, 0, "nvidia.com/gpu")
     assert island.spot is False and island.pod_template is None
+    assert island.checkpoint is None, "an island's checkpoints live in an emptyDir unless it asks for a volume"
     assert (spec.syncer.shards, spec.syncer.port, spec.syncer.metrics_port) == (1, 50051, 9090)
     assert spec.syncer.checkpoint.size == "1Gi" and spec.syncer.checkpoint.interval_seconds == 30
     assert (spec.failure_policy.restart_budget, spec.failure_policy.backoff_seconds) == (10, 10)
@@ -105,6 +106,9 @@ def test_camel_case_manifest_with_every_section():
         ),
         ({"islands": [{"name": "a", "tolerations": [{"operator": "Maybe"}]}]}, "islands.0.tolerations.0.operator"),
         ({"islands": [{"name": "a", "replica": 2}]}, "islands.0.replica"),
+        ({"islands": [{"name": "a", "checkpoint": {"size": 1024}}]}, "islands.0.checkpoint.size"),
+        ({"islands": [{"name": "a", "checkpoint": {"size": "1" * 65}}]}, "islands.0.checkpoint.size"),
+        ({"islands": [{"name": "a", "checkpoint": {"checkpointEvery": 0}}]}, "islands.0.checkpoint.checkpointEvery"),
         ({"image": ""}, "image"),
         ({"imagePullPolicy": "Sometimes"}, "imagePullPolicy"),
         ({"trainer": {"model": "huge"}}, "trainer.model"),

@@ -256,6 +256,35 @@ def test_fragments_and_shards_are_immutable(control_plane):
         assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
+def test_an_islands_checkpoint_volume_is_fixed_once_the_island_exists(control_plane):
+    """A StatefulSet's volumeClaimTemplates cannot change: the API server refuses, naming the field, what
+    would change them on an existing island, and accepts a new interval or a new island with a volume."""
+    volume = {"size": "1Gi", "checkpointEvery": 10}
+    before = [{"name": "a", "checkpoint": volume}, {"name": "b"}]
+    control_plane.kubectl("-n", "default", "apply", "-f", "-", stdin=job_manifest("volumes", islands=before))
+
+    def patch(islands):
+        body = json.dumps({"spec": {"islands": islands}})
+        return control_plane.kubectl(
+            "-n", "default", "patch", "dj", "volumes", "--type", "merge", "-p", body, check=False
+        )
+
+    try:
+        for islands in (
+            [{"name": "a", "checkpoint": {**volume, "size": "2Gi"}}, {"name": "b"}],
+            [{"name": "a", "checkpoint": {**volume, "storageClassName": "ssd"}}, {"name": "b"}],
+            [{"name": "a"}, {"name": "b"}],
+            [{"name": "a", "checkpoint": volume}, {"name": "b", "checkpoint": volume}],
+        ):
+            result = patch(islands)
+            assert result.returncode != 0 and "spec.islands[].checkpoint cannot be added" in result.stderr, islands
+        accepted = [{"name": "a", "checkpoint": {**volume, "checkpointEvery": 5}}, {"name": "c", "checkpoint": volume}]
+        result = patch(accepted)
+        assert result.returncode == 0, result.stderr
+    finally:
+        control_plane.kubectl("-n", "default", "delete", "dj", "volumes", "--wait=true", timeout=120)
+
+
 # --- the API layer -------------------------------------------------------------------------------
 
 

@@ -267,6 +267,44 @@ def test_island_statefulset():
     assert pod["securityContext"]["runAsNonRoot"] is True
 
 
+def test_an_island_checkpoint_volume_is_a_claim_per_pod_kept_while_the_island_is_scaled_down():
+    """island.checkpoint: the StatefulSet's volumeClaimTemplates mounted where the emptyDir was, so a replaced
+    pod finds its checkpoints; claims outlive a re-form (scaled to zero) and go with the job."""
+    islands = [
+        {"name": "h100", "checkpoint": {"size": "5Gi", "storageClassName": "ssd", "checkpointEvery": 20}},
+        {"name": "a100"},
+    ]
+    children = render(make_spec(islands=islands))
+    sts = children[("StatefulSet", "demo-h100")]["spec"]
+    (template,) = sts["volumeClaimTemplates"]
+    assert template["metadata"]["name"] == "checkpoints"
+    assert template["metadata"]["labels"] == children[("StatefulSet", "demo-h100")]["metadata"]["labels"]
+    assert template["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "5Gi"}},
+        "storageClassName": "ssd",
+    }
+    assert sts["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    pod = sts["template"]["spec"]
+    (trainer,) = pod["containers"]
+    assert not any(v["name"] == "checkpoints" for v in pod["volumes"]), "the claim, not an emptyDir"
+    assert {"name": "checkpoints", "mountPath": "/var/lib/diloco"} in trainer["volumeMounts"]
+    assert env_of(trainer)["DILOCO_CHECKPOINT_EVERY"] == "20"
+    k8s.V1StatefulSet.from_dict(children[("StatefulSet", "demo-h100")])
+
+    plain = children[("StatefulSet", "demo-a100")]["spec"]
+    assert "volumeClaimTemplates" not in plain and "persistentVolumeClaimRetentionPolicy" not in plain
+    assert "DILOCO_CHECKPOINT_EVERY" not in env_of(plain["template"]["spec"]["containers"][0]), "the worker's own"
+
+
+def test_an_island_checkpoint_without_an_interval_leaves_the_workers_default():
+    islands = [{"name": "h100", "checkpoint": {}}]
+    sts = render(make_spec(islands=islands))[("StatefulSet", "demo-h100")]["spec"]
+    assert sts["volumeClaimTemplates"][0]["spec"]["resources"] == {"requests": {"storage": "1Gi"}}
+    assert "storageClassName" not in sts["volumeClaimTemplates"][0]["spec"], "the cluster's default class"
+    assert "DILOCO_CHECKPOINT_EVERY" not in env_of(sts["template"]["spec"]["containers"][0])
+
+
 def test_every_trainer_is_ready_only_while_it_trains():
     """The readiness probe asks the learner's /readyz on the metrics port, the built-in worker's and a custom
     command's alike (`Learner.from_env` serves it)."""
