@@ -349,6 +349,13 @@ class PodNetwork:
             self.remove_pod(uid)
             raise
 
+    def add_address(self, ip: str) -> None:
+        """Gives the node namespace one more address of its own (a load balancer's ingress IP); nothing when
+        it has it."""
+        result = subprocess.run(self.enter(["ip", "address", "replace", f"{ip}/32", "dev", "lo"]), capture_output=True)
+        if result.returncode != 0:
+            raise OSError(f"address {ip} in the node namespace: {result.stderr.decode().strip()[-400:]}")
+
     def remove_pod(self, uid: str) -> None:
         """Takes pod `uid`'s veth pair and namespace away (its processes should be gone first)."""
         pod = self.pods.pop(uid, None)

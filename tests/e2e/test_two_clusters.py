@@ -70,8 +70,8 @@ def job_manifest(image_tag: str, island: str, syncer: dict, remote: dict | None 
     return yaml.safe_dump(job)
 
 
-def status(cluster) -> dict:
-    result = cluster.kubectl("-n", NAMESPACE, "get", "dilocojob", JOB, "-o", "json", check=False)
+def status(cluster, namespace: str = NAMESPACE) -> dict:
+    result = cluster.kubectl("-n", namespace, "get", "dilocojob", JOB, "-o", "json", check=False)
     return (json.loads(result.stdout).get("status") or {}) if result.returncode == 0 else {}
 
 
