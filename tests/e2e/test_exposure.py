@@ -5,7 +5,6 @@ the certificate the operator re-issued once the address appeared names it."""
 
 from __future__ import annotations
 
-import base64
 import ipaddress
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import support
 from cluster.node_ports import LOAD_BALANCER_POOL
-from test_two_clusters import JOB, SMALL, job_manifest, status
+from test_two_clusters import JOB, SMALL, job_manifest, secret_value, status
 
 pytestmark = [pytest.mark.process, pytest.mark.e2e]
 
@@ -37,19 +36,13 @@ def exposed_job(target, operator):
         target.kubectl("delete", "namespace", NAMESPACE, "--wait=true", timeout=180)
 
 
-def secret_file(target, secret: str, key: str, path: Path) -> Path:
-    jsonpath = "{.data." + key.replace(".", "\\.") + "}"
-    data = target.kubectl("-n", NAMESPACE, "get", "secret", secret, "-o", f"jsonpath={jsonpath}").stdout
-    path.write_bytes(base64.b64decode(data))
-    return path
-
-
 def test_a_shard_behind_a_load_balancer_is_reached_at_its_address_over_tls(target, exposed_job, tmp_path):
     endpoints = wait_until(lambda: status(target, NAMESPACE).get("syncer", {}).get("endpoints"))
     host, port = endpoints[0].rsplit(":", 1)
     assert ipaddress.ip_address(host) in LOAD_BALANCER_POOL and port == "50051"
-    token = secret_file(target, f"{JOB}-token", "token", tmp_path / "token")
-    ca = secret_file(target, f"{JOB}-tls", "ca.crt", tmp_path / "ca.crt")
+    token, ca = tmp_path / "token", tmp_path / "ca.crt"
+    token.write_text(secret_value(target, f"{JOB}-token", "token", NAMESPACE))
+    ca.write_text(secret_value(target, f"{JOB}-tls", "ca.crt", NAMESPACE))
     diloco = str(Path(sys.executable).parent / "diloco")
     ask = [diloco, "status", endpoints[0], "--token-file", str(token), "--tls-ca-file", str(ca)]
 

@@ -19,6 +19,7 @@ import base64
 import datetime
 import json
 import re
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -109,15 +110,20 @@ def adopted(cluster, island: str) -> dict[int, int]:
     return {int(f): int(float(v)) for f, v in VERSION.findall(text)}
 
 
+def secret_value(cluster, secret: str, key: str, namespace: str = NAMESPACE) -> str:
+    """One key of a Secret, as `kubectl get secret -o jsonpath=... | base64 -d` reads it."""
+    jsonpath = "{.data." + key.replace(".", "\\.") + "}"
+    data = cluster.kubectl("-n", namespace, "get", "secret", secret, "-o", f"jsonpath={jsonpath}").stdout
+    return base64.b64decode(data).decode()
+
+
 def copy_secrets(near, far) -> dict:
     """What a user copies from A to B (docs/multi-cluster.md): the job's token, and the CA certificate alone
     (never its key) of the Secret that holds the shards' TLS; returns spec.remoteSyncers for B's job."""
     far.kubectl("create", "namespace", NAMESPACE)
     copies = ((f"{JOB}-token", "token", "syncers-token"), (f"{JOB}-tls", "ca.crt", "syncers-ca"))
     for secret, key, copy in copies:
-        jsonpath = "{.data." + key.replace(".", "\\.") + "}"
-        data = near.kubectl("-n", NAMESPACE, "get", "secret", secret, "-o", f"jsonpath={jsonpath}").stdout
-        value = base64.b64decode(data).decode()
+        value = secret_value(near, secret, key)
         far.kubectl("-n", NAMESPACE, "create", "secret", "generic", copy, f"--from-literal={key}={value}")
     endpoints = status(near)["syncer"]["endpoints"]
     return {"endpoints": endpoints, "tokenSecret": "syncers-token", "caSecret": "syncers-ca"}
@@ -131,6 +137,14 @@ def far_cluster(target, other_clusters):
     syncer = {"shards": len(remote["endpoints"])}
     far.kubectl("-n", NAMESPACE, "apply", "-f", "-", stdin=job_manifest(far.image_tag, FAR, syncer, remote))
     return far
+
+
+@pytest.fixture
+def link_tools():
+    """The link's tools (root's iproute2, tc and iptables) are here, else the test cannot run."""
+    missing = [tool for tool in ("ip", "tc", "iptables", "nsenter", "unshare") if shutil.which(tool) is None]
+    if missing:
+        support.missing_binary(f"the link between two clusters needs {', '.join(missing)}")
 
 
 @pytest.fixture
@@ -149,7 +163,9 @@ def near_job(target, operator):
         target.kubectl("delete", "namespace", NAMESPACE, "--wait=true", timeout=180)
 
 
-def test_islands_in_two_clusters_train_and_one_cluster_goes_dark_and_comes_back(target, near_job, other_clusters):
+def test_islands_in_two_clusters_train_and_one_cluster_goes_dark_and_comes_back(
+    target, link_tools, near_job, other_clusters
+):
     endpoints = wait_until(lambda: status(target).get("syncer", {}).get("endpoints"))
     assert [e.rsplit(":", 1)[0] for e in endpoints] == [NEAR_ADDRESS, NEAR_ADDRESS]
 
