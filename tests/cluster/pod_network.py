@@ -15,6 +15,10 @@ that connects to the API server on loopback. Probes and `PodRunner.get` run in t
 reach pod IPs as a kubelet does. Other Services resolve to their pods' IPs through each pod's /etc/hosts
 (podspec.render_hosts), so no ClusterIP but the `kubernetes` one is needed.
 
+NODE_NETWORK holds the node namespaces' own addresses on links between test clusters (cluster_link.py):
+pods reach it through their gateway, as pods reach other clusters' nodes through their node, and the node
+namespace serves NodePort Services there (node_ports.py).
+
 A pod's namespace and its veth pair go when the pod does (`remove_pod`), all of them with the node
 namespace (`stop`). Each namespace's holder is named for the process that owns the network (`Holder`), so
 that a network left behind by a run that crashed is found when the next one starts and every process in it
@@ -26,6 +30,7 @@ Run as a module, this is the inside half of the relay: `python -m cluster.pod_ne
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import signal
 import socket
@@ -46,6 +51,8 @@ BRIDGE = "diloco0"
 GATEWAY = "169.254.1.1"
 """The bridge's address and every pod's gateway to Service ClusterIPs: link-local, so it is no pod's IP (KWOK
 hands out every address of a node's CIDR, the first included)."""
+NODE_NETWORK = ipaddress.ip_network("10.79.0.0/24")
+"""The node namespaces' addresses on links between test clusters: routed from every pod through GATEWAY."""
 HOLDER_PREFIX = "diloco-pod-network"
 NODE = "node"
 """The role of the node namespace's holder; a pod's holder has the pod's UID as its role."""
@@ -118,7 +125,8 @@ def attach(uid: str, holder_pid: int) -> list[str]:
 
 
 def pod_setup(uid: str, ip: str) -> list[str]:
-    """In a pod's namespace: loopback, `eth0` at the pod's IP on POD_NETWORK, Service ClusterIPs via GATEWAY."""
+    """In a pod's namespace: loopback, `eth0` at the pod's IP on POD_NETWORK, Service ClusterIPs and NODE_NETWORK
+    via GATEWAY."""
     _, pod_end = veth_names(uid)
     return [
         "ip link set lo up",
@@ -127,6 +135,7 @@ def pod_setup(uid: str, ip: str) -> list[str]:
         "ip link set eth0 up",
         f"ip route add {GATEWAY} dev eth0 scope link",
         f"ip route add {SERVICE_CIDR} via {GATEWAY} dev eth0",
+        f"ip route add {NODE_NETWORK} via {GATEWAY} dev eth0",
     ]
 
 
@@ -175,11 +184,16 @@ def process_start(pid: int) -> int | None:
         return None
 
 
-def _net_namespace(pid: int | str) -> str | None:
+def namespace(pid: int | str, kind: str) -> str | None:
+    """The namespace of `kind` (net, pid, ...) process `pid` is in, None when there is no such process."""
     try:
-        return os.readlink(f"/proc/{pid}/ns/net")
+        return os.readlink(f"/proc/{pid}/ns/{kind}")
     except OSError:
         return None
+
+
+def _net_namespace(pid: int | str) -> str | None:
+    return namespace(pid, "net")
 
 
 def _processes() -> Iterator[tuple[int, str]]:
@@ -192,17 +206,26 @@ def _processes() -> Iterator[tuple[int, str]]:
                 continue  # it ended while we looked
 
 
-def remove_stale() -> int:
-    """Kills every process in the namespaces of pod networks whose owner is gone (a run that crashed, or was
-    killed before it could stop its network), which takes those namespaces away; returns how many."""
-    own = _net_namespace("self")
-    stale: set[str] = set()
+def holders() -> Iterator[tuple[int, Holder]]:
+    """(pid, what it holds) of every holder of a pod network's namespace this user can see."""
     for pid, argv0 in _processes():
         holder = Holder.parse(argv0)
-        if holder is not None and holder.stale(process_start(holder.owner_pid)):
-            namespace = _net_namespace(pid)
-            if namespace not in (None, own):
-                stale.add(namespace)
+        if holder is not None:
+            yield pid, holder
+
+
+def remove_stale() -> int:
+    """Kills every process in the namespaces of pod networks whose owner is gone (a run that crashed, or was
+    killed before it could stop its network), which takes those namespaces away; returns how many. A holder
+    in another PID namespace (a cluster run whole in one: isolated.py) names its
+    owner by a pid only that namespace knows: it is left to its own."""
+    own, own_pids = _net_namespace("self"), namespace("self", "pid")
+    stale: set[str] = set()
+    for pid, holder in holders():
+        if namespace(pid, "pid") == own_pids and holder.stale(process_start(holder.owner_pid)):
+            held = _net_namespace(pid)
+            if held not in (None, own):
+                stale.add(held)
     killed = 0
     for pid, _ in _processes():
         if stale and _net_namespace(pid) in stale:
@@ -326,6 +349,13 @@ class PodNetwork:
             self.remove_pod(uid)
             raise
 
+    def add_address(self, ip: str) -> None:
+        """Gives the node namespace one more address of its own (a load balancer's ingress IP); nothing when
+        it has it."""
+        result = subprocess.run(self.enter(["ip", "address", "replace", f"{ip}/32", "dev", "lo"]), capture_output=True)
+        if result.returncode != 0:
+            raise OSError(f"address {ip} in the node namespace: {result.stderr.decode().strip()[-400:]}")
+
     def remove_pod(self, uid: str) -> None:
         """Takes pod `uid`'s veth pair and namespace away (its processes should be gone first)."""
         pod = self.pods.pop(uid, None)
@@ -347,6 +377,17 @@ class PodNetwork:
     def leftovers(self) -> list[int]:
         processes = [*self.processes, *(pod.holder for pod in self.pods.values())]
         return [p.pid for p in processes if p.poll() is None]
+
+
+def http_get(enter: Sequence[str], url: str) -> str:
+    """The body of an HTTP GET of `url` from the namespace `enter` (an nsenter prefix, `PodNetwork.enter([])`)
+    leads into; an OSError when it fails."""
+    fetch = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+    command = [*enter, sys.executable, "-c", fetch, url]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd="/")
+    if result.returncode != 0:
+        raise OSError(f"GET {url} in the node namespace failed: {result.stderr.strip()[-400:]}")
+    return result.stdout
 
 
 def _wait_for_namespace(holder: subprocess.Popen, outer: str | None, what: str) -> None:

@@ -7,7 +7,9 @@ under the runner's directory, container paths rewritten to them), the pod's host
 which the job's Service names and the pods of headless Services resolve to their pod IPs. Each pod has a
 network namespace of its own with its pod IP on `eth0` (pod_network.py), where other pods' IPs are reachable
 and the API server is the `kubernetes` Service's ClusterIP; each process runs there, in mount and UTS
-namespaces of its own for its hostname and /etc/hosts (`unshare`).
+namespaces of its own for its hostname and /etc/hosts (`unshare`). NodePort and LoadBalancer Services are
+served there by a relay per node port and per ingress IP and port (node_ports.py, which also gives each
+LoadBalancer its ingress IP), delayed by `node_port_delay` each way.
 
 A pod being deleted has its processes sent SIGTERM, and SIGKILL (to the whole process group) once it is gone
 or its grace period (at most MAX_GRACE seconds) has passed; the runner's finalizer keeps the pod, Terminating,
@@ -49,7 +51,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from cluster.controlplane import group_alive, stop_group
-from cluster.pod_network import KUBERNETES_SERVICE, PodNetwork
+from cluster.node_ports import EVERY_ADDRESS, Address, ingress_ips, listeners, relay_command
+from cluster.pod_network import KUBERNETES_SERVICE, PodNetwork, http_get
 from cluster.podspec import (
     Unresolvable,
     accelerators,
@@ -176,6 +179,9 @@ class PodRunner:
     bin_dir: Path = field(default_factory=lambda: Path(sys.executable).parent)
     interval: float = 0.5
     backoff: tuple[float, float] = (1.0, 10.0)
+    node_port_delay: float = 0.0
+    """Seconds each node port's (and load balancer's) relay holds every chunk each way: a WAN's half round trip
+    for clients that reach the cluster through them (cluster_link.py); relays started after a change use it."""
     containers: dict[tuple[str, str], Container] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -184,6 +190,7 @@ class PodRunner:
         self.network = PodNetwork(self.workdir / "network", self.api.configuration.host)
         self.prober_socket = self.workdir / "network" / "prober.sock"
         self._prober: subprocess.Popen | None = None
+        self._node_ports: dict[Address, tuple[Address, subprocess.Popen]] = {}
         self._probes = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -214,6 +221,7 @@ class PodRunner:
             for container in self.containers.values():
                 self._kill(container)
         self._probes.shutdown(wait=True, cancel_futures=True)
+        self._serve_node_ports({})
         if self._prober is not None:
             stop_group(self._prober, grace=5)
         self.network.stop()
@@ -254,13 +262,7 @@ class PodRunner:
 
     def get(self, url: str) -> str:
         """The body of an HTTP GET of `url` from the pod network's node namespace, where pod IPs are reachable."""
-        fetch = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
-        result = subprocess.run(
-            self.network.enter([sys.executable, "-c", fetch, url]), capture_output=True, text=True, timeout=60
-        )
-        if result.returncode != 0:
-            raise OSError(f"GET {url} in the node namespace failed: {result.stderr.strip()[-400:]}")
-        return result.stdout
+        return http_get(self.network.enter([]), url)
 
     def kill(self, namespace: str, pod: str, sig: int = signal.SIGKILL) -> int:
         """Sends `sig` to the process groups of a pod's containers, as an OOM kill or a crash would end them;
@@ -281,8 +283,9 @@ class PodRunner:
         """Process groups started here that still have a live member (empty after `stop`)."""
         with self._lock:
             pods = [c.process.pid for c in self.containers.values() if c.process and group_alive(c.process.pid)]
+            relays = [p.pid for _, p in self._node_ports.values() if group_alive(p.pid)]
         prober = [self._prober.pid] if self._prober is not None and group_alive(self._prober.pid) else []
-        return pods + prober + self.network.leftovers()
+        return pods + relays + prober + self.network.leftovers()
 
     # --- the loop -------------------------------------------------------------------------------------
 
@@ -313,7 +316,11 @@ class PodRunner:
         namespace and its containers converge to running."""
         every_pod = self._list(self.core.list_pod_for_all_namespaces)
         pods = [p for p in every_pod if self.runnable(p)]
-        entries = service_names(self._list(self.discovery.list_endpoint_slice_for_all_namespaces))
+        slices = self._list(self.discovery.list_endpoint_slice_for_all_namespaces)
+        entries = service_names(slices)
+        services = self._list(self.core.list_service_for_all_namespaces)
+        self._assign_ingress(services)
+        self._serve_node_ports(listeners(services, slices))
         live = {(p["metadata"]["uid"], c["name"]) for p in pods for c in p["spec"]["containers"]}
         for key, container in list(self.containers.items()):
             if key not in live:
@@ -349,6 +356,36 @@ class PodRunner:
                     c.uid == meta["uid"] and c.process and c.process.poll() is None for c in self.containers.values()
                 ):
                     self._release(pod)
+
+    def _assign_ingress(self, services: list[dict[str, Any]]) -> None:
+        """Publishes an ingress IP for each LoadBalancer Service without one, as a cloud controller does (its
+        relay listens there from the next pass on)."""
+        for (namespace, name), ip in ingress_ips(services).items():
+            body = {"status": {"loadBalancer": {"ingress": [{"ip": ip}]}}}
+            self.core.patch_namespaced_service_status(name, namespace, body)
+            log.info("load balancer %s/%s at %s", namespace, name, ip)
+
+    def _serve_node_ports(self, wanted: Mapping[Address, Address]) -> None:
+        """Converges the relays to `wanted` (listening address -> endpoint): a relay whose endpoint moved, or
+        that exited, is replaced."""
+        for listen, (upstream, relay) in list(self._node_ports.items()):
+            if wanted.get(listen) != upstream or relay.poll() is not None:
+                stop_group(relay, grace=1)
+                del self._node_ports[listen]
+        for listen, upstream in wanted.items():
+            if listen not in self._node_ports:
+                if listen[0] != EVERY_ADDRESS:
+                    self.network.add_address(listen[0])
+                command = relay_command(sys.executable, listen, upstream, self.node_port_delay)
+                relay = subprocess.Popen(
+                    self.network.enter(command),
+                    env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+                    cwd=self.workdir,
+                    start_new_session=True,
+                    stdin=subprocess.DEVNULL,
+                )
+                self._node_ports[listen] = (upstream, relay)
+                log.info("%s:%d -> %s:%d", *listen, *upstream)
 
     def _hold(self, pod: Mapping[str, Any]) -> None:
         """Adds the runner's finalizer (a strategic merge adds to the list)."""

@@ -21,6 +21,7 @@ from cluster.nodes import POD_NETWORK, pod_cidr
 from cluster.pod_network import (
     GATEWAY,
     HOLDER_PREFIX,
+    NODE_NETWORK,
     Holder,
     PodNetwork,
     attach,
@@ -63,12 +64,15 @@ class TestNames:
         assert ipaddress.ip_address(GATEWAY) not in POD_NETWORK
         assert ipaddress.ip_address("10.244.0.1") in ipaddress.ip_network(pod_cidr(0)), "KWOK hands out .1"
 
-    def test_a_pod_s_eth0_carries_its_ip_on_the_pod_network_and_service_ips_route_by_the_gateway(self):
+    def test_a_pod_s_eth0_carries_its_ip_on_the_pod_network_and_service_and_node_ips_route_by_the_gateway(self):
         _, pod_end = veth_names("uid-1")
         steps = pod_setup("uid-1", "10.244.1.1")
         assert f"ip link set {pod_end} name eth0" in steps
         assert f"ip address add 10.244.1.1/{POD_NETWORK.prefixlen} dev eth0" in steps
-        assert steps[-1] == f"ip route add {SERVICE_CIDR} via {GATEWAY} dev eth0"
+        assert steps[-2:] == [
+            f"ip route add {SERVICE_CIDR} via {GATEWAY} dev eth0",
+            f"ip route add {NODE_NETWORK} via {GATEWAY} dev eth0",
+        ]
         assert not [step for step in steps if "default" in step], "nothing outside the cluster is routed"
         assert f"ip link set {pod_end} netns 77" in attach("uid-1", 77)
 
@@ -179,3 +183,29 @@ def test_the_network_of_a_run_that_crashed_is_removed_when_the_next_starts(tmp_p
     while process_start(holder) is not None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert process_start(holder) is None or Path(f"/proc/{holder}/stat").read_text().split()[2] == "Z"
+
+
+@pytest.mark.process
+def test_a_network_held_in_another_pid_namespace_is_left_to_its_own(tmp_path):
+    """A cluster run whole in a PID namespace (cluster/isolated.py) names its holders' owner by a pid only that
+    namespace knows: from outside it looks stale, and must not be taken for a crashed run's."""
+    if os.geteuid() != 0:
+        pytest.skip("a PID namespace needs root")
+    holder = Holder(1, 1, "node")  # pid 1 of its namespace; out here some other process, or none
+    isolated = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "--net", "--", *holder_command(holder)],
+        start_new_session=True,
+    )
+    try:
+        inside = int(support.wait_until(lambda: _children(isolated.pid)))
+        support.wait_until(lambda: Holder.parse(Path(f"/proc/{inside}/cmdline").read_bytes().split(b"\0")[0].decode()))
+        remove_stale()
+        with pytest.raises(subprocess.TimeoutExpired):  # its namespace's init, had it been killed, would end it
+            isolated.wait(2)
+    finally:
+        os.killpg(isolated.pid, signal.SIGKILL)
+        isolated.wait()
+
+
+def _children(pid: int) -> str:
+    return Path(f"/proc/{pid}/task/{pid}/children").read_text().split(" ")[0]

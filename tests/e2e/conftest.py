@@ -9,7 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from cluster.cluster import Cluster
 from cluster.controlplane import binaries_dir
+from cluster.isolated import IsolatedCluster, start_isolated
 from cluster.pod_runner import PodRunner
 from kubernetes import config as kube_config
 from support import missing_binary
@@ -27,13 +28,15 @@ OPERATOR_NAMESPACE = "diloco-system"
 
 @dataclass
 class Target:
-    """A cluster and what the suite may do to it. `cluster` and `runner` exist only for the KWOK cluster."""
+    """A cluster and what the suite may do to it. `cluster` and `runner` exist only for the session's KWOK
+    cluster, `isolated` only for a second KWOK cluster run whole in a PID namespace (`other_clusters`)."""
 
     kubeconfig: Path
     bin: Path
     image_tag: str
     cluster: Cluster | None = None
     runner: PodRunner | None = None
+    isolated: IsolatedCluster | None = None
 
     def kubectl(
         self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60
@@ -60,8 +63,11 @@ class Target:
     def get(self, pod: Mapping[str, Any], port: int, path: str) -> str:
         """The body of an HTTP GET of `path` on the pod's IP and `port`: from the pod network on the KWOK
         cluster, else through the API server's proxy to the pod. An OSError while it does not answer."""
+        url = f"http://{pod['status']['podIP']}:{port}{path}"
         if self.runner is not None:
-            return self.runner.get(f"http://{pod['status']['podIP']}:{port}{path}")
+            return self.runner.get(url)
+        if self.isolated is not None:
+            return self.isolated.get(url)
         meta = pod["metadata"]
         proxy = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}:{port}/proxy{path}"
         result = self.kubectl("get", "--raw", proxy, check=False)
@@ -122,10 +128,10 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     assert not runner.leftovers(), f"pod processes left running: {runner.leftovers()}"
 
 
-@pytest.fixture(scope="session")
-def operator(target: Target) -> Iterator[str]:
-    """`helm install` of charts/diloco; yields the release's namespace. On the KWOK cluster the chart's
-    Deployment runs through the pod runner like any pod (its image is this checkout)."""
+def install_operator(target: Target) -> None:
+    """`helm install` of charts/diloco into OPERATOR_NAMESPACE, waiting until its Deployment is available. On
+    the KWOK cluster the chart's Deployment runs through the pod runner like any pod (its image is this
+    checkout)."""
     target.helm(
         "install",
         "diloco",
@@ -145,7 +151,38 @@ def operator(target: Target) -> Iterator[str]:
         "--set",
         "resyncSeconds=2",
     )
+
+
+@pytest.fixture(scope="session")
+def operator(target: Target) -> Iterator[str]:
+    """The operator installed (`install_operator`); yields the release's namespace."""
+    install_operator(target)
     try:
         yield OPERATOR_NAMESPACE
     finally:
         target.helm("uninstall", "diloco", "--namespace", OPERATOR_NAMESPACE, "--wait", "--timeout", "120s")
+
+
+@pytest.fixture
+def other_clusters(target: Target, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Target]]:
+    """Starts more KWOK clusters on this machine beside the session's, each whole in a PID namespace of its own
+    (tests/cluster/isolated.py) with the operator installed: each call returns a new one. Every one still
+    running is stopped (SIGKILL) at the end. Needs the session's cluster to be the KWOK one, and root."""
+    if target.runner is None:
+        pytest.skip("a second cluster is started only beside the KWOK test cluster")
+    if os.geteuid() != 0:
+        pytest.skip("a cluster in a PID namespace of its own needs root")
+    started: list[IsolatedCluster] = []
+
+    def start() -> Target:
+        isolated = start_isolated(tmp_path_factory.mktemp("other-cluster"))
+        started.append(isolated)
+        other = Target(isolated.kubeconfig, target.bin, target.image_tag, isolated=isolated)
+        install_operator(other)
+        return other
+
+    try:
+        yield start
+    finally:
+        for isolated in started:
+            isolated.stop()
