@@ -227,25 +227,27 @@ def tls_secret(job: n.JobRef, made: Mapping[str, bytes]) -> dict[str, Any]:
 
 
 def syncer_service(job: n.JobRef, spec: DiLoCoJobSpec, shard: int) -> dict[str, Any]:
+    """A shard's Service. Exposed outside the cluster (NodePort, LoadBalancer), it carries the gRPC port
+    alone: a Service's type applies to every port it lists, and the metrics, open to the cluster's scrapers,
+    are no business of other datacenters (scrapers reach them at the pod's metrics port)."""
+    kind = service_type(spec)
+    ports = [
+        {
+            "name": "grpc",
+            "port": spec.syncer.port,
+            "targetPort": "grpc",
+            "protocol": "TCP",
+            "appProtocol": "kubernetes.io/h2c",
+        }
+    ]
+    if kind == Exposure.CLUSTER_IP.value:
+        ports.append({"name": "metrics", "port": spec.syncer.metrics_port, "targetPort": "metrics", "protocol": "TCP"})
     return _stamped(
         {
             "apiVersion": "v1",
             "kind": "Service",
             "metadata": _metadata(job, n.syncer_name(job.name, shard), n.shard_labels(job.name, shard)),
-            "spec": {
-                "type": service_type(spec),
-                "selector": n.shard_selector(job.name, shard),
-                "ports": [
-                    {
-                        "name": "grpc",
-                        "port": spec.syncer.port,
-                        "targetPort": "grpc",
-                        "protocol": "TCP",
-                        "appProtocol": "kubernetes.io/h2c",
-                    },
-                    {"name": "metrics", "port": spec.syncer.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
-                ],
-            },
+            "spec": {"type": kind, "selector": n.shard_selector(job.name, shard), "ports": ports},
         }
     )
 

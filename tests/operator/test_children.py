@@ -617,7 +617,11 @@ def test_exposed_shards_open_their_grpc_port_to_every_client_and_a_route_joins_e
     grpc_rule = children[("NetworkPolicy", "demo-syncers")]["spec"]["ingress"][0]
     assert grpc_rule == {"ports": [{"port": 50051, "protocol": "TCP"}]}, "TLS and the token keep strangers out"
     balanced = render(make_spec(syncer={"shards": 2, "expose": {"type": "LoadBalancer"}}))
-    assert balanced[("Service", "demo-syncer-0")]["spec"]["type"] == "LoadBalancer"
+    service = balanced[("Service", "demo-syncer-0")]["spec"]
+    assert service["type"] == "LoadBalancer"
+    assert [p["name"] for p in service["ports"]] == ["grpc"], "metrics stay inside the cluster"
+    noded = render(make_spec(syncer={"shards": 2, "expose": {"type": "NodePort", "nodeAddress": "203.0.113.7"}}))
+    assert [p["name"] for p in noded[("Service", "demo-syncer-1")]["spec"]["ports"]] == ["grpc"]
     assert not any(kind == "GRPCRoute" for kind, _ in balanced)
 
 
