@@ -502,9 +502,9 @@ class GatewayRef(CamelModel):
 
 class SyncerExposure(CamelModel):
     """How the shards are exposed. Each shard keeps its Service; NodePort and LoadBalancer make that Service of
-    the type, with its gRPC port alone (the metrics port stays inside the cluster), GRPCRoute adds a Gateway API route per shard (hostname <job>-syncer-<n>.<domain>) to the user's
-    Gateway. status.syncer.endpoints lists where each shard is reached, and the certificate the operator
-    makes names those addresses."""
+    the type, with its gRPC port alone (the metrics port stays inside the cluster), GRPCRoute adds a Gateway
+    API route per shard (hostname <job>-syncer-<n>.<domain>) to the user's Gateway. status.syncer.endpoints
+    lists where each shard is reached, and the certificate the operator makes names those addresses."""
 
     model_config = ConfigDict(
         json_schema_extra={
