@@ -9,15 +9,19 @@ the shard then leaves out (`diloco.core.outer_optimizer.outer_momentum`).
 A buffer changes only once the shard accepted a push: a refused or failed push leaves it as it was, since
 the island trains on from the same base and its next delta contains the lost one again.
 
-Islands keep no state across a restart (a restarted island pulls the global values and starts again from
-them, losing its unsent local progress too), so the buffers are declared lost then: the learner logs it
-and counts the fragments in `LearnerStats.feedback_lost` (`diloco_worker_error_feedback_lost_total`).
+The buffers survive a restart of the worker: the island checkpoint saves them beside the inner optimizer's
+state, at its cadence (`diloco.worker.island_checkpoint`), and a replacement restores them before it starts
+(`Learner.restore_error_feedback`). Those are the buffers as of the checkpoint's step, as the optimizer
+state is: a replacement re-trains the steps after its last merged push anyway. A fragment the job has merged
+into whose buffer cannot be restored (a cold start, a missing or mismatched checkpoint) is declared lost: the
+learner logs it and counts its values in `LearnerStats.feedback_lost_values`
+(`diloco_worker_error_feedback_lost_values_total`).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -60,3 +64,23 @@ class ErrorFeedback:
         """The fragment's buffer (None before its first accepted push), for tests and inspection."""
         with self._lock:
             return self._buffers.get(fragment)
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """Every buffer's tensors, named `<fragment>.<position>`: what an island checkpoint saves. The live
+        tensors, not copies: an accepted push replaces a fragment's buffer and never writes into one."""
+        with self._lock:
+            return {f"{p}.{i}": t for p, buffer in self._buffers.items() for i, t in enumerate(buffer)}
+
+    def restore(self, saved: Mapping[str, torch.Tensor], shapes: Mapping[int, Sequence[torch.Size]]) -> list[int]:
+        """Takes from `saved` (named as `named` names them) the buffer of every fragment in `shapes` whose
+        tensors are all there, exactly, in its parameters' shapes; returns those fragments in order. Any other
+        fragment (nothing saved, a partial buffer, another model's) keeps no buffer."""
+        restored = {}
+        for fragment, expected in shapes.items():
+            mine = {name: t for name, t in saved.items() if name.partition(".")[0] == str(fragment)}
+            names = [f"{fragment}.{i}" for i in range(len(expected))]
+            if mine.keys() == set(names) and all(mine[n].shape == shape for n, shape in zip(names, expected)):
+                restored[fragment] = [mine[n].to(torch.float32) for n in names]
+        with self._lock:
+            self._buffers.update(restored)
+        return sorted(restored)

@@ -11,6 +11,10 @@ when the next falls due makes that one be skipped rather than waited for.
 The state is read from `optimizer.state` directly (not `state_dict()`, which imports `torch._dynamo`), per
 parameter in the order of the optimizer's parameter groups, so any optimizer whose state is tensors per
 parameter (AdamW's step, exp_avg, exp_avg_sq) is saved and restored as it is.
+
+With the sparse encoding the same file holds the island's error-feedback buffers (rank 0's: the rank that
+pushes), named `feedback.<fragment>.<position>`, so what the island held back survives its restart
+(`diloco.worker.error_feedback`); the optimizer's restore passes over them.
 """
 
 from __future__ import annotations
@@ -19,18 +23,21 @@ import logging
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from diloco.worker.error_feedback import ErrorFeedback
 from diloco.worker.sync import HostCopy
 
 log = logging.getLogger("diloco.worker")
 
 _STEP_KEY = "step"
 _FORMAT = "diloco-island-optimizer/1"
+_FEEDBACK = "feedback."
 
 
 def checkpoint_path(folder: Path, island: str, rank: int) -> Path:
@@ -59,6 +66,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, torch.T
     params = _parameters(optimizer)
     state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     for name, value in saved.items():
+        if name.startswith(_FEEDBACK):
+            continue
         index, _, key = name.partition(".")
         if not index.isdigit() or int(index) >= len(params):
             return False
@@ -86,27 +95,48 @@ def _placed(key: str, value: torch.Tensor, param: torch.Tensor, steps_on_device:
 def load(path: Path, optimizer: torch.optim.Optimizer) -> int | None:
     """The step of the checkpoint at `path` once its state is in `optimizer`; None when there is none
     usable (missing, unreadable, or of another model), the optimizer then untouched."""
+    read = _read(path, lambda name: not name.startswith(_FEEDBACK))
+    if read is None:
+        return None
+    step, saved = read
+    if step is None or not restore_optimizer(optimizer, saved):
+        log.warning("island checkpoint does not fit this optimizer", extra={"path": str(path)})
+        return None
+    return step
+
+
+def load_error_feedback(path: Path) -> dict[str, torch.Tensor]:
+    """The error-feedback buffers saved in the checkpoint at `path`, named as `ErrorFeedback.named` names
+    them, for `ErrorFeedback.restore`; none when there is no usable checkpoint or it holds none."""
+    read = _read(path, lambda name: name.startswith(_FEEDBACK))
+    if read is None or read[0] is None:
+        return {}
+    return {name.removeprefix(_FEEDBACK): value for name, value in read[1].items()}
+
+
+def _read(path: Path, wanted: Callable[[str], bool]) -> tuple[int | None, dict[str, torch.Tensor]] | None:
+    """The step (None when the file is not an island checkpoint) and the `wanted` tensors of the file at
+    `path`; None when there is no file or it cannot be read."""
     if not path.exists():
         return None
     try:
         with safe_open(str(path), framework="pt") as reader:
             metadata = reader.metadata() or {}
-            saved = {name: reader.get_tensor(name) for name in reader.keys()}
+            saved = {name: reader.get_tensor(name) for name in reader.keys() if wanted(name)}
     except (OSError, SafetensorError) as error:
         log.warning("island checkpoint unreadable", extra={"path": str(path), "error": str(error)})
         return None
-    if metadata.get("format") != _FORMAT or not restore_optimizer(optimizer, saved):
-        log.warning("island checkpoint does not fit this optimizer", extra={"path": str(path)})
-        return None
-    return int(metadata["step"])
+    return (int(metadata["step"]) if metadata.get("format") == _FORMAT else None), saved
 
 
 class IslandCheckpointer:
-    """Writes one rank's optimizer state every so often, off the training thread."""
+    """Writes one rank's optimizer state, and its error-feedback buffers if it has any, every so often, off
+    the training thread."""
 
-    def __init__(self, path: Path, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, path: Path, optimizer: torch.optim.Optimizer, feedback: ErrorFeedback | None = None) -> None:
         self.path = path
         self.optimizer = optimizer
+        self.feedback = feedback
         self._writer: threading.Thread | None = None
         self.saved_step: int | None = None
 
@@ -119,15 +149,17 @@ class IslandCheckpointer:
         if not named:
             return False
         copy = HostCopy(list(named.values()))
+        held = self.feedback.named() if self.feedback is not None else {}
+        feedback = {_FEEDBACK + name: value for name, value in held.items()}
         self._writer = threading.Thread(
-            target=self._write, args=(list(named), copy, step), name="diloco-island-checkpoint", daemon=True
+            target=self._write, args=(list(named), copy, feedback, step), name="diloco-island-checkpoint", daemon=True
         )
         self._writer.start()
         return True
 
-    def _write(self, names: list[str], copy: HostCopy, step: int) -> None:
+    def _write(self, names: list[str], copy: HostCopy, feedback: dict[str, torch.Tensor], step: int) -> None:
         try:
-            write_atomically(self.path, dict(zip(names, copy.values())), step)
+            write_atomically(self.path, dict(zip(names, copy.values())) | feedback, step)
             self.saved_step = step
         except OSError:
             log.exception("island checkpoint not written", extra={"path": str(self.path), "step": step})

@@ -37,7 +37,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from types import TracebackType
@@ -361,16 +361,42 @@ class Learner:
         self._declare_feedback_lost(trained)
 
     def _declare_feedback_lost(self, trained: list[int]) -> None:
-        """An island that starts on fragments already merged into may be a restart: whatever its previous
-        run's error-feedback buffers held back is gone (islands keep no state across restarts; see
-        `diloco.worker.error_feedback`). Said and counted on rank 0, like pushes."""
-        if self._feedback is None or not trained or not self.island.is_leader:
+        """An island that starts on fragments already merged into may be a restart: what its previous run's
+        error-feedback buffers held back is lost unless `restore_error_feedback` brought it back (see
+        `diloco.worker.error_feedback`). Said, and the values dropped counted, on rank 0, like pushes."""
+        if self._feedback is None or not self.island.is_leader:
             return
-        log.warning(
-            "error feedback starts empty: what a previous run of this island held back is lost",
-            extra={"fragments": trained},
-        )
-        self._stats.add(feedback_lost=len(trained))
+        restored = [p for p in trained if self._feedback.held_back(p) is not None]
+        lost = [p for p in trained if p not in restored]
+        if restored:
+            log.info(
+                "error feedback restored from the island checkpoint",
+                extra={"fragments": restored, "values": self._numel(restored)},
+            )
+        if lost:
+            values = self._numel(lost)
+            log.warning(
+                "error feedback lost: what a previous run of this island held back will not be sent",
+                extra={"fragments": lost, "values": values},
+            )
+            self._stats.add(feedback_lost_values=values)
+
+    def _numel(self, fragments: Sequence[int]) -> int:
+        return sum(self._fragments[p].plan.numel for p in fragments)
+
+    @property
+    def error_feedback(self) -> ErrorFeedback | None:
+        """The island's error-feedback buffers (the sparse encoding's; None otherwise), for its checkpoint."""
+        return self._feedback
+
+    def restore_error_feedback(self, saved: Mapping[str, torch.Tensor]) -> None:
+        """Before `start()`: the buffers a previous run of this island saved with its island checkpoint
+        (`diloco.worker.island_checkpoint.load_error_feedback`), so what it held back is still sent. A
+        fragment's buffer that does not fit the model is left out; `start()` then declares it lost."""
+        if self._started:
+            raise RuntimeError("restore_error_feedback() goes before start()")
+        if self._feedback is not None:
+            self._feedback.restore(saved, {f.plan.index: [p.shape for p in f.params] for f in self._fragments})
 
     def _await_islands(self) -> None:
         """The synchronous baseline's first barrier: every shard hears from `quorum` islands (K = M) before

@@ -119,9 +119,9 @@ class WorkerCollector(Collector):
         yield counter("diloco_worker_pushed_bytes", "Encoded bytes of the deltas pushed", learner.bytes_pushed)
         yield counter("diloco_worker_pulled_bytes", "Bytes of global fragment values pulled", learner.bytes_pulled)
         yield counter(
-            "diloco_worker_error_feedback_lost",
-            "Fragments whose error-feedback buffer (what the sparse encoding held back) a restart lost",
-            learner.feedback_lost,
+            "diloco_worker_error_feedback_lost_values",
+            "Error-feedback values (what the sparse encoding held back) a restart dropped, not restored",
+            learner.feedback_lost_values,
         )
         yield counter(
             "diloco_worker_blocked_seconds", "Seconds the training thread spent on sync work", learner.blocked_seconds

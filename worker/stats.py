@@ -30,7 +30,7 @@ class LearnerStats:
     bytes_pushed: int = 0
     bytes_pulled: int = 0
     blocked_seconds: float = 0.0
-    feedback_lost: int = 0  # fragments whose error-feedback buffer a restart lost (diloco.worker.error_feedback)
+    feedback_lost_values: int = 0  # error-feedback values a restart dropped (diloco.worker.error_feedback)
     rounds_begun: int = 0
     round_inner_steps: int = 0
     round_steps: int = 0  # inner steps per round the island runs now: H, or fewer when speed-aware and slow

@@ -37,7 +37,7 @@ from diloco.transport.tls import Security
 from diloco.worker.adamw import AdamW
 from diloco.worker.data import EVAL_WINDOWS, BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
-from diloco.worker.island_checkpoint import IslandCheckpointer, checkpoint_path
+from diloco.worker.island_checkpoint import IslandCheckpointer, checkpoint_path, load_error_feedback
 from diloco.worker.learner import Learner, RoundReport
 from diloco.worker.metrics import WorkerSnapshot
 from diloco.worker.model import GPT, build_model, resolve_preset
@@ -194,7 +194,7 @@ class Trainer:
         self.checkpointer: IslandCheckpointer | None = None
         if self.learner is not None and settings.checkpoint_dir is not None:
             path = checkpoint_path(settings.checkpoint_dir, island, self.ranks.rank)
-            self.checkpointer = IslandCheckpointer(path, self.optimizer)
+            self.checkpointer = IslandCheckpointer(path, self.optimizer, self.learner.error_feedback)
         self.step = 0
         self.tokens = 0
         self.loss = math.nan
@@ -275,6 +275,8 @@ class Trainer:
         s = self.settings
         tokens_per_step = s.batch_size * self.context
         if self.learner is not None:
+            if self.checkpointer is not None:
+                self.learner.restore_error_feedback(load_error_feedback(self.checkpointer.path))
             self.learner.start()
             saved = self.checkpointer.path if self.checkpointer is not None else None
             self.step, warm = warm_start(self.learner, self.optimizer, saved, tokens_per_step * self.ranks.size)

@@ -1,5 +1,6 @@
 """Specification of the island's error feedback: what a sparse push leaves out is carried, decayed, into the
-fragment's next push, and only a push the shard took changes the buffer."""
+fragment's next push, only a push the shard took changes the buffer, and the buffers a checkpoint saved come
+back only where they fit the model."""
 
 import pytest
 import torch
@@ -83,3 +84,36 @@ def test_a_delta_shaped_unlike_the_buffer_is_refused():
 def test_a_decay_outside_zero_to_one_is_refused(decay):
     with pytest.raises(ValueError, match="decay"):
         ErrorFeedback(decay=decay)
+
+
+def _held(fragments: int = 2) -> ErrorFeedback:
+    """Buffers of a two-tensor fragment per index, after one accepted push each."""
+    feedback = ErrorFeedback()
+    for p in range(fragments):
+        delta = [torch.arange(8.0) - p, torch.ones(2, 4) * (p + 1)]
+        feedback.accepted(p, delta, _sent(delta))
+    return feedback
+
+
+SHAPES = {0: [torch.Size([8]), torch.Size([2, 4])], 1: [torch.Size([8]), torch.Size([2, 4])]}
+
+
+def test_saved_buffers_restore_into_a_fresh_island_as_they_were():
+    saved = _held().named()
+    assert sorted(saved) == ["0.0", "0.1", "1.0", "1.1"]
+    restored = ErrorFeedback()
+    assert restored.restore(saved, SHAPES) == [0, 1]
+    for p in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(restored.held_back(p), _held().held_back(p)))
+
+
+def test_a_buffer_that_does_not_fit_its_fragment_is_not_restored():
+    saved = _held().named()
+    partial = {name: t for name, t in saved.items() if name != "1.1"}
+    assert ErrorFeedback().restore(partial, SHAPES) == [0]
+    reshaped = {**saved, "0.1": torch.ones(8)}
+    assert ErrorFeedback().restore(reshaped, SHAPES) == [1]
+    longer = {**saved, "0.2": torch.ones(3)}
+    assert ErrorFeedback().restore(longer, SHAPES) == [1], "a fragment of more tensors is another model's"
+    feedback = ErrorFeedback()
+    assert feedback.restore({}, SHAPES) == [] and feedback.held_back(0) is None

@@ -94,20 +94,42 @@ def test_sparse_islands_train_through_a_shard_sending_a_few_values_of_each_block
     int4_model = sum(encoded_nbytes(n, Encoding.INT4, config.block_size) for n in sizes)
     for learner in (a.learner, b.learner):
         stats = learner.stats
-        assert stats.syncs_merged > 0 and stats.syncs_failed == 0 and stats.feedback_lost == 0
+        assert stats.syncs_merged > 0 and stats.syncs_failed == 0 and stats.feedback_lost_values == 0
         # A push is one fragment: two values of each 16 at 2 bits and 4 index bits, and a scale per block.
         assert stats.bytes_pushed <= stats.syncs_pushed * sparse_model
         assert sparse_model < int4_model / 2
 
 
 def test_a_sparse_island_starting_on_merged_fragments_declares_its_held_back_values_lost(start_shards, island):
-    """A restarted island keeps no state, its error-feedback buffers included: it says so and counts them."""
+    """An island starting without its error-feedback buffers on fragments the job has merged into may be a
+    restart that lost them: it says so and counts the values dropped, every parameter's here."""
     shards = start_shards(make_config(encoding="sparse", block_size=16, top_k_fraction=1 / 8))
     first = island(shards, seed=1, name="island-a")
     first.train(9)
-    assert first.learner.stats.feedback_lost == 0, "its first start found nothing merged"
+    assert first.learner.stats.feedback_lost_values == 0, "its first start found nothing merged"
     again = island(shards, seed=1, name="island-b")
-    assert again.learner.stats.feedback_lost == shards.config.fragments
+    assert again.learner.stats.feedback_lost_values == sum(p.numel() for p in again.model.parameters())
+
+
+def test_a_sparse_island_restarted_with_its_saved_buffers_loses_nothing(start_shards, island):
+    """The buffers an island checkpoint saved, restored before the replacement starts, are the ones it sends
+    from; only a fragment whose buffer did not come back is declared lost."""
+    shards = start_shards(make_config(encoding="sparse", block_size=16, top_k_fraction=1 / 8))
+    first = island(shards, seed=1, name="island-a")
+    first.train(9)
+    saved = first.learner.error_feedback.named()
+    again = island(shards, seed=1, name="island-b", start=False)
+    again.learner.restore_error_feedback(saved)
+    again.learner.start()
+    assert again.learner.stats.feedback_lost_values == 0
+    for p in range(shards.config.fragments):
+        before, after = first.learner.error_feedback.held_back(p), again.learner.error_feedback.held_back(p)
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
+    partly = island(shards, seed=1, name="island-c", start=False)
+    partly.learner.restore_error_feedback({name: t for name, t in saved.items() if not name.startswith("0.")})
+    partly.learner.start()
+    first_layer = sum(p.numel() for p in partly.model[0].parameters())  # fragment 0: layer 0 of the two
+    assert partly.learner.stats.feedback_lost_values == first_layer
 
 
 def test_fragments_go_to_the_shard_that_owns_them(start_shards, island):
