@@ -1,15 +1,19 @@
 """`Learner`: turns any PyTorch training loop into a Decoupled DiLoCo island in a few lines.
 
-    learner = Learner.from_env(model, optimizer)  # or Learner(model, optimizer, config, syncers=[...], ...)
+    learner = Learner.from_env(model, optimizer, tokens_per_step=n)  # n: the tokens of one step's batches
     with learner:  # joins the shards and takes the global model; at the end pushes the last steps, leaves
-        for batch in data:
+        # The schedule takes up the island's step: 0 in a new job, the job's step for a restarted island.
+        scheduler = LambdaLR(optimizer, lambda step: schedule(learner.resume_step + step))
+        while learner.inner_step < steps:
             if learner.stop_requested:  # SIGTERM: the pod is going
                 break
+            batch = next(data)
             loss = loss_fn(model(batch))
             loss.backward()
-            learner.report(tokens=batch_tokens, loss=loss)
+            learner.report(tokens=n, loss=loss)
             optimizer.step()  # the learner's hook counts the inner step and does its sync work
             optimizer.zero_grad()
+            scheduler.step()
 
 The loop stays the user's own: the learner hooks `optimizer.step()` (a post-step hook, as torchft's DiLoCo
 does), so gradient accumulation (one `optimizer.step()` per several backward passes), a GradScaler (whose
@@ -27,6 +31,14 @@ network: a round that fails or takes too long is dropped, and the fragment is pu
 A speed-aware island (`speedAware`, decoupled only) slower than the job's fastest runs fewer inner steps per
 round (`diloco.core.pace`): its schedule runs on a phase that advances H / H_i per inner step, so H and τ
 above are counted in phase units.
+
+An island restarted (a container restart, a pod replaced) resumes where the job is, not at step 0 with cold
+inner-optimizer state: given a checkpoint folder (DILOCO_CHECKPOINT_DIR, which the operator sets), each rank
+writes its optimizer's state there every `checkpoint_every` inner steps and at the end of a run, off the
+training thread (`diloco.worker.island_checkpoint`), and `start` restores the newest state any rank of the
+island holds and continues the step count at the later of that checkpoint's step and the job's, as the
+shards count it in the island's `tokens_per_step` (`diloco.worker.warm_start`). `resume_step` says where:
+a loop that counts its own steps or steps an LR scheduler starts from there, as above.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 from wsgiref.simple_server import WSGIServer
@@ -60,6 +73,7 @@ from diloco.transport.tls import Role, Security
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.error_feedback import ErrorFeedback
 from diloco.worker.island import Island
+from diloco.worker.island_checkpoint import IslandCheckpointer, checkpoint_path, load_error_feedback
 from diloco.worker.metrics import WorkerSnapshot, serve_metrics
 from diloco.worker.pod_ranks import local_position, metrics_port
 from diloco.worker.shutdown import StopRequest
@@ -73,8 +87,15 @@ from diloco.worker.sync import (
     local_snapshot,
     pull_values,
 )
+from diloco.worker.warm_start import restore_island, resume_at
 
 log = logging.getLogger("diloco.worker")
+
+CHECKPOINT_EVERY = 50
+"""Inner steps between two island checkpoints unless told otherwise (DILOCO_CHECKPOINT_EVERY)."""
+
+CHECKPOINT_CLOSE_SECONDS = 5.0
+"""How long `close` waits for an island checkpoint still being written, after the island has left."""
 
 STEP_SECONDS_SMOOTHING = 0.1
 """Weight of the newest inner step in the island's measured seconds per step (an exponential average)."""
@@ -145,6 +166,9 @@ class Learner:
         stop: StopRequest | None = None,
         metrics_port: int = 0,
         metrics_host: str = "0.0.0.0",
+        checkpoint_dir: Path | None = None,
+        checkpoint_every: int = CHECKPOINT_EVERY,
+        tokens_per_step: int | None = None,
     ) -> None:
         """`syncers[i]` is the address of shard i, reached with `security` (TLS, or plaintext by name). A
         round with no merge within `sync_timeout` seconds is abandoned; each call gets `rpc_timeout` seconds
@@ -157,11 +181,19 @@ class Learner:
 
         `flush` waits up to `flush_timeout` seconds for the last merges; once `stop` is requested (SIGTERM),
         `stop_requested` says so and `flush` and `close` keep within its grace period instead. With a
-        `metrics_port`, `start` serves the worker's metrics and readiness there until `close`."""
+        `metrics_port`, `start` serves the worker's metrics and readiness there until `close`.
+
+        With `checkpoint_dir`, each rank writes its optimizer's state there every `checkpoint_every` inner
+        steps and at `flush`, and `start` takes up the newest any rank of the island holds. `tokens_per_step`,
+        the tokens each rank trains on in one inner step (what the loop reports a step), lets `start` find
+        the job's step from the shards' token counts; without it, an island resumes at its checkpoint's
+        step (or 0)."""
         if not syncers:
             raise ValueError("a learner needs at least one syncer shard")
         if not island_id:
             raise ValueError("a learner needs an island id: the shards count contributions per island")
+        if checkpoint_every < 1 or (tokens_per_step is not None and tokens_per_step < 1):
+            raise ValueError("checkpoint_every and tokens_per_step must be positive")
         check_island_id(island_id)
         self.model = model
         self.optimizer = optimizer
@@ -175,11 +207,18 @@ class Learner:
         self.on_round = on_round
         self.flush_timeout = flush_timeout
         self.stop = stop
+        self.checkpoint_every = checkpoint_every
+        self.tokens_per_step = tokens_per_step
         self._token = token
         if compressed_pulls is None:
             compressed_pulls = env_default("COMPRESSED_PULLS", "1") != "0"
         self._pull_encoding = config.encoding if compressed_pulls else None
         self._feedback = ErrorFeedback() if config.encoding is Encoding.SPARSE else None
+        self._checkpointer = (
+            IslandCheckpointer(checkpoint_path(checkpoint_dir, island_id, self.island.rank), optimizer, self._feedback)
+            if checkpoint_dir is not None
+            else None
+        )
         self._security = security
         self._client_options = {"timeout": rpc_timeout, "retry_for": retry_for, "backoff": backoff}
         # Names must be the same on every island, whether or not it wraps its model in DDP ("module." prefix).
@@ -207,6 +246,8 @@ class Learner:
         self._stats.set_round_steps(self._round_steps)
         self._step_seconds = 0.0
         self._last_step_at: float | None = None
+        self._resume_step = 0
+        self._resumed_warm = False
         self._started = False
         self._closed = False
 
@@ -226,10 +267,12 @@ class Learner:
         LOCAL_RANK a launcher sets, as the built-in worker does) and DILOCO_METRICS_HOST for the metrics and
         readiness endpoint; DILOCO_TERMINATION_GRACE_SECONDS, the pod's grace period, within which the last
         steps are pushed after SIGTERM (whose handler it installs when called on the main thread; Ctrl-C
-        keeps its usual meaning). Without `process_group`, an initialised default process group is taken to
-        be the island (one torch.distributed world per island, formed from the WORLD_SIZE, RANK, MASTER_ADDR
-        and MASTER_PORT the operator sets). `options` are the constructor's keyword arguments, which win
-        over the environment."""
+        keeps its usual meaning); DILOCO_CHECKPOINT_DIR and DILOCO_CHECKPOINT_EVERY, where and how often
+        the island checkpoints its optimizer state. Without `process_group`, an initialised default process
+        group is taken to be the island (one torch.distributed world per island, formed from the WORLD_SIZE,
+        RANK, MASTER_ADDR and MASTER_PORT the operator sets). `options` are the constructor's keyword
+        arguments (`tokens_per_step`, which only the loop knows, among them), which win over the
+        environment."""
         syncers = [target.strip() for target in (env_default("SYNCERS") or "").split(",") if target.strip()]
         if not syncers:
             raise ValueError("DILOCO_SYNCERS is not set: expected comma-separated syncer addresses")
@@ -250,6 +293,8 @@ class Learner:
             "stop": stop,
             "metrics_port": metrics_port(int(env_default("METRICS_PORT", "0")), local_position(os.environ)[0]),
             "metrics_host": env_default("METRICS_HOST", "0.0.0.0"),
+            "checkpoint_dir": Path(folder) if (folder := env_default("CHECKPOINT_DIR")) else None,
+            "checkpoint_every": int(env_default("CHECKPOINT_EVERY", str(CHECKPOINT_EVERY))),
         }
         return cls(model, optimizer, load_training_config(None), **(settings | options))
 
@@ -274,9 +319,14 @@ class Learner:
         """Joins every shard, seeds the fragments no island has seeded yet (the first island wins), then
         takes the global values, so every island, and every rank of this one, starts from the same point;
         from then on every `optimizer.step()` is an inner step. With a metrics port, serves the metrics
-        and /readyz from the start, not ready until this has succeeded and a step has followed."""
+        and /readyz from the start, not ready until this has succeeded and a step has followed.
+
+        Then warm-starts the island (`_warm_start`): its optimizer state from its checkpoints, and the step
+        it resumes at, `resume_step`."""
         if self._started:
             raise RuntimeError("start() was already called")
+        if self._checkpointer is not None and (saved := load_error_feedback(self._checkpointer.path)):
+            self.restore_error_feedback(saved)
         host, port = self._metrics_address
         if port:
             self._metrics_server = serve_metrics(self.snapshot, port, host)[1]
@@ -300,6 +350,7 @@ class Learner:
         if self.synchronous:
             self._step = resume_step(versions[:, 1].tolist(), self.config.inner_steps, self.config.fragments)
             self._phase = Fraction(self._step)
+        self._warm_start()
         self._step_hook = self.optimizer.register_step_post_hook(self._after_optimizer_step)
         self._started = True
         log.info(
@@ -312,6 +363,29 @@ class Learner:
                 "fragments": [f.plan.numel for f in self._fragments],
                 "versions": versions[:, 1].tolist(),
                 "seconds": time.perf_counter() - started,
+            },
+        )
+
+    def _warm_start(self) -> None:
+        """On every rank: restores the optimizer state from the newest checkpoint any rank of the island
+        holds, and continues a decoupled island's step count at the later of that checkpoint's step and the
+        job's (a synchronous island keeps the barrier's step, which `start` took from the versions)."""
+        path = self._checkpointer.path if self._checkpointer is not None else None
+        restored = restore_island(self.island, self.optimizer, path)
+        if not self.synchronous:
+            tokens = self.tokens_per_step * self.island.size if self.tokens_per_step else None
+            self._step = resume_at(self.island, restored, self.shard_status, tokens)
+            self._phase = Fraction(self._step)
+        self._resume_step = self._step
+        self._resumed_warm = restored is not None
+        log.info(
+            "island resumes",
+            extra={
+                "island": self.island_id,
+                "rank": self.island.rank,
+                "step": self._step,
+                "warm": self._resumed_warm,
+                "checkpoint": restored,
             },
         )
 
@@ -390,9 +464,10 @@ class Learner:
         return self._feedback
 
     def restore_error_feedback(self, saved: Mapping[str, torch.Tensor]) -> None:
-        """Before `start()`: the buffers a previous run of this island saved with its island checkpoint
-        (`diloco.worker.island_checkpoint.load_error_feedback`), so what it held back is still sent. A
-        fragment's buffer that does not fit the model is left out; `start()` then declares it lost."""
+        """Before `start()`: the buffers a previous run of this island saved, so what it held back is still
+        sent. With `checkpoint_dir`, `start()` does this itself from the island checkpoint
+        (`diloco.worker.island_checkpoint.load_error_feedback`). A fragment's buffer that does not fit the
+        model is left out; `start()` then declares it lost."""
         if self._started:
             raise RuntimeError("restore_error_feedback() goes before start()")
         if self._feedback is not None:
@@ -422,17 +497,21 @@ class Learner:
 
     @property
     def inner_step(self) -> int:
-        """Inner steps this island has taken; a synchronous island starts at the job's current step."""
+        """The island's inner step count: `resume_step` at `start`, then one more per optimizer step."""
         return self._step
 
-    def resume(self, step: int) -> None:
-        """Continues the island's step count at `step` before its first optimizer step (a restarted island
-        taking up the job where it is: `diloco.worker.warm_start`); the fragments then fall due on its
-        schedule."""
-        if not self._started or self._stats.snapshot().inner_steps:
-            raise RuntimeError("resume() goes between start() and the first optimizer step")
-        self._step = step
-        self._phase = Fraction(step)
+    @property
+    def resume_step(self) -> int:
+        """The inner step `start` resumed the island at: 0 in a new job; for an island restarted or joining
+        late, the job's step (the later of its checkpoint's and the shards' count). A loop's own step
+        counter and LR schedule start there: `LambdaLR(optimizer, lambda step: schedule(learner.resume_step
+        + step))`, made after `start`."""
+        return self._resume_step
+
+    @property
+    def resumed_warm(self) -> bool:
+        """Whether `start` restored the inner optimizer's state from an island checkpoint."""
+        return self._resumed_warm
 
     def shard_status(self) -> list[pb.StatusReply]:
         """Every shard's status, in shard order (rank 0 alone holds the channels: [] on the other ranks)."""
@@ -470,6 +549,13 @@ class Learner:
             self._await_rounds(self.sync_timeout)
         self._last_step_monotonic = time.monotonic()
         self._stats.add(inner_steps=1, tokens=tokens, blocked_seconds=time.perf_counter() - started)
+        if self._step % self.checkpoint_every == 0:
+            self._save_checkpoint()
+
+    def _save_checkpoint(self) -> None:
+        """Starts writing this rank's optimizer state as it is now (skipped while the last write runs)."""
+        if self._checkpointer is not None:
+            self._checkpointer.save(self._step)
 
     @property
     def stop_requested(self) -> bool:
@@ -508,7 +594,9 @@ class Learner:
     def flush(self, timeout: float | None = None) -> None:
         """Pushes every fragment's progress since its last sync and waits up to `timeout` seconds (default
         `flush_timeout`, or after a stop request what its grace period leaves) for the merges: the end of a
-        run, so that its last steps reach the global model too."""
+        run, so that its last steps reach the global model too. Also checkpoints the optimizer state, for the
+        island that replaces this one (a roll, a drain)."""
+        self._save_checkpoint()
         if timeout is None:
             timeout = self.stop.flush_budget() if self.stop is not None and self.stop_requested else self.flush_timeout
         for f in self._fragments:
@@ -539,8 +627,9 @@ class Learner:
     def close(self, timeout: float | None = None) -> None:
         """Gives running pushes up to `timeout` seconds (default `close_timeout`, or after a stop request
         what its grace period keeps for leaving) to land, stops polling, tells the shards the island has left
-        (so no merge waits for it), closes the channels and the metrics endpoint; later optimizer steps
-        are the model's alone. Issues no collective, so the ranks of an island may close in any order."""
+        (so no merge waits for it), closes the channels and the metrics endpoint, then waits up to
+        `CHECKPOINT_CLOSE_SECONDS` for a checkpoint being written; later optimizer steps are the model's
+        alone. Issues no collective, so the ranks of an island may close in any order."""
         if self._closed:
             return
         self._closed = True
@@ -558,6 +647,8 @@ class Learner:
                 log.debug("leave not delivered", extra={"target": client.target, "code": str(error.code())})
             client.close()
         self._stop_metrics()
+        if self._checkpointer is not None:
+            self._checkpointer.close(CHECKPOINT_CLOSE_SECONDS)
         log.info("learner closed", extra={"island": self.island_id, "rank": self.island.rank, **asdict(self.stats)})
 
     def _stop_metrics(self) -> None:

@@ -26,6 +26,7 @@ from diloco.settings import (
     load_training_config,
 )
 from diloco.transport.tls import PLAINTEXT, Role
+from diloco.worker.learner import CHECKPOINT_EVERY
 from diloco.worker.metrics import serve_metrics
 from diloco.worker.pod_launcher import is_local_rank, launch
 from diloco.worker.pod_ranks import LOOPBACK, PodShape, local_position, metrics_port
@@ -105,7 +106,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="checkpoints for restarts: an island's inner-optimizer state (a replacement starts warm), or in "
         "ddp mode the whole training state",
     )
-    p.add_argument("--checkpoint-every", type=int, default=int(env("CHECKPOINT_EVERY", "50")), help="inner steps")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=int(env("CHECKPOINT_EVERY", str(CHECKPOINT_EVERY))), help="inner steps"
+    )
     p.add_argument(
         "--metrics-port",
         type=int,

@@ -37,19 +37,15 @@ from diloco.transport.tls import Security
 from diloco.worker.adamw import AdamW
 from diloco.worker.data import EVAL_WINDOWS, BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
-from diloco.worker.island_checkpoint import IslandCheckpointer, checkpoint_path, load_error_feedback
-from diloco.worker.learner import Learner, RoundReport
+from diloco.worker.learner import CHECKPOINT_EVERY, Learner, RoundReport
 from diloco.worker.metrics import WorkerSnapshot
 from diloco.worker.model import GPT, build_model, resolve_preset
 from diloco.worker.pod_ranks import local_position, place
 from diloco.worker.precision import autocast, resolve_precision
 from diloco.worker.shutdown import StopRequest
 from diloco.worker.throughput import Rate, ThroughputMeter, peak_flops
-from diloco.worker.warm_start import warm_start
 
 log = logging.getLogger("diloco.worker")
-
-CHECKPOINT_CLOSE_SECONDS = 5.0  # for an island checkpoint still being written when the worker exits
 
 
 @dataclass(frozen=True)
@@ -73,7 +69,7 @@ class TrainerSettings:
     peak_tflops: float | None = None  # the accelerator's dense bf16 peak, for MFU where the table lacks it
     progress_file: Path | None = None
     checkpoint_dir: Path | None = None
-    checkpoint_every: int = 50
+    checkpoint_every: int = CHECKPOINT_EVERY
     flush_seconds: float = 60.0
 
     def __post_init__(self) -> None:
@@ -190,11 +186,10 @@ class Trainer:
                 on_round=self._on_round,
                 flush_timeout=settings.flush_seconds,
                 stop=stop,
+                checkpoint_dir=settings.checkpoint_dir,
+                checkpoint_every=settings.checkpoint_every,
+                tokens_per_step=settings.batch_size * self.context,
             )
-        self.checkpointer: IslandCheckpointer | None = None
-        if self.learner is not None and settings.checkpoint_dir is not None:
-            path = checkpoint_path(settings.checkpoint_dir, island, self.ranks.rank)
-            self.checkpointer = IslandCheckpointer(path, self.optimizer, self.learner.error_feedback)
         self.step = 0
         self.tokens = 0
         self.loss = math.nan
@@ -251,14 +246,8 @@ class Trainer:
         self.step = int(state["step"])
         return True
 
-    def _checkpoint(self) -> None:
-        """An island's optimizer state, written off the step path; in data-parallel, everything, at once."""
-        if self.checkpointer is not None:
-            self.checkpointer.save(self.step)
-        elif self.learner is None:
-            self._save()
-
     def _save(self) -> None:
+        """The data-parallel baseline's whole training state (an island's optimizer state is its learner's)."""
         path = self._checkpoint_path()
         if path is None or not self.ranks.is_leader:
             return
@@ -275,11 +264,8 @@ class Trainer:
         s = self.settings
         tokens_per_step = s.batch_size * self.context
         if self.learner is not None:
-            if self.checkpointer is not None:
-                self.learner.restore_error_feedback(load_error_feedback(self.checkpointer.path))
             self.learner.start()
-            saved = self.checkpointer.path if self.checkpointer is not None else None
-            self.step, warm = warm_start(self.learner, self.optimizer, saved, tokens_per_step * self.ranks.size)
+            self.step, warm = self.learner.resume_step, self.learner.resumed_warm
         else:
             warm = self._resume()
             self.ranks.broadcast_tensors(list(self.model.parameters()))
@@ -333,18 +319,16 @@ class Trainer:
                 tokens_per_second=self.rate.tokens_per_second,
                 mfu=self.rate.mfu,
             )
-            if self.step % s.checkpoint_every == 0:
-                self._checkpoint()
+            if self.learner is None and self.step % s.checkpoint_every == 0:
+                self._save()
             if self.step % s.eval_every == 0 and self.ranks.is_leader:
                 self.eval_loss = self.evaluate()
                 self.progress.write(EvalEvent, step=self.step, loss=self.eval_loss)
         if self.learner is not None:
-            self.learner.flush()
+            self.learner.flush()  # with its island checkpoint: a stopped island is replaced (a roll, a drain)
         else:
             self._save()
         if self.stopped:
-            if self.checkpointer is not None:  # a stopped island is replaced (a roll, a drain): warm, then
-                self.checkpointer.save(self.step)
             log.info("stopped", extra={"island": self.island_id, "rank": self.ranks.rank, "step": self.step})
             return self.eval_loss
         final = self.evaluate()
@@ -373,11 +357,9 @@ class Trainer:
         return evaluate(self.model, self.heldout, self.context, self.settings.batch_size, self.settings.eval_windows)
 
     def close(self) -> None:
-        """Says Leave first (the shards' live set matters more), while a checkpoint write goes on beside it."""
+        """Says Leave (the learner's close, which then waits for its checkpoint write), then frees the rest."""
         if self.learner is not None:
             self.learner.close()
-        if self.checkpointer is not None:
-            self.checkpointer.close(CHECKPOINT_CLOSE_SECONDS)
         self.progress.close()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()

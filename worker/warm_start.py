@@ -15,8 +15,7 @@ whose pod came back on a fresh volume, or that was stopped before the others sav
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +24,6 @@ import torch
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker import island_checkpoint
 from diloco.worker.island import Island
-from diloco.worker.learner import Learner
-
-log = logging.getLogger("diloco.worker")
 
 
 def job_step(statuses: Sequence[pb.StatusReply], tokens_per_step: int) -> int:
@@ -86,29 +82,14 @@ def _receive(island: Island, optimizer: torch.optim.Optimizer, source: Source) -
     return sending or island_checkpoint.restore_optimizer(optimizer, received)
 
 
-def warm_start(
-    learner: Learner, optimizer: torch.optim.Optimizer, checkpoint: Path | None, tokens_per_step: int
-) -> tuple[int, bool]:
-    """After `learner.start()`, on every rank of the island: restores the optimizer state from the newest
-    checkpoint of any rank (`restore_island`), and resumes the decoupled island at the later of the job's
-    step and that checkpoint's (a synchronous island keeps the barrier's step); returns the step it resumes
-    at and whether it restored the optimizer state."""
-    island = learner.island
-    restored = restore_island(island, optimizer, checkpoint)
-    if learner.synchronous:
-        step = learner.inner_step
-    else:
-        counted = job_step(learner.shard_status(), tokens_per_step) if island.is_leader else 0
-        step = int(island.broadcast(torch.tensor([max(counted, restored or 0)])).item())
-        learner.resume(step)
-    log.info(
-        "island resumes",
-        extra={
-            "island": learner.island_id,
-            "rank": island.rank,
-            "step": step,
-            "warm": restored is not None,
-            "checkpoint": restored,
-        },
-    )
-    return step, restored is not None
+def resume_at(
+    island: Island,
+    restored: int | None,
+    statuses: Callable[[], Sequence[pb.StatusReply]],
+    tokens_per_step: int | None,
+) -> int:
+    """The step a decoupled island resumes at, the same on every rank: the later of the job's step, from the
+    shards' `statuses` (asked on rank 0 alone) for an island whose steps train `tokens_per_step` tokens
+    (None: not known, so not counted), and its checkpoint's (`restored`, as `restore_island` returned it)."""
+    counted = job_step(statuses(), tokens_per_step) if island.is_leader and tokens_per_step else 0
+    return int(island.broadcast(torch.tensor([max(counted, restored or 0)])).item())

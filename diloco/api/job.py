@@ -466,8 +466,8 @@ class IslandCheckpoint(VolumeRequest):
     checkpoint_every: int | None = Field(
         None,
         ge=1,
-        description="Inner steps between two checkpoints of each rank (the built-in trainer's "
-        "--checkpoint-every); its default when unset.",
+        description="Inner steps between two checkpoints of each rank, in the built-in trainer and in a "
+        "custom command's Learner alike (DILOCO_CHECKPOINT_EVERY); 50 when unset.",
     )
 
 

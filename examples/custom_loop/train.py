@@ -1,14 +1,15 @@
 """A training loop of one's own as one island of a DiLoCo job: a character-level GRU that learns to add
 two-digit numbers, from sums it writes itself ("37+45=82").
 
-What makes it an island is four lines: `Learner.from_env` (everything the operator injects into the pod:
-the syncer shards, the job's token, TLS and training config, the metrics port and the grace period),
-`with learner:` around the loop (join the shards and take the global model; at the end push the last steps
-and leave), `learner.stop_requested` (SIGTERM: the job is done, suspended or re-forming this island) and
-`learner.report(...)` (tokens and loss, served as the metrics the job's status shows). The rest is an
-ordinary PyTorch loop that steps its own optimizer: gradient accumulation over four micro-batches, a
-GradScaler (active with fp16 autocast on a GPU; a step it skips for an inf or NaN gradient is no inner
-step) and a warmup schedule it steps itself.
+What makes it an island is a few lines: `Learner.from_env` (everything the operator injects into the pod:
+the syncer shards, the job's token, TLS and training config, the metrics port, the grace period and the
+island's checkpoint folder), `with learner:` around the loop (join the shards and take the global model,
+restarted: resume at the job's step with the optimizer state the island checkpointed; at the end push the
+last steps and leave), `learner.resume_step` (where the schedule starts), `learner.stop_requested`
+(SIGTERM: the job is done, suspended or re-forming this island) and `learner.report(...)` (tokens and loss,
+served as the metrics the job's status shows). The rest is an ordinary PyTorch loop that steps its own
+optimizer: gradient accumulation over four micro-batches, a GradScaler (active with fp16 autocast on a GPU;
+a step it skips for an inf or NaN gradient is no inner step) and a warmup schedule it steps itself.
 
     python examples/custom_loop/train.py --steps 200   # with the DILOCO_* variables a pod gets
 """
@@ -72,12 +73,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     fp16 = device.type == "cuda"
     model = CharGRU(len(VOCAB)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup))
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     data = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # every island its own sums
 
-    learner = Learner.from_env(model, optimizer)
+    # The tokens of one inner step, so that a restarted island finds the job's step from the shards' count.
+    learner = Learner.from_env(model, optimizer, tokens_per_step=MICRO_BATCHES * args.batch_size * args.length)
     with learner:
+        # The warmup runs on the island's step: from 0 in a new job, from the job's step after a restart.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (learner.resume_step + step + 1) / args.warmup)
+        )
+        start = {"resumed_at": learner.resume_step, "warm": learner.resumed_warm, "lr": scheduler.get_last_lr()[0]}
+        print(json.dumps(start), flush=True)
         while not args.steps or learner.inner_step < args.steps:
             if learner.stop_requested:
                 break

@@ -10,6 +10,7 @@ import pytest
 import torch
 from learner_harness import make_config
 from torch import nn
+from trained_model import trained
 from worker_process import start_worker
 
 from diloco.worker.adamw import AdamW
@@ -21,17 +22,6 @@ from diloco.worker.island_checkpoint import (
     load_error_feedback,
     optimizer_tensors,
 )
-
-
-def trained(steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
-    optimizer = AdamW(model.parameters(), lr=1e-2)
-    for _ in range(steps):
-        model(torch.randn(3, 4)).square().sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model, optimizer
 
 
 def fresh_like(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:

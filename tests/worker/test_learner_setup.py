@@ -7,7 +7,7 @@ import torch
 from learner_harness import TOKEN, make_config, tiny_model
 
 from diloco.transport.tls import PLAINTEXT
-from diloco.worker.learner import Learner
+from diloco.worker.learner import CHECKPOINT_EVERY, Learner
 from diloco.worker.stats import StatsRecorder
 from diloco.worker.sync import fragment_values
 
@@ -17,14 +17,17 @@ def optimized_model():
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+POD_ENV = {
+    "DILOCO_SYNCERS": "127.0.0.1:1",
+    "DILOCO_ISLAND": "island-0",
+    "DILOCO_TOKEN": TOKEN,
+    "DILOCO_INSECURE_PLAINTEXT": "1",
+}
+
+
 @pytest.mark.parametrize("missing", ["DILOCO_SYNCERS", "DILOCO_ISLAND"])
 def test_from_env_names_a_missing_variable(monkeypatch, missing):
-    for name, value in {
-        "DILOCO_SYNCERS": "127.0.0.1:1",
-        "DILOCO_ISLAND": "island-0",
-        "DILOCO_TOKEN": TOKEN,
-        "DILOCO_INSECURE_PLAINTEXT": "1",
-    }.items():
+    for name, value in POD_ENV.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv(missing)
     with pytest.raises(ValueError, match=missing):
@@ -42,6 +45,14 @@ def test_from_env_splits_the_shard_list_and_reads_the_config(monkeypatch):
     assert learner.syncers == ["shard-0:50051", "shard-1:50051"]
     assert learner.island_id == "island-3"
     assert learner.config == config
+
+
+def test_from_env_checkpoints_every_so_many_steps_as_told(monkeypatch, tmp_path):
+    for name, value in {**POD_ENV, "DILOCO_CHECKPOINT_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(name, value)
+    assert Learner.from_env(*optimized_model()).checkpoint_every == CHECKPOINT_EVERY
+    monkeypatch.setenv("DILOCO_CHECKPOINT_EVERY", "7")
+    assert Learner.from_env(*optimized_model()).checkpoint_every == 7
 
 
 def test_optimizer_steps_before_start_are_not_inner_steps():

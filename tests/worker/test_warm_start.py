@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_island_checkpoint import trained
+from trained_model import trained
 from warm_rank import ISLAND
 
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.island import Island
 from diloco.worker.island_checkpoint import checkpoint_path, optimizer_tensors, write_atomically
-from diloco.worker.warm_start import Source, job_step, newest_checkpoint, restore_island
+from diloco.worker.warm_start import Source, job_step, newest_checkpoint, restore_island, resume_at
 
 SCRIPT = Path(__file__).with_name("warm_rank.py")
 
@@ -48,6 +48,23 @@ def test_an_island_of_bigger_steps_resumes_at_fewer_of_them():
 def test_tokens_per_step_must_be_positive():
     with pytest.raises(ValueError, match="positive"):
         job_step([], tokens_per_step=0)
+
+
+def test_an_island_resumes_at_the_later_of_the_jobs_step_and_its_checkpoints():
+    def statuses():
+        return [status([4000], ["a", "b"])]  # 20 steps of 100 tokens each
+
+    assert resume_at(Island(None), 12, statuses, tokens_per_step=100) == 20
+    assert resume_at(Island(None), 25, statuses, tokens_per_step=100) == 25
+    assert resume_at(Island(None), None, statuses, tokens_per_step=100) == 20, "no checkpoint: a late joiner"
+
+
+def test_an_island_that_does_not_know_its_tokens_per_step_resumes_at_its_checkpoints_step():
+    def statuses():
+        raise AssertionError("the shards' count is of no use without the tokens per step")
+
+    assert resume_at(Island(None), 25, statuses, tokens_per_step=None) == 25
+    assert resume_at(Island(None), None, statuses, tokens_per_step=None) == 0
 
 
 def test_the_island_takes_the_newest_checkpoint_of_any_rank():

@@ -1,7 +1,7 @@
 """One rank of a gloo island taking up its optimizer state, run as its own process by test_warm_start.py.
 
 Usage: warm_rank.py RANK WORLD STORE_FILE CHECKPOINT_FOLDER OUT_FILE
-The rank builds test_island_checkpoint's `trained` model, restores the island's optimizer state from its own
+The rank builds trained_model's `trained` model, restores the island's optimizer state from its own
 checkpoint in CHECKPOINT_FOLDER or another rank's (`restore_island`), and saves the step it took and the state
 to OUT_FILE.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from test_island_checkpoint import trained
+from trained_model import trained
 
 from diloco.worker.island import Island
 from diloco.worker.island_checkpoint import checkpoint_path, optimizer_tensors
