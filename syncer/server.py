@@ -41,7 +41,9 @@ from diloco.syncer.streams import (
 from diloco.transport import tls, wire
 from diloco.transport.auth import TokenInterceptor
 from diloco.transport.codes import encoding_of, status_code
-from diloco.transport.tls import Security
+from diloco.transport.connections import ConnectionWatch
+from diloco.transport.handlers import behavior_of, with_behavior
+from diloco.transport.tls import Security, Tls
 from diloco.transport.v1 import syncer_pb2 as pb
 
 log = logging.getLogger("diloco.syncer")
@@ -138,9 +140,16 @@ class SyncerServer:
         self._control = futures.ThreadPoolExecutor(max_workers=CONTROL_WORKERS, thread_name_prefix="syncer-control")
         self.data_threads = DataThreads(max_workers, max_queued_calls)
         servicer = _Servicer(self)
+        interceptors: list[grpc.ServerInterceptor] = [TokenInterceptor(token, on_refused=self._count_unauthenticated)]
+        self._connections: ConnectionWatch | None = None
+        if isinstance(security, Tls):
+            self._connections = ConnectionWatch(
+                self.metrics.tls_handshakes.inc, self.metrics.tls_connections_with_calls.inc
+            )
+            interceptors.insert(0, self._connections)
         self._server = grpc.server(
             self.data_threads,
-            interceptors=[TokenInterceptor(token, on_refused=self._count_unauthenticated)],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
                 ("grpc.max_send_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
@@ -155,9 +164,12 @@ class SyncerServer:
                 for handlers in (_handlers(servicer, self._control), _health_handlers(self._health, self._control))
             )
         )
-        self.port = tls.add_port(self._server, f"{host}:{port}", security, on_handshake=self.metrics.tls_handshakes.inc)
+        on_handshake = None if self._connections is None else self._connections.handshake_begun
+        self.port = tls.add_port(self._server, f"{host}:{port}", security, on_handshake=on_handshake)
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
+        if self._connections is not None:
+            self._connections.port = self.port
         self._health_server: grpc.Server | None = None
         self.health_port: int | None = None
         if health_port is not None:
@@ -548,18 +560,6 @@ def _on_pool(behavior: Callable[[R, grpc.ServicerContext], S], pool: futures.Exe
     return run
 
 
-_HANDLER_KINDS = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
-def _behavior(handler: grpc.RpcMethodHandler) -> Callable[..., object]:
-    return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-
-
 class _Admitted(grpc.GenericRpcHandler):
     """The calls of `inner` that run on the data threads, refused on arrival while the data threads hold all
     the calls they take: `refuse` answers them on the control threads, so a full queue delays no probe."""
@@ -578,10 +578,9 @@ class _Admitted(grpc.GenericRpcHandler):
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = self._inner.service(handler_call_details)
-        if handler is None or hasattr(_behavior(handler), "experimental_thread_pool") or self.data_threads.has_room():
+        if handler is None or hasattr(behavior_of(handler), "experimental_thread_pool") or self.data_threads.has_room():
             return handler
-        kind = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
-        return kind(_on_pool(self._refuse, self._control), handler.request_deserializer, handler.response_serializer)
+        return with_behavior(handler, _on_pool(self._refuse, self._control))
 
 
 def _health_handlers(servicer: health.HealthServicer, control: futures.Executor) -> grpc.GenericRpcHandler:
