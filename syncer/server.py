@@ -34,9 +34,9 @@ from diloco.syncer.shard import MAX_PENDING_BYTES, PushKey, PushResult, Refused,
 from diloco.syncer.streams import (
     CONTROL_WORKERS,
     MAX_QUEUED_CALLS,
-    STREAM_IDLE_SECONDS,
     DataThreads,
     StreamWatch,
+    idle_seconds_at,
 )
 from diloco.transport import tls, wire
 from diloco.transport.auth import TokenInterceptor
@@ -110,7 +110,7 @@ class SyncerServer:
         metrics: SyncerMetrics | None = None,
         max_workers: int = 32,
         max_queued_calls: int = MAX_QUEUED_CALLS,
-        stream_idle_seconds: float = STREAM_IDLE_SECONDS,
+        stream_idle_seconds: float | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """`max_workers` threads serve the data calls (Seed, PushDelta, Pull), `CONTROL_WORKERS` more the
@@ -135,7 +135,9 @@ class SyncerServer:
         self._replies: dict[tuple[int, Encoding], tuple[int, list[bytes], int]] = {}
         self._full_references: dict[int, Reference] = {}
         self._references = References(max_reference_bytes)
-        self.streams = StreamWatch(stream_idle_seconds, on_cancel=self._count_cancelled)
+        min_mbps = config.min_transfer_mbps
+        idle = idle_seconds_at(min_mbps) if stream_idle_seconds is None else stream_idle_seconds
+        self.streams = StreamWatch(idle, min_mbps, on_cancel=self._count_cancelled)
         self._health = health.HealthServicer()
         self._control = futures.ThreadPoolExecutor(max_workers=CONTROL_WORKERS, thread_name_prefix="syncer-control")
         self.data_threads = DataThreads(max_workers, max_queued_calls)

@@ -50,6 +50,13 @@ class Link:
         """What the delay proxy holds each chunk for, in each direction: half the round trip."""
         return self.rtt_ms / 2000.0
 
+    def min_transfer_mbps(self, config: TrainingConfig) -> float:
+        """The slowest rate a sync must cross at (`TrainingConfig.min_transfer_mbps`) for islands behind this
+        link: the job's, or the link's rate shared by every fragment's push at once, whichever is lower."""
+        if self.mbps is None:
+            return config.min_transfer_mbps
+        return min(config.min_transfer_mbps, self.mbps / config.fragments)
+
     def describe(self) -> str:
         rate = "unlimited" if self.mbps is None else f"{self.mbps:.4g} Mbit/s"
         return f"{rate}, RTT {self.rtt_ms:.4g} ms"

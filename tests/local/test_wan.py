@@ -21,6 +21,14 @@ def test_a_link_refuses_what_no_link_is(bad):
         Link(**bad)
 
 
+def test_syncs_behind_a_slow_link_are_given_its_rate_shared_by_the_fragments():
+    """Every fragment's push may cross at once: each gets a share of the link, and the deadlines follow it."""
+    config = TrainingConfig(fragments=4, inner_steps=100)
+    assert Link(mbps=0.004).min_transfer_mbps(config) == 0.001
+    assert Link(mbps=2000).min_transfer_mbps(config) == config.min_transfer_mbps, "the job's, when lower"
+    assert Link(rtt_ms=50).min_transfer_mbps(config) == config.min_transfer_mbps
+
+
 def test_the_token_bucket_runs_at_the_links_rate():
     assert tbf(2000).rate_bits == 2_000_000_000
     assert tbf(0.25).rate_bits == 250_000
