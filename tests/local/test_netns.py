@@ -10,9 +10,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from support import require_network_namespaces
 
 from diloco.local.delay_proxy import DelayProxy
-from diloco.local.netns import HUB_ADDRESS, IslandNetwork, WanUnavailable, check_available, island_address
+from diloco.local.netns import HUB_ADDRESS, IslandNetwork, WanUnavailable, island_address
 from diloco.local.wan import Link
 
 pytestmark = pytest.mark.process
@@ -22,10 +23,7 @@ PROBE = Path(__file__).with_name("link_probe.py")
 
 @pytest.fixture(scope="module", autouse=True)
 def namespaces_allowed():
-    try:
-        check_available()
-    except WanUnavailable as error:
-        pytest.skip(f"no network namespaces here: {error}")
+    require_network_namespaces()
 
 
 def namespaces() -> set[str]:

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import require_network_namespaces
 
 from diloco.core.config import TrainingConfig
 from diloco.local.delay_proxy import DelayProxy
-from diloco.local.netns import HUB_ADDRESS, IslandNetwork, WanUnavailable, check_available
+from diloco.local.netns import HUB_ADDRESS, IslandNetwork
 from diloco.local.wan import Link
 from diloco.syncer.server import SyncerServer
 from diloco.transport.client import SyncerClient
@@ -33,10 +34,7 @@ BASE_SECONDS = 1.0  # stands in for the fixed 60 s: the push takes several times
 
 @pytest.fixture(scope="module", autouse=True)
 def namespaces_allowed():
-    try:
-        check_available()
-    except WanUnavailable as error:
-        pytest.skip(f"no network namespaces here: {error}")
+    require_network_namespaces()
 
 
 @pytest.fixture
