@@ -78,12 +78,15 @@ class ConnectionWatch(grpc.ServerInterceptor):
         self._server_id: int | None = None
         self._live: dict[str, int] = {}
         self._called: set[int] = set()
-        self._stale = True
+        self._begun_lock = threading.Lock()
+        self._begun = 0
+        self._listed_after = -1  # the handshakes begun when `_live` was read
 
     def handshake_begun(self) -> None:
-        """A new connection: the next call looks the server's live connections up afresh."""
-        with self._lock:
-            self._stale = True
+        """A new connection: the next call reads the server's live connections afresh. Told from gRPC's own
+        threads mid-handshake, so it takes only a lock under which nothing calls into gRPC."""
+        with self._begun_lock:
+            self._begun += 1
         self._on_handshake()
 
     def _refresh(self, peer: str) -> None:
@@ -99,14 +102,15 @@ class ConnectionWatch(grpc.ServerInterceptor):
                 raise LookupError(f"no server on port {self.port} has a connection from {peer}")
         self._live = _sockets(self._server_id)
         self._called &= set(self._live.values())
-        self._stale = False
 
     def _called_first(self, peer: str) -> bool:
         """Whether this call from `peer` is the first on its connection (False when the connection is gone
         before it could be named: it counts as one that made no call)."""
         with self._lock:
-            if self._stale or peer not in self._live:
+            begun = self._begun
+            if begun != self._listed_after or peer not in self._live:
                 self._refresh(peer)
+                self._listed_after = begun
             connection = self._live.get(peer)
             if connection is None or connection in self._called:
                 return False

@@ -72,9 +72,13 @@ def token_refusals(server: SyncerServer) -> float:
 
 
 def join_as_intruder(port: int, credentials: grpc.ChannelCredentials | None) -> grpc.RpcError:
-    """A Join with the job's own token, over `credentials` (None: plaintext); the error it ends with."""
-    target = f"127.0.0.1:{port}"
-    channel = grpc.insecure_channel(target) if credentials is None else grpc.secure_channel(target, credentials)
+    """A Join with the job's own token, over `credentials` (None: plaintext), on a connection of its own as
+    from a process of its own (gRPC would otherwise share a connection in backoff among channels); the error
+    it ends with."""
+    target, own = f"127.0.0.1:{port}", [("grpc.use_local_subchannel_pool", 1)]
+    channel = (
+        grpc.insecure_channel(target, own) if credentials is None else grpc.secure_channel(target, credentials, own)
+    )
     with channel:
         with pytest.raises(grpc.RpcError) as refused:
             syncer_pb2_grpc.SyncerStub(channel).Join(
