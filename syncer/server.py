@@ -36,12 +36,12 @@ from diloco.syncer.streams import (
     MAX_QUEUED_CALLS,
     DataThreads,
     StreamWatch,
-    idle_seconds_at,
 )
 from diloco.transport import tls, wire
 from diloco.transport.auth import TokenInterceptor
 from diloco.transport.codes import encoding_of, status_code
 from diloco.transport.connections import ConnectionWatch
+from diloco.transport.deadlines import patience_options, quiet_seconds
 from diloco.transport.handlers import behavior_of, with_behavior
 from diloco.transport.tls import Security, Tls
 from diloco.transport.v1 import syncer_pb2 as pb
@@ -136,7 +136,7 @@ class SyncerServer:
         self._full_references: dict[int, Reference] = {}
         self._references = References(max_reference_bytes)
         min_mbps = config.min_transfer_mbps
-        idle = idle_seconds_at(min_mbps) if stream_idle_seconds is None else stream_idle_seconds
+        idle = quiet_seconds(min_mbps) if stream_idle_seconds is None else stream_idle_seconds
         self.streams = StreamWatch(idle, min_mbps, on_cancel=self._count_cancelled)
         self._health = health.HealthServicer()
         self._control = futures.ThreadPoolExecutor(max_workers=CONTROL_WORKERS, thread_name_prefix="syncer-control")
@@ -156,6 +156,7 @@ class SyncerServer:
                 ("grpc.max_receive_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
                 ("grpc.max_send_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
                 ("grpc.so_reuseport", 0),
+                *patience_options(min_mbps),
             ],
             # the data calls are bounded apart (`_Admitted`); control calls may wait as many again
             maximum_concurrent_rpcs=self.data_threads.bound + CONTROL_WORKERS + max_queued_calls,

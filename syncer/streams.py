@@ -23,8 +23,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from diloco.transport import wire
-from diloco.transport.deadlines import BASE_SECONDS, transfer_seconds
+from diloco.transport.deadlines import transfer_seconds
 
 log = logging.getLogger("diloco.syncer")
 
@@ -68,13 +67,6 @@ class DataThreads(futures.ThreadPoolExecutor):
 
     def has_room(self) -> bool:
         return self.calls() < self.bound
-
-
-def idle_seconds_at(min_mbps: float) -> float:
-    """How long the shard waits on a stream that moves nothing: one full chunk (4 MiB) at the job's slowest
-    rate, since a chunk is handed over only once whole (67 s at the default 0.5 Mbit/s), and never less than
-    the base an island's call gets besides its bytes, whatever the rate."""
-    return max(BASE_SECONDS, transfer_seconds(wire.MAX_CHUNK_BYTES, min_mbps))
 
 
 def stream_deadline(started: float, nbytes: int, idle_seconds: float, min_mbps: float) -> float:

@@ -28,7 +28,7 @@ from diloco.core.refusal import Refusal
 from diloco.transport import tls, wire
 from diloco.transport.auth import bearer_metadata
 from diloco.transport.codes import wire_encoding
-from diloco.transport.deadlines import call_timeout
+from diloco.transport.deadlines import call_timeout, patience_options
 from diloco.transport.tls import Security
 from diloco.transport.v1 import syncer_pb2 as pb
 
@@ -122,7 +122,7 @@ class SyncerClient:
         self._metadata = bearer_metadata(token)
         self._rng = random.Random(seed)
         self._joined: pb.JoinRequest | None = None
-        self._channel = tls.channel(target, security, CHANNEL_OPTIONS)
+        self._channel = tls.channel(target, security, (*CHANNEL_OPTIONS, *patience_options(min_transfer_mbps)))
         # Every call is made from its method and (de)serializers, as the generated stubs would, but typed. The
         # tensor-carrying calls skip message objects: serialized chunks out, zero-copy views in.
         channel = self._channel

@@ -15,7 +15,7 @@ from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoding
 from diloco.transport import tls
 from diloco.transport.client import SyncerClient
-from diloco.transport.deadlines import BASE_SECONDS, call_timeout, transfer_seconds
+from diloco.transport.deadlines import BASE_SECONDS, call_timeout, patience_options, quiet_seconds, transfer_seconds
 from diloco.transport.v1 import syncer_pb2 as pb
 
 
@@ -42,6 +42,21 @@ def test_by_default_a_tenth_of_2_gbits_carries_a_12b_models_fragment_in_time():
     fragment_int4_bytes = 12e9 / 4 / 2
     needs = transfer_seconds(int(fragment_int4_bytes), 200.0 / 4)
     assert call_timeout(int(fragment_int4_bytes), TrainingConfig().min_transfer_mbps) > needs
+
+
+def test_a_quiet_peer_is_given_a_whole_chunk_at_the_slowest_rate_and_never_less_than_the_base():
+    """A 4 MiB chunk is handed over only once whole: at 0.5 Mbit/s it comes 67 s after the last."""
+    assert quiet_seconds(0.5) == pytest.approx(67.1, abs=0.1)
+    assert quiet_seconds(1000.0) == BASE_SECONDS
+
+
+def test_grpc_waits_for_a_pings_answer_as_long_as_for_a_quiet_peer():
+    """Over a saturated 0.02 Mbit/s link an island's ping answers queued behind its pushes for over a minute,
+    and gRPC dropped the connection (GOAWAY ping_timeout) mid-push: a `diloco run` never merged."""
+    patience = round(quiet_seconds(0.01) * 1000)
+    assert patience > 3_000_000
+    options = dict(patience_options(0.01))
+    assert options == {"grpc.keepalive_timeout_ms": patience, "grpc.http2.ping_timeout_ms": patience}
 
 
 @pytest.mark.parametrize("rate", [0.0, -1.0])
