@@ -414,7 +414,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--min-transfer-mbps",
         type=float,
         help="the slowest rate a sync's bytes must cross at: each push and pull may take a minute plus its bytes "
-        f"at this rate (default: a job's, {job.min_transfer_mbps}, or --link-mbps over the fragments if lower)",
+        f"at this rate (default: a job's, {job.min_transfer_mbps}, or what TCP keeps of --link-mbps over the "
+        "fragments if lower)",
     )
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument(
