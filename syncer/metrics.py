@@ -5,6 +5,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
+def _total(counter: Counter) -> float:
+    """A counter's value, as a scrape reads it."""
+    return next(s.value for s in counter.collect()[0].samples if s.name.endswith("_total"))
+
+
 class SyncerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -35,9 +40,21 @@ class SyncerMetrics:
         self.rejected = Counter("diloco_syncer_rejected_pushes", "Calls refused, by reason", ["reason"], registry=r)
         self.tls_handshakes = Counter(
             "diloco_syncer_tls_handshakes",
-            "TLS handshakes begun, one per connection, refused ones included (gRPC reports no outcome)",
+            "TLS handshakes begun on the shard's port: one per connection, refused ones included",
             registry=r,
         )
+        self.tls_connections_with_calls = Counter(
+            "diloco_syncer_tls_connections_with_calls",
+            "Connections to the shard's TLS port that carried a call to one of its methods (any outcome)",
+            registry=r,
+        )
+        Gauge(
+            "diloco_syncer_tls_connections_without_calls",
+            "Connections to the shard's TLS port that carried no call to one of its methods: refused in the TLS "
+            "handshake (a client that does not trust the job's CA, one with a certificate of another CA, or one "
+            "speaking plaintext; gRPC does not tell which), still handshaking, or closed before a call",
+            registry=r,
+        ).set_function(lambda: _total(self.tls_handshakes) - _total(self.tls_connections_with_calls))
         self.grace_seconds = Gauge(
             "diloco_syncer_grace_seconds",
             "How long a merge now waits for more islands once its quorum is in (adaptive, at most graceSeconds)",

@@ -34,14 +34,16 @@ from diloco.syncer.shard import MAX_PENDING_BYTES, PushKey, PushResult, Refused,
 from diloco.syncer.streams import (
     CONTROL_WORKERS,
     MAX_QUEUED_CALLS,
-    STREAM_IDLE_SECONDS,
     DataThreads,
     StreamWatch,
 )
 from diloco.transport import tls, wire
 from diloco.transport.auth import TokenInterceptor
 from diloco.transport.codes import encoding_of, status_code
-from diloco.transport.tls import Security
+from diloco.transport.connections import ConnectionWatch
+from diloco.transport.deadlines import patience_options, quiet_seconds
+from diloco.transport.handlers import behavior_of, with_behavior
+from diloco.transport.tls import Security, Tls
 from diloco.transport.v1 import syncer_pb2 as pb
 
 log = logging.getLogger("diloco.syncer")
@@ -108,7 +110,7 @@ class SyncerServer:
         metrics: SyncerMetrics | None = None,
         max_workers: int = 32,
         max_queued_calls: int = MAX_QUEUED_CALLS,
-        stream_idle_seconds: float = STREAM_IDLE_SECONDS,
+        stream_idle_seconds: float | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """`max_workers` threads serve the data calls (Seed, PushDelta, Pull), `CONTROL_WORKERS` more the
@@ -133,18 +135,28 @@ class SyncerServer:
         self._replies: dict[tuple[int, Encoding], tuple[int, list[bytes], int]] = {}
         self._full_references: dict[int, Reference] = {}
         self._references = References(max_reference_bytes)
-        self.streams = StreamWatch(stream_idle_seconds, on_cancel=self._count_cancelled)
+        min_mbps = config.min_transfer_mbps
+        idle = quiet_seconds(min_mbps) if stream_idle_seconds is None else stream_idle_seconds
+        self.streams = StreamWatch(idle, min_mbps, on_cancel=self._count_cancelled)
         self._health = health.HealthServicer()
         self._control = futures.ThreadPoolExecutor(max_workers=CONTROL_WORKERS, thread_name_prefix="syncer-control")
         self.data_threads = DataThreads(max_workers, max_queued_calls)
         servicer = _Servicer(self)
+        interceptors: list[grpc.ServerInterceptor] = [TokenInterceptor(token, on_refused=self._count_unauthenticated)]
+        self._connections: ConnectionWatch | None = None
+        if isinstance(security, Tls):
+            self._connections = ConnectionWatch(
+                self.metrics.tls_handshakes.inc, self.metrics.tls_connections_with_calls.inc
+            )
+            interceptors.insert(0, self._connections)
         self._server = grpc.server(
             self.data_threads,
-            interceptors=[TokenInterceptor(token, on_refused=self._count_unauthenticated)],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
                 ("grpc.max_send_message_length", wire.MAX_CHUNK_BYTES + HEADER_SLACK_BYTES),
                 ("grpc.so_reuseport", 0),
+                *patience_options(min_mbps),
             ],
             # the data calls are bounded apart (`_Admitted`); control calls may wait as many again
             maximum_concurrent_rpcs=self.data_threads.bound + CONTROL_WORKERS + max_queued_calls,
@@ -155,9 +167,12 @@ class SyncerServer:
                 for handlers in (_handlers(servicer, self._control), _health_handlers(self._health, self._control))
             )
         )
-        self.port = tls.add_port(self._server, f"{host}:{port}", security, on_handshake=self.metrics.tls_handshakes.inc)
+        on_handshake = None if self._connections is None else self._connections.handshake_begun
+        self.port = tls.add_port(self._server, f"{host}:{port}", security, on_handshake=on_handshake)
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
+        if self._connections is not None:
+            self._connections.port = self.port
         self._health_server: grpc.Server | None = None
         self.health_port: int | None = None
         if health_port is not None:
@@ -548,18 +563,6 @@ def _on_pool(behavior: Callable[[R, grpc.ServicerContext], S], pool: futures.Exe
     return run
 
 
-_HANDLER_KINDS = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
-def _behavior(handler: grpc.RpcMethodHandler) -> Callable[..., object]:
-    return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-
-
 class _Admitted(grpc.GenericRpcHandler):
     """The calls of `inner` that run on the data threads, refused on arrival while the data threads hold all
     the calls they take: `refuse` answers them on the control threads, so a full queue delays no probe."""
@@ -578,10 +581,9 @@ class _Admitted(grpc.GenericRpcHandler):
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = self._inner.service(handler_call_details)
-        if handler is None or hasattr(_behavior(handler), "experimental_thread_pool") or self.data_threads.has_room():
+        if handler is None or hasattr(behavior_of(handler), "experimental_thread_pool") or self.data_threads.has_room():
             return handler
-        kind = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
-        return kind(_on_pool(self._refuse, self._control), handler.request_deserializer, handler.response_serializer)
+        return with_behavior(handler, _on_pool(self._refuse, self._control))
 
 
 def _health_handlers(servicer: health.HealthServicer, control: futures.Executor) -> grpc.GenericRpcHandler:

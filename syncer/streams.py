@@ -3,10 +3,11 @@
 gRPC's synchronous server gives each call a thread for its whole life, and a peer that opens a stream and
 then sends nothing would hold it until its own deadline. A stream the shard waits on (a push or seed whose
 next chunk has not come, a pull whose reader takes no more) is cancelled once it has waited
-`idle_seconds`, and every stream once it has taken longer than its bytes at the slowest throughput a job
-must tolerate. Join, Status, Leave and the health check run on threads of their own (`CONTROL_WORKERS`), so
-they answer even while every data thread is held, and the data calls beyond the data threads and the queue
-bound are refused on arrival without counting against the control calls (`DataThreads`).
+`idle_seconds`, and every stream once it has taken longer than its bytes at the job's slowest transfer rate
+(`minTransferMbps`, which the islands' deadlines follow too: `transport.deadlines`). Join, Status, Leave and
+the health check run on threads of their own (`CONTROL_WORKERS`), so they answer even while every data
+thread is held, and the data calls beyond the data threads and the queue bound are refused on arrival
+without counting against the control calls (`DataThreads`).
 """
 
 from __future__ import annotations
@@ -22,16 +23,12 @@ from typing import Any, TypeVar
 
 import grpc
 
-from diloco.transport import wire
+from diloco.transport.deadlines import transfer_seconds
 
 log = logging.getLogger("diloco.syncer")
 
 T = TypeVar("T")
 
-MIN_STREAM_BYTES_PER_SECOND = 64 * 1024
-"""The slowest link a stream must fit: 512 kbit/s, below any WAN link a job would train over."""
-STREAM_IDLE_SECONDS = wire.MAX_CHUNK_BYTES / MIN_STREAM_BYTES_PER_SECOND
-"""How long the shard waits on a stream that moves nothing: one full 4 MiB chunk at the slowest link, 64 s."""
 CONTROL_WORKERS = 4
 """Threads for Join, Status, Leave and the health check, apart from the data calls' threads: these calls
 only take the state lock, so a few answer a job's probes and islands."""
@@ -72,10 +69,10 @@ class DataThreads(futures.ThreadPoolExecutor):
         return self.calls() < self.bound
 
 
-def stream_deadline(started: float, nbytes: int, idle_seconds: float) -> float:
-    """When a stream that moves `nbytes` must be done: its bytes at the slowest throughput, plus one idle
-    wait of slack."""
-    return started + idle_seconds + nbytes / MIN_STREAM_BYTES_PER_SECOND
+def stream_deadline(started: float, nbytes: int, idle_seconds: float, min_mbps: float) -> float:
+    """When a stream that moves `nbytes` must be done: its bytes at the slowest rate, plus one idle wait of
+    slack."""
+    return started + idle_seconds + transfer_seconds(nbytes, min_mbps)
 
 
 def overdue(now: float, waiting_since: float | None, deadline: float, idle_seconds: float) -> str | None:
@@ -102,7 +99,7 @@ class Watched:
     def expect(self, nbytes: int) -> None:
         """The stream is to move `nbytes`: it must be done by `stream_deadline`."""
         with self._watch.lock:
-            self.deadline = stream_deadline(self.started, nbytes, self._watch.idle_seconds)
+            self.deadline = stream_deadline(self.started, nbytes, self._watch.idle_seconds, self._watch.min_mbps)
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
@@ -132,11 +129,13 @@ class StreamWatch:
     def __init__(
         self,
         idle_seconds: float,
+        min_mbps: float,
         on_cancel: Callable[[str, str], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`on_cancel(reason, method)` is told of each stream cancelled, to count it where operators look."""
         self.idle_seconds = idle_seconds
+        self.min_mbps = min_mbps
         self.clock = clock
         self.lock = threading.Lock()
         self._on_cancel = on_cancel

@@ -11,6 +11,7 @@ from typing import NoReturn
 
 import pytest
 
+from diloco.local.netns import WanUnavailable, check_available
 from diloco.transport.tls import Pki, throwaway_pki
 
 TEST_PKI: Pki = throwaway_pki()
@@ -43,6 +44,14 @@ def tls_env(folder: Path, pki: Pki = TEST_PKI, *, server: bool) -> dict[str, str
     if pki.mutual:
         env["DILOCO_TLS_MUTUAL"] = "1"
     return env
+
+
+def require_network_namespaces() -> None:
+    """Skips (never fails) the calling test where network namespaces and tc cannot be made (not root, say)."""
+    try:
+        check_available()
+    except WanUnavailable as error:
+        pytest.skip(f"no network namespaces here: {error}")
 
 
 def missing_binary(message: str) -> NoReturn:

@@ -69,6 +69,7 @@ from diloco.core.island_id import check_island_id
 from diloco.core.pace import fragments_due_in, paced_inner_steps, phase_stride
 from diloco.settings import env_default, load_security, load_token, load_training_config
 from diloco.transport.client import Backoff, SyncerClient
+from diloco.transport.deadlines import BASE_SECONDS
 from diloco.transport.tls import Role, Security
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.error_feedback import ErrorFeedback
@@ -82,6 +83,7 @@ from diloco.worker.sync import (
     FragmentSync,
     RoundOutcome,
     SyncRequest,
+    fragment_bytes,
     fragment_values,
     held_values,
     local_snapshot,
@@ -156,7 +158,7 @@ class Learner:
         process_group: dist.ProcessGroup | None = None,
         sync_timeout: float = 60.0,
         close_timeout: float = 10.0,
-        rpc_timeout: float = 60.0,
+        rpc_timeout: float = BASE_SECONDS,
         retry_for: float = 120.0,
         backoff: Backoff = Backoff(),
         synchronous: bool = False,
@@ -172,7 +174,7 @@ class Learner:
     ) -> None:
         """`syncers[i]` is the address of shard i, reached with `security` (TLS, or plaintext by name). A
         round with no merge within `sync_timeout` seconds is abandoned; each call gets `rpc_timeout` seconds
-        per attempt and is retried for `retry_for`.
+        per attempt, plus its bytes at the job's `min_transfer_mbps`, and is retried for `retry_for`.
 
         `synchronous` makes every sync a barrier (the island waits for the merge and mixes at once): the
         synchronous-DiLoCo baseline. `on_round` hears how every round ended, on every rank.
@@ -220,7 +222,12 @@ class Learner:
             else None
         )
         self._security = security
-        self._client_options = {"timeout": rpc_timeout, "retry_for": retry_for, "backoff": backoff}
+        self._client_options = {
+            "timeout": rpc_timeout,
+            "min_transfer_mbps": config.min_transfer_mbps,
+            "retry_for": retry_for,
+            "backoff": backoff,
+        }
         # Names must be the same on every island, whether or not it wraps its model in DDP ("module." prefix).
         named_model = model.module if isinstance(model, DistributedDataParallel) else model
         params = {name: p for name, p in named_model.named_parameters() if p.requires_grad}
@@ -420,7 +427,9 @@ class Learner:
             # Islands start from the same initial values as the one that seeded: then the shard need not
             # send them again, only the (compressed) difference to its newest.
             mine = held_values(None, local_snapshot(f.params).values()) if self._pull_encoding is not None else None
-            pulled = pull_values(self._clients[f.shard], f.plan.index, None, mine, self._pull_encoding)
+            pulled = pull_values(
+                self._clients[f.shard], f.plan.index, None, mine, self._pull_encoding, fragment_bytes(f.params)
+            )
             if pulled is None:
                 raise RuntimeError(f"fragment {f.plan.index}: a pull without a version came back empty")
             version = pulled.version

@@ -186,7 +186,7 @@ class FragmentSync:
         held = self._held()
         while True:
             try:
-                pulled = pull_values(self.client, self.request.fragment, have, held, self.pull_encoding)
+                pulled = self._pull(have, held)
             except grpc.RpcError as error:
                 return self._failed("pull", error)
             if pulled is not None:
@@ -204,18 +204,22 @@ class FragmentSync:
         try:
             self.client.rejoin()
             try:
-                pulled = pull_values(self.client, r.fragment, None, self._held(), self.pull_encoding)
+                pulled = self._pull(None, self._held())
             except grpc.RpcError as error:
                 if refusal_of(error.code()) is not Refusal.OUT_OF_STEP:
                     raise
                 seeded = self.client.seed(r.fragment, list(zip(r.names, r.base)))
                 log.info("re-seeded fragment", extra=self._fields(accepted=seeded.accepted))
-                pulled = pull_values(self.client, r.fragment, None, None, self.pull_encoding)
+                pulled = self._pull(None, None)
         except grpc.RpcError as error:
             return self._failed("resync", error)
         if pulled is None:
             raise RuntimeError(f"fragment {r.fragment}: a pull without a version came back empty")
         return self._adopt(RoundOutcome.RESYNCED, pulled)
+
+    def _pull(self, have: pb.FragmentVersion | None, held: Held | None) -> Pulled | None:
+        r = self.request
+        return pull_values(self.client, r.fragment, have, held, self.pull_encoding, fragment_bytes(r.base))
 
     def _held(self) -> Held | None:
         """The island's base, named for a compressed pull."""
@@ -257,12 +261,13 @@ def pull_values(
     have: pb.FragmentVersion | None,
     held: Held | None,
     pull_encoding: Encoding | None,
+    expect_bytes: int,
 ) -> Pulled | None:
     """A fragment's newest values (None when `have` is the newest): compressed against `held` when
-    `pull_encoding` is set, else in full float32."""
+    `pull_encoding` is set, else in full float32, which take `expect_bytes` (the deadline follows them)."""
     if pull_encoding is not None:
-        return client.pull_delta(fragment, have=have, held=held, encoding=pull_encoding)
-    pulled = client.pull(fragment, have=have)
+        return client.pull_delta(fragment, have=have, held=held, encoding=pull_encoding, expect_bytes=expect_bytes)
+    pulled = client.pull(fragment, have=have, expect_bytes=expect_bytes)
     if pulled is None:
         return None
     version, named = pulled

@@ -62,6 +62,11 @@ MAX_BLOCK_SIZE = 65536
 bytes, larger blocks only coarsen it, and a receiver refuses a declared block beyond this up front."""
 
 
+DEFAULT_MIN_TRANSFER_MBPS = 0.5
+"""Below any link a job would train across: a tenth of 2 Gbit/s (200 Mbit/s) carries a 12B model's int4
+fragment, 1.5 GB, in a minute, which at this rate may take seven hours before a call is given up."""
+
+
 class EncodingError(ValueError):
     """Data or parameters that no valid encoder produces: wrong length, unknown encoding, NaN or Inf."""
 
@@ -162,6 +167,14 @@ class TrainingConfig(CamelModel):
     )
     island_timeout_seconds: float = Field(
         60.0, gt=0, description="An island unseen for longer than this no longer counts towards the quorum cap."
+    )
+    min_transfer_mbps: float = Field(
+        DEFAULT_MIN_TRANSFER_MBPS,
+        gt=0,
+        description="The slowest rate, in Mbit/s, at which a sync's bytes must cross between an island and a "
+        "shard: an island gives each push, pull or seed a minute plus its bytes at this rate before it "
+        "retries, and a shard cancels a stream slower than this. Set it below an island's link shared by "
+        "the fragments it syncs at once.",
     )
     inner: InnerOptimizerConfig = Field(
         default_factory=InnerOptimizerConfig, description="Inner (per-island) AdamW optimizer."

@@ -272,6 +272,8 @@ def run(args: argparse.Namespace) -> int:
         )
         trace = build_trace(args, workers)
         link = Link(mbps=args.link_mbps, rtt_ms=args.rtt_ms)
+        slowest = link.min_transfer_mbps(config) if args.min_transfer_mbps is None else args.min_transfer_mbps
+        config = config.updated(min_transfer_mbps=slowest)
         if link.shaped:
             check_available()
         modes = [args.mode] + ([m.value for m in Mode if m != args.mode] if args.compare else [])
@@ -286,7 +288,12 @@ def run(args: argparse.Namespace) -> int:
         f"diloco run: {args.islands} islands x {args.ranks_per_island} ranks, {args.shards} syncer shard(s), "
         f"{args.steps} steps of the {args.preset} preset; H={config.inner_steps} P={config.fragments} "
         f"tau={config.overlap_steps} {config.encoding.value}; {len(trace)} injected failures; out: {args.out}"
-        + (f"; each island behind a link of {link.describe()}" if link.shaped else "")
+        + (
+            f"; each island behind a link of {link.describe()}, its syncs given the time of their bytes at "
+            f"{config.min_transfer_mbps:.4g} Mbit/s"
+            if link.shaped
+            else ""
+        )
     )
     summaries, accounts, models = [], [], []
     for mode in modes:
@@ -402,6 +409,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--rtt-ms", type=float, default=0.0, help="round trip each island's link adds to its exchanges (root)"
+    )
+    p.add_argument(
+        "--min-transfer-mbps",
+        type=float,
+        help="the slowest rate a sync's bytes must cross at: each push and pull may take a minute plus its bytes "
+        f"at this rate (default: a job's, {job.min_transfer_mbps}, or what TCP keeps of --link-mbps over the "
+        "fragments if lower)",
     )
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument(

@@ -21,6 +21,10 @@ TIMER_SECONDS = 0.004
 """The coarsest kernel timer tick (HZ=250): tbf refills its bucket on ticks, so the bucket must hold what the
 rate sends in one, or the link runs below its rate."""
 
+TCP_SHARE = 0.3
+"""The least share of a shaped link's rate TCP is counted on to keep (`tests/local/test_netns.py` measures
+it): through a token bucket of a few kbit/s its drops and backoffs cost it much of the rate."""
+
 QUEUE_SECONDS = 0.05
 """How much of the rate a link queues before it drops, as on a router's buffer: senders on this machine are
 held back by TCP's small-queue limit long before it fills."""
@@ -49,6 +53,14 @@ class Link:
     def one_way_seconds(self) -> float:
         """What the delay proxy holds each chunk for, in each direction: half the round trip."""
         return self.rtt_ms / 2000.0
+
+    def min_transfer_mbps(self, config: TrainingConfig) -> float:
+        """The slowest rate a sync must cross at (`TrainingConfig.min_transfer_mbps`) for islands behind this
+        link: the job's, or what TCP keeps of the link's rate shared by every fragment's push at once,
+        whichever is lower."""
+        if self.mbps is None:
+            return config.min_transfer_mbps
+        return min(config.min_transfer_mbps, self.mbps * TCP_SHARE / config.fragments)
 
     def describe(self) -> str:
         rate = "unlimited" if self.mbps is None else f"{self.mbps:.4g} Mbit/s"

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import grpc
 
 from diloco.core.refusal import Refusal
 from diloco.transport.codes import status_code
+from diloco.transport.handlers import with_behavior
 
 METADATA_KEY = "authorization"
 EXEMPT_PREFIX = "/grpc.health.v1.Health/"
@@ -40,18 +41,7 @@ def _denying(handler: grpc.RpcMethodHandler[_Request, _Response]) -> grpc.RpcMet
     def deny(_request_or_iterator: object, context: grpc.ServicerContext) -> NoReturn:
         context.abort(status_code(Refusal.UNAUTHENTICATED), "missing or wrong bearer token")
 
-    kinds: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(
-        deny,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+    return with_behavior(handler, deny)
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

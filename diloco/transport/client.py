@@ -22,11 +22,13 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from diloco.core.compressed_pull import apply_delta
+from diloco.core.config import DEFAULT_MIN_TRANSFER_MBPS
 from diloco.core.encoding import Encoding
 from diloco.core.refusal import Refusal
 from diloco.transport import tls, wire
 from diloco.transport.auth import bearer_metadata
 from diloco.transport.codes import wire_encoding
+from diloco.transport.deadlines import call_timeout, patience_options
 from diloco.transport.tls import Security
 from diloco.transport.v1 import syncer_pb2 as pb
 
@@ -100,24 +102,27 @@ class SyncerClient:
         security: Security,
         island_id: str = "",
         timeout: float = 120.0,
+        min_transfer_mbps: float = DEFAULT_MIN_TRANSFER_MBPS,
         retry_for: float | None = 300.0,
         backoff: Backoff = Backoff(),
         seed: int | None = None,
         stop: threading.Event | None = None,
     ) -> None:
-        """`timeout` bounds each attempt; `retry_for` bounds all attempts of one call (None: forever); once
+        """`timeout` bounds each attempt, plus, for a call that moves tensors, its bytes at `min_transfer_mbps`
+        (the job's slowest link, `deadlines`); `retry_for` bounds all attempts of one call (None: forever); once
         `stop` is set, a call waiting to retry gives up at once with its last error, so the owner can close
         without waiting out a backoff against a dead shard. `security`: TLS, or plaintext asked for by name."""
         self.target = target
         self.island_id = island_id
         self.timeout = timeout
+        self.min_transfer_mbps = min_transfer_mbps
         self.retry_for = retry_for
         self.backoff = backoff
         self._stop = stop if stop is not None else threading.Event()
         self._metadata = bearer_metadata(token)
         self._rng = random.Random(seed)
         self._joined: pb.JoinRequest | None = None
-        self._channel = tls.channel(target, security, CHANNEL_OPTIONS)
+        self._channel = tls.channel(target, security, (*CHANNEL_OPTIONS, *patience_options(min_transfer_mbps)))
         # Every call is made from its method and (de)serializers, as the generated stubs would, but typed. The
         # tensor-carrying calls skip message objects: serialized chunks out, zero-copy views in.
         channel = self._channel
@@ -145,6 +150,10 @@ class SyncerClient:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+    def _timeout(self, nbytes: int) -> float:
+        """The deadline of one attempt of a call that moves `nbytes` of tensors."""
+        return call_timeout(nbytes, self.min_transfer_mbps, self.timeout)
 
     def _retrying(self, what: str, attempt_call: Callable[[], T]) -> T:
         started = time.monotonic()
@@ -194,12 +203,11 @@ class SyncerClient:
     def seed(self, fragment_id: int, named: Sequence[tuple[str, torch.Tensor]]) -> pb.SeedReply:
         payloads, blobs = wire.tensor_payloads(named, Encoding.FP32, 0)
         unset = pb.FragmentVersion()
+        timeout = self._timeout(sum(len(b) for b in blobs))
         return self._retrying(
             "Seed",
             lambda: self._seed(
-                wire.fragment_messages(fragment_id, unset, payloads, blobs),
-                timeout=self.timeout,
-                metadata=self._metadata,
+                wire.fragment_messages(fragment_id, unset, payloads, blobs), timeout=timeout, metadata=self._metadata
             ),
         )
 
@@ -252,32 +260,44 @@ class SyncerClient:
             sequence=sequence,
             step_seconds=step_seconds,
         )
+        timeout = self._timeout(sum(len(b) for b in blobs))
         return self._retrying(
             "PushDelta",
-            lambda: self._push(
-                wire.push_messages(header, payloads, blobs), timeout=self.timeout, metadata=self._metadata
-            ),
+            lambda: self._push(wire.push_messages(header, payloads, blobs), timeout=timeout, metadata=self._metadata),
         )
 
     def pull(
-        self, fragment_id: int, have: pb.FragmentVersion | None = None, encoding: Encoding = Encoding.FP32
+        self,
+        fragment_id: int,
+        have: pb.FragmentVersion | None = None,
+        encoding: Encoding = Encoding.FP32,
+        *,
+        expect_bytes: int = 0,
     ) -> tuple[pb.FragmentVersion, list[tuple[str, torch.Tensor]]] | None:
-        """The fragment's newest values, or None when `have` is already the newest."""
+        """The fragment's newest values, or None when `have` is already the newest. `expect_bytes`, the most
+        the reply may carry (the fragment's float32 bytes), sizes the deadline."""
         request = pb.PullRequest(
             fragment_id=fragment_id,
             have=have or pb.FragmentVersion(),
             encoding=wire_encoding(encoding),
             island_id=self.island_id,
         )
-        pulled = self._retrying("Pull", lambda: self._pull_attempt(request, None))
+        pulled = self._retrying("Pull", lambda: self._pull_attempt(request, None, expect_bytes))
         return None if pulled is None else (pulled.version, pulled.tensors)
 
     def pull_delta(
-        self, fragment_id: int, *, have: pb.FragmentVersion | None, held: Held | None, encoding: Encoding
+        self,
+        fragment_id: int,
+        *,
+        have: pb.FragmentVersion | None,
+        held: Held | None,
+        encoding: Encoding,
+        expect_bytes: int = 0,
     ) -> Pulled | None:
         """Like `pull`, but the shard may answer with the difference, in `encoding`, from the `held` values
         (what a pull of this client returned, or values of unknown version that may be the newest) to the
-        newest; either way the newest values come back. With `held` None they come in full."""
+        newest; either way the newest values come back. With `held` None they come in full. `expect_bytes` as
+        for `pull`."""
         if not self.island_id:
             raise ValueError("a compressed pull needs the client's island id")
         request = pb.PullRequest(
@@ -292,10 +312,11 @@ class SyncerClient:
             request.held.digest = held.digest
             if held.version is not None:
                 request.held.version.CopyFrom(held.version)
-        return self._retrying("Pull", lambda: self._pull_attempt(request, held))
+        return self._retrying("Pull", lambda: self._pull_attempt(request, held, expect_bytes))
 
-    def _pull_attempt(self, request: pb.PullRequest, held: Held | None) -> Pulled | None:
-        chunks: Iterator[wire.Part] = self._pull(request, timeout=self.timeout, metadata=self._metadata)
+    def _pull_attempt(self, request: pb.PullRequest, held: Held | None, expect_bytes: int) -> Pulled | None:
+        timeout = self._timeout(expect_bytes)
+        chunks: Iterator[wire.Part] = self._pull(request, timeout=timeout, metadata=self._metadata)
         first = next(chunks, None)
         if first is None:
             return None

@@ -5,7 +5,8 @@ A server holds its certificate and key, and the CA when it demands client certif
 client holds the CA that verifies the server, and its own certificate and key for mutual TLS. The bearer
 token is checked on every call over either (`auth`). gRPC refuses a connection that fails the handshake
 before any call exists, so no handler, and no interceptor, ever sees it; gRPC reports neither that outcome
-nor its reason to Python (only to its own log), so a server counts the handshakes begun (`on_handshake`).
+nor its reason to Python (only to its own log), so a server is told of the handshakes begun (`on_handshake`)
+and counts the refused ones as the connections that made no call (`connections`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ def test_defaults():
     assert (cfg.block_size, cfg.quorum, cfg.grace_seconds) == (128, 1, 2.0)
     assert (cfg.max_staleness, cfg.staleness_decay, cfg.radial_directional) == (4, 1.0, False)
     assert cfg.island_timeout_seconds == 60.0
+    assert cfg.min_transfer_mbps == 0.5
     assert cfg.inner == InnerOptimizerConfig(
         lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, warmup_steps=0, grad_clip=1.0
     )

@@ -10,10 +10,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from support import require_network_namespaces
 
 from diloco.local.delay_proxy import DelayProxy
-from diloco.local.netns import HUB_ADDRESS, IslandNetwork, WanUnavailable, check_available, island_address
-from diloco.local.wan import Link
+from diloco.local.netns import HUB_ADDRESS, IslandNetwork, WanUnavailable, island_address
+from diloco.local.wan import TCP_SHARE, Link
 
 pytestmark = pytest.mark.process
 
@@ -22,10 +23,7 @@ PROBE = Path(__file__).with_name("link_probe.py")
 
 @pytest.fixture(scope="module", autouse=True)
 def namespaces_allowed():
-    try:
-        check_available()
-    except WanUnavailable as error:
-        pytest.skip(f"no network namespaces here: {error}")
+    require_network_namespaces()
 
 
 def namespaces() -> set[str]:
@@ -79,7 +77,7 @@ def test_an_island_sees_the_links_rate_and_round_trip_to_the_host():
     assert measured["rtt_seconds"] >= 0.1, "the proxy holds each direction for half the round trip"
     assert measured["rtt_seconds"] < 0.1 + 1.0, "and not much more on a quiet link"
     assert mbps <= 2.0 * 1.1, f"{mbps:.2f} Mbit/s through a 2 Mbit/s link"
-    assert mbps >= 2.0 * 0.3, f"{mbps:.2f} Mbit/s: the link runs near its rate"
+    assert mbps >= 2.0 * TCP_SHARE, f"{mbps:.2f} Mbit/s: the link runs near its rate"
     assert namespaces() == before, "every namespace made is deleted"
 
 

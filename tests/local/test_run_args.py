@@ -23,3 +23,10 @@ def test_a_shaped_run_where_namespaces_cannot_be_made_is_refused_saying_why(tmp_
     assert main(args) == 2
     assert "shaped links need network namespaces, which need root" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_transfer_rate_no_link_has_is_refused(tmp_path, capsys):
+    args = ["run", "--islands", "2", "--min-transfer-mbps", "0", "--quiet", "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    assert "min_transfer_mbps" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -5,7 +5,7 @@ import pytest
 
 from diloco.core.config import Encoding, TrainingConfig
 from diloco.core.encoding import encoded_nbytes
-from diloco.local.wan import MTU_BYTES, DelayLine, Link, equivalent_link, sync_bytes_per_step, tbf
+from diloco.local.wan import MTU_BYTES, TCP_SHARE, DelayLine, Link, equivalent_link, sync_bytes_per_step, tbf
 
 
 def test_a_link_is_shaped_when_it_limits_bandwidth_or_adds_a_round_trip():
@@ -19,6 +19,16 @@ def test_a_link_is_shaped_when_it_limits_bandwidth_or_adds_a_round_trip():
 def test_a_link_refuses_what_no_link_is(bad):
     with pytest.raises(ValueError, match="--link-mbps|--rtt-ms"):
         Link(**bad)
+
+
+def test_syncs_behind_a_slow_link_are_given_what_tcp_keeps_of_its_rate_shared_by_the_fragments():
+    """Every fragment's push may cross at once: each gets a share of what TCP keeps of the link, and the
+    deadlines follow it (at 0.02 Mbit/s and 2 fragments, the link's rate over the fragments left a push
+    past its deadline in a `diloco run`)."""
+    config = TrainingConfig(fragments=4, inner_steps=100)
+    assert Link(mbps=0.004).min_transfer_mbps(config) == pytest.approx(0.004 * TCP_SHARE / 4)
+    assert Link(mbps=2000).min_transfer_mbps(config) == config.min_transfer_mbps, "the job's, when lower"
+    assert Link(rtt_ms=50).min_transfer_mbps(config) == config.min_transfer_mbps
 
 
 def test_the_token_bucket_runs_at_the_links_rate():

@@ -1,8 +1,8 @@
 """Hostile transport against a real shard on loopback: a client that does not trust the job's CA, one whose
 certificate another CA signed (mutual TLS), one with no certificate (mutual TLS) and one speaking plaintext
 are refused in the handshake, before any call exists: no handler and not even the token check sees them,
-the shard's state is untouched, and each handshake is counted in the shard's metrics. Over TLS the bearer
-token is still required on every call."""
+the shard's state is untouched, and each is counted in the shard's metrics as a connection that made no call.
+Over TLS the bearer token is still required on every call, and the job's clients leave that count alone."""
 
 from __future__ import annotations
 
@@ -47,8 +47,21 @@ HOSTILE_UNDER_MUTUAL: dict[str, Credentials] = {
 }
 
 
+def sample(server: SyncerServer, name: str) -> float:
+    return server.metrics.registry.get_sample_value(name) or 0.0
+
+
 def handshakes(server: SyncerServer) -> float:
-    return server.metrics.registry.get_sample_value("diloco_syncer_tls_handshakes_total") or 0.0
+    return sample(server, "diloco_syncer_tls_handshakes_total")
+
+
+def without_calls(server: SyncerServer) -> float:
+    """Connections that made no call: those refused in the handshake."""
+    return sample(server, "diloco_syncer_tls_connections_without_calls")
+
+
+def with_calls(server: SyncerServer) -> float:
+    return sample(server, "diloco_syncer_tls_connections_with_calls_total")
 
 
 def token_refusals(server: SyncerServer) -> float:
@@ -59,9 +72,13 @@ def token_refusals(server: SyncerServer) -> float:
 
 
 def join_as_intruder(port: int, credentials: grpc.ChannelCredentials | None) -> grpc.RpcError:
-    """A Join with the job's own token, over `credentials` (None: plaintext); the error it ends with."""
-    target = f"127.0.0.1:{port}"
-    channel = grpc.insecure_channel(target) if credentials is None else grpc.secure_channel(target, credentials)
+    """A Join with the job's own token, over `credentials` (None: plaintext), on a connection of its own as
+    from a process of its own (gRPC would otherwise share a connection in backoff among channels); the error
+    it ends with."""
+    target, own = f"127.0.0.1:{port}", [("grpc.use_local_subchannel_pool", 1)]
+    channel = (
+        grpc.insecure_channel(target, own) if credentials is None else grpc.secure_channel(target, credentials, own)
+    )
     with channel:
         with pytest.raises(grpc.RpcError) as refused:
             syncer_pb2_grpc.SyncerStub(channel).Join(
@@ -71,13 +88,15 @@ def join_as_intruder(port: int, credentials: grpc.ChannelCredentials | None) -> 
 
 
 def assert_refused_in_handshake(server: SyncerServer, credentials: grpc.ChannelCredentials | None) -> None:
-    handshakes_before, refusals_before = handshakes(server), token_refusals(server)
-    error = join_as_intruder(server.port, credentials)
-    assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
-    assert "intruder" not in server.state.live_islands(server.clock()), "the Join handler ran"
-    assert server.state.unseeded() == [0, 1], "the shard's state changed"
-    assert token_refusals(server) == refusals_before, "the call got as far as the token check"
-    assert handshakes(server) > handshakes_before, "the refused handshake was not counted"
+    refusals_before = token_refusals(server)
+    for attempt in range(1, 3):
+        error = join_as_intruder(server.port, credentials)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+        assert "intruder" not in server.state.live_islands(server.clock()), "the Join handler ran"
+        assert server.state.unseeded() == [0, 1], "the shard's state changed"
+        assert token_refusals(server) == refusals_before, "the call got as far as the token check"
+        assert (handshakes(server), without_calls(server)) == (attempt, attempt), "not counted once per attempt"
+    assert with_calls(server) == 0
 
 
 @pytest.mark.parametrize("mutual", [False, True], ids=["server TLS", "mutual TLS"])
@@ -112,6 +131,7 @@ def test_the_jobs_clients_are_served_and_still_need_the_token(start_server, mutu
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "tokenless" not in server.state.live_islands(server.clock())
     assert token_refusals(server) == 1
+    assert (handshakes(server), with_calls(server), without_calls(server)) == (2, 2, 0)
 
 
 def test_a_plaintext_shard_serves_only_when_asked_for_by_name(start_server):
