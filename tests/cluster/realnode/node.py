@@ -9,9 +9,10 @@ namespace and IP, reach Services by their ClusterIP and resolve their names thro
 
 node.sh runs containerd, kube-proxy and the kubelet in a PID and mount namespace of their own (see there). What
 outlives them in the host is removed by `stop`: the kubelet's cgroups (all under one cgroup root named after
-this node), kube-proxy's nftables tables (`kube-proxy --cleanup`), the CNI bridge, and the sysctls the bridge
-plugin or kube-proxy may set. Nothing writes iptables: kube-proxy runs in nftables mode, with no masquerading
-by the bridge plugin and no kubelet utility chains.
+this node), kube-proxy's nftables tables (`kube-proxy --cleanup`), the node's own nftables table (which
+masquerades the pods' traffic leaving the host), the CNI bridge, and the sysctls the bridge plugin or kube-proxy
+may set. Nothing writes iptables: kube-proxy runs in nftables mode, the bridge plugin does no masquerading, and
+the kubelet's utility chains are off.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class RealNode:
                 except OSError:
                     time.sleep(0.2)  # its last task is still exiting
         subprocess.run([str(self.kube_proxy), "--cleanup"], capture_output=True)
+        subprocess.run(["nft", "delete", "table", "ip", self.bridge], capture_output=True)
         subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
         for path, value in self.sysctls.items():
             if path.read_text() != value:
@@ -119,7 +121,8 @@ class RealNode:
         if subprocess.run(["ip", "link", "show", self.bridge], capture_output=True).returncode == 0:
             left.append(f"bridge {self.bridge}")
         left += [f"iptables {rule}" for rule in self.iptables_rules()]
-        left += [f"nftables table {table}" for table in nftables_tables() if table.endswith(f" {KUBE_PROXY_TABLE}")]
+        ours = (f" {KUBE_PROXY_TABLE}", f" {self.bridge}")
+        left += [f"nftables table {table}" for table in nftables_tables() if table.endswith(ours)]
         left += [f"sysctl {path} changed" for path, value in self.sysctls.items() if path.read_text() != value]
         return left
 
@@ -258,6 +261,8 @@ def _kube_proxy_config(kubeconfig_path: Path) -> dict:
         "hostnameOverride": NODE_NAME,
         "clientConnection": {"kubeconfig": str(kubeconfig_path)},
         "clusterCIDR": POD_SUBNET,
+        # NodePorts on the node's own address only, not on every address of the shared host.
+        "nodePortAddresses": ["primary"],
         "healthzBindAddress": f"127.0.0.1:{free_port()}",
         "metricsBindAddress": f"127.0.0.1:{free_port()}",
         # Zero leaves the host's conntrack table size and timeouts as they are: they are not this node's.
@@ -279,7 +284,9 @@ def _addons(plane: ControlPlane, coredns: Image) -> str:
 
 def _bridge_up(bridge: str) -> None:
     """The pods' bridge with its gateway address, made before the first pod (the bridge plugin adopts it) so
-    that the API server relay can listen there from the start."""
+    that the API server relay can listen there from the start; and an nftables table of the same name that
+    masquerades what pods send off the node, so that answers find their way back: CoreDNS forwards names
+    outside the cluster to the host's resolver, which knows no route to the pods' subnet."""
     prefix = ipaddress.ip_network(POD_SUBNET).prefixlen
     for command in (
         ["ip", "link", "add", bridge, "type", "bridge"],
@@ -287,6 +294,13 @@ def _bridge_up(bridge: str) -> None:
         ["ip", "link", "set", bridge, "up"],
     ):
         subprocess.run(command, check=True, capture_output=True)
+    masquerade = f"""table ip {bridge} {{
+        chain postrouting {{
+            type nat hook postrouting priority srcnat; policy accept;
+            ip saddr {POD_SUBNET} ip daddr != {POD_SUBNET} masquerade
+        }}
+    }}"""
+    subprocess.run(["nft", "-f", "-"], input=masquerade, text=True, check=True, capture_output=True)
 
 
 def start_real_node(
@@ -351,6 +365,7 @@ def start_real_node(
         if node is not None:
             node.stop()
         else:
+            subprocess.run(["nft", "delete", "table", "ip", bridge], capture_output=True)
             subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
         raise
     return node
