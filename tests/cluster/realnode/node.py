@@ -99,16 +99,9 @@ class RealNode:
         """Stops the kubelet (and with it every container, kube-proxy and the relay), then removes its cgroups,
         kube-proxy's rules and the bridge, and puts back the host's sysctls."""
         stop_group(self.process)
-        deadline = time.monotonic() + 30
-        while _cgroup_dirs(self.cgroup_root) and time.monotonic() < deadline:
-            for directory in _cgroup_dirs(self.cgroup_root):  # deepest first: rmdir needs empty children
-                try:
-                    directory.rmdir()
-                except OSError:
-                    time.sleep(0.2)  # its last task is still exiting
+        _remove_cgroups(self.cgroup_root)
         subprocess.run([str(self.kube_proxy), "--cleanup"], capture_output=True)
-        subprocess.run(["nft", "delete", "table", "ip", self.bridge], capture_output=True)
-        subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
+        _remove_bridge(self.bridge)
         for path, value in self.sysctls.items():
             if path.read_text() != value:
                 path.write_text(value)
@@ -138,6 +131,22 @@ def nftables_tables() -> list[str]:
     """The host's nftables tables, as `FAMILY NAME`."""
     listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True).stdout
     return [line.removeprefix("table ") for line in listed.splitlines()]
+
+
+def _remove_cgroups(root: str) -> None:
+    deadline = time.monotonic() + 30
+    while _cgroup_dirs(root) and time.monotonic() < deadline:
+        for directory in _cgroup_dirs(root):  # deepest first: rmdir needs empty children
+            try:
+                directory.rmdir()
+            except OSError:
+                time.sleep(0.2)  # its last task is still exiting
+
+
+def _remove_bridge(bridge: str) -> None:
+    """The bridge and its masquerading table (_bridge_up)."""
+    subprocess.run(["nft", "delete", "table", "ip", bridge], capture_output=True)
+    subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
 
 
 def _cgroup_dirs(root: str) -> list[Path]:
@@ -315,9 +324,6 @@ def start_real_node(
     (workdir / "cni").mkdir(exist_ok=True)
     suffix = f"{os.getpid() % 0x10000:04x}"
     bridge, cgroup_root = f"rn{suffix}", f"/diloco-realnode-{suffix}"
-    for hierarchy in CGROUP_HIERARCHIES.iterdir():  # the kubelet wants its cgroup root to exist
-        if hierarchy.is_dir() and (hierarchy / "cgroup.procs").exists():
-            (hierarchy / cgroup_root.strip("/")).mkdir(exist_ok=True)
     sysctls = {path: path.read_text() for path in HOST_SYSCTLS if path.exists()}
     plane.kubectl("apply", "-f", "-", stdin=_addons(plane, node_images["coredns"]))
     proxy_kubeconfig = plane.service_account_kubeconfig("kube-system", "kube-proxy")
@@ -329,6 +335,9 @@ def start_real_node(
     (workdir / "resolv.conf").write_text(f"nameserver {DNS_IP}\nsearch {CLUSTER_DOMAIN}\noptions ndots:5\n")
     node = None
     try:
+        for hierarchy in CGROUP_HIERARCHIES.iterdir():  # the kubelet wants its cgroup root to exist
+            if hierarchy.is_dir() and (hierarchy / "cgroup.procs").exists():
+                (hierarchy / cgroup_root.strip("/")).mkdir(exist_ok=True)
         _bridge_up(bridge)
         process = spawn(
             [
@@ -365,8 +374,8 @@ def start_real_node(
         if node is not None:
             node.stop()
         else:
-            subprocess.run(["nft", "delete", "table", "ip", bridge], capture_output=True)
-            subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
+            _remove_cgroups(cgroup_root)
+            _remove_bridge(bridge)
         raise
     return node
 
