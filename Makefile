@@ -33,7 +33,7 @@ e2e: $(STAMP)  ## the end-to-end suite through helm and kubectl on the KWOK test
 e2e-kind: $(STAMP)  ## the same suite on a new kind cluster with the images built here (needs Docker and image pulls)
 	tests/e2e/kind.sh
 
-test-realnode: $(STAMP)  ## pods as real containers on one real node (kubelet + containerd), as root: docs/real-nodes.md
+test-realnode: $(STAMP)  ## pods as real containers on one real node (kubelet, containerd, kube-proxy, CoreDNS), as root: docs/real-nodes.md
 	tests/cluster/realnode/build.sh >/dev/null
 	DILOCO_REALNODE=1 $(BIN)/python -m pytest -p no:cacheprovider tests/cluster/realnode
 

@@ -1,50 +1,75 @@
-"""One real node joined to the test cluster: the kubelet that realnode/build.sh builds, Debian's containerd with
-runc and the CNI bridge plugin, so that pods run as real containers with their own network namespace and IP.
+"""One real node joined to the test cluster: the kubelet and kube-proxy that realnode/build.sh builds, Debian's
+containerd with runc and the CNI bridge plugin, so that pods run as real containers with their own network
+namespace and IP, reach Services by their ClusterIP and resolve their names through the cluster's CoreDNS.
 
     cluster = start_cluster(workdir, pools=())
     node = start_real_node(cluster, workdir / "node", images=(archive,))    # OCI archives to preload
     ...
-    node.stop()          # nothing left: no process, mount, netns, cgroup, bridge or iptables rule
+    node.stop()          # nothing left: no process, mount, netns, cgroup, bridge, nftables table or sysctl change
 
-node.sh runs containerd and the kubelet in a PID and mount namespace of their own (see there). What outlives
-them in the host is removed by `stop`: the kubelet's cgroups (all under one cgroup root named after this node)
-and the CNI bridge; net.ipv4.ip_forward, which the bridge plugin turns on, is put back. Nothing writes
-iptables: no masquerading (pods only talk to each other and to the host), no kubelet utility chains.
+node.sh runs containerd, kube-proxy and the kubelet in a PID and mount namespace of their own (see there). What
+outlives them in the host is removed by `stop`: the kubelet's cgroups (all under one cgroup root named after
+this node), kube-proxy's nftables tables (`kube-proxy --cleanup`), the node's own nftables table (which
+masquerades the pods' traffic leaving the host), the CNI bridge, and the sysctls the bridge plugin or kube-proxy
+may set. Nothing writes iptables: kube-proxy runs in nftables mode, the bridge plugin does no masquerading, and
+the kubelet's utility chains are off.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import string
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from cluster.controlplane import ControlPlane, free_port, kubeconfig, pinned_version, spawn, stop_group
+from cluster.controlplane import SERVICE_CIDR, ControlPlane, free_port, kubeconfig, pinned_version, spawn, stop_group
 
 HERE = Path(__file__).resolve().parent
 NODE_NAME = "realnode-0"
 NODE_TOKEN = "realnode-token"
 POD_SUBNET = "10.250.0.0/24"
 """The pods' addresses on this node, apart from the KWOK nodes' 10.244.0.0/16 (cluster/nodes.py)."""
+GATEWAY = str(ipaddress.ip_network(POD_SUBNET)[1])
+"""The host's address on the pods' bridge: their default route, and where they reach the API server."""
+CLUSTER_DOMAIN = "cluster.local"
+DNS_IP = str(ipaddress.ip_network(SERVICE_CIDR)[10])
+"""The kube-dns Service's ClusterIP, as kubeadm and kind choose it."""
 CGROUP_HIERARCHIES = Path("/sys/fs/cgroup")
-DEBIAN_PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iptables")
-"""What node.sh runs from Debian (`apt-get install` them); the kubelet and the pause image come from build.sh."""
+DEBIAN_PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iptables", "nftables", "socat")
+"""What node.sh runs from Debian (`apt-get install` them); the kubelet, kube-proxy and the images come from
+build.sh."""
 CNI_PLUGINS = Path("/usr/lib/cni")
-IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+KUBE_PROXY_TABLE = "kube-proxy"
+"""The nftables table (in the ip and ip6 families) that kube-proxy's nftables mode writes all its rules into."""
+HOST_SYSCTLS = tuple(
+    Path("/proc/sys/net", name)
+    for name in (
+        "ipv4/ip_forward",  # the bridge plugin turns it on for its gateway
+        "ipv4/conf/all/route_localnet",  # kube-proxy, for NodePorts on loopback
+        "netfilter/nf_conntrack_max",  # kube-proxy's conntrack settings (node.py sets them to leave these be)
+        "netfilter/nf_conntrack_tcp_timeout_established",
+        "netfilter/nf_conntrack_tcp_timeout_close_wait",
+    )
+)
+"""Host settings that the node may change, put back by `stop`."""
+ADDONS = HERE / "addons.yaml"
 
 
 def not_enabled() -> str | None:
-    """Why the real-node tier may not run here, or None: it is opt-in (it changes the host: cgroups, a bridge),
-    and needs root."""
+    """Why the real-node tier may not run here, or None: it is opt-in (it changes the host: cgroups, a bridge,
+    nftables), and needs root."""
     if os.environ.get("DILOCO_REALNODE") != "1" or os.geteuid() != 0:
         return "real-node tier: opt-in with DILOCO_REALNODE=1, as root (docs/real-nodes.md)"
     return None
 
 
 class MissingToolchain(RuntimeError):
-    """realnode/build.sh has not been run, or Debian's containerd, runc or CNI plugins are not installed."""
+    """realnode/build.sh has not been run, or Debian's packages (DEBIAN_PACKAGES) are not installed."""
 
 
 @dataclass
@@ -54,21 +79,32 @@ class RealNode:
     process: subprocess.Popen
     cgroup_root: str
     bridge: str
-    ip_forward: str
-    """The host's net.ipv4.ip_forward before the bridge plugin turned it on for its gateway, restored by stop."""
+    kube_proxy: Path
+    sysctls: dict[Path, str]
+    """HOST_SYSCTLS as they were before the node started, restored by stop."""
+
+    @property
+    def resolv_conf(self) -> Path:
+        """A resolv.conf that resolves names as this node's pods do, through the cluster's DNS."""
+        return self.workdir / "resolv.conf"
+
+    def with_cluster_dns(self, command: list[str]) -> list[str]:
+        """`command` run on the host, but resolving names through the cluster's DNS (resolv_conf bound over
+        /etc/resolv.conf in a mount namespace of its own): how a process that stands in for a pod, such as a
+        local operator, reaches Services by name."""
+        bind = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", bind, str(self.resolv_conf), *command]
 
     def stop(self) -> None:
-        """Stops the kubelet (and with it every container), then removes its cgroups and the bridge."""
+        """Stops the kubelet (and with it every container, kube-proxy and the relay), then removes its cgroups,
+        kube-proxy's rules and the bridge, and puts back the host's sysctls."""
         stop_group(self.process)
-        deadline = time.monotonic() + 30
-        while _cgroup_dirs(self.cgroup_root) and time.monotonic() < deadline:
-            for directory in _cgroup_dirs(self.cgroup_root):  # deepest first: rmdir needs empty children
-                try:
-                    directory.rmdir()
-                except OSError:
-                    time.sleep(0.2)  # its last task is still exiting
-        subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
-        IP_FORWARD.write_text(self.ip_forward)
+        _remove_cgroups(self.cgroup_root)
+        subprocess.run([str(self.kube_proxy), "--cleanup"], capture_output=True)
+        _remove_bridge(self.bridge)
+        for path, value in self.sysctls.items():
+            if path.read_text() != value:
+                path.write_text(value)
 
     def leftovers(self) -> list[str]:
         """What of this node is still there (empty after `stop`)."""
@@ -78,13 +114,39 @@ class RealNode:
         if subprocess.run(["ip", "link", "show", self.bridge], capture_output=True).returncode == 0:
             left.append(f"bridge {self.bridge}")
         left += [f"iptables {rule}" for rule in self.iptables_rules()]
+        ours = (f" {KUBE_PROXY_TABLE}", f" {self.bridge}")
+        left += [f"nftables table {table}" for table in nftables_tables() if table.endswith(ours)]
+        left += [f"sysctl {path} changed" for path, value in self.sysctls.items() if path.read_text() != value]
         return left
 
     def iptables_rules(self) -> list[str]:
-        """Host iptables rules that a kubelet, the CNI plugins or this node's pods would have written."""
+        """Host iptables rules that a kubelet, kube-proxy, the CNI plugins or this node's pods would have
+        written."""
         saved = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
         marks = (self.bridge, POD_SUBNET.rsplit(".", 1)[0] + ".", "KUBE-", "CNI-")
         return [line for line in saved.splitlines() if any(mark in line for mark in marks)]
+
+
+def nftables_tables() -> list[str]:
+    """The host's nftables tables, as `FAMILY NAME`."""
+    listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True).stdout
+    return [line.removeprefix("table ") for line in listed.splitlines()]
+
+
+def _remove_cgroups(root: str) -> None:
+    deadline = time.monotonic() + 30
+    while _cgroup_dirs(root) and time.monotonic() < deadline:
+        for directory in _cgroup_dirs(root):  # deepest first: rmdir needs empty children
+            try:
+                directory.rmdir()
+            except OSError:
+                time.sleep(0.2)  # its last task is still exiting
+
+
+def _remove_bridge(bridge: str) -> None:
+    """The bridge and its masquerading table (_bridge_up)."""
+    subprocess.run(["nft", "delete", "table", "ip", bridge], capture_output=True)
+    subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
 
 
 def _cgroup_dirs(root: str) -> list[Path]:
@@ -97,20 +159,32 @@ def _cgroup_dirs(root: str) -> list[Path]:
     return sorted(found, key=lambda d: len(d.parts), reverse=True)
 
 
-def node_binaries() -> dict[str, Path]:
-    """The kubelet and the pause image archive from build.sh's cache; raises MissingToolchain without them."""
+@dataclass(frozen=True)
+class Image:
+    archive: Path
+    name: str
+
+
+def node_binaries() -> tuple[dict[str, Path], dict[str, Image]]:
+    """The kubelet and kube-proxy, and the pause and CoreDNS images from build.sh's cache; raises
+    MissingToolchain without them or without Debian's packages."""
     cache = Path(os.environ.get("DILOCO_CLUSTER_CACHE", os.path.expanduser("~/.cache/diloco-cluster")))
-    kubelet = cache / f"kubelet-{pinned_version('K8S_VERSION')}" / "kubelet"
-    pauses = sorted(cache.glob("pause-*/pause.tar"))
-    missing = [p for p in ("containerd", "ctr", "runc") if not _on_path(p)]
+    version = pinned_version("K8S_VERSION")
+    binaries = {name: cache / f"{name}-{version}" / name for name in ("kubelet", "kube-proxy")}
+    images = {name: sorted(cache.glob(f"{name}-*/{name}.tar")) for name in ("pause", "coredns")}
+    missing = [p for p in ("containerd", "ctr", "runc", "nft", "socat") if not _on_path(p)]
     if not (CNI_PLUGINS / "bridge").exists():
         missing.append("CNI plugins")
-    if not kubelet.exists() or not pauses or missing:
+    missing += [name for name, path in binaries.items() if not path.exists()]
+    missing += [f"{name} image" for name, found in images.items() if not found]
+    if missing:
         raise MissingToolchain(
-            f"no real-node toolchain ({', '.join(missing) or 'kubelet/pause'}): "
+            f"no real-node toolchain ({', '.join(missing)}): "
             f"apt-get install {' '.join(DEBIAN_PACKAGES)} and run tests/cluster/realnode/build.sh"
         )
-    return {"kubelet": kubelet, "pause": pauses[-1]}
+    return binaries, {
+        name: Image(found[-1], (found[-1].parent / "name").read_text().strip()) for name, found in images.items()
+    }
 
 
 def _on_path(name: str) -> bool:
@@ -179,59 +253,129 @@ def _kubelet_config(workdir: Path, cgroup_root: str) -> dict:
         "authorization": {"mode": "Webhook"},
         "podLogsDir": str(workdir / "pod-logs"),
         "resolvConf": "/etc/resolv.conf",
+        "clusterDNS": [DNS_IP],
+        "clusterDomain": CLUSTER_DOMAIN,
         # The disk and memory of a shared test machine are not this node's to defend.
         "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
         "imageGCHighThresholdPercent": 100,
     }
 
 
+def _kube_proxy_config(kubeconfig_path: Path) -> dict:
+    return {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        # All its rules in one table per family, which `kube-proxy --cleanup` deletes whole.
+        "mode": "nftables",
+        "hostnameOverride": NODE_NAME,
+        "clientConnection": {"kubeconfig": str(kubeconfig_path)},
+        "clusterCIDR": POD_SUBNET,
+        # NodePorts on the node's own address only, not on every address of the shared host.
+        "nodePortAddresses": ["primary"],
+        "healthzBindAddress": f"127.0.0.1:{free_port()}",
+        "metricsBindAddress": f"127.0.0.1:{free_port()}",
+        # Zero leaves the host's conntrack table size and timeouts as they are: they are not this node's.
+        "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
+    }
+
+
+def _addons(plane: ControlPlane, coredns: Image) -> str:
+    """addons.yaml for this cluster: kube-proxy's service account, the API server's endpoint at the gateway
+    (on its own port, see node.sh's relay), CoreDNS as kube-dns."""
+    return string.Template(ADDONS.read_text()).substitute(
+        gateway=GATEWAY,
+        api_port=urlsplit(plane.server).port,
+        cluster_domain=CLUSTER_DOMAIN,
+        coredns_image=coredns.name,
+        dns_ip=DNS_IP,
+    )
+
+
+def _bridge_up(bridge: str) -> None:
+    """The pods' bridge with its gateway address, made before the first pod (the bridge plugin adopts it) so
+    that the API server relay can listen there from the start; and an nftables table of the same name that
+    masquerades what pods send off the node, so that answers find their way back: CoreDNS forwards names
+    outside the cluster to the host's resolver, which knows no route to the pods' subnet."""
+    prefix = ipaddress.ip_network(POD_SUBNET).prefixlen
+    for command in (
+        ["ip", "link", "add", bridge, "type", "bridge"],
+        ["ip", "addr", "add", f"{GATEWAY}/{prefix}", "dev", bridge],
+        ["ip", "link", "set", bridge, "up"],
+    ):
+        subprocess.run(command, check=True, capture_output=True)
+    masquerade = f"""table ip {bridge} {{
+        chain postrouting {{
+            type nat hook postrouting priority srcnat; policy accept;
+            ip saddr {POD_SUBNET} ip daddr != {POD_SUBNET} masquerade
+        }}
+    }}"""
+    subprocess.run(["nft", "-f", "-"], input=masquerade, text=True, check=True, capture_output=True)
+
+
 def start_real_node(
     plane: ControlPlane, workdir: Path, images: tuple[Path, ...] = (), timeout: float = 180.0
 ) -> RealNode:
-    """Starts containerd and the kubelet for NODE_NAME in `workdir`, preloads the pause image and `images`
-    (OCI archives), and returns once the node is Ready."""
-    binaries = node_binaries()
+    """Starts containerd, kube-proxy and the kubelet for NODE_NAME in `workdir`, preloads the pause and CoreDNS
+    images and `images` (OCI archives), installs the add-ons (addons.yaml), and returns once the node is Ready
+    and the cluster's DNS answers."""
+    binaries, node_images = node_binaries()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "logs").mkdir(exist_ok=True)
     (workdir / "cni").mkdir(exist_ok=True)
     suffix = f"{os.getpid() % 0x10000:04x}"
     bridge, cgroup_root = f"rn{suffix}", f"/diloco-realnode-{suffix}"
-    for hierarchy in CGROUP_HIERARCHIES.iterdir():  # the kubelet wants its cgroup root to exist
-        if hierarchy.is_dir() and (hierarchy / "cgroup.procs").exists():
-            (hierarchy / cgroup_root.strip("/")).mkdir(exist_ok=True)
-    ip_forward = IP_FORWARD.read_text()
-    pause_image = (binaries["pause"].parent / "name").read_text().strip()
-    (workdir / "containerd.toml").write_text(_containerd_config(workdir, pause_image))
+    sysctls = {path: path.read_text() for path in HOST_SYSCTLS if path.exists()}
+    plane.kubectl("apply", "-f", "-", stdin=_addons(plane, node_images["coredns"]))
+    proxy_kubeconfig = plane.service_account_kubeconfig("kube-system", "kube-proxy")
+    (workdir / "containerd.toml").write_text(_containerd_config(workdir, node_images["pause"].name))
     (workdir / "cni" / "10-realnode.conflist").write_text(json.dumps(_cni_config(bridge, workdir)))
     (workdir / "kubelet.yaml").write_text(json.dumps(_kubelet_config(workdir, cgroup_root)))
+    (workdir / "kube-proxy.yaml").write_text(json.dumps(_kube_proxy_config(proxy_kubeconfig)))
     (workdir / "kubeconfig").write_text(kubeconfig(plane.server, NODE_TOKEN, plane.ca))
-    process = spawn(
-        [
-            "unshare",
-            "--mount",
-            "--pid",
-            "--fork",
-            "--mount-proc",
-            "--propagation",
-            "private",
-            str(HERE / "node.sh"),
-            str(binaries["kubelet"]),
-            str(workdir),
-            NODE_NAME,
-            str(binaries["pause"]),
-            *map(str, images),
-        ],
-        workdir / "logs" / "node.log",
-    )
-    node = RealNode(NODE_NAME, workdir, process, cgroup_root, bridge, ip_forward)
-    deadline = time.monotonic() + timeout
+    (workdir / "resolv.conf").write_text(f"nameserver {DNS_IP}\nsearch {CLUSTER_DOMAIN}\noptions ndots:5\n")
+    node = None
     try:
+        for hierarchy in CGROUP_HIERARCHIES.iterdir():  # the kubelet wants its cgroup root to exist
+            if hierarchy.is_dir() and (hierarchy / "cgroup.procs").exists():
+                (hierarchy / cgroup_root.strip("/")).mkdir(exist_ok=True)
+        _bridge_up(bridge)
+        process = spawn(
+            [
+                "unshare",
+                "--mount",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "--propagation",
+                "private",
+                str(HERE / "node.sh"),
+                str(binaries["kubelet"]),
+                str(binaries["kube-proxy"]),
+                str(workdir),
+                NODE_NAME,
+                urlsplit(plane.server).netloc,
+                GATEWAY,
+                *(str(image.archive) for image in node_images.values()),
+                *map(str, images),
+            ],
+            workdir / "logs" / "node.log",
+        )
+        node = RealNode(NODE_NAME, workdir, process, cgroup_root, bridge, binaries["kube-proxy"], sysctls)
+        deadline = time.monotonic() + timeout
         while not _ready(plane):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"node {NODE_NAME} did not become Ready; logs in {workdir / 'logs'}")
             time.sleep(1)
+        left = max(deadline - time.monotonic(), 1.0)
+        plane.kubectl(
+            "-n", "kube-system", "rollout", "status", "deployment/coredns", f"--timeout={left:.0f}s", timeout=left + 30
+        )
     except BaseException:
-        node.stop()
+        if node is not None:
+            node.stop()
+        else:
+            _remove_cgroups(cgroup_root)
+            _remove_bridge(bridge)
         raise
     return node
 

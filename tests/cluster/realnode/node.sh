@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# node.sh KUBELET WORKDIR NODE_NAME IMAGE.tar...: containerd and the kubelet of one real node. node.py runs it as the first
-# process of its own PID and mount namespaces (unshare), so that stopping it leaves nothing behind: when the
-# kubelet (PID 1 there) exits, the kernel kills every shim and container, and every mount made here (the
-# private /run with containerd's sockets and the pods' netns files, container root filesystems) goes with the
-# namespace. The network namespace is the host's: pods get their own, joined to it by the CNI bridge.
+# node.sh KUBELET KUBE_PROXY WORKDIR NODE_NAME API_SERVER GATEWAY IMAGE.tar...: containerd, kube-proxy, the
+# kubelet of one real node and the pods' way to the API server. node.py runs it as the first process of its
+# own PID and mount namespaces (unshare), so that stopping it leaves no process or mount behind: when the
+# kubelet (PID 1 there) exits, the kernel kills every shim, container, kube-proxy and the relay, and every
+# mount made here (the private /run with containerd's sockets and the pods' netns files, container root
+# filesystems) goes with the namespace. The network namespace is the host's: pods get their own, joined to it
+# by the CNI bridge; kube-proxy's nftables tables outlive it and node.py removes them.
 set -euo pipefail
-kubelet=$1 wd=$2 name=$3
-shift 3
+kubelet=$1 kube_proxy=$2 wd=$3 name=$4 api_server=$5 gateway=$6
+shift 6
 mount -t tmpfs tmpfs /run
 # The kubelet and libcni write to these fixed paths: keep them inside this node's workdir.
 mkdir -p /var/lib/cni /var/log/containers "$wd/cni-state" "$wd/container-logs"
 mount --bind "$wd/cni-state" /var/lib/cni
 mount --bind "$wd/container-logs" /var/log/containers
 
+# The API server listens on the host's loopback only, which no pod can reach: relay the same port on the
+# bridge's gateway address, where the `kubernetes` Service's endpoint points (node.py).
+socat "TCP-LISTEN:${api_server##*:},bind=$gateway,reuseaddr,fork" "TCP:$api_server" >>"$wd/logs/relay.log" 2>&1 &
+"$kube_proxy" --config "$wd/kube-proxy.yaml" >>"$wd/logs/kube-proxy.log" 2>&1 &
 containerd --config "$wd/containerd.toml" >>"$wd/logs/containerd.log" 2>&1 &
 ctr=(ctr --address /run/containerd/containerd.sock --namespace k8s.io)
 for _ in $(seq 100); do

@@ -1,6 +1,6 @@
 """On a real node, pods are real containers: the kubelet runs each one through containerd and runc as the user
-its image or pod names, probes it over its own network namespace, and pods reach each other by IP. Stopping
-the node leaves nothing behind on the machine.
+its image or pod names, probes it over its own network namespace, and pods reach each other by IP and by
+Service name (kube-proxy, CoreDNS). Stopping the node leaves nothing behind on the machine.
 
 Opt-in (DILOCO_REALNODE=1, `make test-realnode`), as root, after tests/cluster/realnode/build.sh and
 `apt-get install` of node.DEBIAN_PACKAGES; skipped otherwise, CI included (docs/real-nodes.md)."""
@@ -79,7 +79,7 @@ def web_pod(name: str, fetch: str = "") -> str:
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name},
+        "metadata": {"name": name, "labels": {"app": name}},
         "spec": {
             "securityContext": {"runAsNonRoot": True, "runAsUser": USER, "fsGroup": USER},
             "containers": [container],
@@ -128,4 +128,15 @@ def test_pods_reach_each_other_by_ip(real_node, namespace):
     client = running(cluster, namespace, web_pod("client", fetch=f"http://{server['status']['podIP']}:8080/uid"))
 
     assert client["status"]["podIP"] != server["status"]["podIP"]
+    assert served(client, "fetched") == str(USER)
+
+
+def test_pods_reach_a_service_by_its_name(real_node, namespace):
+    """The cluster's DNS resolves the Service's short name (the pod's search path) to its ClusterIP, and
+    kube-proxy routes that to the server pod."""
+    cluster, _ = real_node
+    running(cluster, namespace, web_pod("server"))
+    cluster.kubectl("-n", namespace, "expose", "pod", "server", "--port", "80", "--target-port", "8080")
+    client = running(cluster, namespace, web_pod("client", fetch="http://server/uid"))
+
     assert served(client, "fetched") == str(USER)
