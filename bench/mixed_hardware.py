@@ -4,6 +4,11 @@ synchronous-DiLoCo baseline (a barrier at every sync) and the `ddp` baseline (an
 the same steps per island with the same `--slowdown` factors (an island with factor 3 takes three times as
 long per step, as older hardware does), each launched by `diloco run` as users run it.
 
+The islands share this machine's cores, so each emulates a device whose step takes `--reference-step-seconds`
+times its factor (`diloco.worker.slowdown`): a slow island is then as slow in every mode, whether the others
+compute beside it or wait at a barrier. A step whose compute outlasts that is an overrun, counted per mode: a
+mode with many was bound by the machine, not by its slowest island, and its ratio says little.
+
 A mode's loss at a moment is the lowest of the islands' latest held-out losses (each island's own model,
 measured every `--eval-every` steps): the best model the job holds then (in the baselines every island holds
 the same one, give or take a round). Time counts from the first island's start of training, so the start-up
@@ -35,7 +40,7 @@ from pathlib import Path
 import figures
 import training
 
-from diloco.progress import EvalEvent, StartEvent, read_events
+from diloco.progress import EvalEvent, StartEvent, StepEvent, read_events
 from diloco.settings import DEFAULT_CORPUS_BYTES
 
 OURS = "speed-aware"
@@ -67,12 +72,20 @@ def time_to(points: Curve, target: float) -> float:
 def shape(args: argparse.Namespace, slowdown: str) -> list[str]:
     """The training benchmarks' run shape, one island per speed factor, each at its factor."""
     islands = argparse.Namespace(**{**vars(args), "islands": len(slowdown.split(","))})
-    options = ["--slowdown", slowdown, "--eval-every", str(args.eval_every), "--timeout", str(args.timeout)]
+    options = ["--slowdown", slowdown, "--reference-step-seconds", str(args.reference_step_seconds)]
+    options += ["--eval-every", str(args.eval_every), "--timeout", str(args.timeout)]
     return [*training.shape(islands), *options]
 
 
+def overruns(progress: Path) -> float:
+    """The share of the mode's steps whose compute outlasted the emulated device's step."""
+    steps = [e for e in read_events(progress) if isinstance(e, StepEvent)]
+    return sum(e.overran for e in steps) / max(1, len(steps))
+
+
 def run_profile(args: argparse.Namespace, slowdown: str) -> tuple[dict[str, Curve], dict[str, dict]]:
-    """Every mode on one speed profile: the curves and `diloco run`'s summaries, by mode."""
+    """Every mode on one speed profile: the curves and `diloco run`'s summaries (with each mode's share of
+    overrun steps), by mode."""
     out = args.out / slowdown.replace(",", "-")
     compared = training.diloco_run(out / "compare", "--compare", *shape(args, slowdown), timeouts_ok=True)
     summaries = {s["mode"]: s for s in compared}
@@ -83,6 +96,8 @@ def run_profile(args: argparse.Namespace, slowdown: str) -> tuple[dict[str, Curv
     folders = {OURS: out / "compare" / "diloco", "fixed-h": out / "fixed-h" / "diloco"}
     folders |= {mode: out / "compare" / mode for mode in ("sync-diloco", "ddp")}
     curves = {mode: curve(folders[mode] / "progress") for mode in MODES}
+    for mode in MODES:
+        summaries[mode]["overruns"] = overruns(folders[mode] / "progress")
     return curves, summaries
 
 
@@ -105,7 +120,8 @@ def report(slowdown: str, curves: dict[str, Curve], summaries: dict[str, dict], 
         paced = f", steps per round {'/'.join(f'{n:.1f}' for n in steps.values())}" if steps else ""
         print(
             f"  {mode:>11}: {times[mode]:7.1f} s  ({ratio:.2f}x ours; run {s['wall_seconds']:.0f} s, final loss "
-            f"{s['final_loss']:.3f}, islands/merge {s['islands_per_merge']:.2f}{paced})"
+            f"{s['final_loss']:.3f}, islands/merge {s['islands_per_merge']:.2f}{paced}, overrun steps "
+            f"{s['overruns']:.0%})"
         )
     return ratios
 
@@ -143,6 +159,9 @@ def main() -> int:
     p.add_argument("--inner-steps", type=int, default=6, help="H")
     p.add_argument("--fragments", type=int, default=2, help="P")
     p.add_argument("--eval-every", type=int, default=6)
+    p.add_argument(
+        "--reference-step-seconds", type=float, default=0.5, help="the emulated full-speed device's step time"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--device", default="cpu", help="cuda: the islands share the machine's GPUs as processes")

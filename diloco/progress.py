@@ -86,7 +86,8 @@ class StartEvent(ProgressEvent):
 @dataclass(frozen=True)
 class StepEvent(ProgressEvent):
     """One inner step: its training loss, the tokens it consumed, its wall time and the part of that spent
-    blocked on a sync; the rank's tokens per second and MFU over its last steps (None: peak unknown)."""
+    blocked on a sync; the rank's tokens per second and MFU over its last steps (None: peak unknown); whether
+    its compute outlasted the emulated device's step (`diloco.worker.slowdown`)."""
 
     kind: ClassVar[str] = "step"
     step: int
@@ -96,6 +97,7 @@ class StepEvent(ProgressEvent):
     sync_seconds: float = 0.0
     tokens_per_second: float = 0.0
     mfu: float | None = None
+    overran: bool = False
 
     @property
     def compute_seconds(self) -> float:

@@ -52,7 +52,7 @@ WORKER_LINES = [
     f'{{"event": "start", {HEADER}, "step": 0, "world": 2, "versions": [0, 0], "device": "NVIDIA H100 80GB HBM3", '
     '"precision": "bf16", "flops_per_token": 745000000.0, "peak_flops": 989000000000000.0, "warm": false}\n',
     f'{{"event": "step", {HEADER}, "step": 1, "loss": 5.5, "tokens": 2048, "seconds": 0.5, "sync_seconds": 0.0, '
-    '"tokens_per_second": 4096.0, "mfu": 0.42}\n',
+    '"tokens_per_second": 4096.0, "mfu": 0.42, "overran": false}\n',
     f'{{"event": "eval", {HEADER}, "step": 20, "loss": 2.75}}\n',
     f'{{"event": "round", {HEADER}, "fragment": 0, "began_at": 10, "outcome": "MERGED", "version": 2}}\n',
     f'{{"event": "round", {HEADER}, "fragment": 1, "began_at": 15, "outcome": "FAILED", "version": null}}\n',

@@ -75,6 +75,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=float(env("SLOWDOWN", "1")),
         help="run this many times slower, standing in for older hardware",
     )
+    p.add_argument(
+        "--reference-step-seconds",
+        type=float,
+        default=float(env("REFERENCE_STEP_SECONDS", "0")) or None,
+        help="the emulated full-speed device's step time: every step lasts --slowdown times this, whatever the "
+        "islands beside it compute (unset: --slowdown scales the step's own time)",
+    )
     p.add_argument("--threads", type=int, default=int(env("THREADS", "0")) or None, help="torch CPU threads")
     p.add_argument("--device", default=env("DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
     p.add_argument(
@@ -138,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             eval_every=args.eval_every,
             seed=args.seed,
             slowdown=args.slowdown,
+            reference_step_seconds=args.reference_step_seconds,
             threads=args.threads,
             device=args.device,
             precision=args.precision,

@@ -43,6 +43,7 @@ from diloco.worker.model import GPT, build_model, resolve_preset
 from diloco.worker.pod_ranks import local_position, place
 from diloco.worker.precision import autocast, resolve_precision
 from diloco.worker.shutdown import StopRequest
+from diloco.worker.slowdown import overran, pause_seconds
 from diloco.worker.throughput import Rate, ThroughputMeter, peak_flops
 
 log = logging.getLogger("diloco.worker")
@@ -62,6 +63,7 @@ class TrainerSettings:
     eval_windows: int = EVAL_WINDOWS
     seed: int = 0
     slowdown: float = 1.0
+    reference_step_seconds: float | None = None  # the emulated full-speed device's step (diloco.worker.slowdown)
     threads: int | None = None
     device: str = "cpu"
     precision: str = Precision.AUTO.value
@@ -85,6 +87,8 @@ class TrainerSettings:
             raise ValueError("steps, batch size, eval and checkpoint intervals must be positive")
         if self.slowdown < 1.0:
             raise ValueError(f"slowdown is a factor >= 1 (1 = full speed), got {self.slowdown}")
+        if self.reference_step_seconds is not None and self.reference_step_seconds <= 0:
+            raise ValueError(f"the reference step time must be positive, got {self.reference_step_seconds}")
         precisions = [p.value for p in Precision]
         if self.precision not in precisions:
             raise ValueError(f"precision must be one of {', '.join(precisions)}, got {self.precision!r}")
@@ -305,8 +309,10 @@ class Trainer:
             self.step += 1
             self.tokens += tokens_per_step
             self.last_step_monotonic = time.monotonic()
-            if s.slowdown > 1.0:
-                time.sleep((s.slowdown - 1.0) * (time.perf_counter() - started))
+            elapsed = time.perf_counter() - started
+            sync_seconds = self._blocked_seconds() - blocked_before
+            if (pause := pause_seconds(elapsed, s.slowdown, s.reference_step_seconds)) > 0:
+                time.sleep(pause)
             seconds = time.perf_counter() - started
             self.rate = self.meter.record(tokens_per_step, seconds)
             self.progress.write(
@@ -315,9 +321,10 @@ class Trainer:
                 loss=self.loss,
                 tokens=tokens_per_step,
                 seconds=seconds,
-                sync_seconds=self._blocked_seconds() - blocked_before,
+                sync_seconds=sync_seconds,
                 tokens_per_second=self.rate.tokens_per_second,
                 mfu=self.rate.mfu,
+                overran=overran(elapsed - sync_seconds, s.slowdown, s.reference_step_seconds),
             )
             if self.learner is None and self.step % s.checkpoint_every == 0:
                 self._save()

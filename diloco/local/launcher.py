@@ -76,6 +76,7 @@ class RunPlan:
     eval_every: int = 50
     checkpoint_every: int = 50
     slowdowns: tuple[float, ...] = ()
+    reference_step_seconds: float | None = None  # the emulated device's step, which slowdowns multiply
     trace: tuple[FailureEvent, ...] = ()
     threads: int = 1
     timeout: float = 3600.0
@@ -328,6 +329,7 @@ class LocalJob:
             str(p.seed),
             "--slowdown",
             str(p.slowdown(island)),
+            *(["--reference-step-seconds", str(p.reference_step_seconds)] if p.reference_step_seconds else []),
             "--threads",
             str(p.threads),
             "--device",

@@ -270,6 +270,8 @@ def run(args: argparse.Namespace) -> int:
         QUORUM_WITHIN_ISLANDS.check(
             {"quorum": "--quorum", "islands": "--islands"}, quorum=config.quorum, islands=args.islands
         )
+        if args.reference_step_seconds is not None and args.reference_step_seconds <= 0:
+            raise ValueError(f"--reference-step-seconds must be positive, got {args.reference_step_seconds}")
         trace = build_trace(args, workers)
         link = Link(mbps=args.link_mbps, rtt_ms=args.rtt_ms)
         slowest = link.min_transfer_mbps(config) if args.min_transfer_mbps is None else args.min_transfer_mbps
@@ -312,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
             eval_every=args.eval_every,
             checkpoint_every=args.checkpoint_every,
             slowdowns=slowdowns,
+            reference_step_seconds=args.reference_step_seconds,
             trace=tuple(trace),
             threads=args.threads,
             timeout=args.timeout,
@@ -397,6 +400,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="islands slower than the fastest run fewer inner steps per round, at the fastest's cadence",
     )
     p.add_argument("--slowdown", default="", help="per-island slowdown factors, e.g. 1,1,3,1")
+    p.add_argument(
+        "--reference-step-seconds",
+        type=float,
+        help="emulate a device whose step takes this long: an island's every step then lasts its slowdown times "
+        "this, however many islands share the machine's cores (unset: a slowdown scales each step's own time)",
+    )
     p.add_argument("--kill-every", type=float, default=0.0, help="mean seconds between kill -9 of a random worker")
     p.add_argument("--restart-after", type=float, default=5.0, help="seconds a killed worker stays down")
     p.add_argument("--fail-until", type=float, default=60.0, help="inject worker kills until this many seconds")

@@ -210,6 +210,21 @@ def test_a_slow_island_does_not_slow_the_others(tmp_path):
     assert math.isfinite(slow["final_loss"]) and slow["final_loss"] < 3.5
 
 
+def test_an_emulated_device_gives_every_step_its_islands_factor_times_the_reference(tmp_path):
+    """With a reference step time, a slow island's steps last its factor times that, whatever the islands
+    beside it compute (`diloco.worker.slowdown`); a step whose compute outlasts it is flagged as an overrun."""
+    run(tmp_path, "emulated", "--steps", "20", "--slowdown", "1,3", "--reference-step-seconds", "0.2")
+    for island, least in (("island-0", 0.2), ("island-1", 0.6)):
+        steps = island_events(tmp_path / "emulated" / "diloco", island, StepEvent)
+        assert len(steps) == 20 and all(e.seconds >= least - 1e-3 for e in steps), [e.seconds for e in steps]
+        assert all(e.compute_seconds > least for e in steps if e.overran)
+
+
+def test_a_reference_step_time_must_be_positive(tmp_path, capsys):
+    assert main(["run", "--reference-step-seconds", "-1", "--out", str(tmp_path)]) == 2
+    assert "--reference-step-seconds must be positive" in capsys.readouterr().err
+
+
 def test_sync_diloco_is_a_barrier_across_all_islands(tmp_path):
     """The synchronous baseline: every merge waits for every island alive (K = M), so a fast island trains
     at the slow one's pace; killed with kill -9 mid-training, the slow island's replacement resumes the
