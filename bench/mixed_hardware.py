@@ -72,8 +72,7 @@ def time_to(points: Curve, target: float) -> float:
 def shape(args: argparse.Namespace, slowdown: str) -> list[str]:
     """The training benchmarks' run shape, one island per speed factor, each at its factor."""
     islands = argparse.Namespace(**{**vars(args), "islands": len(slowdown.split(","))})
-    options = ["--slowdown", slowdown, "--reference-step-seconds", str(args.reference_step_seconds)]
-    options += ["--eval-every", str(args.eval_every), "--timeout", str(args.timeout)]
+    options = ["--slowdown", slowdown, "--eval-every", str(args.eval_every), "--timeout", str(args.timeout)]
     return [*training.shape(islands), *options]
 
 

@@ -72,6 +72,7 @@ def shape(args: argparse.Namespace) -> list[str]:
         args.precision,
         "--max-data-bytes",
         str(args.max_data_bytes),
+        *(["--reference-step-seconds", str(args.reference_step_seconds)] if args.reference_step_seconds else []),
     ]
 
 
@@ -289,6 +290,12 @@ def main() -> int:
         "--top-k-fraction", type=float, default=TrainingConfig().top_k_fraction, help="loss: of the sparse run"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--reference-step-seconds",
+        type=float,
+        help="islands emulate devices whose step takes this long (diloco.worker.slowdown), so that sharing this "
+        "machine's cores does not set them apart",
+    )
     p.add_argument("--preset", default="tiny", help="model preset (medium: GPT-2 small size, for an accelerator)")
     p.add_argument("--device", default="cpu", help="cuda: the islands share the machine's GPUs as processes")
     p.add_argument("--precision", default="auto", help="auto (bf16 on accelerators), bf16 or fp32")
