@@ -5,14 +5,18 @@ preemptions (never charged), and when an island must be re-formed. A container t
 Only what exists is observed; the island's status keeps a record of each pod as last seen, so a pod that
 vanished between two passes is judged by what it was then and counted once, whatever the operator missed
 while it was down. A pod is *preempted* when it carried the DisruptionTarget condition (preemption,
-eviction, taint-based or node-shutdown eviction) or its node is gone, NotReady or cordoned; any other loss,
-a container restart or a pod in phase Failed is a *failure*. A pod whose StatefulSet is gone or was replaced
+eviction, taint-based or node-shutdown eviction), its node is gone, NotReady or cordoned, or its containers
+were lost with their node and restarted when it came back (a rebooted node, a datacenter back from an
+outage: the kubelet found them gone from the runtime, LOST_WITH_NODE); any other loss, a container restart
+or a pod in phase Failed is a *failure*. A pod whose StatefulSet is gone or was replaced
 (deleted by hand, recreated by the operator with a new UID) went with it: neither, like a pod removed on purpose.
 
 A multi-pod island is one torch.distributed world: when one rank dies the others fail with it. So every
 failure or preemption *re-forms* the island (all its pods stopped, then started together, after
 `backoffSeconds` for a failure), and the failures seen in one pass are charged once, as
-`diloco.operator.policies.failure_policy.charged_failures` says.
+`diloco.operator.policies.failure_policy.charged_failures` says. Only when every pod of the island was lost
+with its node and restarted in place, seen on one pass, is the island not re-formed: its ranks all start
+anew, as a re-form would start them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from diloco.operator.events import Event
 from diloco.operator.policies.failure_policy import charged_failures
 
 _ORDINAL_SUFFIX = re.compile(r"-(\d+)$")
+LOST_WITH_NODE = "ContainerStatusUnknown"
+"""The reason of a container's last termination when the kubelet found it gone from the runtime while it was
+running (its node rebooted): the kubelet restarts it and raises its restartCount, and no exit of the
+trainer's caused it."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,8 @@ class PodObservation:
     """How a container last terminated (`exit code 137 (OOMKilled)`), for the messages; None: never seen."""
     owner: str | None = None
     """UID of the StatefulSet that controls the pod (None: none does)."""
+    lost_with_node: bool = False
+    """Its containers' last end was their loss with their node (LOST_WITH_NODE)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +121,13 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
             ),
             None,
         ),
+        lost_with_node=_lost_with_node(status.get("containerStatuses") or ()),
     )
+
+
+def _lost_with_node(statuses: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a container last ended lost with its node (LOST_WITH_NODE)."""
+    return any(((s.get("lastState") or {}).get("terminated") or {}).get("reason") == LOST_WITH_NODE for s in statuses)
 
 
 def _last_exit_clean(statuses: Sequence[Mapping[str, Any]]) -> bool:
@@ -176,6 +192,12 @@ class _PodLosses:
     failures: dict[int, int] = field(default_factory=dict)
     causes: dict[int, str] = field(default_factory=dict)
     preempted: list[int] = field(default_factory=list)
+    came_back: list[int] = field(default_factory=list)
+    """Of the preempted, those lost with their node and restarted in place when it came back."""
+
+    def restarted_together(self, replicas: int) -> bool:
+        """Every one of the island's `replicas` pods came back, and nothing else was lost."""
+        return sorted(self.preempted) == sorted(self.came_back) == list(range(replicas))
 
     def fail(self, ordinal: int, cause: str, count: int = 1) -> None:
         self.failures[ordinal] = self.failures.get(ordinal, 0) + count
@@ -241,7 +263,8 @@ def _count_live_pods(
     losses: _PodLosses,
 ) -> None:
     """Pods seen in phase Failed for the first time, and container restarts since the last pass (a clean
-    exit excepted; on first sight of the island, its history is not charged)."""
+    exit excepted; on first sight of the island, its history is not charged; containers lost with their node
+    and restarted when it came back are a preemption)."""
     for ordinal, pod in sorted(pods.items()):
         if judge.removed_on_purpose(ordinal, pod.owner):
             continue
@@ -254,7 +277,11 @@ def _count_live_pods(
             judge.count(losses, ordinal, pod.disrupted, pod.node, f"pod {pod.name} failed{how}")
         restarted = pod.restarts - seen_restarts - (1 if pod.last_exit_clean else 0)
         if restarted > 0 and not pod.disrupted:
-            losses.fail(ordinal, f"pod {pod.name} restarted{how}", restarted)
+            if pod.lost_with_node:
+                losses.preempted.append(ordinal)
+                losses.came_back.append(ordinal)
+            else:
+                losses.fail(ordinal, f"pod {pod.name} restarted{how}", restarted)
 
 
 def _pod_records(records: Mapping[int, PodRecord], pods: Mapping[int, PodObservation]) -> list[PodRecord]:
@@ -348,7 +375,16 @@ def account_island(
     events: list[Event] = []
     reform = prev.reform if active else None
     rolled_at = prev.rolled_at if active else None
-    if active and reform is None:
+    if active and reform is None and losses.restarted_together(island.replicas):
+        events.append(
+            Event(
+                "Warning",
+                Reason.ISLAND_PREEMPTED,
+                f"island {island.name}: pods {sorted(losses.came_back)} lost with their node and restarted when it "
+                "came back; not re-formed (not counted against the restart budget)",
+            )
+        )
+    elif active and reform is None:
         stale = may_update and outdated(pods, update_revision)
         begun = _begin_reform(island.name, losses, prev.restarts + charged, charged, stale, backoff_seconds, now)
         if begun is not None:

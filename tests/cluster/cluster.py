@@ -24,7 +24,15 @@ import yaml
 from kubernetes import config as kube_config
 
 from cluster.controlplane import ControlPlane, binaries_dir, free_port, spawn, start_control_plane
-from cluster.nodes import DEFAULT_POOLS, KWOK_ANNOTATION, POD_NETWORK, Pool, node_manifest, pod_cidr
+from cluster.nodes import (
+    DEFAULT_POOLS,
+    KWOK_ANNOTATION,
+    POD_NETWORK,
+    Pool,
+    cidr_index,
+    node_manifest,
+    pod_cidr,
+)
 from cluster.volumes import Provisioner
 
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok")
@@ -86,6 +94,10 @@ class Cluster(ControlPlane):
         out = self.kubectl("get", "nodes", "-o", "jsonpath={.items[*].metadata.name}").stdout
         return out.split()
 
+    def node_cidrs(self) -> list[str]:
+        """The pod CIDR of every node."""
+        return self.kubectl("get", "nodes", "-o", "jsonpath={.items[*].spec.podCIDR}").stdout.split()
+
     def pods_on(self, node: str) -> list[str]:
         """`namespace/name` of every pod bound to `node`."""
         out = self.kubectl(
@@ -143,7 +155,8 @@ def start_cluster(
 ) -> Cluster:
     """Starts every component in `workdir` (binaries from `bin_dir`, else build.sh's cache), creates `count`
     nodes of each pool, and returns once the nodes are Ready and the `default` namespace can run pods (its
-    service account exists)."""
+    service account exists). In a workdir a cluster ran in before, it starts again on its own data (see
+    start_control_plane) with the nodes it had, creating none."""
     bin_dir = bin_dir or binaries_dir(BINARIES)
     stages = (bin_dir / KWOK_STAGES) if bin_dir else None
     if stages is None or not stages.exists():
@@ -214,11 +227,16 @@ def start_cluster(
             kube_config.new_client_from_config(str(cluster.admin_kubeconfig)), workdir / "volumes"
         )
         cluster.provisioner.start()
-        for pool in cluster.pools.values():
-            for index in range(pool.count):
-                manifest = node_manifest(pool, index, pod_cidr(cluster.nodes_created))
-                cluster.nodes_created += 1
-                cluster.kubectl("apply", "-f", "-", stdin=json.dumps(manifest))
+        existing = cluster.node_cidrs()
+        if existing:
+            # A restart on its own data: the nodes are there, as a datacenter's are after it comes back.
+            cluster.nodes_created = 1 + max(cidr_index(cidr) for cidr in existing)
+        else:
+            for pool in cluster.pools.values():
+                for index in range(pool.count):
+                    manifest = node_manifest(pool, index, pod_cidr(cluster.nodes_created))
+                    cluster.nodes_created += 1
+                    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(manifest))
         _wait(
             cluster,
             "the default service account did not appear",

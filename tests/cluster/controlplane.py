@@ -10,6 +10,7 @@ Every process runs in its own session (process group) so that stopping kills eve
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import signal
@@ -34,6 +35,7 @@ TOKENS = {
     "realnode-token": ("system:node:realnode-0", "system:nodes"),
 }
 BINARIES = ("etcd", "kube-apiserver", "kubectl")
+PORTS = "ports.json"
 SERVICE_CIDR = "10.96.0.0/16"
 
 
@@ -174,18 +176,31 @@ def _ready(server: str) -> bool:
         return False
 
 
+def ports(workdir: Path) -> tuple[int, int, int]:
+    """etcd's client and peer ports and the API server's: free ones on a first start, kept in `workdir` for a
+    restart on the same data, so that kubeconfigs stay valid and etcd's member keeps its peer URL."""
+    path = workdir / PORTS
+    if not path.exists():
+        path.write_text(json.dumps([free_port(), free_port(), free_port()]))
+    client, peer, secure = json.loads(path.read_text())
+    return client, peer, secure
+
+
 def start_control_plane(bin_dir: Path, workdir: Path, timeout: float = 120.0) -> ControlPlane:
-    """Starts etcd and kube-apiserver in `workdir` and waits until the API server is ready."""
-    subprocess.run(["openssl", "genrsa", "-out", str(workdir / "sa.key"), "2048"], check=True, capture_output=True)
-    subprocess.run(
-        ["openssl", "rsa", "-in", str(workdir / "sa.key"), "-pubout", "-out", str(workdir / "sa.pub")],
-        check=True,
-        capture_output=True,
-    )
+    """Starts etcd and kube-apiserver in `workdir` and waits until the API server is ready. A workdir they
+    ran in before, stopped or killed, is started again on its own data: etcd's, the API server's certificates,
+    the service-account signing key, the ports."""
+    if not (workdir / "sa.key").exists():
+        subprocess.run(["openssl", "genrsa", "-out", str(workdir / "sa.key"), "2048"], check=True, capture_output=True)
+        subprocess.run(
+            ["openssl", "rsa", "-in", str(workdir / "sa.key"), "-pubout", "-out", str(workdir / "sa.pub")],
+            check=True,
+            capture_output=True,
+        )
     (workdir / "tokens.csv").write_text(
         "".join(f'{token},{user},{user},"{groups}"\n' for token, (user, groups) in TOKENS.items())
     )
-    client, peer, secure = free_port(), free_port(), free_port()
+    client, peer, secure = ports(workdir)
     logs = workdir / "logs"
     logs.mkdir(exist_ok=True)
     server = f"https://127.0.0.1:{secure}"

@@ -7,6 +7,7 @@ network's namespaces go with their last process; what it wrote stays in `workdir
     other = start_isolated(workdir)     # other.kubeconfig: its admin kubeconfig
     other.get("http://10.244.0.5:9090/metrics")   # from its node namespace, where its pod IPs are
     other.stop()                         # SIGKILL; returns once no process of it is left
+    other.restart()                      # the same cluster again, on the data it left in `workdir`
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ class IsolatedCluster:
                 found.append(int(entry.name))
         return found
 
+    def restart(self) -> None:
+        """Starts the stopped cluster again on its own data, as a datacenter comes back after going dark: its
+        etcd, certificates, tokens, kubeconfig, ports and nodes are those it had, so every object it held is
+        there, and its pod runner restarts the pods on its nodes as kubelets do after a reboot. Links to other
+        clusters went with its node namespace: join them again (cluster_link.join)."""
+        again = start_isolated(self.workdir)
+        self.process, self.kubeconfig, self.pid_namespace = again.process, again.kubeconfig, again.pid_namespace
+
     def stop(self) -> None:
         """SIGKILL to the namespace's init: the kernel kills every other process in the namespace. Returns once
         none is left."""
@@ -73,10 +82,12 @@ class IsolatedCluster:
 
 def start_isolated(workdir: Path, timeout: float = 180.0) -> IsolatedCluster:
     """Starts `python -m cluster.up` in `workdir` in a PID (and mount, for its /proc) namespace of its own and
-    returns once it runs. `unshare --kill-child` takes the namespace down should this process die first."""
+    returns once it runs: a new cluster, or, in the workdir of one that was stopped, that cluster again on its
+    own data (cluster.up). `unshare --kill-child` takes the namespace down should this process die first."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "up.log"
     up = [sys.executable, "-m", "cluster.up", "--workdir", str(workdir)]
+    seen = log.stat().st_size if log.exists() else 0
     with open(log, "ab") as out:
         process = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", *up],
@@ -88,13 +99,20 @@ def start_isolated(workdir: Path, timeout: float = 180.0) -> IsolatedCluster:
             start_new_session=True,
         )
     deadline = time.monotonic() + timeout
-    while READY_LINE not in log.read_text(errors="replace"):
+
+    def output() -> str:
+        """What this start has written so far."""
+        with open(log, "rb") as f:
+            f.seek(seen)
+            return f.read().decode(errors="replace")
+
+    while READY_LINE not in output():
         if time.monotonic() > deadline or process.poll() is not None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(60)
             raise RuntimeError(f"the isolated cluster did not start; see {log}")
         time.sleep(0.5)
-    line = next(x for x in log.read_text().splitlines() if x.startswith(READY_LINE))
+    line = next(x for x in output().splitlines() if x.startswith(READY_LINE))
     cluster = IsolatedCluster(process, workdir, Path(line.removeprefix(READY_LINE)), "")
     cluster.pid_namespace = namespace(cluster.init, "pid") or ""
     return cluster

@@ -19,6 +19,8 @@ from typing import Any
 KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 """KWOK is started to manage only nodes annotated so (`--manage-nodes-with-annotation-selector`)."""
 POD_NETWORK = ipaddress.ip_network("10.244.0.0/16")
+NODE_PREFIX = 24
+"""Each node's pod CIDR is a /24 of POD_NETWORK."""
 SPOT_TAINT = {"key": "cloud.google.com/gke-spot", "value": "true", "effect": "NoSchedule"}
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 POOL_LABEL = "cloud.google.com/gke-nodepool"
@@ -81,8 +83,14 @@ DEFAULT_POOLS: tuple[Pool, ...] = (
 
 
 def pod_cidr(index: int) -> str:
-    """The /24 of the `index`-th node created in the cluster."""
-    return str(list(POD_NETWORK.subnets(new_prefix=24))[index])
+    """The pod CIDR of the `index`-th node created in the cluster."""
+    return str(list(POD_NETWORK.subnets(new_prefix=NODE_PREFIX))[index])
+
+
+def cidr_index(cidr: str) -> int:
+    """The index `pod_cidr` made `cidr` for: its place among POD_NETWORK's node CIDRs."""
+    first = ipaddress.ip_network(cidr).network_address
+    return (int(first) - int(POD_NETWORK.network_address)) >> (POD_NETWORK.max_prefixlen - NODE_PREFIX)
 
 
 def node_manifest(pool: Pool, index: int, cidr: str) -> dict[str, Any]:

@@ -303,6 +303,7 @@ class PodNetwork:
         _wait_for_namespace(holder, _net_namespace("self"), "the node namespace (unshare --net)")
         self._run(self.enter(["sh", "-c", " && ".join(node_setup())]), "the node namespace's bridge")
         outside = socket.socket(socket.AF_UNIX)
+        self.socket_path.unlink(missing_ok=True)  # left by a run that was killed, in a workdir started again
         outside.bind(str(self.socket_path))
         outside.listen(64)
         thread = threading.Thread(

@@ -15,7 +15,10 @@ A pod being deleted has its processes sent SIGTERM, and SIGKILL (to the whole pr
 or its grace period (at most MAX_GRACE seconds) has passed; the runner's finalizer keeps the pod, Terminating,
 until then, as a kubelet does (KWOK alone removes a deleted pod at once). A process that exits is reported
 as the kubelet does (container not ready, then restarted after a back-off with restartCount incremented and
-lastState holding the exit code, 128+N for a signal), so the operator's failure accounting sees it. A
+lastState holding the exit code, 128+N for a signal), so the operator's failure accounting sees it. A runner
+started on the data of one that was killed with its cluster (isolated.py's restart) finds pods Running on its
+nodes whose processes died with it: as a kubelet after a reboot, it reports each container lost (LOST) and
+restarts it, its restartCount carried on. A
 container with a readinessProbe is not ready when it starts and becomes ready, and unready again, as its
 probe's results say (probes.py); each failed probe is an `Unhealthy` Warning Event on the pod, aggregated as
 the kubelet's are; the pod is Ready while all its containers are.
@@ -81,6 +84,13 @@ MAX_ACCELERATORS = 2
 FINALIZER = "test.diloco.dev/pod-runner"
 """Held on every pod the runner has started a process for, and released once a deleted pod's processes have
 exited, so that the pod outlives its processes' SIGTERM handling as it does under a kubelet."""
+LOST = {
+    "exitCode": 137,
+    "reason": "ContainerStatusUnknown",
+    "message": "The container could not be located when the pod was deleted.  The container used to be Running",
+}
+"""How a kubelet reports (in lastState) a container it finds gone from the runtime while it was running, as
+after its node rebooted, in the kubelet's own words; it raises the container's restartCount."""
 RUN_DIRS = ("/run/", "/var/run/")
 """Mounts under /run are bind-mounted at their real path over a private /run (the service-account token at
 /var/run/secrets/kubernetes.io/serviceaccount, read from there by every Kubernetes client); every other
@@ -201,6 +211,7 @@ class PodRunner:
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.network.start()
+        self.prober_socket.unlink(missing_ok=True)  # a killed runner's, in a workdir started again
         self._prober = subprocess.Popen(
             self.network.enter([sys.executable, "-m", "cluster.probes", str(self.prober_socket)]),
             env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
@@ -341,10 +352,12 @@ class PodRunner:
             for spec in pod["spec"]["containers"]:
                 if image_name(spec["image"]) not in self.images:
                     continue
-                container = self.containers.setdefault(
-                    (meta["uid"], spec["name"]),
-                    Container(meta["namespace"], meta["name"], meta["uid"], spec["name"], directory),
-                )
+                container = self.containers.get((meta["uid"], spec["name"]))
+                if container is None:
+                    container = Container(meta["namespace"], meta["name"], meta["uid"], spec["name"], directory)
+                    self.containers[(meta["uid"], spec["name"])] = container
+                    if FINALIZER in (meta.get("finalizers") or ()) and not meta.get("deletionTimestamp"):
+                        self._lost(container, pod)
                 if meta.get("deletionTimestamp"):
                     self._terminate(container, pod)
                 else:
@@ -430,7 +443,8 @@ class PodRunner:
                 )
             return
         container.config_error = None
-        if process is not None:
+        restarting = container.last_exit is not None
+        if restarting:
             container.restarts += 1
         self._hold(pod)
         with open(container.log_path, "ab") as out:
@@ -448,7 +462,7 @@ class PodRunner:
         container.readiness = Readiness(ProbeTiming.of(probe), time.monotonic()) if probe else None
         container.probing = None
         log.info("started %s/%s %s", container.namespace, container.pod, container.name)
-        if process is not None or probe:
+        if restarting or probe:
             # A first start has the status KWOK gave the pod (running, ready): a probed container is not ready
             # until its probe says so.
             self._patch(pod, container, {"running": {"startedAt": container.started_at}}, ready=not probe)
@@ -512,15 +526,34 @@ class PodRunner:
             self.core.create_namespaced_event(namespace, body)
         container.unhealthy[message] = (name, count + 1)
 
+    def _lost(self, container: Container, pod: dict[str, Any]) -> None:
+        """A container of a pod that holds FINALIZER, which only a runner that started its process adds, but
+        with no process here: it died with the runner before this one, as containers die with their node.
+        Taken as a kubelet takes a container it finds gone from the runtime while it was running: terminated
+        as LOST says, restarted at once with its restart count carried on from the pod's status."""
+        statuses = (pod.get("status") or {}).get("containerStatuses") or ()
+        status = next((s for s in statuses if s["name"] == container.name), {})
+        container.restarts = status.get("restartCount", 0)
+        log.info("%s/%s %s died with the node", container.namespace, container.pod, container.name)
+        self._ended(container, pod, dict(LOST), hold=0.0)
+
     def _exited(self, container: Container, pod: dict[str, Any], code: int) -> None:
         exit_code = code if code >= 0 else 128 - code
-        container.last_exit = {
+        termination = {
             "exitCode": exit_code,
             "reason": "Completed" if exit_code == 0 else "Error",
             "startedAt": container.started_at,
             "finishedAt": _now(),
         }
+        base, cap = self.backoff
+        self._ended(container, pod, termination, hold=min(cap, base * 2**container.restarts))
+
+    def _ended(self, container: Container, pod: dict[str, Any], termination: dict[str, Any], hold: float) -> None:
+        """Reports the container's end (`termination`, its lastState from now on) and restarts it after `hold`
+        seconds, or ends the pod, as its restartPolicy says."""
+        container.last_exit = termination
         container.readiness = None
+        exit_code = termination["exitCode"]
         log.info("%s/%s %s exited with %d", container.namespace, container.pod, container.name, exit_code)
         policy = pod["spec"].get("restartPolicy", "Always")
         if policy == "Never" or (policy == "OnFailure" and exit_code == 0):
@@ -533,9 +566,9 @@ class PodRunner:
                 phase="Succeeded" if exit_code == 0 else "Failed",
             )
             return
-        base, cap = self.backoff
-        container.restart_at = time.monotonic() + min(cap, base * 2**container.restarts)
-        self._patch(pod, container, {"waiting": {"reason": "CrashLoopBackOff"}}, ready=False)
+        container.restart_at = time.monotonic() + hold
+        waiting = "CrashLoopBackOff" if hold else "ContainerCreating"
+        self._patch(pod, container, {"waiting": {"reason": waiting}}, ready=False)
 
     def _prepare(
         self, container: Container, pod: Mapping[str, Any], spec: Mapping[str, Any]

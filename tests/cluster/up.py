@@ -19,7 +19,13 @@ from cluster.pod_runner import PodRunner
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m cluster.up", description=__doc__)
-    p.add_argument("--workdir", type=Path, default=None, help="state and logs (default: a new temporary directory)")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="state and logs (default: a new temporary directory); a cluster that ran there before starts again "
+        "on its data",
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="diloco-cluster-"))

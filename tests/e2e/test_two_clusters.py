@@ -8,9 +8,13 @@ with the job's token.
 
 The job trains with both clusters' islands (A's shards report B's island live: A's status.remoteIslands);
 B is stopped whole (SIGKILL to its PID namespace's init: API server, etcd, controllers, KWOK, pod runner,
-operator and every pod), and A's island keeps merging; B is re-created with the same job, and its island
-rejoins with the current global fragments (the versions it adopts are those A's shards hold by then, not
-those of before the outage) and A's shards count it live again.
+operator and every pod), and A's island keeps merging. B comes back on its own data, as a datacenter that
+went dark does: the same etcd, certificates and nodes, its end of the link plugged in again, nothing applied
+again; its pod runner restarts the pods on its nodes as kubelets do after a reboot, its operator resumes
+and counts the island's pod lost with its node (a preemption, not a failure against the restart budget),
+and its island rejoins with the current global fragments (the versions it adopts are those A's shards hold
+by then, not those of before the outage), A's shards count it live again and B's job status shows the
+progress made while it was away.
 """
 
 from __future__ import annotations
@@ -129,10 +133,15 @@ def copy_secrets(near, far) -> dict:
     return {"endpoints": endpoints, "tokenSecret": "syncers-token", "caSecret": "syncers-ca"}
 
 
+def link(near, far) -> None:
+    """The WAN link between A's and B's node namespaces (B's end goes with B when it goes dark)."""
+    join(near.runner.network.processes[0].pid, far.isolated.node_holder(), LINK)
+
+
 def far_cluster(target, other_clusters):
     """A new cluster B linked to A, running the job's islands against A's shards."""
     far = other_clusters()
-    join(target.runner.network.processes[0].pid, far.isolated.node_holder(), LINK)
+    link(target, far)
     remote = copy_secrets(target, far)
     syncer = {"shards": len(remote["endpoints"])}
     far.kubectl("-n", NAMESPACE, "apply", "-f", "-", stdin=job_manifest(far.image_tag, FAR, syncer, remote))
@@ -187,9 +196,20 @@ def test_islands_in_two_clusters_train_and_one_cluster_goes_dark_and_comes_back(
     assert all(grown[f] > before[f] for f in before), (before, grown)
     silent = datetime.timedelta(seconds=2 * ISLAND_TIMEOUT)
     gone = wait_until(lambda: now() - last_seen(target, FAR) > silent and last_seen(target, FAR))
+    away = status(target)["outerStep"]
 
-    # B is re-created with the same job: its island pulls the current global model and is live again.
-    far = far_cluster(target, other_clusters)
+    # B comes back on its own data, its end of the link plugged in again, nothing applied again: its island
+    # pulls the current global model and is live again.
+    far.isolated.restart()
+    link(target, far)
     wait_until(lambda: seen_since(target, FAR, gone))
     rejoined = wait_until(lambda: adopted(far, FAR))
     assert all(rejoined[f] >= grown[f] for f in grown), (grown, rejoined)
+    # B's pod runner restarted the island's pod as a kubelet does after a reboot (its container lost with the
+    # node): B's operator counts a preemption, not a failure against the restart budget.
+    island = wait_until(
+        lambda: next((i for i in status(far)["islands"] if i["name"] == FAR and i["preemptions"]), None)
+    )
+    assert (island["preemptions"], island.get("restarts", 0)) == (1, 0), island
+    # B's job status reads the shards' progress again, that made while B was away included.
+    wait_until(lambda: status(far).get("outerStep", 0) >= away)

@@ -26,6 +26,7 @@ def pod(
     clean=False,
     exit=None,
     owner=None,
+    lost=False,
 ):
     return PodObservation(
         name=f"job-{island}-{ordinal}",
@@ -43,4 +44,5 @@ def pod(
         last_exit_clean=clean,
         last_exit=exit,
         owner=owner,
+        lost_with_node=lost,
     )

@@ -92,6 +92,18 @@ def test_observe_pod_sees_a_clean_exit():
     assert observe_pod(clean).last_exit_clean
 
 
+def test_observe_pod_sees_containers_lost_with_their_node():
+    """As the kubelet reports a container it found gone from the runtime after its node rebooted."""
+    lost = {"exitCode": 137, "reason": "ContainerStatusUnknown"}
+    assert observe_pod(
+        raw_pod(containerStatuses=[{"restartCount": 1, "lastState": {"terminated": lost}}])
+    ).lost_with_node
+    oom = {"exitCode": 137, "reason": "OOMKilled"}
+    assert not observe_pod(
+        raw_pod(containerStatuses=[{"restartCount": 1, "lastState": {"terminated": oom}}])
+    ).lost_with_node
+
+
 def test_observe_node():
     assert observe_node(None) == NodeState(exists=False) and not observe_node(None).healthy
     ready = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
@@ -151,6 +163,31 @@ def test_a_preempted_pod_is_not_charged_nor_are_the_failures_it_causes():
     assert account.status.restarts == 0 and account.status.preemptions == 1
     assert account.status.reform.reason == "Preemption" and account.status.reform.hold_until == at(2)
     assert [e.reason for e in account.events] == ["IslandPreempted"]
+
+
+def test_containers_lost_with_their_node_and_restarted_are_a_preemption():
+    """A rebooted node, or a datacenter back from an outage, restarts the island's containers: no fault of the
+    trainer's, so it is not charged; the island re-forms at once while some of its pods run on in the old
+    world."""
+    previous = settled()
+    account = step(previous, [pod(0, restarts=1, lost=True), pod(1)], now=at(5))
+    assert (account.status.preemptions, account.status.restarts) == (1, 0)
+    assert account.status.reform.reason == "Preemption" and account.status.reform.hold_until == at(5)
+    assert [e.reason for e in account.events] == ["IslandPreempted"]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_island_restarted_whole_with_its_nodes_is_not_re_formed(replicas):
+    """Every pod restarted in place: its ranks all start anew, as a re-form would start them."""
+    island = IslandSpec(name="a", replicas=replicas)
+    previous = settled([pod(i) for i in range(replicas)], island=island)
+    back = [pod(i, restarts=1, lost=True) for i in range(replicas)]
+    account = step(previous, back, now=at(5), island=island)
+    assert (account.status.preemptions, account.status.restarts) == (replicas, 0)
+    assert account.status.reform is None and account.replicas == replicas
+    assert [e.reason for e in account.events] == ["IslandPreempted"]
+    again = step(account.status, back, now=at(7), island=island)
+    assert again.events == () and again.status.preemptions == replicas
 
 
 @pytest.mark.parametrize(
