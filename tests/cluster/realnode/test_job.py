@@ -4,7 +4,8 @@ running as the image's non-root user with their probes passing; the islands find
 their Service names (CoreDNS, kube-proxy), become Ready, and the job's outer step, which the operator reads
 from the shards, rises.
 
-Needs, beside test_node.py's opt-in, the trainer image as an archive: tests/cluster/realnode/images.sh."""
+Needs, beside test_node.py's opt-in, the trainer image built from this checkout, as an archive:
+tests/cluster/realnode/images.sh trainer (skipped otherwise, with that command)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import yaml
 
 from cluster.cluster import Cluster, start_cluster
 from cluster.controlplane import spawn, stop_group
+from cluster.realnode import archives
 from cluster.realnode.node import RealNode, not_enabled, start_real_node
 from diloco.operator import naming
 
@@ -43,19 +45,14 @@ def fitted(example: Path) -> dict:
     return job
 
 
-def trainer_archive() -> Path:
-    cache = Path(os.environ.get("DILOCO_CLUSTER_CACHE", os.path.expanduser("~/.cache/diloco-cluster")))
-    return cache / "images" / "diloco-trainer-dev.tar"
-
-
 @pytest.fixture(scope="module")
 def cluster_with_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, RealNode]]:
     """A control plane, one real node with diloco-trainer:dev preloaded, the CRD and the operator (a local
     process, as the cluster's administrator, resolving the shards' Service names as a pod would)."""
     if reason := not_enabled():
         pytest.skip(reason)
-    if not trainer_archive().exists():
-        pytest.skip(f"no {trainer_archive()}: run tests/cluster/realnode/images.sh trainer")
+    if reason := archives.unusable("trainer"):
+        pytest.skip(reason)
     workdir = tmp_path_factory.mktemp("realnode-job")
     (workdir / "cluster").mkdir()
     cluster = start_cluster(workdir / "cluster", pools=())
@@ -63,7 +60,7 @@ def cluster_with_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     try:
         # The CRD first: kubectl wait fails on a CRD whose status is still empty, and the node takes minutes.
         cluster.kubectl("apply", "-f", str(ROOT / "deploy" / "crd.yaml"))
-        node = start_real_node(cluster, workdir / "node", images=(trainer_archive(),), timeout=900)
+        node = start_real_node(cluster, workdir / "node", images=(archives.archive("trainer"),), timeout=900)
         cluster.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/dilocojobs.diloco.dev")
         cluster.kubectl("create", "namespace", "diloco-system")
         operator = spawn(
