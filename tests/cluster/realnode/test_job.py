@@ -2,7 +2,8 @@
 trains there. Its islands (the two-pod one included) and syncer shards are real containers of diloco-trainer,
 running as the image's non-root user with their probes passing; the islands find the shards and each other by
 their Service names (CoreDNS, kube-proxy), become Ready, and the job's outer step, which the operator reads
-from the shards, rises. A shard's checkpoint, on its volume, outlives its pod: a new pod resumes from it.
+from the shards, rises. A shard's checkpoint, on its volume, outlives its pod: a new pod resumes from it. An
+island pod that outgrows its memory limit is killed by the kernel, and the job counts that as a failure.
 
 Needs, beside test_node.py's opt-in, the trainer image built from this checkout, as an archive:
 tests/cluster/realnode/images.sh trainer (skipped otherwise, with that command)."""
@@ -24,6 +25,7 @@ from cluster.cluster import Cluster, start_cluster
 from cluster.controlplane import spawn, stop_group
 from cluster.realnode import archives
 from cluster.realnode.node import RealNode, not_enabled, start_real_node
+from diloco.api.conditions import ConditionType, Reason
 from diloco.operator import naming
 from diloco.syncer.checkpoint import checkpoint_path
 
@@ -191,3 +193,30 @@ def test_a_deleted_syncer_pod_resumes_from_its_checkpoint(cluster_with_operator,
         return all(now[f] > versions[f] for f in before)
 
     wait_for(cluster, "the resumed shard did not merge again", merged_on, 600)
+
+
+def test_a_container_killed_by_its_memory_limit_is_a_failure_not_a_preemption(cluster_with_operator):
+    """An island whose memory limit is below what the trainer needs: the kernel kills its container (the
+    kubelet reports OOMKilled), and the operator charges that to the restart budget (0 here: the job fails,
+    saying why), never as a preemption."""
+    cluster, _ = cluster_with_operator
+    job = fitted(EXAMPLE)
+    solo = job["spec"]["islands"][0]
+    solo["resources"] = {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "64Mi"}}
+    job["spec"]["islands"] = [solo]
+    job["spec"]["syncer"]["shards"] = 1
+    job["spec"]["failurePolicy"] = {"restartBudget": 0}
+    cluster.kubectl("create", "namespace", "oom")
+    try:
+        cluster.kubectl("-n", "oom", "apply", "-f", "-", stdin=yaml.safe_dump(job))
+        status = wait_for(cluster, "the job did not fail", lambda s: s.get("phase") == "Failed", 600, namespace="oom")
+        events = get(cluster, "oom", "events")["items"]
+    finally:
+        cluster.kubectl("delete", "namespace", "oom", "--wait=false")
+    (island,) = status["islands"]
+    assert island["restarts"] >= 1 and island["preemptions"] == 0, island
+    (failed,) = [c for c in status["conditions"] if c["type"] == ConditionType.FAILED]
+    assert failed["reason"] == Reason.RESTART_BUDGET_EXHAUSTED and "OOMKilled" in failed["message"], failed
+    reasons = [e["reason"] for e in events]
+    assert Reason.ISLAND_FAILED in reasons and Reason.ISLAND_PREEMPTED not in reasons, reasons
+    print(f"{failed['type']}: {failed['reason']}: {failed['message']}")
