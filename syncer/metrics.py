@@ -65,6 +65,9 @@ class SyncerMetrics:
             "diloco_syncer_checkpoint_seconds", "Time to write a checkpoint", registry=r
         )
         self.checkpoint_bytes = Gauge("diloco_syncer_checkpoint_bytes", "Size of the last checkpoint", registry=r)
+        self.checkpoint_failures = Counter(
+            "diloco_syncer_checkpoint_failures", "Checkpoints that could not be written (retried)", registry=r
+        )
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Exposes /metrics on its own port, apart from gRPC."""

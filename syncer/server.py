@@ -301,8 +301,15 @@ class SyncerServer:
         log.info("shard progress", extra={"versions": versions, "live_islands": live})
 
     def _checkpoint_loop(self) -> None:
+        """Checkpoints every interval. A write that fails (a volume this user may not write, a full disk) is
+        counted and logged and tried again at the next one: the shard keeps serving, but says it would lose
+        its state on a restart."""
         while not self._stopping.wait(self.checkpoint_interval):
-            self.save_checkpoint(clean=False)
+            try:
+                self.save_checkpoint(clean=False)
+            except OSError as error:
+                self.metrics.checkpoint_failures.inc()
+                log.error("checkpoint not written", extra={"path": str(self._checkpoint_path), "error": str(error)})
 
     def save_checkpoint(self, clean: bool) -> None:
         """Snapshots under the lock, writes outside it; skipped when nothing changed since the last one."""
@@ -314,7 +321,12 @@ class SyncerServer:
             snapshot = self.state.to_state_dict(clean=clean)
             self._dirty = False
         started = time.perf_counter()
-        size = checkpoint.save(self._checkpoint_path, snapshot)
+        try:
+            size = checkpoint.save(self._checkpoint_path, snapshot)
+        except BaseException:
+            with self._cond:
+                self._dirty = True  # what it held is still to be written
+            raise
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - started)
         self.metrics.checkpoint_bytes.set(size)
         log.debug("checkpoint written", extra={"path": str(self._checkpoint_path), "bytes": size, "clean": clean})

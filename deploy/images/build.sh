@@ -24,12 +24,15 @@ step() {
   echo "== $name: $((SECONDS - start)) s"
 }
 
-build_image() {  # offline: no network in the build, pip only from wheels/; the full log in out/images/
+# Offline: no network in the build, pip only from wheels/; labelled with the digest of its sources
+# (context.py); the full log in out/images/.
+build_image() {
   local image=$1 log=out/images/$1.log
   mkdir -p out/images
   echo "   log: $log"
   if ! "$DOCKER" build --network none -f "deploy/Dockerfile.$image" --build-arg PYTHON_IMAGE="$BASE_IMAGE" \
-      --build-arg PIP_ARGS="--no-index --find-links /src/wheels" -t "diloco-$image:$TAG" . >"$log" 2>&1; then
+      --build-arg PIP_ARGS="--no-index --find-links /src/wheels" --label "$(python3 deploy/images/context.py "$image")" \
+      -t "diloco-$image:$TAG" . >"$log" 2>&1; then
     tail -30 "$log" >&2
     return 1
   fi

@@ -2,6 +2,10 @@
 a hostPath PersistentVolume of its size, pre-bound to it (kube-controller-manager's binder then binds the
 pair, as with any provisioner); a volume released by a deleted claim is deleted with its directory. Without
 it the scheduler would never place a pod that mounts a claim, as on a cluster with no storage.
+
+As kind's local-path-provisioner does, it makes each volume's directory itself, writable by every user: a
+pod's non-root user (the syncer's uid 10001) must write its checkpoints there, and neither fsGroup nor the
+kubelet (which would make a missing hostPath directory root's, mode 0755) does that for a hostPath volume.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from kubernetes.client.exceptions import ApiException
 log = logging.getLogger("tests.cluster.volumes")
 
 PROVISIONED_BY = "diloco.dev/test-provisioner"
+VOLUME_MODE = 0o777
+"""A new volume's directory mode, local-path-provisioner's (`mkdir -m 0777`)."""
 
 
 def volume_for(claim: dict[str, Any], root: Path) -> dict[str, Any]:
@@ -77,7 +83,9 @@ class Provisioner:
             if claim.spec.volume_name or f"pvc-{claim.metadata.uid}" in volumes:
                 continue
             body = volume_for(self.api.sanitize_for_serialization(claim), self.root)
-            (self.root / body["metadata"]["name"]).mkdir(exist_ok=True)
+            directory = self.root / body["metadata"]["name"]
+            directory.mkdir(exist_ok=True)
+            directory.chmod(VOLUME_MODE)  # mkdir's mode is cut by the umask
             self.core.create_persistent_volume(body)
         for name, volume in volumes.items():
             if (volume.metadata.labels or {}).get(PROVISIONED_BY) and volume.status.phase == "Released":

@@ -3,7 +3,6 @@ as uid 10001 and copies only what the build context admits; the operator image i
 pyproject.toml that the operator imports, and nothing else it imports is missing there.
 (`make images` builds and smoke-tests the real images; it is too slow for CI.)"""
 
-import fnmatch
 import importlib.metadata as metadata
 import importlib.util
 import re
@@ -20,17 +19,10 @@ DOCKERFILES = ["Dockerfile.operator", "Dockerfile.trainer"]
 _loader = importlib.util.spec_from_file_location("requirements", ROOT / "deploy" / "images" / "requirements.py")
 image_requirements = importlib.util.module_from_spec(_loader)
 _loader.loader.exec_module(image_requirements)
+_loader = importlib.util.spec_from_file_location("context", ROOT / "deploy" / "images" / "context.py")
+build_context = importlib.util.module_from_spec(_loader)
+_loader.loader.exec_module(build_context)
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-
-
-def admitted(path: str, rules: list[str]) -> bool:
-    """Whether .dockerignore `rules` send `path` to the builder (the last matching rule wins)."""
-    keep = True
-    for rule in rules:
-        pattern = rule.removeprefix("!").rstrip("/")
-        if pattern == "**" or fnmatch.fnmatch(path, pattern) or path.startswith(pattern + "/"):
-            keep = rule.startswith("!")
-    return keep
 
 
 def copied_sources(dockerfile: str) -> list[str]:
@@ -59,18 +51,14 @@ def test_images_build_from_the_named_base_and_run_as_uid_10001(name):
 
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_everything_a_dockerfile_copies_is_in_the_build_context(name):
-    rules = [
-        line.strip()
-        for line in (ROOT / ".dockerignore").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
+    rules = build_context.ignore_rules(ROOT)
     sources = copied_sources(name)
     assert "pyproject.toml" in sources and "deploy/images/requirements.py" in sources
     for source in sources:
         concrete = source.replace("wheel[s]", "wheels")
-        assert admitted(concrete, rules), f"{name} copies {source}, which .dockerignore leaves out"
+        assert build_context.admitted(concrete, rules), f"{name} copies {source}, which .dockerignore leaves out"
         assert concrete == "wheels" or (ROOT / concrete).exists(), f"{name} copies {source}, which does not exist"
-    assert not admitted(".venv", rules) and not admitted("out/run/loss.png", rules)
+    assert not build_context.admitted(".venv", rules) and not build_context.admitted("out/run/loss.png", rules)
 
 
 @pytest.mark.parametrize("image", ["operator", "trainer"])
@@ -127,3 +115,30 @@ def test_the_operator_imports_nothing_its_image_lacks():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_source_label_changes_with_the_sources_and_the_dockerfile_only(tmp_path):
+    (tmp_path / "deploy" / "images").mkdir(parents=True)
+    (tmp_path / ".dockerignore").write_text((ROOT / ".dockerignore").read_text())
+    for path in ["pyproject.toml", "README.md", "deploy/Dockerfile.trainer", "deploy/images/requirements.py"]:
+        (tmp_path / path).write_text(path)
+    (tmp_path / "diloco" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "diloco" / "core.py").write_text("step = 1\n")
+    assert build_context.context_files(tmp_path) == [
+        "README.md",
+        "deploy/images/requirements.py",
+        "diloco/core.py",
+        "pyproject.toml",
+    ]
+    built = build_context.digest(tmp_path, "trainer")
+
+    (tmp_path / "diloco" / "__pycache__" / "core.pyc").write_bytes(b"\0")
+    (tmp_path / "wheels" / "torch.whl").write_bytes(b"\0")
+    (tmp_path / "notes.txt").write_text("not in the context")
+    assert build_context.digest(tmp_path, "trainer") == built
+
+    for path in ["diloco/core.py", "deploy/Dockerfile.trainer"]:
+        (tmp_path / path).write_text("changed")
+        assert build_context.digest(tmp_path, "trainer") != built
+        built = build_context.digest(tmp_path, "trainer")

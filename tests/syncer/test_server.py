@@ -26,6 +26,7 @@ from syncer_harness import (
 )
 
 from diloco.core.encoding import Encoding, decode, encode, error_bound
+from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.transport.auth import bearer_metadata
 from diloco.transport.v1 import syncer_pb2 as pb
@@ -445,3 +446,22 @@ class TestObservability:
                 pb.StatusRequest(), timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),)
             )
             assert status.num_shards == 1
+
+
+def test_a_checkpoint_that_cannot_be_written_is_counted_and_tried_again(start_server, tmp_path, monkeypatch):
+    """A volume the shard's user may not write (a hostPath made by root) fails each write: the shard keeps
+    serving and checkpointing, counts the failure, and writes once it can."""
+    written = checkpoint.save
+    refusals = iter([PermissionError(13, "Permission denied")])
+
+    def save_once_refused(path, state):
+        if (refusal := next(refusals, None)) is not None:
+            raise refusal
+        return written(path, state)
+
+    monkeypatch.setattr(checkpoint, "save", save_once_refused)
+    server = start_server(config_for(), checkpoint_interval=0.05)
+    failures = "diloco_syncer_checkpoint_failures_total"
+    wait_until(lambda: server.metrics.registry.get_sample_value(failures) == 1)
+    wait_until(lambda: checkpoint.checkpoint_path(tmp_path / "ckpt", 0, 1).exists())
+    assert server.metrics.registry.get_sample_value(failures) == 1

@@ -5,7 +5,7 @@ namespace and IP, reach Services by their ClusterIP and resolve their names thro
     cluster = start_cluster(workdir, pools=())
     node = start_real_node(cluster, workdir / "node", images=(archive,))    # OCI archives to preload
     ...
-    node.stop()          # nothing left: no process, mount, netns, cgroup, bridge, nftables table or sysctl change
+    node.stop()          # nothing left: no process, mount, netns, cgroup, bridge, nftables table, sysctl or images
 
 node.sh runs containerd, kube-proxy and the kubelet in a PID and mount namespace of their own (see there). What
 outlives them in the host is removed by `stop`: the kubelet's cgroups (all under one cgroup root named after
@@ -20,6 +20,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
 import string
 import subprocess
 import time
@@ -95,10 +96,27 @@ class RealNode:
         bind = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c", bind, str(self.resolv_conf), *command]
 
+    @property
+    def containerd_root(self) -> Path:
+        return self.workdir / "containerd"
+
+    def logs(self, pod: dict) -> str:
+        """What `pod`'s containers wrote to stdout and stderr, from the kubelet's log files. (`kubectl logs`
+        cannot reach this node: the kubelet refuses the loopback address it listens on as the node's IP,
+        "nodeIP can't be loopback address", so the Node publishes no address for the API server to call.)"""
+        meta = pod["metadata"]
+        folder = self.workdir / "pod-logs" / f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
+        # Each line as the CRI writes it: TIME STREAM TAG MESSAGE.
+        lines = (line.split(" ", 3) for log in sorted(folder.glob("*/*.log")) for line in log.read_text().splitlines())
+        return "\n".join(fields[3] for fields in lines if len(fields) == 4)
+
     def stop(self) -> None:
         """Stops the kubelet (and with it every container, kube-proxy and the relay), then removes its cgroups,
-        kube-proxy's rules and the bridge, and puts back the host's sysctls."""
+        kube-proxy's rules, the bridge and containerd's store, and puts back the host's sysctls."""
         stop_group(self.process)
+        # The images imported and unpacked there (12 GB with the trainer's) would outlive the run in pytest's
+        # kept folders; the logs beside them are what is worth keeping.
+        shutil.rmtree(self.containerd_root, ignore_errors=True)
         _remove_cgroups(self.cgroup_root)
         subprocess.run([str(self.kube_proxy), "--cleanup"], capture_output=True)
         _remove_bridge(self.bridge)
@@ -109,6 +127,8 @@ class RealNode:
     def leftovers(self) -> list[str]:
         """What of this node is still there (empty after `stop`)."""
         left = [f"cgroup {d}" for d in _cgroup_dirs(self.cgroup_root)]
+        if self.containerd_root.exists():
+            left.append(f"containerd store {self.containerd_root}")
         if self.process.poll() is None:
             left.append(f"process {self.process.pid}")
         if subprocess.run(["ip", "link", "show", self.bridge], capture_output=True).returncode == 0:

@@ -2,9 +2,11 @@
 trains there. Its islands (the two-pod one included) and syncer shards are real containers of diloco-trainer,
 running as the image's non-root user with their probes passing; the islands find the shards and each other by
 their Service names (CoreDNS, kube-proxy), become Ready, and the job's outer step, which the operator reads
-from the shards, rises.
+from the shards, rises. A shard's checkpoint, on its volume, outlives its pod: a new pod resumes from it. An
+island pod that outgrows its memory limit is killed by the kernel, and the job counts that as a failure.
 
-Needs, beside test_node.py's opt-in, the trainer image as an archive: tests/cluster/realnode/images.sh."""
+Needs, beside test_node.py's opt-in, the trainer image built from this checkout, as an archive:
+tests/cluster/realnode/images.sh trainer (skipped otherwise, with that command)."""
 
 from __future__ import annotations
 
@@ -17,11 +19,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import wait_until
 
 from cluster.cluster import Cluster, start_cluster
 from cluster.controlplane import spawn, stop_group
+from cluster.realnode import archives
 from cluster.realnode.node import RealNode, not_enabled, start_real_node
+from diloco.api.conditions import ConditionType, Reason
 from diloco.operator import naming
+from diloco.syncer.checkpoint import checkpoint_path
 
 ROOT = Path(__file__).resolve().parents[3]
 CONTAINERS = (
@@ -43,19 +49,14 @@ def fitted(example: Path) -> dict:
     return job
 
 
-def trainer_archive() -> Path:
-    cache = Path(os.environ.get("DILOCO_CLUSTER_CACHE", os.path.expanduser("~/.cache/diloco-cluster")))
-    return cache / "images" / "diloco-trainer-dev.tar"
-
-
 @pytest.fixture(scope="module")
 def cluster_with_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, RealNode]]:
     """A control plane, one real node with diloco-trainer:dev preloaded, the CRD and the operator (a local
     process, as the cluster's administrator, resolving the shards' Service names as a pod would)."""
     if reason := not_enabled():
         pytest.skip(reason)
-    if not trainer_archive().exists():
-        pytest.skip(f"no {trainer_archive()}: run tests/cluster/realnode/images.sh trainer")
+    if reason := archives.unusable("trainer"):
+        pytest.skip(reason)
     workdir = tmp_path_factory.mktemp("realnode-job")
     (workdir / "cluster").mkdir()
     cluster = start_cluster(workdir / "cluster", pools=())
@@ -63,7 +64,7 @@ def cluster_with_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     try:
         # The CRD first: kubectl wait fails on a CRD whose status is still empty, and the node takes minutes.
         cluster.kubectl("apply", "-f", str(ROOT / "deploy" / "crd.yaml"))
-        node = start_real_node(cluster, workdir / "node", images=(trainer_archive(),), timeout=900)
+        node = start_real_node(cluster, workdir / "node", images=(archives.archive("trainer"),), timeout=900)
         cluster.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/dilocojobs.diloco.dev")
         cluster.kubectl("create", "namespace", "diloco-system")
         operator = spawn(
@@ -89,41 +90,133 @@ def cluster_with_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     assert node is None or not node.leftovers()
 
 
-def job_status(cluster: Cluster) -> dict:
-    return json.loads(cluster.kubectl("-n", "readme", "get", "dj", "tiny-cpu", "-o", "json").stdout).get("status", {})
+def job_status(cluster: Cluster, namespace: str = "readme") -> dict:
+    return get(cluster, namespace, "dj", "tiny-cpu").get("status", {})
 
 
-def wait_for(cluster: Cluster, what: str, done: Callable[[dict], bool], timeout: float) -> dict:
+def get(cluster: Cluster, namespace: str, *what: str) -> dict:
+    return json.loads(cluster.kubectl("-n", namespace, "get", *what, "-o", "json").stdout)
+
+
+def pods(cluster: Cluster, namespace: str, selector: dict[str, str]) -> list[dict]:
+    labels = ",".join(f"{key}={value}" for key, value in selector.items())
+    return get(cluster, namespace, "pods", "-l", labels)["items"]
+
+
+def wait_for(
+    cluster: Cluster, what: str, done: Callable[[dict], bool], timeout: float, namespace: str = "readme"
+) -> dict:
     """Polls the job's status until `done` holds; fails with the pods and the last status otherwise."""
     deadline = time.monotonic() + timeout
-    while not done(status := job_status(cluster)):
+    while not done(status := job_status(cluster, namespace)):
         if time.monotonic() > deadline:
-            pods = cluster.kubectl("-n", "readme", "get", "pods", "-o", "wide").stdout
-            pytest.fail(f"{what} within {timeout} s; status {status}\n{pods}")
+            listed = cluster.kubectl("-n", namespace, "get", "pods", "-o", "wide").stdout
+            pytest.fail(f"{what} within {timeout} s; status {status}\n{listed}")
         time.sleep(3)
     return status
 
 
-def test_the_readme_example_trains_on_real_containers(cluster_with_operator):
-    cluster, node = cluster_with_operator
+@pytest.fixture(scope="module")
+def readme_job(cluster_with_operator) -> dict:
+    """The README's example, applied in namespace `readme`: its status once both islands are Ready, both shards
+    answer and the job's outer step is above zero."""
+    cluster, _ = cluster_with_operator
     cluster.kubectl("create", "namespace", "readme")
     cluster.kubectl("-n", "readme", "apply", "-f", "-", stdin=yaml.safe_dump(fitted(EXAMPLE)))
-
-    first = wait_for(
+    return wait_for(
         cluster,
         "the islands did not become Ready and train",
         lambda s: s.get("islandsReady") == "2/2" and s.get("syncer", {}).get("reachable") == 2 and s.get("outerStep"),
         timeout=900,
     )
-    wait_for(cluster, "the outer step did not rise", lambda s: s.get("outerStep", 0) > first["outerStep"], 600)
+
+
+def test_the_readme_example_trains_on_real_containers(cluster_with_operator, readme_job):
+    cluster, node = cluster_with_operator
+    wait_for(cluster, "the outer step did not rise", lambda s: s.get("outerStep", 0) > readme_job["outerStep"], 600)
     print(cluster.kubectl("-n", "readme", "get", "pods", "-o", "wide").stdout)
     print(cluster.kubectl("-n", "readme", "get", "pods", "-o", f"custom-columns={CONTAINERS}").stdout)
 
-    pods = json.loads(cluster.kubectl("-n", "readme", "get", "pods", "-o", "json").stdout)["items"]
-    pair = [p for p in pods if p["metadata"]["labels"].get(naming.LABEL_ISLAND) == "pair"]
+    pair = pods(cluster, "readme", naming.island_selector("tiny-cpu", "pair"))
     assert len(pair) == 2
-    for pod in pair + [p for p in pods if p["metadata"]["labels"].get(naming.LABEL_ROLE) == "syncer"]:
+    for pod in pair + pods(cluster, "readme", {naming.LABEL_ROLE: "syncer"}):
         assert pod["spec"]["nodeName"] == node.name
         (container,) = pod["status"]["containerStatuses"]
         assert container["ready"] and container["containerID"].startswith("containerd://")
         assert pod["spec"]["securityContext"].get("runAsUser", TRAINER_UID) == TRAINER_UID
+
+
+def shard_versions(status: dict, shard: int) -> dict[int, int]:
+    """The versions of `shard`'s fragments, as the job's status last reported them."""
+    return {f["fragment"]: f["version"] for f in status.get("fragments", ()) if f["shard"] == shard}
+
+
+def ready_replacement(cluster: Cluster, old: dict) -> dict | None:
+    """The Ready pod of the same shard that replaced the pod `old`, once there is one."""
+    selector = naming.shard_selector("tiny-cpu", int(old["metadata"]["labels"][naming.LABEL_SHARD]))
+    for pod in pods(cluster, "readme", selector):
+        statuses = pod["status"].get("containerStatuses") or [{}]
+        if pod["metadata"]["uid"] != old["metadata"]["uid"] and statuses[0].get("ready"):
+            return pod
+    return None
+
+
+def test_a_deleted_syncer_pod_resumes_from_its_checkpoint(cluster_with_operator, readme_job):
+    """The shard's checkpoint is written by the shard's non-root user on its volume; a new pod of the shard
+    resumes from it: its fragments' versions do not go back to zero."""
+    cluster, node = cluster_with_operator
+    shards = fitted(EXAMPLE)["spec"]["syncer"]["shards"]
+    volume = get(cluster, "readme", "pvc", naming.syncer_name("tiny-cpu", 0))["spec"]["volumeName"]
+    folder = Path(get(cluster, "default", "pv", volume)["spec"]["hostPath"]["path"])
+    saved = checkpoint_path(folder, 0, shards)
+    deadline = time.monotonic() + 300
+    while not saved.exists():
+        assert time.monotonic() < deadline, f"shard 0 wrote no checkpoint to {folder}: {os.listdir(folder)}"
+        time.sleep(3)
+    assert saved.stat().st_uid == TRAINER_UID
+
+    wait_for(cluster, "shard 0 did not merge", lambda s: any(shard_versions(s, 0).values()), 600)
+    before = shard_versions(job_status(cluster), 0)
+    (old,) = pods(cluster, "readme", naming.shard_selector("tiny-cpu", 0))
+    cluster.kubectl("-n", "readme", "delete", "pod", old["metadata"]["name"], "--wait=true", timeout=120)
+    new = wait_until(lambda: ready_replacement(cluster, old), timeout=600, interval=3)
+    log = node.logs(new)
+    resumed = [json.loads(line) for line in log.splitlines() if "resumed from checkpoint" in line]
+    assert resumed, log[-3000:]
+    print(f"before deleting {old['metadata']['name']}: {before}; {new['metadata']['name']}: {resumed[0]}")
+    versions = {int(fragment): version for fragment, version in resumed[0]["versions"].items()}
+    assert versions.keys() == before.keys() and all(versions[f] >= before[f] for f in before), (versions, before)
+
+    def merged_on(status: dict) -> bool:
+        now = shard_versions(status, 0)
+        assert all(now[f] >= before[f] for f in before), f"shard 0 went back from {before} to {now}"
+        return all(now[f] > versions[f] for f in before)
+
+    wait_for(cluster, "the resumed shard did not merge again", merged_on, 600)
+
+
+def test_a_container_killed_by_its_memory_limit_is_a_failure_not_a_preemption(cluster_with_operator):
+    """An island whose memory limit is below what the trainer needs: the kernel kills its container (the
+    kubelet reports OOMKilled), and the operator charges that to the restart budget (0 here: the job fails,
+    saying why), never as a preemption."""
+    cluster, _ = cluster_with_operator
+    job = fitted(EXAMPLE)
+    solo = job["spec"]["islands"][0]
+    solo["resources"] = {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "64Mi"}}
+    job["spec"]["islands"] = [solo]
+    job["spec"]["syncer"]["shards"] = 1
+    job["spec"]["failurePolicy"] = {"restartBudget": 0}
+    cluster.kubectl("create", "namespace", "oom")
+    try:
+        cluster.kubectl("-n", "oom", "apply", "-f", "-", stdin=yaml.safe_dump(job))
+        status = wait_for(cluster, "the job did not fail", lambda s: s.get("phase") == "Failed", 600, namespace="oom")
+        events = get(cluster, "oom", "events")["items"]
+    finally:
+        cluster.kubectl("delete", "namespace", "oom", "--wait=false")
+    (island,) = status["islands"]
+    assert island["restarts"] >= 1 and island["preemptions"] == 0, island
+    (failed,) = [c for c in status["conditions"] if c["type"] == ConditionType.FAILED]
+    assert failed["reason"] == Reason.RESTART_BUDGET_EXHAUSTED and "OOMKilled" in failed["message"], failed
+    reasons = [e["reason"] for e in events]
+    assert Reason.ISLAND_FAILED in reasons and Reason.ISLAND_PREEMPTED not in reasons, reasons
+    print(f"{failed['type']}: {failed['reason']}: {failed['message']}")
