@@ -1,8 +1,11 @@
 """Mixed hardware: four islands of different speeds, and the wall-clock time each mode takes to reach one
 held-out loss. Decoupled DiLoCo with a fixed H, decoupled DiLoCo with speed-aware islands (the default), the
 synchronous-DiLoCo baseline (a barrier at every sync) and the `ddp` baseline (an all-reduce every step) train
-the same steps per island with the same `--slowdown` factors (an island with factor 3 takes three times as
-long per step, as older hardware does), each launched by `diloco run` as users run it.
+with the same `--slowdown` factors (an island with factor 3 takes three times as long per step, as older
+hardware does), each launched by `diloco run` as users run it, for the same wall time: the slowest island's
+`--steps`. A job's islands train until the job ends, so a decoupled island three times faster takes three
+times the steps in that time (`diloco run --equal-time`); in the baselines every island takes `--steps`, as
+their barrier holds each to the slowest's pace.
 
 The islands share this machine's cores, so each emulates a device whose step takes `--reference-step-seconds`
 times its factor (`diloco.worker.slowdown`): a slow island is then as slow in every mode, whether the others
@@ -19,7 +22,7 @@ target beside ours (speed-aware) and the ratios, and writes a plot of loss again
   Targets on 1,1,1,3: speed-aware decoupled reaches the loss >= 1.5x sooner than sync-diloco, >= 2x sooner
   than ddp.
 
-Both profiles, four modes each, take about 15 minutes at the defaults on 2 CPU cores with little else
+Both profiles, four modes each, take about 8 minutes at the defaults on 2 CPU cores with little else
 running; the load average is printed at the start and the end, since every time here depends on it. A mode
 that runs out of `--timeout` keeps the curve it has (its time to the target may then be infinite).
 
@@ -72,7 +75,8 @@ def time_to(points: Curve, target: float) -> float:
 def shape(args: argparse.Namespace, slowdown: str) -> list[str]:
     """The training benchmarks' run shape, one island per speed factor, each at its factor."""
     islands = argparse.Namespace(**{**vars(args), "islands": len(slowdown.split(","))})
-    options = ["--slowdown", slowdown, "--eval-every", str(args.eval_every), "--timeout", str(args.timeout)]
+    options = ["--slowdown", slowdown, "--equal-time", "--eval-every", str(args.eval_every)]
+    options += ["--timeout", str(args.timeout)]
     return [*training.shape(islands), *options]
 
 
@@ -153,7 +157,7 @@ def load_average() -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profiles", nargs="+", default=["1,1,1,3", "1,1,2,2"], help="per-island slowdown factors")
-    p.add_argument("--steps", type=int, default=36, help="inner steps per island")
+    p.add_argument("--steps", type=int, default=36, help="inner steps of the slowest island")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--inner-steps", type=int, default=6, help="H")
     p.add_argument("--fragments", type=int, default=2, help="P")

@@ -77,6 +77,7 @@ class RunPlan:
     checkpoint_every: int = 50
     slowdowns: tuple[float, ...] = ()
     reference_step_seconds: float | None = None  # the emulated device's step, which slowdowns multiply
+    equal_time: bool = False  # decoupled islands take steps in proportion to their speed: see island_steps
     trace: tuple[FailureEvent, ...] = ()
     threads: int = 1
     timeout: float = 3600.0
@@ -93,6 +94,21 @@ class RunPlan:
 
     def slowdown(self, index: int) -> float:
         return self.slowdowns[index] if index < len(self.slowdowns) else 1.0
+
+    def island_steps(self, index: int) -> int:
+        """The island's inner steps: `steps`, or with `equal_time` in decoupled DiLoCo, `steps` times how
+        many times faster than the slowest island it is, so that every island trains for the slowest's time,
+        as a job's islands train until the job ends. The synchronous baselines keep `steps` on every island:
+        their barrier holds each island to the slowest's pace whatever its count."""
+        if not self.equal_time or self.mode != Mode.DILOCO.value:
+            return self.steps
+        slowest = max(self.slowdown(i) for i in range(self.islands))
+        return round(self.steps * slowest / self.slowdown(index))
+
+    @property
+    def total_steps(self) -> int:
+        """Inner steps of every rank of every island together."""
+        return self.ranks_per_island * sum(self.island_steps(i) for i in range(self.islands))
 
 
 def island_gpus(island: int, ranks_per_island: int, gpus: int) -> str:
@@ -320,7 +336,7 @@ class LocalJob:
             "--model",
             p.preset,
             "--steps",
-            str(p.steps),
+            str(p.island_steps(island)),
             "--batch-size",
             str(p.batch_size),
             "--eval-every",

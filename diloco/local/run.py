@@ -95,8 +95,7 @@ def mode_config(mode: str, config: TrainingConfig, islands: int) -> TrainingConf
 def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, JobResult]:
     job = LocalJob(plan)
     reader = _ProgressReader(plan.out / "progress")
-    total = plan.islands * plan.ranks_per_island * plan.steps
-    with tqdm(total=total, desc=f"{plan.mode:>11}", unit="step", disable=quiet, mininterval=1.0) as bar:
+    with tqdm(total=plan.total_steps, desc=f"{plan.mode:>11}", unit="step", disable=quiet, mininterval=1.0) as bar:
 
         def tick() -> None:
             done = reader.poll()
@@ -315,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every,
             slowdowns=slowdowns,
             reference_step_seconds=args.reference_step_seconds,
+            equal_time=args.equal_time,
             trace=tuple(trace),
             threads=args.threads,
             timeout=args.timeout,
@@ -400,6 +400,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="islands slower than the fastest run fewer inner steps per round, at the fastest's cadence",
     )
     p.add_argument("--slowdown", default="", help="per-island slowdown factors, e.g. 1,1,3,1")
+    p.add_argument(
+        "--equal-time",
+        action="store_true",
+        help="decoupled islands faster than the slowest take proportionally more steps than --steps, so all train "
+        "for the slowest's time, as a job's islands do until it ends (the barrier modes keep --steps)",
+    )
     p.add_argument(
         "--reference-step-seconds",
         type=float,

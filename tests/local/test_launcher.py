@@ -36,6 +36,18 @@ def test_a_run_starts_from_nothing_even_where_an_earlier_run_left_its_files(tmp_
     assert keep.read_text() == "the user's own", "only the folders a run writes are cleared"
 
 
+def test_with_equal_time_decoupled_islands_take_steps_in_proportion_to_their_speed(tmp_path):
+    """Every island then trains for the slowest island's time, as a job's islands do until it ends; the
+    barrier modes hold every island to the slowest's pace, so they keep one count."""
+    shape = {"config": TrainingConfig(), "out": tmp_path, "islands": 4, "steps": 36, "slowdowns": (1, 1, 2, 3)}
+    plan = RunPlan(mode="diloco", equal_time=True, **shape)
+    assert [plan.island_steps(i) for i in range(4)] == [108, 108, 54, 36]
+    assert plan.total_steps == 306
+    for mode in ("sync-diloco", "ddp"):
+        assert [RunPlan(mode=mode, equal_time=True, **shape).island_steps(i) for i in range(4)] == [36] * 4
+    assert RunPlan(mode="diloco", **shape).total_steps == 4 * 36, "without equal_time, --steps each"
+
+
 def test_syncers_get_the_cores_the_workers_leave():
     assert syncer_threads(cpus=16, workers=4, threads_per_worker=1, shards=1) == 12, "a GPU box's spare cores"
     assert syncer_threads(cpus=16, workers=4, threads_per_worker=1, shards=3) == 4

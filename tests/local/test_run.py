@@ -212,11 +212,13 @@ def test_a_slow_island_does_not_slow_the_others(tmp_path):
 
 def test_an_emulated_device_gives_every_step_its_islands_factor_times_the_reference(tmp_path):
     """With a reference step time, a slow island's steps last its factor times that, whatever the islands
-    beside it compute (`diloco.worker.slowdown`); a step whose compute outlasts it is flagged as an overrun."""
-    run(tmp_path, "emulated", "--steps", "20", "--slowdown", "1,3", "--reference-step-seconds", "0.2")
-    for island, least in (("island-0", 0.2), ("island-1", 0.6)):
+    beside it compute (`diloco.worker.slowdown`); a step whose compute outlasts it is flagged as an overrun.
+    With --equal-time the island three times faster takes three times the steps, in the same time."""
+    emulated = ["--steps", "10", "--slowdown", "1,3", "--reference-step-seconds", "0.2", "--equal-time"]
+    run(tmp_path, "emulated", *emulated)
+    for island, count, least in (("island-0", 30, 0.2), ("island-1", 10, 0.6)):
         steps = island_events(tmp_path / "emulated" / "diloco", island, StepEvent)
-        assert len(steps) == 20 and all(e.seconds >= least - 1e-3 for e in steps), [e.seconds for e in steps]
+        assert len(steps) == count and all(e.seconds >= least - 1e-3 for e in steps), [e.seconds for e in steps]
         assert all(e.compute_seconds > least for e in steps if e.overran)
 
 
