@@ -204,6 +204,7 @@ def main() -> int:
     )
     p.add_argument("--out", type=Path, default=Path("out/bench/wan"), help="the runs")
     p.add_argument("--png-dir", type=Path, default=Path("out/bench"))
+    p.set_defaults(reference_step_seconds=None)  # training.shape's: the links, not an emulated device, set the pace
     args = p.parse_args()
     started = time.perf_counter()
 
