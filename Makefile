@@ -65,7 +65,7 @@ bench-goodput: $(STAMP)  ## goodput under one failure trace: decoupled vs sync-d
 bench-wan: $(STAMP)  ## step rate behind 12B-equivalent WAN links (netns, tbf, delay; root): decoupled vs sync-diloco vs ddp (~12 min)
 	$(BIN)/python bench/wan.py
 
-bench-mixed-hardware: $(STAMP)  ## islands at speeds 1,1,1,3 and 1,1,2,2: time to a held-out loss, speed-aware vs fixed H vs sync-diloco vs ddp (~15 min)
+bench-mixed-hardware: $(STAMP)  ## islands at speeds 1,1,1,3 and 1,1,2,2: time to a held-out loss, speed-aware vs fixed H vs sync-diloco vs ddp (~8 min)
 	$(BIN)/python bench/mixed_hardware.py
 
 bench-accelerator: $(STAMP)  ## one GPU: tokens/s, MFU and peak memory of the medium and xl presets, bf16 vs fp32 (~2 min)
