@@ -34,6 +34,8 @@ from diloco.operator.events import Event
 from diloco.operator.policies.failure_policy import charged_failures
 
 _ORDINAL_SUFFIX = re.compile(r"-(\d+)$")
+NAMED_CAUSES = 4
+"""Failed pods whose end an IslandFailed Event describes; the others it counts."""
 LOST_WITH_NODE = "ContainerStatusUnknown"
 """The reason of a container's last termination when the kubelet found it gone from the runtime while it was
 running (its node rebooted): the kubelet restarts it and raises its restartCount, and no exit of the
@@ -203,6 +205,12 @@ class _PodLosses:
         self.failures[ordinal] = self.failures.get(ordinal, 0) + count
         self.causes[ordinal] = cause
 
+    def described(self, most: int) -> str:
+        """How each failed pod ended, pod by pod, at most `most` of them (an Event stays short)."""
+        causes = [self.causes[ordinal] for ordinal in sorted(self.failures)]
+        more = f"; and {len(causes) - most} more pods failed" if len(causes) > most else ""
+        return "; ".join(causes[:most]) + more
+
     def charged_cause(self) -> str | None:
         """The cause of the most failures of any one pod (the one charged), None when none failed."""
         if not self.failures or self.preempted:
@@ -332,7 +340,7 @@ def _begin_reform(
         return Reform(reason="Failure", since=now, hold_until=hold), Event(
             "Warning",
             Reason.ISLAND_FAILED,
-            f"island {name}: pods {sorted(losses.failures)} failed; restarts {restarts}; "
+            f"island {name}: {losses.described(NAMED_CAUSES)}; restarts {restarts}; "
             f"re-forming after {backoff_seconds}s",
         )
     if outdated:

@@ -123,6 +123,17 @@ def test_nodes_are_looked_up_only_for_unexplained_losses():
 # --- failures, preemptions, re-forming -----------------------------------------------------------
 
 
+def test_the_failure_event_names_each_failed_pod_and_how_it_ended():
+    account = step(settled(), [pod(0, restarts=1, exit="exit code 137 (OOMKilled)"), pod(1)], now=at(5))
+    (event,) = account.events
+    assert event.reason == "IslandFailed"
+    assert event.message.startswith("island a: pod job-a-0 restarted, exit code 137 (OOMKilled); restarts 1;")
+    six = IslandSpec(name="a", replicas=6)
+    before = settled([pod(k) for k in range(6)], island=six)
+    many = step(before, [pod(k, restarts=1) for k in range(6)], now=at(5), island=six)
+    assert "pod job-a-3 restarted; and 2 more pods failed; restarts 1;" in many.events[0].message
+
+
 def test_first_sight_charges_no_history():
     account = step(None, [pod(0, restarts=5), pod(1)])
     assert account.status.restarts == 0 and account.replicas == 2 and account.events == ()
