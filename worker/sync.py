@@ -288,27 +288,32 @@ def fragment_values(
 
 
 class HostCopy:
-    """Float32 host copies of a fragment's parameters as they are at one step: what a round pushes from.
+    """Float32 host copies of tensors as they are at one step: what a round pushes from, or what an island
+    checkpoint writes.
 
     On an accelerator the training thread only queues the copy: a device-side clone in stream order (so later
     steps cannot change what is copied), then a copy into pinned host memory on a side stream, which overlaps
-    the next steps' compute. `values()` waits for it, in the round's own thread. On a CPU it copies at once.
+    the next steps' compute. `values()` waits for it, in the round's own thread. What is already on the host
+    (a CPU model's parameters, AdamW's `step` counts beside a GPU model's moments) is copied at once.
     """
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self._ready: torch.cuda.Event | None = None
-        self.pinned = bool(params) and params[0].device.type == "cuda"
-        if not self.pinned:
-            self._values = [p.detach().to("cpu", torch.float32, copy=True) for p in params]
+        self._values = [
+            p.detach().to("cpu", torch.float32, copy=True) if p.device.type != "cuda" else p for p in params
+        ]
+        on_device = [i for i, p in enumerate(params) if p.device.type == "cuda"]
+        self.pinned = bool(on_device)
+        if not on_device:
             return
-        device = params[0].device
-        frozen = [p.detach().to(torch.float32, copy=True) for p in params]
+        device = params[on_device[0]].device
+        frozen = [params[i].detach().to(torch.float32, copy=True) for i in on_device]
         side = _copy_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            self._values = [torch.empty(f.shape, dtype=torch.float32, pin_memory=True) for f in frozen]
-            for host, clone in zip(self._values, frozen):
-                host.copy_(clone, non_blocking=True)
+            for i, clone in zip(on_device, frozen):
+                self._values[i] = torch.empty(clone.shape, dtype=torch.float32, pin_memory=True)
+                self._values[i].copy_(clone, non_blocking=True)
                 clone.record_stream(side)  # the allocator keeps the clone until the side stream is past the copy
             self._ready = torch.cuda.Event()
             self._ready.record(side)
