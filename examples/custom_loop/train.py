@@ -83,7 +83,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: min(1.0, (learner.resume_step + step + 1) / args.warmup)
         )
-        start = {"resumed_at": learner.resume_step, "warm": learner.resumed_warm, "lr": scheduler.get_last_lr()[0]}
+        start = {
+            "resumed_at": learner.resume_step,
+            "warm": learner.resumed_warm,
+            "lr": scheduler.get_last_lr()[0],
+            "device": device.type,
+            "fp16": scaler.is_enabled(),
+        }
         print(json.dumps(start), flush=True)
         while not args.steps or learner.inner_step < args.steps:
             if learner.stop_requested:

@@ -110,3 +110,26 @@ def test_a_killed_island_of_the_example_resumes_at_the_jobs_step_warm(start_shar
     assert len(after) == 100 // 5 - start["resumed_at"] // 5, "no step trained again, none skipped"
     left_at, cold = before[-1]["loss"], before[0]["loss"]
     assert after[0]["loss"] < left_at + 0.25 * (cold - left_at), (cold, left_at, after[0]["loss"])
+
+
+@pytest.mark.gpu
+def test_the_custom_loop_example_trains_on_cuda_in_fp16_through_its_grad_scaler(start_shards, tmp_path):
+    """On a GPU the example autocasts to fp16 and steps through an enabled GradScaler, which skips the
+    optimizer step (and so the learner's inner step) whenever a scaled gradient overflows: the island still
+    counts exactly its steps, merges, and learns."""
+    shards = start_shards(make_config(inner_steps=10))
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--steps", str(STEPS)],
+        env=island_env(shards, tmp_path, "island-gpu"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr
+    start, steps = records(run.stdout)
+    assert start["device"] == "cuda" and start["fp16"], start
+    assert steps[-1]["step"] == STEPS
+    losses = [s["loss"] for s in steps]
+    print(f"\nthe example on cuda in fp16: loss {losses[0]} -> {losses[-1]}")
+    assert losses[-1] < 0.8 * losses[0], f"the loss did not fall: {losses}"
+    assert all(version >= 2 for _, version, _ in shards.status(0).values())
