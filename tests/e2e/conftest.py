@@ -131,7 +131,8 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def install_operator(target: Target) -> None:
     """`helm install` of charts/diloco into OPERATOR_NAMESPACE, waiting until its Deployment is available. On
     the KWOK cluster the chart's Deployment runs through the pod runner like any pod (its image is this
-    checkout)."""
+    checkout); elsewhere the image is one loaded onto the nodes (kind, the real node), never pulled: no
+    registry holds diloco-operator."""
     target.helm(
         "install",
         "diloco",
@@ -145,7 +146,7 @@ def install_operator(target: Target) -> None:
         "--set",
         f"image.tag={target.image_tag}",
         "--set",
-        "image.pullPolicy=IfNotPresent",
+        "image.pullPolicy=Never",
         "--set",
         "replicaCount=1",
         "--set",
@@ -160,7 +161,12 @@ def operator(target: Target) -> Iterator[str]:
     try:
         yield OPERATOR_NAMESPACE
     finally:
-        target.helm("uninstall", "diloco", "--namespace", OPERATOR_NAMESPACE, "--wait", "--timeout", "120s")
+        uninstall_operator(target)
+
+
+def uninstall_operator(target: Target) -> None:
+    """`helm uninstall` of what `install_operator` installed, waiting until its objects are gone."""
+    target.helm("uninstall", "diloco", "--namespace", OPERATOR_NAMESPACE, "--wait", "--timeout", "120s")
 
 
 @pytest.fixture

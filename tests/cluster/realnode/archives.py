@@ -23,12 +23,17 @@ def archive(image: str, tag: str = "dev") -> Path:
     return cache / "images" / f"diloco-{image}-{tag}.tar"
 
 
-def labels(saved: Path) -> dict[str, str]:
-    """The labels of the one image in a `docker save` archive (its manifest names the image's config)."""
+def config(saved: Path) -> dict:
+    """The run settings (User, Entrypoint, Labels...) of the one image in a `docker save` archive (its manifest
+    names the image's config)."""
     with tarfile.open(saved) as tar:
         (manifest,) = json.load(tar.extractfile("manifest.json"))
-        config = json.load(tar.extractfile(manifest["Config"]))
-    return config["config"].get("Labels") or {}
+        return json.load(tar.extractfile(manifest["Config"]))["config"]
+
+
+def labels(saved: Path) -> dict[str, str]:
+    """The labels of the one image in a `docker save` archive."""
+    return config(saved).get("Labels") or {}
 
 
 def unusable(image: str) -> str | None:

@@ -85,18 +85,6 @@ class RealNode:
     """HOST_SYSCTLS as they were before the node started, restored by stop."""
 
     @property
-    def resolv_conf(self) -> Path:
-        """A resolv.conf that resolves names as this node's pods do, through the cluster's DNS."""
-        return self.workdir / "resolv.conf"
-
-    def with_cluster_dns(self, command: list[str]) -> list[str]:
-        """`command` run on the host, but resolving names through the cluster's DNS (resolv_conf bound over
-        /etc/resolv.conf in a mount namespace of its own): how a process that stands in for a pod, such as a
-        local operator, reaches Services by name."""
-        bind = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
-        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", bind, str(self.resolv_conf), *command]
-
-    @property
     def containerd_root(self) -> Path:
         return self.workdir / "containerd"
 
@@ -352,7 +340,6 @@ def start_real_node(
     (workdir / "kubelet.yaml").write_text(json.dumps(_kubelet_config(workdir, cgroup_root)))
     (workdir / "kube-proxy.yaml").write_text(json.dumps(_kube_proxy_config(proxy_kubeconfig)))
     (workdir / "kubeconfig").write_text(kubeconfig(plane.server, NODE_TOKEN, plane.ca))
-    (workdir / "resolv.conf").write_text(f"nameserver {DNS_IP}\nsearch {CLUSTER_DOMAIN}\noptions ndots:5\n")
     node = None
     try:
         for hierarchy in CGROUP_HIERARCHIES.iterdir():  # the kubelet wants its cgroup root to exist

@@ -4,14 +4,19 @@ import io
 import json
 import tarfile
 
+import pytest
+
 from cluster.realnode import archives
 
+IMAGES = pytest.mark.parametrize("image", archives.build_context.IMAGES)
 
-def save(path, labels):
-    """A `docker save` archive of one image with `labels` (its manifest and config: the layers do not matter)."""
+
+def save(path, image, labels):
+    """A `docker save` archive of `diloco-<image>:dev` with `labels` and the images' user (its manifest and
+    config: the layers do not matter)."""
     files = {
-        "manifest.json": [{"Config": "abc.json", "RepoTags": ["diloco-trainer:dev"], "Layers": []}],
-        "abc.json": {"config": {"Labels": labels}},
+        "manifest.json": [{"Config": "abc.json", "RepoTags": [f"diloco-{image}:dev"], "Layers": []}],
+        "abc.json": {"config": {"User": "10001:10001", "Labels": labels}},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(path, "w") as tar:
@@ -22,17 +27,20 @@ def save(path, labels):
             tar.addfile(info, io.BytesIO(data))
 
 
-def test_an_archive_built_from_this_checkout_is_usable(tmp_path, monkeypatch):
+@IMAGES
+def test_an_archive_built_from_this_checkout_is_usable(tmp_path, monkeypatch, image):
     monkeypatch.setenv("DILOCO_CLUSTER_CACHE", str(tmp_path))
-    digest = archives.build_context.digest(archives.ROOT, "trainer")
-    save(archives.archive("trainer"), {archives.build_context.LABEL: digest})
-    assert archives.unusable("trainer") is None
+    digest = archives.build_context.digest(archives.ROOT, image)
+    save(archives.archive(image), image, {archives.build_context.LABEL: digest})
+    assert archives.unusable(image) is None
+    assert archives.config(archives.archive(image))["User"] == "10001:10001"
 
 
-def test_a_missing_or_stale_archive_is_refused_with_the_command_that_rebuilds_it(tmp_path, monkeypatch):
+@IMAGES
+def test_a_missing_or_stale_archive_is_refused_with_the_command_that_rebuilds_it(tmp_path, monkeypatch, image):
     monkeypatch.setenv("DILOCO_CLUSTER_CACHE", str(tmp_path))
-    assert "no " in archives.unusable("trainer")
+    assert "no " in archives.unusable(image)
     for labels in ({}, {archives.build_context.LABEL: "0" * 64}):
-        save(archives.archive("trainer"), labels)
-        reason = archives.unusable("trainer")
-        assert "other sources" in reason and reason.endswith("tests/cluster/realnode/images.sh trainer")
+        save(archives.archive(image), image, labels)
+        reason = archives.unusable(image)
+        assert "other sources" in reason and reason.endswith(f"tests/cluster/realnode/images.sh {image}")

@@ -1,40 +1,44 @@
-"""The project's image on a real node: the README's example job (CPU requests cut to fit one 2-core node)
-trains there. Its islands (the two-pod one included) and syncer shards are real containers of diloco-trainer,
-running as the image's non-root user with their probes passing; the islands find the shards and each other by
-their Service names (CoreDNS, kube-proxy), become Ready, and the job's outer step, which the operator reads
-from the shards, rises. A shard's checkpoint, on its volume, outlives its pod: a new pod resumes from it. An
-island pod that outgrows its memory limit is killed by the kernel, and the job counts that as a failure.
+"""The project's images on a real node: the operator, installed with helm from charts/diloco, runs in the
+cluster as the chart's Deployment, under the chart's own RBAC, as the image's non-root user with its probes
+passing. The README's example job (CPU requests cut to fit one 2-core node) trains there. Its islands (the
+two-pod one included) and syncer shards are real containers of diloco-trainer, running as the image's non-root
+user with their probes passing; the islands find the shards and each other by their Service names (CoreDNS,
+kube-proxy), become Ready, and the job's outer step, which the operator reads from the shards, rises. A shard's
+checkpoint, on its volume, outlives its pod: a new pod resumes from it. An island pod that outgrows its memory
+limit is killed by the kernel, and the job counts that as a failure.
 
-Needs, beside test_node.py's opt-in, the trainer image built from this checkout, as an archive:
-tests/cluster/realnode/images.sh trainer (skipped otherwise, with that command)."""
+Needs, beside test_node.py's opt-in, both images built from this checkout, as archives:
+tests/cluster/realnode/images.sh operator trainer (skipped otherwise, with the command for the stale one)."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import yaml
+from e2e.conftest import OPERATOR_NAMESPACE, Target, install_operator, uninstall_operator
 from support import wait_until
 
 from cluster.cluster import Cluster, start_cluster
-from cluster.controlplane import spawn, stop_group
 from cluster.realnode import archives
 from cluster.realnode.node import RealNode, not_enabled, start_real_node
 from diloco.api.conditions import ConditionType, Reason
 from diloco.operator import naming
+from diloco.operator.children import OperatorRef
 from diloco.syncer.checkpoint import checkpoint_path
 
 ROOT = Path(__file__).resolve().parents[3]
 CONTAINERS = (
-    "NAME:.metadata.name,NODE:.spec.nodeName,IP:.status.podIP,CONTAINER:.status.containerStatuses[*].containerID"
+    "NAMESPACE:.metadata.namespace,NAME:.metadata.name,NODE:.spec.nodeName,IP:.status.podIP,"
+    "CONTAINER:.status.containerStatuses[*].containerID"
 )
 EXAMPLE = ROOT / "deploy" / "examples" / "tiny-cpu.yaml"
 TRAINER_UID = 10001  # deploy/Dockerfile.trainer's USER
+IMAGES = ("operator", "trainer")
 # Importing the 6 GB image alone takes minutes on a loaded machine, then the job has to form and train.
 pytestmark = [pytest.mark.process, pytest.mark.timeout(2400)]
 
@@ -51,43 +55,72 @@ def fitted(example: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster_with_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, RealNode]]:
-    """A control plane, one real node with diloco-trainer:dev preloaded, the CRD and the operator (a local
-    process, as the cluster's administrator, resolving the shards' Service names as a pod would)."""
+    """A control plane and one real node with diloco-operator:dev and diloco-trainer:dev preloaded, the operator
+    installed there with helm as the e2e suite installs it (the chart's CRDs, Deployment and RBAC); uninstalled
+    with helm on the way out."""
     if reason := not_enabled():
         pytest.skip(reason)
-    if reason := archives.unusable("trainer"):
-        pytest.skip(reason)
+    for image in IMAGES:
+        if reason := archives.unusable(image):
+            pytest.skip(reason)
     workdir = tmp_path_factory.mktemp("realnode-job")
     (workdir / "cluster").mkdir()
     cluster = start_cluster(workdir / "cluster", pools=())
-    node = operator = None
+    target = Target(cluster.kubeconfig, cluster.bin, "dev")
+    node = None
+    installed = False
     try:
-        # The CRD first: kubectl wait fails on a CRD whose status is still empty, and the node takes minutes.
-        cluster.kubectl("apply", "-f", str(ROOT / "deploy" / "crd.yaml"))
-        node = start_real_node(cluster, workdir / "node", images=(archives.archive("trainer"),), timeout=900)
-        cluster.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/dilocojobs.diloco.dev")
-        cluster.kubectl("create", "namespace", "diloco-system")
-        operator = spawn(
-            node.with_cluster_dns(
-                [
-                    str(Path(sys.executable).parent / "diloco-operator"),
-                    "--all-namespaces",
-                    "--standalone",
-                    "--metrics-port=0",
-                    "--liveness-port=0",
-                ]
-            ),
-            workdir / "operator.log",
-            env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
-        )
+        images = tuple(archives.archive(image) for image in IMAGES)
+        node = start_real_node(cluster, workdir / "node", images=images, timeout=900)
+        install_operator(target)
+        installed = True
         yield cluster, node
+        restarted = {pod["metadata"]["name"]: pod["status"]["containerStatuses"] for pod in operator_pods(cluster)}
+        assert all(c["restartCount"] == 0 for cs in restarted.values() for c in cs), f"liveness failed: {restarted}"
     finally:
-        if operator is not None:
-            stop_group(operator)
+        if installed:
+            uninstall_operator(target)
         if node is not None:
             node.stop()
         cluster.stop()
     assert node is None or not node.leftovers()
+
+
+def operator_pods(cluster: Cluster) -> list[dict]:
+    """The pods of the chart's operator Deployment."""
+    return pods(cluster, OPERATOR_NAMESPACE, OperatorRef(OPERATOR_NAMESPACE).pod_labels)
+
+
+def container_uids(container_id: str) -> set[int]:
+    """The real uids of a container's processes, from the host's /proc (the node's PID namespace is a child of
+    the host's; each container's processes sit in a cgroup named after the container's ID)."""
+    found = set()
+    for process in Path("/proc").iterdir():
+        try:
+            if process.name.isdigit() and container_id in (process / "cgroup").read_text():
+                uid = next(line for line in (process / "status").read_text().splitlines() if line.startswith("Uid:"))
+                found.add(int(uid.split()[1]))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+def test_the_operator_runs_in_the_cluster_as_the_images_user_with_its_probes_passing(cluster_with_operator):
+    """helm's operator pod is a real container of diloco-operator:dev on the node, Ready and never restarted
+    (its probes pass), its processes running as the user the image names, not root."""
+    cluster, node = cluster_with_operator
+    user = archives.config(archives.archive("operator"))["User"]
+    image_uid = int(user.split(":")[0])
+    operators = operator_pods(cluster)
+    assert operators
+    for pod in operators:
+        assert pod["spec"]["nodeName"] == node.name
+        (container,) = pod["status"]["containerStatuses"]
+        assert container["image"].endswith("diloco-operator:dev") and container["imageID"], container
+        assert container["ready"] and container["restartCount"] == 0, container
+        assert container["containerID"].startswith("containerd://")
+        assert image_uid != 0 and container_uids(container["containerID"].removeprefix("containerd://")) == {image_uid}
+    print(cluster.kubectl("-n", OPERATOR_NAMESPACE, "get", "pods", "-o", f"custom-columns={CONTAINERS}").stdout)
 
 
 def job_status(cluster: Cluster, namespace: str = "readme") -> dict:
@@ -134,8 +167,8 @@ def readme_job(cluster_with_operator) -> dict:
 def test_the_readme_example_trains_on_real_containers(cluster_with_operator, readme_job):
     cluster, node = cluster_with_operator
     wait_for(cluster, "the outer step did not rise", lambda s: s.get("outerStep", 0) > readme_job["outerStep"], 600)
-    print(cluster.kubectl("-n", "readme", "get", "pods", "-o", "wide").stdout)
-    print(cluster.kubectl("-n", "readme", "get", "pods", "-o", f"custom-columns={CONTAINERS}").stdout)
+    print(cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout)
+    print(cluster.kubectl("get", "pods", "-A", "-o", f"custom-columns={CONTAINERS}").stdout)
 
     pair = pods(cluster, "readme", naming.island_selector("tiny-cpu", "pair"))
     assert len(pair) == 2
