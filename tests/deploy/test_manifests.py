@@ -73,8 +73,16 @@ def test_operator_pods_carry_the_labels_job_network_policies_admit():
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz", "Ready once kopf serves its health"
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert pod["spec"]["serviceAccountName"] == "diloco-operator"
+
+
+def test_the_charts_operator_is_ready_once_kopf_serves_its_health():
+    deployment = next(d for d in render_chart() if d["kind"] == "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
 
 
 def test_the_peering_object_kopf_needs_is_installed():
