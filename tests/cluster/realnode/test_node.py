@@ -1,6 +1,7 @@
 """On a real node, pods are real containers: the kubelet runs each one through containerd and runc as the user
 its image or pod names, probes it over its own network namespace, and pods reach each other by IP and by
-Service name (kube-proxy, CoreDNS). Stopping the node leaves nothing behind on the machine.
+Service name (kube-proxy, CoreDNS), as far as NetworkPolicies let them (kube-network-policies). Stopping the
+node leaves nothing behind on the machine.
 
 Opt-in (DILOCO_REALNODE=1, `make test-realnode`), as root, after tests/cluster/realnode/build.sh and
 `apt-get install` of node.DEBIAN_PACKAGES; skipped otherwise, CI included (docs/real-nodes.md)."""
@@ -16,12 +17,17 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import wait_until
 
 from cluster.cluster import Cluster, MissingBinaries, start_cluster
 from cluster.realnode.node import POD_SUBNET, MissingToolchain, RealNode, not_enabled, start_real_node
+from diloco.api.job import DiLoCoJobSpec
+from diloco.operator import naming
+from diloco.operator.children import OperatorRef, network_policy
 
 pytestmark = pytest.mark.process
 HERE = Path(__file__).resolve().parent
+EXAMPLE = HERE.parents[2] / "deploy" / "examples" / "tiny-cpu.yaml"
 IMAGE = "diloco.local/busybox:test"
 USER = 65532
 
@@ -58,28 +64,34 @@ def real_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluste
     assert str(workdir) not in mounts
 
 
-def web_pod(name: str, fetch: str = "") -> str:
-    """A pod serving /srv over HTTP on 8080, with `uid` (its user id) and, given `fetch` (a URL), what that
-    URL answered; ready once `uid` is served."""
-    script = "id -u > /srv/uid"
+def web_pod(name: str, fetch: str = "", probe: str = "", labels: dict[str, str] | None = None, port: int = 8080) -> str:
+    """A pod serving /srv over HTTP on `port`, with `uid` (its user id) and, given `fetch` (a URL), what that
+    URL answered; given `probe` (a URL), it tries that URL every second and keeps in `probe` how the last try
+    went: `TRY reached` or `TRY blocked` (no answer within 2 s). Ready once `uid` is served."""
+    script = ["id -u > /srv/uid"]
     if fetch:
-        script += f"; until wget -q -O /srv/fetched {fetch}; do sleep 1; done"
-    script += "; exec httpd -f -p 8080 -h /srv"
+        script.append(f"until wget -q -O /srv/fetched {fetch}; do sleep 1; done")
+    if probe:
+        # timeout, not wget's -T: that crashes Debian's static busybox (1.35).
+        outcome = f"if timeout 2 wget -q -O /dev/null {probe}; then echo $n reached; else echo $n blocked; fi"
+        record = "mv /srv/probe.new /srv/probe"  # whole: the test never reads half a line
+        script.append(f"n=0; while true; do n=$((n + 1)); {outcome} > /srv/probe.new; {record}; sleep 1; done &")
+    script.append(f"exec httpd -f -p {port} -h /srv")
     container = {
         "name": "web",
         "image": IMAGE,
         "imagePullPolicy": "Never",
-        "command": ["/bin/busybox", "sh", "-c", script],
+        "command": ["/bin/busybox", "sh", "-c", "\n".join(script)],
         "env": [{"name": "PATH", "value": "/bin"}],
-        "readinessProbe": {"httpGet": {"path": "/uid", "port": 8080}, "periodSeconds": 1},
-        "livenessProbe": {"tcpSocket": {"port": 8080}, "initialDelaySeconds": 30},
+        "readinessProbe": {"httpGet": {"path": "/uid", "port": port}, "periodSeconds": 1},
+        "livenessProbe": {"tcpSocket": {"port": port}, "initialDelaySeconds": 30},
         "resources": {"limits": {"memory": "32Mi", "cpu": "100m"}},
         "volumeMounts": [{"name": "srv", "mountPath": "/srv"}],
     }
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": name}},
+        "metadata": {"name": name, "labels": labels or {"app": name}},
         "spec": {
             "securityContext": {"runAsNonRoot": True, "runAsUser": USER, "fsGroup": USER},
             "containers": [container],
@@ -140,3 +152,34 @@ def test_pods_reach_a_service_by_its_name(real_node, namespace):
     client = running(cluster, namespace, web_pod("client", fetch="http://server/uid"))
 
     assert served(client, "fetched") == str(USER)
+
+
+def test_a_pod_outside_the_job_cannot_reach_a_syncer(real_node, namespace):
+    """The NetworkPolicy the operator writes for the README's example job, enforced by kube-network-policies:
+    a pod outside the job gets no answer on a syncer's gRPC port, while an island pod of the job connects.
+    Before the policy, the same pod reaches the same port: the network works and the policy is what closes it.
+    (Generic pods with the job's labels stand in for its syncer and island; no DiLoCoJob owns the policy here.)"""
+    cluster, _ = real_node
+    example = yaml.safe_load(EXAMPLE.read_text())
+    spec = DiLoCoJobSpec.model_validate(example["spec"])
+    job = naming.JobRef(name=example["metadata"]["name"], namespace=namespace, uid="")
+    policy = network_policy(job, spec, OperatorRef("diloco-system"))
+    policy["metadata"].pop("ownerReferences", None)
+    syncer = running(
+        cluster, namespace, web_pod("syncer", labels=naming.shard_labels(job.name, 0), port=spec.syncer.port)
+    )
+    grpc_port = f"http://{syncer['status']['podIP']}:{spec.syncer.port}/uid"
+    stranger = running(cluster, namespace, web_pod("stranger", probe=grpc_port))
+    island_labels = naming.island_labels(job.name, spec.islands[0].name)
+    island = running(cluster, namespace, web_pod("island", probe=grpc_port, labels=island_labels))
+
+    def last_try(pod: dict) -> tuple[int, str]:
+        tried, outcome = served(pod, "probe").split()
+        return int(tried), outcome
+
+    wait_until(lambda: last_try(stranger)[1] == "reached" and last_try(island)[1] == "reached", 60, 1)
+    cluster.kubectl("-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(policy))
+    wait_until(lambda: last_try(stranger)[1] == "blocked", 60, 1)
+    since, _ = last_try(island)
+    tried, outcome = wait_until(lambda: (now := last_try(island))[0] > since and now, 60, 1)
+    assert outcome == "reached", f"the job's island pod was blocked too (try {tried})"
