@@ -2,8 +2,9 @@
 trains there. Its islands (the two-pod one included) and syncer shards are real containers of diloco-trainer,
 running as the image's non-root user with their probes passing; the islands find the shards and each other by
 their Service names (CoreDNS, kube-proxy), become Ready, and the job's outer step, which the operator reads
-from the shards, rises. A shard's checkpoint, on its volume, outlives its pod: a new pod resumes from it. An
-island pod that outgrows its memory limit is killed by the kernel, and the job counts that as a failure.
+from the shards, rises. The operator's NetworkPolicy keeps pods outside the job off the shards' gRPC port. A
+shard's checkpoint, on its volume, outlives its pod: a new pod resumes from it. An island pod that outgrows its
+memory limit is killed by the kernel, and the job counts that as a failure.
 
 Needs, beside test_node.py's opt-in, the trainer image built from this checkout, as an archive:
 tests/cluster/realnode/images.sh trainer (skipped otherwise, with that command)."""
@@ -23,9 +24,11 @@ from support import wait_until
 
 from cluster.cluster import Cluster, start_cluster
 from cluster.controlplane import spawn, stop_group
-from cluster.realnode import archives
+from cluster.realnode import archives, busybox
+from cluster.realnode.busybox import last_probe, running, web_pod
 from cluster.realnode.node import RealNode, not_enabled, start_real_node
 from diloco.api.conditions import ConditionType, Reason
+from diloco.api.job import DiLoCoJobSpec
 from diloco.operator import naming
 from diloco.syncer.checkpoint import checkpoint_path
 
@@ -51,7 +54,7 @@ def fitted(example: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster_with_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, RealNode]]:
-    """A control plane, one real node with diloco-trainer:dev preloaded, the CRD and the operator (a local
+    """A control plane, one real node with diloco-trainer:dev (and busybox) preloaded, the CRD and the operator (a local
     process, as the cluster's administrator, resolving the shards' Service names as a pod would)."""
     if reason := not_enabled():
         pytest.skip(reason)
@@ -64,7 +67,8 @@ def cluster_with_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     try:
         # The CRD first: kubectl wait fails on a CRD whose status is still empty, and the node takes minutes.
         cluster.kubectl("apply", "-f", str(ROOT / "deploy" / "crd.yaml"))
-        node = start_real_node(cluster, workdir / "node", images=(archives.archive("trainer"),), timeout=900)
+        images = (archives.archive("trainer"), busybox.image(workdir))
+        node = start_real_node(cluster, workdir / "node", images=images, timeout=900)
         cluster.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/dilocojobs.diloco.dev")
         cluster.kubectl("create", "namespace", "diloco-system")
         operator = spawn(
@@ -144,6 +148,31 @@ def test_the_readme_example_trains_on_real_containers(cluster_with_operator, rea
         (container,) = pod["status"]["containerStatuses"]
         assert container["ready"] and container["containerID"].startswith("containerd://")
         assert pod["spec"]["securityContext"].get("runAsUser", TRAINER_UID) == TRAINER_UID
+
+
+def test_a_pod_outside_the_job_cannot_reach_its_syncers(cluster_with_operator, readme_job):
+    """The NetworkPolicy the operator wrote for the example, enforced by kube-network-policies: a pod outside the
+    job gets no answer on a shard's gRPC port (the job's islands, which train through it, do), while the same
+    kind of pod reaches the same shard's metrics port, which the policy leaves open to scrapers: the policy
+    closes the gRPC port, not a broken network."""
+    cluster, _ = cluster_with_operator
+    spec = DiLoCoJobSpec.model_validate(fitted(EXAMPLE)["spec"])
+    (shard,) = pods(cluster, "readme", naming.shard_selector("tiny-cpu", 1))  # shard 0's pod is deleted below
+    address = shard["status"]["podIP"]
+    names = {port: f"stranger-{port}" for port in (spec.syncer.port, spec.syncer.metrics_port)}
+    try:
+        strangers = {
+            port: running(cluster, "readme", web_pod(name, probe=f"{address} {port}")) for port, name in names.items()
+        }
+        tried = {
+            port: wait_until(lambda pod=pod: (last := last_probe(pod))[0] >= 3 and last, 60, 1)
+            for port, pod in strangers.items()
+        }
+    finally:
+        cluster.kubectl("-n", "readme", "delete", "pod", *names.values(), "--ignore-not-found", "--wait=false")
+    assert tried[spec.syncer.metrics_port][1] == "reached", tried
+    assert tried[spec.syncer.port][1] == "blocked", tried
+    print(f"a pod outside the job, to shard 1 at {address}: {tried}")
 
 
 def shard_versions(status: dict, shard: int) -> dict[int, int]:
