@@ -38,6 +38,7 @@ def web_pod(name: str, fetch: str = "", probe: str = "", labels: dict[str, str] 
         # nc runs `true` once connected; it gives up after 2 s without an answer.
         outcome = f"if nc -w 2 {probe} -e true; then echo $n reached; else echo $n blocked; fi"
         record = "mv /srv/probe.new /srv/probe"  # whole: the test never reads half a line
+        script.append("echo 0 untried > /srv/probe")  # there from the first request the pod is Ready for
         script.append(f"n=0; while true; do n=$((n + 1)); {outcome} > /srv/probe.new; {record}; sleep 1; done &")
     script.append(f"exec httpd -f -p {port} -h /srv")
     container = {
@@ -79,6 +80,7 @@ def served(pod: dict, path: str) -> str:
 
 
 def last_probe(pod: dict) -> tuple[int, str]:
-    """The number of the probing pod's last try, and whether it `reached` its target or was `blocked`."""
+    """The number of the probing pod's last try, and whether it `reached` its target or was `blocked` (0 and
+    `untried` before the first)."""
     tried, outcome = served(pod, "probe").split()
     return int(tried), outcome
