@@ -26,9 +26,10 @@ new_module() {
     echo "$dir"
 }
 
-# build NAME VERSION MODDIR PACKAGE LDFLAGS VERSION_COMMAND...
+# build NAME VERSION MODDIR PACKAGE LDFLAGS [VERSION_COMMAND...]
 # Builds PACKAGE inside MODDIR, checks that VERSION_COMMAND's output names VERSION, then renames the
-# whole directory into place so an interrupted build never leaves a partial cache entry.
+# whole directory into place so an interrupted build never leaves a partial cache entry. A binary with
+# no version command is checked by the version of PACKAGE's module that Go recorded in it instead.
 build() {
     local name=$1 version=$2 moddir=$3 pkg=$4 ldflags=$5
     shift 5
@@ -37,8 +38,10 @@ build() {
     mkdir -p "$out"
     # -mod=mod lets go fill in the throwaway module's go.sum and indirect requirements.
     (cd "$moddir" && nice -n 19 go build -mod=mod -trimpath -ldflags "-s -w $ldflags" -o "$out/$name" "$pkg")
-    if ! reported=$("$out/$name" "$@" 2>&1) || [[ $reported != *"${version#v}"* ]]; then
-        log "[build] $name: '$name $*' does not report $version: $reported"
+    local check=("$out/$name" "$@")
+    [[ $# -gt 0 ]] || check=(module_version "$out/$name" "$pkg")
+    if ! reported=$("${check[@]}" 2>&1) || [[ $reported != *"${version#v}"* ]]; then
+        log "[build] $name: '${check[*]}' does not report $version: $reported"
         return 1
     fi
     # mv -T renames onto a missing (or empty) directory atomically; if a concurrent run won the
@@ -48,6 +51,12 @@ build() {
         return 1
     fi
     log "[build] $name $version ... done in $((SECONDS - start))s ($(du -h "$dest/$name" | cut -f1))"
+}
+
+# module_version BINARY PACKAGE: the module that provides PACKAGE and its version, as Go recorded them in
+# BINARY (`go version -m` lists the main package's module as: mod MODULE VERSION SUM, and each other as dep).
+module_version() {
+    go version -m "$1" | awk -v pkg="$2" '($1 == "mod" || $1 == "dep") && index(pkg, $2) == 1 {print $2, $3}'
 }
 
 # cached NAME VERSION: true when the binary is in place (then no module is set up, no Go is run).

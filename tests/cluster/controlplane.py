@@ -39,11 +39,11 @@ PORTS = "ports.json"
 SERVICE_CIDR = "10.96.0.0/16"
 
 
-def pinned_version(name: str) -> str:
-    """A version pinned in build.sh (e.g. `K8S_VERSION`), read from the script so it is written once."""
-    match = re.search(rf"^{name}=(\S+)", BUILD_SCRIPT.read_text(), re.MULTILINE)
+def pinned_version(name: str, script: Path = BUILD_SCRIPT) -> str:
+    """A version pinned in a build script (e.g. build.sh's `K8S_VERSION`), read from it so it is written once."""
+    match = re.search(rf"^{name}=(\S+)", script.read_text(), re.MULTILINE)
     if match is None:
-        raise LookupError(f"{name} is not set in {BUILD_SCRIPT}")
+        raise LookupError(f"{name} is not set in {script}")
     return match.group(1)
 
 
@@ -153,9 +153,11 @@ class ControlPlane:
         path.write_text(kubeconfig(self.server, token, self.ca))
         return path
 
+    def service_account_token(self, namespace: str, name: str) -> str:
+        return self.kubectl("-n", namespace, "create", "token", name, "--duration", "2h").stdout.strip()
+
     def service_account_kubeconfig(self, namespace: str, name: str) -> Path:
-        token = self.kubectl("-n", namespace, "create", "token", name, "--duration", "2h").stdout.strip()
-        return self.token_kubeconfig(token, f"{namespace}-{name}")
+        return self.token_kubeconfig(self.service_account_token(namespace, name), f"{namespace}-{name}")
 
     def stop(self) -> None:
         """Stops every process, last started first, and their process groups with them."""

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds what a real node needs beside the control plane that ../build.sh builds: the kubelet and
-# kube-proxy (same k8s.io/kubernetes module and pin), a pause image compiled from kubernetes' own
+# kube-proxy (same k8s.io/kubernetes module and pin), the NetworkPolicy controller that kind's kindnetd
+# runs (sigs.k8s.io/kube-network-policies), a pause image compiled from kubernetes' own
 # build/pause/linux/pause.c, and a CoreDNS image for the cluster's DNS. containerd, runc, the CNI
 # plugins and nft come from Debian (node.DEBIAN_PACKAGES); nothing is pulled from an image registry.
 #
@@ -13,6 +14,7 @@ shopt -s inherit_errexit
 here=$(dirname "${BASH_SOURCE[0]}")
 K8S_VERSION=$(sed -n 's/^K8S_VERSION=\([^ ]*\).*/\1/p' "$here/../build.sh")   # pinned once, there
 COREDNS_VERSION=v1.14.7
+NETPOL_VERSION=v0.8.0
 
 source "$here/../buildlib.sh"
 
@@ -23,6 +25,18 @@ for name in kubelet kube-proxy; do
         build "$name" "$K8S_VERSION" "$k8s_mod" "k8s.io/kubernetes/cmd/$name" "$k8s_ldflags" --version
     fi
 done
+
+# --- kube-network-policies: NetworkPolicy enforced with nftables and nfqueue, as kindnetd does ---------
+# Its source with kube-network-policies.patch applied (why: see there), in place of the module's.
+if ! cached kube-network-policies "$NETPOL_VERSION"; then
+    netpol_module=sigs.k8s.io/kube-network-policies
+    mod=$(new_module netpol "$netpol_module@$NETPOL_VERSION")
+    cp -r "$(go mod download -json "$netpol_module@$NETPOL_VERSION" | jq -er .Dir)" "$WORK/netpol-src"
+    chmod -R u+w "$WORK/netpol-src"   # the module cache is read-only
+    patch --quiet --forward -p1 -d "$WORK/netpol-src" <"$here/kube-network-policies.patch"
+    (cd "$mod" && go mod edit -replace="$netpol_module=$WORK/netpol-src")
+    build kube-network-policies "$NETPOL_VERSION" "$mod" "$netpol_module/cmd" ""
+fi
 
 # --- pause: the sandbox image, from the same kubernetes release ------------------------------------
 # build/pause/Makefile's TAG is the image version the release expects; compiled as its Makefile does.

@@ -1,15 +1,18 @@
-"""One real node joined to the test cluster: the kubelet and kube-proxy that realnode/build.sh builds, Debian's
-containerd with runc and the CNI bridge plugin, so that pods run as real containers with their own network
-namespace and IP, reach Services by their ClusterIP and resolve their names through the cluster's CoreDNS.
+"""One real node joined to the test cluster: the kubelet, kube-proxy and the NetworkPolicy controller
+(kube-network-policies, as kind's kindnetd runs it) that realnode/build.sh builds, Debian's containerd with runc
+and the CNI bridge plugin, so that pods run as real containers with their own network namespace and IP, reach
+Services by their ClusterIP, resolve their names through the cluster's CoreDNS, and are fenced by
+NetworkPolicies.
 
     cluster = start_cluster(workdir, pools=())
     node = start_real_node(cluster, workdir / "node", images=(archive,))    # OCI archives to preload
     ...
     node.stop()          # nothing left: no process, mount, netns, cgroup, bridge, nftables table, sysctl or images
 
-node.sh runs containerd, kube-proxy and the kubelet in a PID and mount namespace of their own (see there). What
-outlives them in the host is removed by `stop`: the kubelet's cgroups (all under one cgroup root named after
-this node), kube-proxy's nftables tables (`kube-proxy --cleanup`), the node's own nftables table (which
+node.sh runs containerd, kube-proxy, the policy controller and the kubelet in a PID and mount namespace of their
+own (see there). What outlives them in the host is removed by `stop`: the kubelet's cgroups (all under one cgroup
+root named after this node), kube-proxy's nftables tables (`kube-proxy --cleanup`), the policy controller's
+(NETPOL_TABLE: it deletes it itself only when interrupted, never when killed), the node's own nftables table (which
 masquerades the pods' traffic leaving the host), the CNI bridge, and the sysctls the bridge plugin or kube-proxy
 may set. Nothing writes iptables: kube-proxy runs in nftables mode, the bridge plugin does no masquerading, and
 the kubelet's utility chains are off.
@@ -42,11 +45,14 @@ DNS_IP = str(ipaddress.ip_network(SERVICE_CIDR)[10])
 """The kube-dns Service's ClusterIP, as kubeadm and kind choose it."""
 CGROUP_HIERARCHIES = Path("/sys/fs/cgroup")
 DEBIAN_PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iptables", "nftables", "socat")
-"""What node.sh runs from Debian (`apt-get install` them); the kubelet, kube-proxy and the images come from
-build.sh."""
+"""What node.sh runs from Debian (`apt-get install` them); the kubelet, kube-proxy, kube-network-policies and the
+images come from build.sh."""
 CNI_PLUGINS = Path("/usr/lib/cni")
 KUBE_PROXY_TABLE = "kube-proxy"
 """The nftables table (in the ip and ip6 families) that kube-proxy's nftables mode writes all its rules into."""
+NETPOL_TABLE = ("inet", "kube-network-policies")
+"""The nftables table that kube-network-policies writes all its rules into: the first packet of each connection
+to or from a pod that a NetworkPolicy selects goes to its nfqueue, which accepts or drops it."""
 HOST_SYSCTLS = tuple(
     Path("/proc/sys/net", name)
     for name in (
@@ -99,14 +105,16 @@ class RealNode:
         return "\n".join(fields[3] for fields in lines if len(fields) == 4)
 
     def stop(self) -> None:
-        """Stops the kubelet (and with it every container, kube-proxy and the relay), then removes its cgroups,
-        kube-proxy's rules, the bridge and containerd's store, and puts back the host's sysctls."""
+        """Stops the kubelet (and with it every container, kube-proxy, the policy controller and the relay), then
+        removes its cgroups, the rules of kube-proxy and the policy controller, the bridge and containerd's store,
+        and puts back the host's sysctls."""
         stop_group(self.process)
         # The images imported and unpacked there (12 GB with the trainer's) would outlive the run in pytest's
         # kept folders; the logs beside them are what is worth keeping.
         shutil.rmtree(self.containerd_root, ignore_errors=True)
         _remove_cgroups(self.cgroup_root)
         subprocess.run([str(self.kube_proxy), "--cleanup"], capture_output=True)
+        subprocess.run(["nft", "delete", "table", *NETPOL_TABLE], capture_output=True)
         _remove_bridge(self.bridge)
         for path, value in self.sysctls.items():
             if path.read_text() != value:
@@ -122,7 +130,7 @@ class RealNode:
         if subprocess.run(["ip", "link", "show", self.bridge], capture_output=True).returncode == 0:
             left.append(f"bridge {self.bridge}")
         left += [f"iptables {rule}" for rule in self.iptables_rules()]
-        ours = (f" {KUBE_PROXY_TABLE}", f" {self.bridge}")
+        ours = (f" {KUBE_PROXY_TABLE}", f" {self.bridge}", " ".join(NETPOL_TABLE))
         left += [f"nftables table {table}" for table in nftables_tables() if table.endswith(ours)]
         left += [f"sysctl {path} changed" for path, value in self.sysctls.items() if path.read_text() != value]
         return left
@@ -174,11 +182,15 @@ class Image:
 
 
 def node_binaries() -> tuple[dict[str, Path], dict[str, Image]]:
-    """The kubelet and kube-proxy, and the pause and CoreDNS images from build.sh's cache; raises
-    MissingToolchain without them or without Debian's packages."""
+    """The kubelet, kube-proxy and kube-network-policies, and the pause and CoreDNS images from build.sh's cache;
+    raises MissingToolchain without them or without Debian's packages."""
     cache = Path(os.environ.get("DILOCO_CLUSTER_CACHE", os.path.expanduser("~/.cache/diloco-cluster")))
-    version = pinned_version("K8S_VERSION")
-    binaries = {name: cache / f"{name}-{version}" / name for name in ("kubelet", "kube-proxy")}
+    versions = {
+        "kubelet": pinned_version("K8S_VERSION"),
+        "kube-proxy": pinned_version("K8S_VERSION"),
+        "kube-network-policies": pinned_version("NETPOL_VERSION", HERE / "build.sh"),
+    }
+    binaries = {name: cache / f"{name}-{version}" / name for name, version in versions.items()}
     images = {name: sorted(cache.glob(f"{name}-*/{name}.tar")) for name in ("pause", "coredns")}
     missing = [p for p in ("containerd", "ctr", "runc", "nft", "socat") if not _on_path(p)]
     if not (CNI_PLUGINS / "bridge").exists():
@@ -288,8 +300,8 @@ def _kube_proxy_config(kubeconfig_path: Path) -> dict:
 
 
 def _addons(plane: ControlPlane, coredns: Image) -> str:
-    """addons.yaml for this cluster: kube-proxy's service account, the API server's endpoint at the gateway
-    (on its own port, see node.sh's relay), CoreDNS as kube-dns."""
+    """addons.yaml for this cluster: the service accounts of kube-proxy and the policy controller, the API
+    server's endpoint at the gateway (on its own port, see node.sh's relay), CoreDNS as kube-dns."""
     return string.Template(ADDONS.read_text()).substitute(
         gateway=GATEWAY,
         api_port=urlsplit(plane.server).port,
@@ -297,6 +309,16 @@ def _addons(plane: ControlPlane, coredns: Image) -> str:
         coredns_image=coredns.name,
         dns_ip=DNS_IP,
     )
+
+
+def _service_account_files(plane: ControlPlane, name: str, folder: Path) -> None:
+    """What a pod of kube-system's service account `name` finds in /var/run/secrets/kubernetes.io/serviceaccount:
+    for a process that, like kube-network-policies, knows only the in-cluster configuration (node.sh binds
+    `folder` there)."""
+    folder.mkdir(exist_ok=True)
+    (folder / "token").write_text(plane.service_account_token("kube-system", name))
+    (folder / "ca.crt").write_bytes(plane.ca.read_bytes())
+    (folder / "namespace").write_text("kube-system")
 
 
 def _bridge_up(bridge: str) -> None:
@@ -323,9 +345,9 @@ def _bridge_up(bridge: str) -> None:
 def start_real_node(
     plane: ControlPlane, workdir: Path, images: tuple[Path, ...] = (), timeout: float = 180.0
 ) -> RealNode:
-    """Starts containerd, kube-proxy and the kubelet for NODE_NAME in `workdir`, preloads the pause and CoreDNS
-    images and `images` (OCI archives), installs the add-ons (addons.yaml), and returns once the node is Ready
-    and the cluster's DNS answers."""
+    """Starts containerd, kube-proxy, the policy controller and the kubelet for NODE_NAME in `workdir`, preloads
+    the pause and CoreDNS images and `images` (OCI archives), installs the add-ons (addons.yaml), and returns once
+    the node is Ready and the cluster's DNS answers."""
     binaries, node_images = node_binaries()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "logs").mkdir(exist_ok=True)
@@ -335,6 +357,7 @@ def start_real_node(
     sysctls = {path: path.read_text() for path in HOST_SYSCTLS if path.exists()}
     plane.kubectl("apply", "-f", "-", stdin=_addons(plane, node_images["coredns"]))
     proxy_kubeconfig = plane.service_account_kubeconfig("kube-system", "kube-proxy")
+    _service_account_files(plane, "kube-network-policies", workdir / "netpol-account")
     (workdir / "containerd.toml").write_text(_containerd_config(workdir, node_images["pause"].name))
     (workdir / "cni" / "10-realnode.conflist").write_text(json.dumps(_cni_config(bridge, workdir)))
     (workdir / "kubelet.yaml").write_text(json.dumps(_kubelet_config(workdir, cgroup_root)))
@@ -358,6 +381,8 @@ def start_real_node(
                 str(HERE / "node.sh"),
                 str(binaries["kubelet"]),
                 str(binaries["kube-proxy"]),
+                str(binaries["kube-network-policies"]),
+                f"127.0.0.1:{free_port()}",
                 str(workdir),
                 NODE_NAME,
                 urlsplit(plane.server).netloc,

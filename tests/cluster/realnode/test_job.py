@@ -5,7 +5,8 @@ two-pod one included) and syncer shards are real containers of diloco-trainer, r
 user with their probes passing; the islands find the shards and each other by their Service names (CoreDNS,
 kube-proxy), become Ready, and the job's outer step, which the operator reads from the shards, rises. A shard's
 checkpoint, on its volume, outlives its pod: a new pod resumes from it. An island pod that outgrows its memory
-limit is killed by the kernel, and the job counts that as a failure.
+limit is killed by the kernel, and the job counts that as a failure. The operator's NetworkPolicy keeps pods
+outside the job off the shards' gRPC port.
 
 Needs, beside test_node.py's opt-in, both images built from this checkout, as archives:
 tests/cluster/realnode/images.sh operator trainer (skipped otherwise, with the command for the stale one)."""
@@ -24,9 +25,11 @@ from e2e.conftest import OPERATOR_NAMESPACE, Target, install_operator, uninstall
 from support import wait_until
 
 from cluster.cluster import Cluster, start_cluster
-from cluster.realnode import archives
+from cluster.realnode import archives, busybox
+from cluster.realnode.busybox import last_probe, running, web_pod
 from cluster.realnode.node import RealNode, not_enabled, start_real_node
 from diloco.api.conditions import ConditionType, Reason
+from diloco.api.job import DiLoCoJobSpec
 from diloco.operator import naming
 from diloco.operator.children import OperatorRef
 from diloco.syncer.checkpoint import checkpoint_path
@@ -55,9 +58,9 @@ def fitted(example: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster_with_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, RealNode]]:
-    """A control plane and one real node with diloco-operator:dev and diloco-trainer:dev preloaded, the operator
-    installed there with helm as the e2e suite installs it (the chart's CRDs, Deployment and RBAC); uninstalled
-    with helm on the way out."""
+    """A control plane and one real node with diloco-operator:dev, diloco-trainer:dev and busybox preloaded,
+    the operator installed there with helm as the e2e suite installs it (the chart's CRDs, Deployment and
+    RBAC); uninstalled with helm on the way out."""
     if reason := not_enabled():
         pytest.skip(reason)
     for image in IMAGES:
@@ -70,7 +73,7 @@ def cluster_with_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     node = None
     installed = False
     try:
-        images = tuple(archives.archive(image) for image in IMAGES)
+        images = (*(archives.archive(image) for image in IMAGES), busybox.image(workdir))
         node = start_real_node(cluster, workdir / "node", images=images, timeout=900)
         install_operator(target)
         installed = True
@@ -177,6 +180,31 @@ def test_the_readme_example_trains_on_real_containers(cluster_with_operator, rea
         (container,) = pod["status"]["containerStatuses"]
         assert container["ready"] and container["containerID"].startswith("containerd://")
         assert pod["spec"]["securityContext"].get("runAsUser", TRAINER_UID) == TRAINER_UID
+
+
+def test_a_pod_outside_the_job_cannot_reach_its_syncers(cluster_with_operator, readme_job):
+    """The NetworkPolicy the operator wrote for the example, enforced by kube-network-policies: a pod outside the
+    job gets no answer on a shard's gRPC port (the job's islands, which train through it, do), while the same
+    kind of pod reaches the same shard's metrics port, which the policy leaves open to scrapers: the policy
+    closes the gRPC port, not a broken network."""
+    cluster, _ = cluster_with_operator
+    spec = DiLoCoJobSpec.model_validate(fitted(EXAMPLE)["spec"])
+    (shard,) = pods(cluster, "readme", naming.shard_selector("tiny-cpu", 1))  # shard 0's pod is deleted below
+    address = shard["status"]["podIP"]
+    names = {port: f"stranger-{port}" for port in (spec.syncer.port, spec.syncer.metrics_port)}
+    try:
+        strangers = {
+            port: running(cluster, "readme", web_pod(name, probe=f"{address} {port}")) for port, name in names.items()
+        }
+        tried = {
+            port: wait_until(lambda pod=pod: (last := last_probe(pod))[0] >= 3 and last, 60, 1)
+            for port, pod in strangers.items()
+        }
+    finally:
+        cluster.kubectl("-n", "readme", "delete", "pod", *names.values(), "--ignore-not-found", "--wait=false")
+    assert tried[spec.syncer.metrics_port][1] == "reached", tried
+    assert tried[spec.syncer.port][1] == "blocked", tried
+    print(f"a pod outside the job, to shard 1 at {address}: {tried}")
 
 
 def shard_versions(status: dict, shard: int) -> dict[int, int]:

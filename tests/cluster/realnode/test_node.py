@@ -1,6 +1,7 @@
 """On a real node, pods are real containers: the kubelet runs each one through containerd and runc as the user
 its image or pod names, probes it over its own network namespace, and pods reach each other by IP and by
-Service name (kube-proxy, CoreDNS). Stopping the node leaves nothing behind on the machine.
+Service name (kube-proxy, CoreDNS), as far as NetworkPolicies let them (kube-network-policies). Stopping the
+node leaves nothing behind on the machine.
 
 Opt-in (DILOCO_REALNODE=1, `make test-realnode`), as root, after tests/cluster/realnode/build.sh and
 `apt-get install` of node.DEBIAN_PACKAGES; skipped otherwise, CI included (docs/real-nodes.md)."""
@@ -8,22 +9,23 @@ Opt-in (DILOCO_REALNODE=1, `make test-realnode`), as root, after tests/cluster/r
 from __future__ import annotations
 
 import ipaddress
-import json
-import subprocess
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
+from support import wait_until
 
 from cluster.cluster import Cluster, MissingBinaries, start_cluster
+from cluster.realnode import busybox
+from cluster.realnode.busybox import USER, last_probe, running, served, web_pod
 from cluster.realnode.node import POD_SUBNET, MissingToolchain, RealNode, not_enabled, start_real_node
+from diloco.api.job import DiLoCoJobSpec
+from diloco.operator import naming
+from diloco.operator.children import OperatorRef, network_policy
 
 pytestmark = pytest.mark.process
-HERE = Path(__file__).resolve().parent
-IMAGE = "diloco.local/busybox:test"
-USER = 65532
+EXAMPLE = Path(__file__).resolve().parents[3] / "deploy" / "examples" / "tiny-cpu.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +35,7 @@ def real_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluste
     if reason := not_enabled():
         pytest.skip(reason)
     workdir = tmp_path_factory.mktemp("realnode")
-    image = workdir / "busybox.tar"
-    subprocess.run(
-        ["python3", str(HERE / "ociimage.py"), IMAGE, str(image), "--add", "/bin/busybox:/bin/busybox"],
-        check=True,
-    )
+    image = busybox.image(workdir)
     (workdir / "cluster").mkdir()
     try:
         cluster = start_cluster(workdir / "cluster", pools=())
@@ -45,9 +43,11 @@ def real_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluste
         pytest.skip(str(error))
     try:
         node = start_real_node(cluster, workdir / "node", images=(image,))
-    except MissingToolchain as error:
+    except BaseException as error:
         cluster.stop()
-        pytest.skip(str(error))
+        if isinstance(error, MissingToolchain):
+            pytest.skip(str(error))
+        raise
     try:
         yield cluster, node
     finally:
@@ -56,50 +56,6 @@ def real_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluste
     mounts = Path("/proc/mounts").read_text()
     assert not node.leftovers(), node.leftovers()
     assert str(workdir) not in mounts
-
-
-def web_pod(name: str, fetch: str = "") -> str:
-    """A pod serving /srv over HTTP on 8080, with `uid` (its user id) and, given `fetch` (a URL), what that
-    URL answered; ready once `uid` is served."""
-    script = "id -u > /srv/uid"
-    if fetch:
-        script += f"; until wget -q -O /srv/fetched {fetch}; do sleep 1; done"
-    script += "; exec httpd -f -p 8080 -h /srv"
-    container = {
-        "name": "web",
-        "image": IMAGE,
-        "imagePullPolicy": "Never",
-        "command": ["/bin/busybox", "sh", "-c", script],
-        "env": [{"name": "PATH", "value": "/bin"}],
-        "readinessProbe": {"httpGet": {"path": "/uid", "port": 8080}, "periodSeconds": 1},
-        "livenessProbe": {"tcpSocket": {"port": 8080}, "initialDelaySeconds": 30},
-        "resources": {"limits": {"memory": "32Mi", "cpu": "100m"}},
-        "volumeMounts": [{"name": "srv", "mountPath": "/srv"}],
-    }
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": name}},
-        "spec": {
-            "securityContext": {"runAsNonRoot": True, "runAsUser": USER, "fsGroup": USER},
-            "containers": [container],
-            "volumes": [{"name": "srv", "emptyDir": {}}],
-        },
-    }
-    return yaml.safe_dump(pod)
-
-
-def running(cluster: Cluster, namespace: str, manifest: str) -> dict:
-    """Applies `manifest` (one pod), waits until it is Ready and returns it."""
-    name = yaml.safe_load(manifest)["metadata"]["name"]
-    cluster.kubectl("-n", namespace, "apply", "-f", "-", stdin=manifest)
-    cluster.kubectl("-n", namespace, "wait", "--for=condition=Ready", f"pod/{name}", "--timeout=120s", timeout=150)
-    return json.loads(cluster.kubectl("-n", namespace, "get", "pod", name, "-o", "json").stdout)
-
-
-def served(pod: dict, path: str) -> str:
-    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8080/{path}", timeout=10) as reply:
-        return reply.read().decode().strip()
 
 
 @pytest.fixture
@@ -140,3 +96,30 @@ def test_pods_reach_a_service_by_its_name(real_node, namespace):
     client = running(cluster, namespace, web_pod("client", fetch="http://server/uid"))
 
     assert served(client, "fetched") == str(USER)
+
+
+def test_a_pod_outside_the_job_cannot_reach_a_syncer(real_node, namespace):
+    """The NetworkPolicy the operator writes for the README's example job, enforced by kube-network-policies:
+    a pod outside the job gets no answer on a syncer's gRPC port, while an island pod of the job connects.
+    Before the policy, the same pod reaches the same port: the network works and the policy is what closes it.
+    (Generic pods with the job's labels stand in for its syncer and island; no DiLoCoJob owns the policy here.)"""
+    cluster, _ = real_node
+    example = yaml.safe_load(EXAMPLE.read_text())
+    spec = DiLoCoJobSpec.model_validate(example["spec"])
+    job = naming.JobRef(name=example["metadata"]["name"], namespace=namespace, uid="")
+    policy = network_policy(job, spec, OperatorRef("diloco-system"))
+    policy["metadata"].pop("ownerReferences", None)
+    syncer = running(
+        cluster, namespace, web_pod("syncer", labels=naming.shard_labels(job.name, 0), port=spec.syncer.port)
+    )
+    grpc_port = f"{syncer['status']['podIP']} {spec.syncer.port}"
+    stranger = running(cluster, namespace, web_pod("stranger", probe=grpc_port))
+    island_labels = naming.island_labels(job.name, spec.islands[0].name)
+    island = running(cluster, namespace, web_pod("island", probe=grpc_port, labels=island_labels))
+
+    wait_until(lambda: last_probe(stranger)[1] == "reached" and last_probe(island)[1] == "reached", 60, 1)
+    cluster.kubectl("-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(policy))
+    wait_until(lambda: last_probe(stranger)[1] == "blocked", 60, 1)
+    since, _ = last_probe(island)
+    tried, outcome = wait_until(lambda: (now := last_probe(island))[0] > since and now, 60, 1)
+    assert outcome == "reached", f"the job's island pod was blocked too (try {tried})"
