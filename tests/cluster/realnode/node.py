@@ -44,9 +44,17 @@ CLUSTER_DOMAIN = "cluster.local"
 DNS_IP = str(ipaddress.ip_network(SERVICE_CIDR)[10])
 """The kube-dns Service's ClusterIP, as kubeadm and kind choose it."""
 CGROUP_HIERARCHIES = Path("/sys/fs/cgroup")
-DEBIAN_PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iptables", "nftables", "socat")
-"""What node.sh runs from Debian (`apt-get install` them); the kubelet, kube-proxy, kube-network-policies and the
-images come from build.sh."""
+DEBIAN_PACKAGES = (
+    "containerd",
+    "runc",
+    "containernetworking-plugins",
+    "iptables",
+    "nftables",
+    "socat",
+    "busybox-static",
+)
+"""What node.sh and the tests' busybox pods run from Debian (`apt-get install` them; .ci/realnode reads this
+list); the kubelet, kube-proxy, kube-network-policies and the other images come from build.sh."""
 CNI_PLUGINS = Path("/usr/lib/cni")
 KUBE_PROXY_TABLE = "kube-proxy"
 """The nftables table (in the ip and ip6 families) that kube-proxy's nftables mode writes all its rules into."""
@@ -192,7 +200,7 @@ def node_binaries() -> tuple[dict[str, Path], dict[str, Image]]:
     }
     binaries = {name: cache / f"{name}-{version}" / name for name, version in versions.items()}
     images = {name: sorted(cache.glob(f"{name}-*/{name}.tar")) for name in ("pause", "coredns")}
-    missing = [p for p in ("containerd", "ctr", "runc", "nft", "socat") if not _on_path(p)]
+    missing = [p for p in ("containerd", "ctr", "runc", "nft", "socat", "busybox") if not _on_path(p)]
     if not (CNI_PLUGINS / "bridge").exists():
         missing.append("CNI plugins")
     missing += [name for name, path in binaries.items() if not path.exists()]

@@ -4,7 +4,7 @@ Service name (kube-proxy, CoreDNS), as far as NetworkPolicies let them (kube-net
 node leaves nothing behind on the machine.
 
 Opt-in (DILOCO_REALNODE=1, `make test-realnode`), as root, after tests/cluster/realnode/build.sh and
-`apt-get install` of node.DEBIAN_PACKAGES; skipped otherwise, CI included (docs/real-nodes.md)."""
+`apt-get install` of node.DEBIAN_PACKAGES; skipped otherwise. CI runs it after `make test` (.ci/realnode)."""
 
 from __future__ import annotations
 
