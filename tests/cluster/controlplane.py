@@ -31,9 +31,10 @@ TOKENS = {
     "kube-scheduler-token": ("system:kube-scheduler", ""),
     # KWOK stands in for every kubelet and the node lifecycle: it writes node and pod status everywhere.
     "kwok-token": ("kwok", "system:masters"),
-    # The kubelet of realnode/node.py's one real node, as the Node authorizer and NodeRestriction expect it.
-    "realnode-token": ("system:node:realnode-0", "system:nodes"),
 }
+KUBELET_CLIENT = ("kube-apiserver-kubelet-client", "system:masters")
+"""Who the API server is to the kubelets of real nodes (logs, exec, port-forward): a client certificate signed by
+the cluster's client CA, which realnode/node.py's kubelets trust, as kubeadm sets it up."""
 BINARIES = ("etcd", "kube-apiserver", "kubectl")
 PORTS = "ports.json"
 SERVICE_CIDR = "10.96.0.0/16"
@@ -64,12 +65,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kubeconfig(server: str, token: str, ca: Path) -> str:
-    """A kubeconfig that trusts the API server's certificate (`ca`: its self-signed bundle) and sends `token`."""
+def kubeconfig(server: str, credentials: str | tuple[Path, Path], ca: Path, server_name: str = "") -> str:
+    """A kubeconfig that trusts the API server's certificate (`ca`: its self-signed bundle) and sends
+    `credentials`: a token, or a client certificate and its key. `server_name`, when the server's address is not
+    one its certificate names (a relay's), is the name to check instead."""
+    cluster = f"server: '{server}', certificate-authority: '{ca}'" + (
+        f", tls-server-name: '{server_name}'" if server_name else ""
+    )
+    if isinstance(credentials, str):
+        user = f"token: '{credentials}'"
+    else:
+        user = f"client-certificate: '{credentials[0]}', client-key: '{credentials[1]}'"
     return (
         "apiVersion: v1\nkind: Config\n"
-        f"clusters: [{{name: t, cluster: {{server: '{server}', certificate-authority: '{ca}'}}}}]\n"
-        f"users: [{{name: u, user: {{token: '{token}'}}}}]\n"
+        f"clusters: [{{name: t, cluster: {{{cluster}}}}}]\n"
+        f"users: [{{name: u, user: {{{user}}}}}]\n"
         "contexts: [{name: t, context: {cluster: t, user: u}}]\ncurrent-context: t\n"
     )
 
@@ -125,6 +135,16 @@ class ControlPlane:
         return self.workdir / "ca.crt"
 
     @property
+    def client_ca(self) -> Path:
+        """The CA whose client certificates the API server accepts (kubelets of real nodes authenticate so), and
+        that those kubelets trust for the API server's own calls to them."""
+        return self.workdir / "client-ca.crt"
+
+    def client_certificate(self, user: str, group: str, name: str) -> tuple[Path, Path]:
+        """A client certificate and key for `user` in `group`, signed by the client CA, as `name`.crt/.key."""
+        return _signed(self.workdir, name, user, group)
+
+    @property
     def kubeconfig(self) -> Path:
         """The admin kubeconfig (cluster-admin through `system:masters`)."""
         return self.admin_kubeconfig
@@ -169,6 +189,39 @@ class ControlPlane:
         return [p.pid for p in self.processes if group_alive(p.pid)]
 
 
+EC_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1")
+"""Certificates' keys: P-256, as fast to make as a cluster start should be."""
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def _signed(workdir: Path, name: str, user: str, group: str) -> tuple[Path, Path]:
+    """`name`.crt and .key in `workdir`: a client certificate for `user` (CN) in `group` (O) from the client CA."""
+    key, request, cert = (workdir / f"{name}.{ext}" for ext in ("key", "csr", "crt"))
+    _openssl(
+        "req", "-new", *EC_KEY, "-nodes", "-subj", f"/O={group}/CN={user}", "-keyout", str(key), "-out", str(request)
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(request),
+        "-CA",
+        str(workdir / "client-ca.crt"),
+        "-CAkey",
+        str(workdir / "client-ca.key"),
+        "-CAcreateserial",
+        "-days",
+        "30",
+        "-out",
+        str(cert),
+    )
+    request.unlink()
+    return cert, key
+
+
 def _ready(server: str) -> bool:
     request = urllib.request.Request(f"{server}/readyz", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     try:
@@ -192,13 +245,25 @@ def start_control_plane(bin_dir: Path, workdir: Path, timeout: float = 120.0) ->
     """Starts etcd and kube-apiserver in `workdir` and waits until the API server is ready. A workdir they
     ran in before, stopped or killed, is started again on its own data: etcd's, the API server's certificates,
     the service-account signing key, the ports."""
-    if not (workdir / "sa.key").exists():
-        subprocess.run(["openssl", "genrsa", "-out", str(workdir / "sa.key"), "2048"], check=True, capture_output=True)
-        subprocess.run(
-            ["openssl", "rsa", "-in", str(workdir / "sa.key"), "-pubout", "-out", str(workdir / "sa.pub")],
-            check=True,
-            capture_output=True,
+    if not (workdir / "client-ca.crt").exists():
+        _openssl(
+            "req",
+            "-x509",
+            *EC_KEY,
+            "-nodes",
+            "-days",
+            "30",
+            "-subj",
+            "/CN=diloco-test-client-ca",
+            "-keyout",
+            str(workdir / "client-ca.key"),
+            "-out",
+            str(workdir / "client-ca.crt"),
         )
+        _signed(workdir, "kubelet-client", *KUBELET_CLIENT)
+    if not (workdir / "sa.key").exists():
+        _openssl("genrsa", "-out", str(workdir / "sa.key"), "2048")
+        _openssl("rsa", "-in", str(workdir / "sa.key"), "-pubout", "-out", str(workdir / "sa.pub"))
     (workdir / "tokens.csv").write_text(
         "".join(f'{token},{user},{user},"{groups}"\n' for token, (user, groups) in TOKENS.items())
     )
@@ -251,6 +316,16 @@ def start_control_plane(bin_dir: Path, workdir: Path, timeout: float = 120.0) ->
                 str(workdir / "certs"),
                 "--token-auth-file",
                 str(workdir / "tokens.csv"),
+                "--client-ca-file",
+                str(workdir / "client-ca.crt"),
+                # How it reaches real nodes' kubelets: by their address (they have no DNS name), with this client
+                # certificate; their serving certificates are self-signed, as kubeadm's are by default.
+                "--kubelet-preferred-address-types",
+                "InternalIP,Hostname",
+                "--kubelet-client-certificate",
+                str(workdir / "kubelet-client.crt"),
+                "--kubelet-client-key",
+                str(workdir / "kubelet-client.key"),
                 "--authorization-mode",
                 "Node,RBAC",
                 # The default admission chain (NamespaceLifecycle, ServiceAccount, PodSecurity, quotas, webhooks,

@@ -93,20 +93,26 @@ def cidr_index(cidr: str) -> int:
     return (int(first) - int(POD_NETWORK.network_address)) >> (POD_NETWORK.max_prefixlen - NODE_PREFIX)
 
 
+def pool_labels(pool: Pool) -> dict[str, str]:
+    """The labels a cloud puts on every node of `pool` (a kubelet's own ones aside: hostname, OS, arch)."""
+    return {
+        "node.kubernetes.io/instance-type": pool.machine_type,
+        "topology.kubernetes.io/region": pool.zone.rsplit("-", 1)[0],
+        "topology.kubernetes.io/zone": pool.zone,
+        POOL_LABEL: pool.name,
+        **pool.labels,
+    }
+
+
 def node_manifest(pool: Pool, index: int, cidr: str) -> dict[str, Any]:
     """The Node `<pool>-<index>`, status included: KWOK keeps it Ready and heartbeating, never changes it."""
     name = f"{pool.name}-{index}"
-    region = pool.zone.rsplit("-", 1)[0]
     labels = {
         "kubernetes.io/hostname": name,
         "kubernetes.io/os": "linux",
         "kubernetes.io/arch": "amd64",
-        "node.kubernetes.io/instance-type": pool.machine_type,
-        "topology.kubernetes.io/region": region,
-        "topology.kubernetes.io/zone": pool.zone,
-        POOL_LABEL: pool.name,
+        **pool_labels(pool),
         "type": "kwok",
-        **pool.labels,
     }
     capacity = dict(pool.capacity)
     return {

@@ -18,7 +18,7 @@ USER = 65532
 
 
 def image(folder: Path) -> Path:
-    """The busybox image as an OCI archive in `folder`, for start_real_node's `images`."""
+    """The busybox image as an OCI archive in `folder`, for start_real_nodes' `images`."""
     archive = folder / "busybox.tar"
     subprocess.run(
         ["python3", str(HERE / "ociimage.py"), IMAGE, str(archive), "--add", "/bin/busybox:/bin/busybox"],
@@ -27,11 +27,19 @@ def image(folder: Path) -> Path:
     return archive
 
 
-def web_pod(name: str, fetch: str = "", probe: str = "", labels: dict[str, str] | None = None, port: int = 8080) -> str:
+def web_pod(
+    name: str,
+    fetch: str = "",
+    probe: str = "",
+    labels: dict[str, str] | None = None,
+    port: int = 8080,
+    node: str = "",
+) -> str:
     """A pod serving /srv over HTTP on `port`, with `uid` (its user id) and, given `fetch` (a URL), what that
     URL answered. Given `probe` (`HOST PORT`), it tries every second to open a TCP connection there and keeps
-    in `probe` how the last try went (`last_probe`). Ready once `uid` is served."""
-    script = ["id -u > /srv/uid"]
+    in `probe` how the last try went (`last_probe`). Ready once `uid` is served. On `node`, when given (bound
+    there, whatever its taints). It says on stdout what it serves."""
+    script = ["id -u > /srv/uid", f'echo "serving /srv on port {port} as uid $(id -u)"']
     if fetch:
         script.append(f"until wget -q -O /srv/fetched {fetch}; do sleep 1; done")
     if probe:
@@ -60,6 +68,7 @@ def web_pod(name: str, fetch: str = "", probe: str = "", labels: dict[str, str] 
             "securityContext": {"runAsNonRoot": True, "runAsUser": USER, "fsGroup": USER},
             "containers": [container],
             "volumes": [{"name": "srv", "emptyDir": {}}],
+            **({"nodeName": node} if node else {}),
         },
     }
     return yaml.safe_dump(pod)

@@ -1,21 +1,22 @@
-"""One real node joined to the test cluster: the kubelet, kube-proxy and the NetworkPolicy controller
+"""Real nodes joined to the test cluster: for each, the kubelet, kube-proxy and the NetworkPolicy controller
 (kube-network-policies, as kind's kindnetd runs it) that realnode/build.sh builds, Debian's containerd with runc
 and the CNI bridge plugin, so that pods run as real containers with their own network namespace and IP, reach
 Services by their ClusterIP, resolve their names through the cluster's CoreDNS, and are fenced by
 NetworkPolicies.
 
     cluster = start_cluster(workdir, pools=())
-    node = start_real_node(cluster, workdir / "node", images=(archive,))    # OCI archives to preload
-    ...
-    node.stop()          # nothing left: no process, mount, netns, cgroup, bridge, nftables table, sysctl or images
+    nodes = start_real_nodes(cluster, workdir / "nodes", pools=(Pool(...), ...), images=(archive,))
+    nodes.lose("cpu-spot-0"); nodes.restore("cpu-spot-0")   # a spot node preempted, and its pool back to size
+    nodes.stop()     # nothing left: no process, mount, netns, cgroup, bridge, route, nftables table or images
 
-node.sh runs containerd, kube-proxy, the policy controller and the kubelet in a PID and mount namespace of their
-own (see there). What outlives them in the host is removed by `stop`: the kubelet's cgroups (all under one cgroup
-root named after this node), kube-proxy's nftables tables (`kube-proxy --cleanup`), the policy controller's
-(NETPOL_TABLE: it deletes it itself only when interrupted, never when killed), the node's own nftables table (which
-masquerades the pods' traffic leaving the host), the CNI bridge, and the sysctls the bridge plugin or kube-proxy
-may set. Nothing writes iptables: kube-proxy runs in nftables mode, the bridge plugin does no masquerading, and
-the kubelet's utility chains are off.
+Each node is what a kind node is, without the container: a network namespace of its own (NETWORK's address on
+eth0, a veth to the host's bridge, so the API server reaches its kubelet for logs and exec), in which node.sh
+runs containerd, kube-proxy, the policy controller and the kubelet in a PID and mount namespace of their own
+(see there). Its pods' subnet is a /24 of POD_NETWORK, routed by the host to the node. Everything the node
+writes to the network (its bridge, kube-proxy's and the policy controller's nftables tables, sysctls) lives in
+its namespace and goes with it. The host keeps only what `stop` removes: the bridge, the routes, a relay of the
+API server's port from the bridge to loopback, one nftables table masquerading what nodes send off the host,
+and the kubelets' cgroups (each node's under one cgroup root named after it).
 """
 
 from __future__ import annotations
@@ -27,22 +28,30 @@ import shutil
 import string
 import subprocess
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from cluster.controlplane import SERVICE_CIDR, ControlPlane, free_port, kubeconfig, pinned_version, spawn, stop_group
+from cluster.controlplane import SERVICE_CIDR, ControlPlane, kubeconfig, pinned_version, spawn, stop_group
+from cluster.nodes import SPOT_LABELS, SPOT_TAINT, Pool, pool_labels
 
 HERE = Path(__file__).resolve().parent
-NODE_NAME = "realnode-0"
-NODE_TOKEN = "realnode-token"
-POD_SUBNET = "10.250.0.0/24"
-"""The pods' addresses on this node, apart from the KWOK nodes' 10.244.0.0/16 (cluster/nodes.py)."""
-GATEWAY = str(ipaddress.ip_network(POD_SUBNET)[1])
-"""The host's address on the pods' bridge: their default route, and where they reach the API server."""
+NETWORK = ipaddress.ip_network("10.251.0.0/24")
+"""The nodes' addresses, on the host's bridge; apart from the KWOK clusters' (cluster/nodes.py, pod_network.py)."""
+HOST_ADDRESS = str(NETWORK[1])
+"""The host's address on the nodes' network: where they and their pods reach the API server (relayed)."""
+FIRST_NODE = 10
+"""The first node's address is NETWORK[FIRST_NODE]; the k-th node's the k-th after it."""
+POD_NETWORK = ipaddress.ip_network("10.250.0.0/16")
+"""The pods' addresses: a /24 per node, in the order the nodes were first started."""
+POD_PREFIX = 24
+API_SERVER_NAME = "kubernetes.default.svc"
+"""A name in the API server's self-signed certificate, checked instead of the relay's address."""
 CLUSTER_DOMAIN = "cluster.local"
 DNS_IP = str(ipaddress.ip_network(SERVICE_CIDR)[10])
 """The kube-dns Service's ClusterIP, as kubeadm and kind choose it."""
+KUBERNETES_SERVICE = str(ipaddress.ip_network(SERVICE_CIDR)[1])
 CGROUP_HIERARCHIES = Path("/sys/fs/cgroup")
 DEBIAN_PACKAGES = (
     "containerd",
@@ -56,28 +65,18 @@ DEBIAN_PACKAGES = (
 """What node.sh and the tests' busybox pods run from Debian (`apt-get install` them; .ci/realnode reads this
 list); the kubelet, kube-proxy, kube-network-policies and the other images come from build.sh."""
 CNI_PLUGINS = Path("/usr/lib/cni")
-KUBE_PROXY_TABLE = "kube-proxy"
-"""The nftables table (in the ip and ip6 families) that kube-proxy's nftables mode writes all its rules into."""
-NETPOL_TABLE = ("inet", "kube-network-policies")
-"""The nftables table that kube-network-policies writes all its rules into: the first packet of each connection
-to or from a pod that a NetworkPolicy selects goes to its nfqueue, which accepts or drops it."""
-HOST_SYSCTLS = tuple(
-    Path("/proc/sys/net", name)
-    for name in (
-        "ipv4/ip_forward",  # the bridge plugin turns it on for its gateway
-        "ipv4/conf/all/route_localnet",  # kube-proxy, for NodePorts on loopback
-        "netfilter/nf_conntrack_max",  # kube-proxy's conntrack settings (node.py sets them to leave these be)
-        "netfilter/nf_conntrack_tcp_timeout_established",
-        "netfilter/nf_conntrack_tcp_timeout_close_wait",
-    )
-)
-"""Host settings that the node may change, put back by `stop`."""
+HOST_SYSCTLS = (Path("/proc/sys/net/ipv4/ip_forward"),)
+"""Host settings the nodes change (the host routes between them), put back by `stop`."""
 ADDONS = HERE / "addons.yaml"
+ON_DEMAND = Pool("cpu", 1, "n2-standard-2", {})
+SPOT = Pool("cpu-spot", 1, "n2-standard-2", {}, labels=SPOT_LABELS, taints=(SPOT_TAINT,), zone="us-central1-b")
+"""Pools as cluster/nodes.py's default ones label and taint them (GKE's), sized by the caller: capacity is what
+each kubelet finds on this machine."""
 
 
 def not_enabled() -> str | None:
     """Why the real-node tier may not run here, or None: it is opt-in (it changes the host: cgroups, a bridge,
-    nftables), and needs root."""
+    routes, nftables), and needs root."""
     if os.environ.get("DILOCO_REALNODE") != "1" or os.geteuid() != 0:
         return "real-node tier: opt-in with DILOCO_REALNODE=1, as root (docs/real-nodes.md)"
     return None
@@ -87,74 +86,319 @@ class MissingToolchain(RuntimeError):
     """realnode/build.sh has not been run, or Debian's packages (DEBIAN_PACKAGES) are not installed."""
 
 
+@dataclass(frozen=True)
+class Image:
+    archive: Path
+    name: str
+
+
 @dataclass
 class RealNode:
+    """One node of a RealNodes: where it lives on the host. Its containerd store (the images it imported)
+    outlives `kill`, as a rebooted machine's disk does, and goes with RealNodes.stop."""
+
     name: str
+    index: int
+    pool: Pool
     workdir: Path
-    process: subprocess.Popen
-    cgroup_root: str
-    bridge: str
-    kube_proxy: Path
-    sysctls: dict[Path, str]
-    """HOST_SYSCTLS as they were before the node started, restored by stop."""
+    suffix: str
+    process: subprocess.Popen | None = None
+    imported: set[Path] = field(default_factory=set)
+
+    @property
+    def address(self) -> str:
+        """Its InternalIP: its eth0's on the nodes' network, where the API server reaches its kubelet."""
+        return str(NETWORK[FIRST_NODE + self.index])
+
+    @property
+    def pod_subnet(self) -> str:
+        return str(list(POD_NETWORK.subnets(new_prefix=POD_PREFIX))[self.index])
+
+    @property
+    def netns(self) -> str:
+        return f"rn{self.suffix}-{self.index}"
+
+    @property
+    def cgroup_root(self) -> str:
+        return f"/diloco-realnode-{self.suffix}-{self.index}"
 
     @property
     def containerd_root(self) -> Path:
         return self.workdir / "containerd"
 
-    def logs(self, pod: dict) -> str:
-        """What `pod`'s containers wrote to stdout and stderr, from the kubelet's log files. (`kubectl logs`
-        cannot reach this node: the kubelet refuses the loopback address it listens on as the node's IP,
-        "nodeIP can't be loopback address", so the Node publishes no address for the API server to call.)"""
-        meta = pod["metadata"]
-        folder = self.workdir / "pod-logs" / f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
-        # Each line as the CRI writes it: TIME STREAM TAG MESSAGE.
-        lines = (line.split(" ", 3) for log in sorted(folder.glob("*/*.log")) for line in log.read_text().splitlines())
-        return "\n".join(fields[3] for fields in lines if len(fields) == 4)
+    def kill(self) -> None:
+        """The node gone as a machine goes, all at once: the kubelet stopped (and with it every container,
+        kube-proxy and the policy controller), its network namespace (its bridge, rules and link) and cgroups
+        removed, the host's route to its pods deleted."""
+        if self.process is not None:
+            stop_group(self.process)
+        subprocess.run(["ip", "netns", "delete", self.netns], capture_output=True)
+        subprocess.run(["ip", "route", "delete", self.pod_subnet], capture_output=True)
+        _remove_cgroups(self.cgroup_root)
+
+    def leftovers(self) -> list[str]:
+        """What of this node outlived `kill` (empty after it), its files apart."""
+        left = [f"cgroup {d}" for d in _cgroup_dirs(self.cgroup_root)]
+        if self.process is not None and self.process.poll() is None:
+            left.append(f"process {self.process.pid}")
+        if self.netns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split():
+            left.append(f"netns {self.netns}")
+        if self.pod_subnet in subprocess.run(["ip", "route", "show"], capture_output=True, text=True).stdout:
+            left.append(f"route to {self.pod_subnet}")
+        return left
+
+
+@dataclass
+class RealNodes:
+    """Real nodes of one cluster, on one bridge of the host, each started and stopped on its own."""
+
+    plane: ControlPlane
+    workdir: Path
+    suffix: str
+    binaries: dict[str, Path]
+    images: tuple[Path, ...]
+    """OCI archives every node imports before its kubelet starts: pause, CoreDNS, and the caller's."""
+    pause_image: str
+    sysctls: dict[Path, str]
+    """HOST_SYSCTLS as they were before the first node started, restored by stop."""
+    nodes: dict[str, RealNode] = field(default_factory=dict)
+    relay: subprocess.Popen | None = None
+
+    @property
+    def bridge(self) -> str:
+        return f"rn{self.suffix}"
+
+    @property
+    def server(self) -> str:
+        """The API server as the nodes reach it: relayed from the host's address to loopback."""
+        return f"https://{HOST_ADDRESS}:{urlsplit(self.plane.server).port}"
+
+    def __getitem__(self, name: str) -> RealNode:
+        return self.nodes[name]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.nodes)
+
+    def add(self, pool: Pool, index: int) -> RealNode:
+        """Starts node `<pool>-<index>` (the next /24 of POD_NETWORK, the next address); returns at once."""
+        name = f"{pool.name}-{index}"
+        node = RealNode(name, len(self.nodes), pool, self.workdir / name, self.suffix)
+        self.nodes[name] = node
+        self._start(node)
+        return node
+
+    def lose(self, name: str) -> None:
+        """A spot node preempted, as a cloud does it: cordoned and tainted out-of-service (its pods evicted, so
+        they stop as on a graceful node shutdown), then the machine gone and its Node object deleted."""
+        node = self.nodes[name]
+        self.plane.kubectl("cordon", name)
+        self.plane.kubectl("taint", "node", name, "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute")
+        deadline = time.monotonic() + 60
+        while self._pods_on(name) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        node.kill()
+        self.plane.kubectl("delete", "node", name, "--wait=true", timeout=120)
+
+    def restore(self, name: str, timeout: float = 300.0) -> None:
+        """Brings a lost node back (a new machine of its pool under the same name) and waits until it is Ready."""
+        node = self.nodes[name]
+        self._start(node)
+        self.wait_ready([node], timeout)
+
+    def wait_ready(self, nodes: Iterable[RealNode], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for node in nodes:
+            while not _ready(self.plane, node.name):
+                if node.process is None or node.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"node {node.name} did not become Ready; logs in {node.workdir / 'logs'}")
+                time.sleep(1)
 
     def stop(self) -> None:
-        """Stops the kubelet (and with it every container, kube-proxy, the policy controller and the relay), then
-        removes its cgroups, the rules of kube-proxy and the policy controller, the bridge and containerd's store,
-        and puts back the host's sysctls."""
-        stop_group(self.process)
-        # The images imported and unpacked there (12 GB with the trainer's) would outlive the run in pytest's
-        # kept folders; the logs beside them are what is worth keeping.
-        shutil.rmtree(self.containerd_root, ignore_errors=True)
-        _remove_cgroups(self.cgroup_root)
-        subprocess.run([str(self.kube_proxy), "--cleanup"], capture_output=True)
-        subprocess.run(["nft", "delete", "table", *NETPOL_TABLE], capture_output=True)
-        _remove_bridge(self.bridge)
+        """Kills every node and deletes their containerd stores, then removes what the host kept for them."""
+        for node in self.nodes.values():
+            node.kill()
+            # The images imported and unpacked there (12 GB with the trainer's) would outlive the run in pytest's
+            # kept folders; the logs beside them are what is worth keeping.
+            shutil.rmtree(node.containerd_root, ignore_errors=True)
+        if self.relay is not None:
+            stop_group(self.relay)
+        subprocess.run(["nft", "delete", "table", "ip", self.bridge], capture_output=True)
+        subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
         for path, value in self.sysctls.items():
             if path.read_text() != value:
                 path.write_text(value)
 
     def leftovers(self) -> list[str]:
-        """What of this node is still there (empty after `stop`)."""
-        left = [f"cgroup {d}" for d in _cgroup_dirs(self.cgroup_root)]
-        if self.containerd_root.exists():
-            left.append(f"containerd store {self.containerd_root}")
-        if self.process.poll() is None:
-            left.append(f"process {self.process.pid}")
+        """What of these nodes is still there (empty after `stop`)."""
+        left = [item for node in self.nodes.values() for item in node.leftovers()]
+        left += [f"containerd store {n.containerd_root}" for n in self.nodes.values() if n.containerd_root.exists()]
+        if self.relay is not None and self.relay.poll() is None:
+            left.append(f"relay {self.relay.pid}")
         if subprocess.run(["ip", "link", "show", self.bridge], capture_output=True).returncode == 0:
             left.append(f"bridge {self.bridge}")
+        left += [f"nftables table {table}" for table in nftables_tables() if table == f"ip {self.bridge}"]
         left += [f"iptables {rule}" for rule in self.iptables_rules()]
-        ours = (f" {KUBE_PROXY_TABLE}", f" {self.bridge}", " ".join(NETPOL_TABLE))
-        left += [f"nftables table {table}" for table in nftables_tables() if table.endswith(ours)]
         left += [f"sysctl {path} changed" for path, value in self.sysctls.items() if path.read_text() != value]
         return left
 
     def iptables_rules(self) -> list[str]:
-        """Host iptables rules that a kubelet, kube-proxy, the CNI plugins or this node's pods would have
-        written."""
+        """Host iptables rules that a kubelet, kube-proxy, the CNI plugins or the nodes' pods would have written."""
         saved = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
-        marks = (self.bridge, POD_SUBNET.rsplit(".", 1)[0] + ".", "KUBE-", "CNI-")
+        marks = (self.bridge, "10.250.", "10.251.", "KUBE-", "CNI-")
         return [line for line in saved.splitlines() if any(mark in line for mark in marks)]
 
+    def _start(self, node: RealNode) -> None:
+        node.workdir.mkdir(parents=True, exist_ok=True)
+        for folder in ("logs", "cni", "kubelet"):
+            (node.workdir / folder).mkdir(exist_ok=True)
+        cert, key = self.plane.client_certificate(f"system:node:{node.name}", "system:nodes", f"node-{node.name}")
+        (node.workdir / "kubeconfig").write_text(kubeconfig(self.server, (cert, key), self.plane.ca, API_SERVER_NAME))
+        (node.workdir / "kubelet.yaml").write_text(json.dumps(_kubelet_config(self.plane, node)))
+        (node.workdir / "kube-proxy.yaml").write_text(json.dumps(_kube_proxy_config(self.workdir, node)))
+        (node.workdir / "containerd.toml").write_text(_containerd_config(node.workdir, self.pause_image))
+        (node.workdir / "cni" / "10-realnode.conflist").write_text(json.dumps(_cni_config(node)))
+        for hierarchy in CGROUP_HIERARCHIES.iterdir():  # the kubelet wants its cgroup root to exist
+            if hierarchy.is_dir() and (hierarchy / "cgroup.procs").exists():
+                (hierarchy / node.cgroup_root.strip("/")).mkdir(exist_ok=True)
+        _node_network_up(node, self.bridge)
+        imports = [image for image in self.images if image not in node.imported]
+        labels = ",".join(f"{key}={value}" for key, value in pool_labels(node.pool).items())
+        node.process = spawn(
+            [
+                "nsenter",
+                f"--net=/run/netns/{node.netns}",
+                "unshare",
+                "--mount",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "--propagation",
+                "private",
+                str(HERE / "node.sh"),
+                str(self.binaries["kubelet"]),
+                str(self.binaries["kube-proxy"]),
+                str(self.binaries["kube-network-policies"]),
+                str(node.workdir),
+                str(self.workdir / "netpol-account"),
+                node.name,
+                node.address,
+                labels,
+                f"{KUBERNETES_SERVICE}:443",
+                *map(str, imports),
+            ],
+            node.workdir / "logs" / "node.log",
+        )
+        node.imported.update(imports)
 
-def nftables_tables() -> list[str]:
-    """The host's nftables tables, as `FAMILY NAME`."""
-    listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True).stdout
-    return [line.removeprefix("table ") for line in listed.splitlines()]
+    def _pods_on(self, name: str) -> list[str]:
+        out = self.plane.kubectl("get", "pods", "-A", "--field-selector", f"spec.nodeName={name}", "-o", "name")
+        return out.stdout.split()
+
+
+def start_real_nodes(
+    plane: ControlPlane,
+    workdir: Path,
+    pools: Sequence[Pool] = (ON_DEMAND,),
+    images: tuple[Path, ...] = (),
+    timeout: float = 180.0,
+) -> RealNodes:
+    """Starts `pool.count` nodes of each pool in `workdir` (named `<pool>-<index>`, labelled and tainted as the
+    pool says), each with the pause and CoreDNS images and `images` (OCI archives) preloaded; installs the add-ons
+    (addons.yaml) and returns once every node is Ready and the cluster's DNS answers."""
+    binaries, node_images = node_binaries()
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "logs").mkdir(exist_ok=True)
+    nodes = RealNodes(
+        plane,
+        workdir,
+        f"{os.getpid() % 0x10000:04x}",
+        binaries,
+        (node_images["pause"].archive, node_images["coredns"].archive, *images),
+        node_images["pause"].name,
+        {path: path.read_text() for path in HOST_SYSCTLS},
+    )
+    try:
+        plane.kubectl("apply", "-f", "-", stdin=_addons(plane, node_images["coredns"]))
+        token = plane.service_account_token("kube-system", "kube-proxy")
+        (workdir / "kube-proxy.kubeconfig").write_text(kubeconfig(nodes.server, token, plane.ca, API_SERVER_NAME))
+        _service_account_files(plane, "kube-network-policies", workdir / "netpol-account")
+        nodes.relay = _host_network_up(nodes, workdir / "logs" / "relay.log")
+        started = [nodes.add(pool, index) for pool in pools for index in range(pool.count)]
+        deadline = time.monotonic() + timeout
+        nodes.wait_ready(started, timeout)
+        left = max(deadline - time.monotonic(), 1.0)
+        plane.kubectl(
+            "-n", "kube-system", "rollout", "status", "deployment/coredns", f"--timeout={left:.0f}s", timeout=left + 30
+        )
+    except BaseException:
+        nodes.stop()
+        raise
+    return nodes
+
+
+def nftables_tables(netns: str | None = None) -> list[str]:
+    """The nftables tables of the host, or of network namespace `netns`, as `FAMILY NAME`."""
+    listed = subprocess.run([*_inside(netns), "nft", "list", "tables"], capture_output=True, text=True, check=True)
+    return [line.removeprefix("table ") for line in listed.stdout.splitlines()]
+
+
+def _inside(netns: str | None) -> list[str]:
+    """The command prefix that runs a command in network namespace `netns` (the host's for None). Not `ip netns
+    exec`, which remounts /sys and would hide the cgroup hierarchies from the kubelet."""
+    return [] if netns is None else ["nsenter", f"--net=/run/netns/{netns}"]
+
+
+def _host_network_up(nodes: RealNodes, relay_log: Path) -> subprocess.Popen:
+    """The host's side of the nodes' network: the bridge at HOST_ADDRESS; an nftables table named after it that
+    masquerades what nodes send off the host (CoreDNS forwards names outside the cluster to the host's resolver,
+    which knows no route back to them); and the relay of the API server's port from HOST_ADDRESS to loopback,
+    where it listens (the `kubernetes` Service's endpoint is there too: addons.yaml)."""
+    bridge = nodes.bridge
+    for command in (
+        ["ip", "link", "add", bridge, "type", "bridge"],
+        ["ip", "addr", "add", f"{HOST_ADDRESS}/{NETWORK.prefixlen}", "dev", bridge],
+        ["ip", "link", "set", bridge, "up"],
+    ):
+        subprocess.run(command, check=True, capture_output=True)
+    masquerade = f"""table ip {bridge} {{
+        chain postrouting {{
+            type nat hook postrouting priority srcnat; policy accept;
+            ip saddr {NETWORK} oifname != "{bridge}" masquerade
+        }}
+    }}"""
+    subprocess.run(["nft", "-f", "-"], input=masquerade, text=True, check=True, capture_output=True)
+    for path in HOST_SYSCTLS:
+        path.write_text("1")
+    port = urlsplit(nodes.plane.server).port
+    return spawn(["socat", f"TCP-LISTEN:{port},bind={HOST_ADDRESS},reuseaddr,fork", f"TCP:127.0.0.1:{port}"], relay_log)
+
+
+def _node_network_up(node: RealNode, bridge: str) -> None:
+    """The node's network namespace: eth0 at its address, a veth to the host's `bridge`, its default route through
+    the host (which routes each node's pod subnet to it), forwarding on, and a table masquerading what its pods
+    send off the pod network, as kindnetd does."""
+    ns = node.netns
+    host_end = f"{bridge}v{node.index}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+    for command in (
+        ["ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns],
+        ["ip", "link", "set", host_end, "master", bridge, "up"],
+        ["ip", "-n", ns, "addr", "add", f"{node.address}/{NETWORK.prefixlen}", "dev", "eth0"],
+        ["ip", "-n", ns, "link", "set", "eth0", "up"],
+        ["ip", "-n", ns, "link", "set", "lo", "up"],
+        ["ip", "-n", ns, "route", "add", "default", "via", HOST_ADDRESS],
+        ["ip", "route", "replace", node.pod_subnet, "via", node.address, "dev", bridge],
+        [*_inside(ns), "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"],
+    ):
+        subprocess.run(command, check=True, capture_output=True)
+    masquerade = f"""table ip realnode {{
+        chain postrouting {{
+            type nat hook postrouting priority srcnat; policy accept;
+            ip saddr {node.pod_subnet} ip daddr != {POD_NETWORK} oifname "eth0" masquerade
+        }}
+    }}"""
+    subprocess.run([*_inside(ns), "nft", "-f", "-"], input=masquerade, text=True, check=True, capture_output=True)
 
 
 def _remove_cgroups(root: str) -> None:
@@ -167,12 +411,6 @@ def _remove_cgroups(root: str) -> None:
                 time.sleep(0.2)  # its last task is still exiting
 
 
-def _remove_bridge(bridge: str) -> None:
-    """The bridge and its masquerading table (_bridge_up)."""
-    subprocess.run(["nft", "delete", "table", "ip", bridge], capture_output=True)
-    subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
-
-
 def _cgroup_dirs(root: str) -> list[Path]:
     """Every directory of the cgroup `root`, in every hierarchy, deepest first."""
     found = []
@@ -181,12 +419,6 @@ def _cgroup_dirs(root: str) -> list[Path]:
         if top.is_dir():
             found += [Path(d) for d, _, _ in os.walk(top)]
     return sorted(found, key=lambda d: len(d.parts), reverse=True)
-
-
-@dataclass(frozen=True)
-class Image:
-    archive: Path
-    name: str
 
 
 def node_binaries() -> tuple[dict[str, Path], dict[str, Image]]:
@@ -200,7 +432,7 @@ def node_binaries() -> tuple[dict[str, Path], dict[str, Image]]:
     }
     binaries = {name: cache / f"{name}-{version}" / name for name, version in versions.items()}
     images = {name: sorted(cache.glob(f"{name}-*/{name}.tar")) for name in ("pause", "coredns")}
-    missing = [p for p in ("containerd", "ctr", "runc", "nft", "socat", "busybox") if not _on_path(p)]
+    missing = [p for p in ("containerd", "ctr", "runc", "nft", "socat", "busybox", "nsenter") if not _on_path(p)]
     if not (CNI_PLUGINS / "bridge").exists():
         missing.append("CNI plugins")
     missing += [name for name, path in binaries.items() if not path.exists()]
@@ -240,20 +472,20 @@ state = "/run/containerd/state"
 """
 
 
-def _cni_config(bridge: str, workdir: Path) -> dict:
+def _cni_config(node: RealNode) -> dict:
     return {
         "cniVersion": "0.4.0",
         "name": "realnode",
         "plugins": [
             {
                 "type": "bridge",
-                "bridge": bridge,
+                "bridge": "cni0",
                 "isGateway": True,
                 "ipMasq": False,
                 "ipam": {
                     "type": "host-local",
-                    "subnet": POD_SUBNET,
-                    "dataDir": str(workdir / "ipam"),
+                    "subnet": node.pod_subnet,
+                    "dataDir": str(node.workdir / "ipam"),
                     "routes": [{"dst": "0.0.0.0/0"}],
                 },
             },
@@ -262,24 +494,29 @@ def _cni_config(bridge: str, workdir: Path) -> dict:
     }
 
 
-def _kubelet_config(workdir: Path, cgroup_root: str) -> dict:
+def _kubelet_config(plane: ControlPlane, node: RealNode) -> dict:
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
         # This VM has cgroup v1 (with a v2 hierarchy beside it); v1.37 refuses v1 unless told.
         "failCgroupV1": False,
         "cgroupDriver": "cgroupfs",
-        "cgroupRoot": cgroup_root,
+        "cgroupRoot": node.cgroup_root,
         "failSwapOn": False,
         "makeIPTablesUtilChains": False,
         "containerRuntimeEndpoint": "unix:///run/containerd/containerd.sock",
-        "address": "127.0.0.1",
-        "port": free_port(),
+        "address": node.address,
         "readOnlyPort": 0,
         "healthzPort": 0,
-        "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": True}, "x509": {}},
+        # The API server's calls (logs, exec, port-forward) come with its client certificate (controlplane.py).
+        "authentication": {
+            "anonymous": {"enabled": False},
+            "webhook": {"enabled": True},
+            "x509": {"clientCAFile": str(plane.client_ca)},
+        },
         "authorization": {"mode": "Webhook"},
-        "podLogsDir": str(workdir / "pod-logs"),
+        "registerWithTaints": [dict(taint) for taint in node.pool.taints],
+        "podLogsDir": str(node.workdir / "pod-logs"),
         "resolvConf": "/etc/resolv.conf",
         "clusterDNS": [DNS_IP],
         "clusterDomain": CLUSTER_DOMAIN,
@@ -289,29 +526,25 @@ def _kubelet_config(workdir: Path, cgroup_root: str) -> dict:
     }
 
 
-def _kube_proxy_config(kubeconfig_path: Path) -> dict:
+def _kube_proxy_config(workdir: Path, node: RealNode) -> dict:
     return {
         "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
         "kind": "KubeProxyConfiguration",
-        # All its rules in one table per family, which `kube-proxy --cleanup` deletes whole.
         "mode": "nftables",
-        "hostnameOverride": NODE_NAME,
-        "clientConnection": {"kubeconfig": str(kubeconfig_path)},
-        "clusterCIDR": POD_SUBNET,
-        # NodePorts on the node's own address only, not on every address of the shared host.
+        "hostnameOverride": node.name,
+        "clientConnection": {"kubeconfig": str(workdir / "kube-proxy.kubeconfig")},
+        "clusterCIDR": str(POD_NETWORK),
         "nodePortAddresses": ["primary"],
-        "healthzBindAddress": f"127.0.0.1:{free_port()}",
-        "metricsBindAddress": f"127.0.0.1:{free_port()}",
-        # Zero leaves the host's conntrack table size and timeouts as they are: they are not this node's.
+        # Zero: conntrack's table size and timeouts are the host's, not settable from the node's namespace.
         "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
     }
 
 
 def _addons(plane: ControlPlane, coredns: Image) -> str:
     """addons.yaml for this cluster: the service accounts of kube-proxy and the policy controller, the API
-    server's endpoint at the gateway (on its own port, see node.sh's relay), CoreDNS as kube-dns."""
+    server's endpoint at the host's address (relayed), CoreDNS as kube-dns."""
     return string.Template(ADDONS.read_text()).substitute(
-        gateway=GATEWAY,
+        host_address=HOST_ADDRESS,
         api_port=urlsplit(plane.server).port,
         cluster_domain=CLUSTER_DOMAIN,
         coredns_image=coredns.name,
@@ -329,99 +562,8 @@ def _service_account_files(plane: ControlPlane, name: str, folder: Path) -> None
     (folder / "namespace").write_text("kube-system")
 
 
-def _bridge_up(bridge: str) -> None:
-    """The pods' bridge with its gateway address, made before the first pod (the bridge plugin adopts it) so
-    that the API server relay can listen there from the start; and an nftables table of the same name that
-    masquerades what pods send off the node, so that answers find their way back: CoreDNS forwards names
-    outside the cluster to the host's resolver, which knows no route to the pods' subnet."""
-    prefix = ipaddress.ip_network(POD_SUBNET).prefixlen
-    for command in (
-        ["ip", "link", "add", bridge, "type", "bridge"],
-        ["ip", "addr", "add", f"{GATEWAY}/{prefix}", "dev", bridge],
-        ["ip", "link", "set", bridge, "up"],
-    ):
-        subprocess.run(command, check=True, capture_output=True)
-    masquerade = f"""table ip {bridge} {{
-        chain postrouting {{
-            type nat hook postrouting priority srcnat; policy accept;
-            ip saddr {POD_SUBNET} ip daddr != {POD_SUBNET} masquerade
-        }}
-    }}"""
-    subprocess.run(["nft", "-f", "-"], input=masquerade, text=True, check=True, capture_output=True)
-
-
-def start_real_node(
-    plane: ControlPlane, workdir: Path, images: tuple[Path, ...] = (), timeout: float = 180.0
-) -> RealNode:
-    """Starts containerd, kube-proxy, the policy controller and the kubelet for NODE_NAME in `workdir`, preloads
-    the pause and CoreDNS images and `images` (OCI archives), installs the add-ons (addons.yaml), and returns once
-    the node is Ready and the cluster's DNS answers."""
-    binaries, node_images = node_binaries()
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "logs").mkdir(exist_ok=True)
-    (workdir / "cni").mkdir(exist_ok=True)
-    suffix = f"{os.getpid() % 0x10000:04x}"
-    bridge, cgroup_root = f"rn{suffix}", f"/diloco-realnode-{suffix}"
-    sysctls = {path: path.read_text() for path in HOST_SYSCTLS if path.exists()}
-    plane.kubectl("apply", "-f", "-", stdin=_addons(plane, node_images["coredns"]))
-    proxy_kubeconfig = plane.service_account_kubeconfig("kube-system", "kube-proxy")
-    _service_account_files(plane, "kube-network-policies", workdir / "netpol-account")
-    (workdir / "containerd.toml").write_text(_containerd_config(workdir, node_images["pause"].name))
-    (workdir / "cni" / "10-realnode.conflist").write_text(json.dumps(_cni_config(bridge, workdir)))
-    (workdir / "kubelet.yaml").write_text(json.dumps(_kubelet_config(workdir, cgroup_root)))
-    (workdir / "kube-proxy.yaml").write_text(json.dumps(_kube_proxy_config(proxy_kubeconfig)))
-    (workdir / "kubeconfig").write_text(kubeconfig(plane.server, NODE_TOKEN, plane.ca))
-    node = None
-    try:
-        for hierarchy in CGROUP_HIERARCHIES.iterdir():  # the kubelet wants its cgroup root to exist
-            if hierarchy.is_dir() and (hierarchy / "cgroup.procs").exists():
-                (hierarchy / cgroup_root.strip("/")).mkdir(exist_ok=True)
-        _bridge_up(bridge)
-        process = spawn(
-            [
-                "unshare",
-                "--mount",
-                "--pid",
-                "--fork",
-                "--mount-proc",
-                "--propagation",
-                "private",
-                str(HERE / "node.sh"),
-                str(binaries["kubelet"]),
-                str(binaries["kube-proxy"]),
-                str(binaries["kube-network-policies"]),
-                f"127.0.0.1:{free_port()}",
-                str(workdir),
-                NODE_NAME,
-                urlsplit(plane.server).netloc,
-                GATEWAY,
-                *(str(image.archive) for image in node_images.values()),
-                *map(str, images),
-            ],
-            workdir / "logs" / "node.log",
-        )
-        node = RealNode(NODE_NAME, workdir, process, cgroup_root, bridge, binaries["kube-proxy"], sysctls)
-        deadline = time.monotonic() + timeout
-        while not _ready(plane):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"node {NODE_NAME} did not become Ready; logs in {workdir / 'logs'}")
-            time.sleep(1)
-        left = max(deadline - time.monotonic(), 1.0)
-        plane.kubectl(
-            "-n", "kube-system", "rollout", "status", "deployment/coredns", f"--timeout={left:.0f}s", timeout=left + 30
-        )
-    except BaseException:
-        if node is not None:
-            node.stop()
-        else:
-            _remove_cgroups(cgroup_root)
-            _remove_bridge(bridge)
-        raise
-    return node
-
-
-def _ready(plane: ControlPlane) -> bool:
-    out = plane.kubectl("get", "node", NODE_NAME, "-o", "json", check=False)
+def _ready(plane: ControlPlane, name: str) -> bool:
+    out = plane.kubectl("get", "node", name, "-o", "json", check=False)
     if out.returncode != 0:
         return False
     conditions = json.loads(out.stdout)["status"].get("conditions", ())

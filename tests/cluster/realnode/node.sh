@@ -1,33 +1,32 @@
 #!/usr/bin/env bash
-# node.sh KUBELET KUBE_PROXY NETPOL NETPOL_METRICS WORKDIR NODE_NAME API_SERVER GATEWAY IMAGE.tar...: containerd,
-# kube-proxy, the NetworkPolicy controller (kube-network-policies, its metrics on NETPOL_METRICS), the kubelet of
-# one real node and the pods' way to the API server. node.py runs it as the first process of its own PID and
-# mount namespaces (unshare), so that stopping it leaves no process or mount behind: when the kubelet (PID 1
-# there) exits, the kernel kills every shim, container, kube-proxy, the policy controller and the relay, and
-# every mount made here (the private /run with containerd's sockets and the pods' netns files, container root
-# filesystems) goes with the namespace. The network namespace is the host's: pods get their own, joined to it
-# by the CNI bridge; the nftables tables of kube-proxy and the policy controller outlive it and node.py removes
-# them.
+# node.sh KUBELET KUBE_PROXY NETPOL WORKDIR NETPOL_ACCOUNT NODE_NAME NODE_IP NODE_LABELS API_SERVICE IMAGE.tar...:
+# containerd, kube-proxy, the NetworkPolicy controller (kube-network-policies) and the kubelet of one real node.
+# node.py runs it in the node's network namespace, as the first process of its own PID and mount namespaces
+# (unshare), so that stopping it leaves no process or mount behind: when the kubelet (PID 1 there) exits, the
+# kernel kills every shim, container, kube-proxy and the policy controller, and every mount made here (the private
+# /run with containerd's sockets and the pods' netns files, container root filesystems, the kubelet's and CNI's
+# folders) goes with the namespace. Pods get network namespaces of their own, joined to the node's by the CNI
+# bridge; the node's nftables tables (kube-proxy's, the policy controller's) go with its network namespace.
 set -euo pipefail
-kubelet=$1 kube_proxy=$2 netpol=$3 netpol_metrics=$4 wd=$5 name=$6 api_server=$7 gateway=$8
-shift 8
+kubelet=$1 kube_proxy=$2 netpol=$3 wd=$4 netpol_account=$5 name=$6 node_ip=$7 labels=$8 api_service=$9
+shift 9
 mount -t tmpfs tmpfs /run
-# The kubelet and libcni write to these fixed paths: keep them inside this node's workdir.
-mkdir -p /var/lib/cni /var/log/containers "$wd/cni-state" "$wd/container-logs"
+# The kubelet and libcni write to these fixed paths: keep them inside this node's workdir, apart from the other
+# nodes' on this host.
+mkdir -p /var/lib/kubelet /var/lib/cni /var/log/containers "$wd/cni-state" "$wd/container-logs"
+mount --bind "$wd/kubelet" /var/lib/kubelet
 mount --bind "$wd/cni-state" /var/lib/cni
 mount --bind "$wd/container-logs" /var/log/containers
 
-# The API server listens on the host's loopback only, which no pod can reach: relay the same port on the
-# bridge's gateway address, where the `kubernetes` Service's endpoint points (node.py).
-socat "TCP-LISTEN:${api_server##*:},bind=$gateway,reuseaddr,fork" "TCP:$api_server" >>"$wd/logs/relay.log" 2>&1 &
 "$kube_proxy" --config "$wd/kube-proxy.yaml" >>"$wd/logs/kube-proxy.log" 2>&1 &
 # kube-network-policies knows only the in-cluster configuration: its service account's token and CA where a
-# pod has them (/var/run is /run, private here), and the API server's address in the environment.
+# pod has them (/var/run is /run, private here), and the `kubernetes` Service's address in the environment (as
+# in a pod; kube-proxy, beside it, routes it to the API server).
 account=/run/secrets/kubernetes.io/serviceaccount
 mkdir -p "$account"
-mount --bind "$wd/netpol-account" "$account"
-KUBERNETES_SERVICE_HOST=${api_server%:*} KUBERNETES_SERVICE_PORT=${api_server##*:} \
-    "$netpol" --hostname-override "$name" --metrics-bind-address "$netpol_metrics" --v 2 \
+mount --bind "$netpol_account" "$account"
+KUBERNETES_SERVICE_HOST=${api_service%:*} KUBERNETES_SERVICE_PORT=${api_service##*:} \
+    "$netpol" --hostname-override "$name" --metrics-bind-address 127.0.0.1:9080 --v 2 \
     >>"$wd/logs/kube-network-policies.log" 2>&1 &
 containerd --config "$wd/containerd.toml" >>"$wd/logs/containerd.log" 2>&1 &
 ctr=(ctr --address /run/containerd/containerd.sock --namespace k8s.io)
@@ -39,4 +38,4 @@ for image in "$@"; do
     "${ctr[@]}" images import "$image" >>"$wd/logs/images.log" 2>&1
 done
 exec "$kubelet" --config "$wd/kubelet.yaml" --kubeconfig "$wd/kubeconfig" \
-    --hostname-override "$name" --node-ip 127.0.0.1 --v 2 >>"$wd/logs/kubelet.log" 2>&1
+    --hostname-override "$name" --node-ip "$node_ip" --node-labels "$labels" --v 2 >>"$wd/logs/kubelet.log" 2>&1
