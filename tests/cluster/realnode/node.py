@@ -94,8 +94,8 @@ class Image:
 
 @dataclass
 class RealNode:
-    """One node of a RealNodes: where it lives on the host. Its containerd store (the images it imported)
-    outlives `kill`, as a rebooted machine's disk does, and goes with RealNodes.stop."""
+    """One node of a RealNodes: where it lives on the host. Its containerd store (its images) outlives `kill`, as
+    a rebooted machine's disk does, and goes with RealNodes.stop."""
 
     name: str
     index: int
@@ -103,7 +103,6 @@ class RealNode:
     workdir: Path
     suffix: str
     process: subprocess.Popen | None = None
-    imported: set[Path] = field(default_factory=set)
 
     @property
     def address(self) -> str:
@@ -156,8 +155,6 @@ class RealNodes:
     workdir: Path
     suffix: str
     binaries: dict[str, Path]
-    images: tuple[Path, ...]
-    """OCI archives every node imports before its kubelet starts: pause, CoreDNS, and the caller's."""
     pause_image: str
     sysctls: dict[Path, str]
     """HOST_SYSCTLS as they were before the first node started, restored by stop."""
@@ -167,6 +164,12 @@ class RealNodes:
     @property
     def bridge(self) -> str:
         return f"rn{self.suffix}"
+
+    @property
+    def store(self) -> Path:
+        """The containerd store that every node's is a copy of (hard links: the trainer's image alone is 12 GB
+        imported, and the disk holds one): the pause and CoreDNS images and the caller's, imported and unpacked."""
+        return _containerd_root(self.workdir / "images")
 
     @property
     def server(self) -> str:
@@ -215,12 +218,13 @@ class RealNodes:
                 time.sleep(1)
 
     def stop(self) -> None:
-        """Kills every node and deletes their containerd stores, then removes what the host kept for them."""
+        """Kills every node and deletes the containerd stores, then removes what the host kept for them."""
         for node in self.nodes.values():
             node.kill()
-            # The images imported and unpacked there (12 GB with the trainer's) would outlive the run in pytest's
-            # kept folders; the logs beside them are what is worth keeping.
+            # The images there (12 GB with the trainer's) would outlive the run in pytest's kept folders; the logs
+            # beside them are what is worth keeping.
             shutil.rmtree(node.containerd_root, ignore_errors=True)
+        shutil.rmtree(self.store, ignore_errors=True)
         if self.relay is not None:
             stop_group(self.relay)
         subprocess.run(["nft", "delete", "table", "ip", self.bridge], capture_output=True)
@@ -232,7 +236,8 @@ class RealNodes:
     def leftovers(self) -> list[str]:
         """What of these nodes is still there (empty after `stop`)."""
         left = [item for node in self.nodes.values() for item in node.leftovers()]
-        left += [f"containerd store {n.containerd_root}" for n in self.nodes.values() if n.containerd_root.exists()]
+        stores = [self.store, *(node.containerd_root for node in self.nodes.values())]
+        left += [f"containerd store {store}" for store in stores if store.exists()]
         if self.relay is not None and self.relay.poll() is None:
             left.append(f"relay {self.relay.pid}")
         if subprocess.run(["ip", "link", "show", self.bridge], capture_output=True).returncode == 0:
@@ -261,8 +266,9 @@ class RealNodes:
         for hierarchy in CGROUP_HIERARCHIES.iterdir():  # the kubelet wants its cgroup root to exist
             if hierarchy.is_dir() and (hierarchy / "cgroup.procs").exists():
                 (hierarchy / node.cgroup_root.strip("/")).mkdir(exist_ok=True)
+        if not node.containerd_root.exists():  # else a lost node come back: its images are still there
+            _copy_store(self.store, _containerd_root(node.workdir))
         _node_network_up(node, self.bridge)
-        imports = [image for image in self.images if image not in node.imported]
         labels = ",".join(f"{key}={value}" for key, value in pool_labels(node.pool).items())
         node.process = spawn(
             [
@@ -285,11 +291,9 @@ class RealNodes:
                 node.address,
                 labels,
                 f"{KUBERNETES_SERVICE}:443",
-                *map(str, imports),
             ],
             node.workdir / "logs" / "node.log",
         )
-        node.imported.update(imports)
 
     def _pods_on(self, name: str) -> list[str]:
         out = self.plane.kubectl("get", "pods", "-A", "--field-selector", f"spec.nodeName={name}", "-o", "name")
@@ -314,7 +318,6 @@ def start_real_nodes(
         workdir,
         f"{os.getpid() % 0x10000:04x}",
         binaries,
-        (node_images["pause"].archive, node_images["coredns"].archive, *images),
         node_images["pause"].name,
         {path: path.read_text() for path in HOST_SYSCTLS},
     )
@@ -323,6 +326,7 @@ def start_real_nodes(
         token = plane.service_account_token("kube-system", "kube-proxy")
         (workdir / "kube-proxy.kubeconfig").write_text(kubeconfig(nodes.server, token, plane.ca, API_SERVER_NAME))
         _service_account_files(plane, "kube-network-policies", workdir / "netpol-account")
+        _import(workdir / "images", nodes.pause_image, (*(i.archive for i in node_images.values()), *images))
         nodes.relay = _host_network_up(nodes, workdir / "logs" / "relay.log")
         started = [nodes.add(pool, index) for pool in pools for index in range(pool.count)]
         deadline = time.monotonic() + timeout
@@ -335,6 +339,35 @@ def start_real_nodes(
         nodes.stop()
         raise
     return nodes
+
+
+def _import(workdir: Path, pause_image: str, archives: Sequence[Path]) -> None:
+    """Imports `archives` into a containerd store in `workdir` (import.sh), configured as the nodes' are."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "containerd.toml").write_text(_containerd_config(workdir, pause_image))
+    subprocess.run(
+        [
+            *("unshare", "--mount", "--pid", "--fork", "--mount-proc", "--propagation", "private"),
+            str(HERE / "import.sh"),
+            str(workdir / "containerd.toml"),
+            str(workdir / "import.log"),
+            *map(str, archives),
+        ],
+        check=True,
+        capture_output=True,
+    )
+
+
+def _copy_store(store: Path, root: Path) -> None:
+    """A node's own containerd store (`root`), the same as `store`: every file a hard link to the store's (blobs
+    and unpacked layers are never written again, and a container writes to a layer of its own), but the bolt
+    databases, which containerd writes in place, copied."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cp", "-al", str(store), str(root)], check=True, capture_output=True)
+    for database in store.rglob("*.db"):
+        copy = root / database.relative_to(store)
+        copy.unlink()
+        shutil.copy2(database, copy)
 
 
 def nftables_tables(netns: str | None = None) -> list[str]:
@@ -451,11 +484,15 @@ def _on_path(name: str) -> bool:
     return any(os.access(Path(d, name), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
 
 
+def _containerd_root(workdir: Path) -> Path:
+    return workdir / "containerd" / "root"
+
+
 def _containerd_config(workdir: Path, pause_image: str) -> str:
     # restrict_oom_score_adj: the VM withholds CAP_SYS_RESOURCE, so no container may lower its OOM score below
     # containerd's own (the sandbox asks for -998); containerd clamps it, as it does when rootless.
     return f"""version = 2
-root = "{workdir}/containerd/root"
+root = "{_containerd_root(workdir)}"
 state = "/run/containerd/state"
 [grpc]
   address = "/run/containerd/containerd.sock"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# node.sh KUBELET KUBE_PROXY NETPOL WORKDIR NETPOL_ACCOUNT NODE_NAME NODE_IP NODE_LABELS API_SERVICE IMAGE.tar...:
+# node.sh KUBELET KUBE_PROXY NETPOL WORKDIR NETPOL_ACCOUNT NODE_NAME NODE_IP NODE_LABELS API_SERVICE:
 # containerd, kube-proxy, the NetworkPolicy controller (kube-network-policies) and the kubelet of one real node.
 # node.py runs it in the node's network namespace, as the first process of its own PID and mount namespaces
 # (unshare), so that stopping it leaves no process or mount behind: when the kubelet (PID 1 there) exits, the
@@ -9,7 +9,6 @@
 # bridge; the node's nftables tables (kube-proxy's, the policy controller's) go with its network namespace.
 set -euo pipefail
 kubelet=$1 kube_proxy=$2 netpol=$3 wd=$4 netpol_account=$5 name=$6 node_ip=$7 labels=$8 api_service=$9
-shift 9
 mount -t tmpfs tmpfs /run
 # The kubelet and libcni write to these fixed paths: keep them inside this node's workdir, apart from the other
 # nodes' on this host.
@@ -28,14 +27,11 @@ mount --bind "$netpol_account" "$account"
 KUBERNETES_SERVICE_HOST=${api_service%:*} KUBERNETES_SERVICE_PORT=${api_service##*:} \
     "$netpol" --hostname-override "$name" --metrics-bind-address 127.0.0.1:9080 --v 2 \
     >>"$wd/logs/kube-network-policies.log" 2>&1 &
+# Its store holds the node's images already (node.py). The kubelet gives up on a runtime that is not there yet.
 containerd --config "$wd/containerd.toml" >>"$wd/logs/containerd.log" 2>&1 &
-ctr=(ctr --address /run/containerd/containerd.sock --namespace k8s.io)
 for _ in $(seq 100); do
-    "${ctr[@]}" version >/dev/null 2>&1 && break
+    ctr --address /run/containerd/containerd.sock version >/dev/null 2>&1 && break
     sleep 0.2
-done
-for image in "$@"; do
-    "${ctr[@]}" images import "$image" >>"$wd/logs/images.log" 2>&1
 done
 exec "$kubelet" --config "$wd/kubelet.yaml" --kubeconfig "$wd/kubeconfig" \
     --hostname-override "$name" --node-ip "$node_ip" --node-labels "$labels" --v 2 >>"$wd/logs/kubelet.log" 2>&1

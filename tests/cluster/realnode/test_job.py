@@ -1,6 +1,6 @@
-"""The project's images on a real node: the operator, installed with helm from charts/diloco, runs in the
+"""The project's images on real nodes: the operator, installed with helm from charts/diloco, runs in the
 cluster as the chart's Deployment, under the chart's own RBAC, as the image's non-root user with its probes
-passing. The README's example job (CPU requests cut to fit one 2-core node) trains there. Its islands (the
+passing. The README's example job, as it is, trains on three on-demand nodes. Its islands (the
 two-pod one included) and syncer shards are real containers of diloco-trainer, running as the image's non-root
 user with their probes passing; the islands find the shards and each other by their Service names (CoreDNS,
 kube-proxy), become Ready, and the job's outer step, which the operator reads from the shards, rises. A shard's
@@ -17,6 +17,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from support import wait_until
 from cluster.cluster import Cluster, start_cluster
 from cluster.realnode import archives, busybox
 from cluster.realnode.busybox import last_probe, running, web_pod
-from cluster.realnode.node import RealNode, not_enabled, start_real_node
+from cluster.realnode.node import ON_DEMAND, RealNodes, not_enabled, start_real_nodes
 from diloco.api.conditions import ConditionType, Reason
 from diloco.api.job import DiLoCoJobSpec
 from diloco.operator import naming
@@ -46,19 +47,10 @@ IMAGES = ("operator", "trainer")
 pytestmark = [pytest.mark.process, pytest.mark.timeout(2400)]
 
 
-def fitted(example: Path) -> dict:
-    """The example with every CPU request cut to 100m: its three island pods ask for a CPU each, and the one
-    real node has the two of this machine, so neither the third island pod nor the syncers would be
-    scheduled. (Requests only: no CPU limit is set, so the pods still share both cores.)"""
-    job = yaml.safe_load(example.read_text())
-    for part in [*job["spec"]["islands"], job["spec"]["syncer"]]:
-        part["resources"]["requests"]["cpu"] = "100m"
-    return job
-
-
 @pytest.fixture(scope="module")
-def cluster_with_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, RealNode]]:
-    """A control plane and one real node with diloco-operator:dev, diloco-trainer:dev and busybox preloaded,
+def cluster_with_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, RealNodes]]:
+    """A control plane and three on-demand real nodes (the example's three island pods ask for a CPU each, and
+    each node has this machine's two) with diloco-operator:dev, diloco-trainer:dev and busybox preloaded,
     the operator installed there with helm as the e2e suite installs it (the chart's CRDs, Deployment and
     RBAC); uninstalled with helm on the way out."""
     if reason := not_enabled():
@@ -70,23 +62,24 @@ def cluster_with_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     (workdir / "cluster").mkdir()
     cluster = start_cluster(workdir / "cluster", pools=())
     target = Target(cluster.kubeconfig, cluster.bin, "dev")
-    node = None
+    nodes = None
     installed = False
     try:
         images = (*(archives.archive(image) for image in IMAGES), busybox.image(workdir))
-        node = start_real_node(cluster, workdir / "node", images=images, timeout=900)
+        pools = (replace(ON_DEMAND, count=3),)
+        nodes = start_real_nodes(cluster, workdir / "nodes", pools=pools, images=images, timeout=1200)
         install_operator(target)
         installed = True
-        yield cluster, node
+        yield cluster, nodes
         restarted = {pod["metadata"]["name"]: pod["status"]["containerStatuses"] for pod in operator_pods(cluster)}
         assert all(c["restartCount"] == 0 for cs in restarted.values() for c in cs), f"liveness failed: {restarted}"
     finally:
         if installed:
             uninstall_operator(target)
-        if node is not None:
-            node.stop()
+        if nodes is not None:
+            nodes.stop()
         cluster.stop()
-    assert node is None or not node.leftovers()
+    assert nodes is None or not nodes.leftovers(), nodes.leftovers()
 
 
 def operator_pods(cluster: Cluster) -> list[dict]:
@@ -109,15 +102,15 @@ def container_uids(container_id: str) -> set[int]:
 
 
 def test_the_operator_runs_in_the_cluster_as_the_images_user_with_its_probes_passing(cluster_with_operator):
-    """helm's operator pod is a real container of diloco-operator:dev on the node, Ready and never restarted
+    """helm's operator pod is a real container of diloco-operator:dev on a real node, Ready and never restarted
     (its probes pass), its processes running as the user the image names, not root."""
-    cluster, node = cluster_with_operator
+    cluster, nodes = cluster_with_operator
     user = archives.config(archives.archive("operator"))["User"]
     image_uid = int(user.split(":")[0])
     operators = operator_pods(cluster)
     assert operators
     for pod in operators:
-        assert pod["spec"]["nodeName"] == node.name
+        assert pod["spec"]["nodeName"] in nodes.names
         (container,) = pod["status"]["containerStatuses"]
         assert container["image"].endswith("diloco-operator:dev") and container["imageID"], container
         assert container["ready"] and container["restartCount"] == 0, container
@@ -158,7 +151,7 @@ def readme_job(cluster_with_operator) -> dict:
     answer and the job's outer step is above zero."""
     cluster, _ = cluster_with_operator
     cluster.kubectl("create", "namespace", "readme")
-    cluster.kubectl("-n", "readme", "apply", "-f", "-", stdin=yaml.safe_dump(fitted(EXAMPLE)))
+    cluster.kubectl("-n", "readme", "apply", "-f", "-", stdin=EXAMPLE.read_text())
     return wait_for(
         cluster,
         "the islands did not become Ready and train",
@@ -168,15 +161,16 @@ def readme_job(cluster_with_operator) -> dict:
 
 
 def test_the_readme_example_trains_on_real_containers(cluster_with_operator, readme_job):
-    cluster, node = cluster_with_operator
+    cluster, nodes = cluster_with_operator
     wait_for(cluster, "the outer step did not rise", lambda s: s.get("outerStep", 0) > readme_job["outerStep"], 600)
+    print(cluster.kubectl("get", "nodes", "-o", "wide").stdout)
     print(cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout)
     print(cluster.kubectl("get", "pods", "-A", "-o", f"custom-columns={CONTAINERS}").stdout)
 
     pair = pods(cluster, "readme", naming.island_selector("tiny-cpu", "pair"))
     assert len(pair) == 2
     for pod in pair + pods(cluster, "readme", {naming.LABEL_ROLE: "syncer"}):
-        assert pod["spec"]["nodeName"] == node.name
+        assert pod["spec"]["nodeName"] in nodes.names
         (container,) = pod["status"]["containerStatuses"]
         assert container["ready"] and container["containerID"].startswith("containerd://")
         assert pod["spec"]["securityContext"].get("runAsUser", TRAINER_UID) == TRAINER_UID
@@ -188,7 +182,7 @@ def test_a_pod_outside_the_job_cannot_reach_its_syncers(cluster_with_operator, r
     kind of pod reaches the same shard's metrics port, which the policy leaves open to scrapers: the policy
     closes the gRPC port, not a broken network."""
     cluster, _ = cluster_with_operator
-    spec = DiLoCoJobSpec.model_validate(fitted(EXAMPLE)["spec"])
+    spec = DiLoCoJobSpec.model_validate(yaml.safe_load(EXAMPLE.read_text())["spec"])
     (shard,) = pods(cluster, "readme", naming.shard_selector("tiny-cpu", 1))  # shard 0's pod is deleted below
     address = shard["status"]["podIP"]
     names = {port: f"stranger-{port}" for port in (spec.syncer.port, spec.syncer.metrics_port)}
@@ -225,8 +219,8 @@ def ready_replacement(cluster: Cluster, old: dict) -> dict | None:
 def test_a_deleted_syncer_pod_resumes_from_its_checkpoint(cluster_with_operator, readme_job):
     """The shard's checkpoint is written by the shard's non-root user on its volume; a new pod of the shard
     resumes from it: its fragments' versions do not go back to zero."""
-    cluster, node = cluster_with_operator
-    shards = fitted(EXAMPLE)["spec"]["syncer"]["shards"]
+    cluster, _ = cluster_with_operator
+    shards = yaml.safe_load(EXAMPLE.read_text())["spec"]["syncer"]["shards"]
     volume = get(cluster, "readme", "pvc", naming.syncer_name("tiny-cpu", 0))["spec"]["volumeName"]
     folder = Path(get(cluster, "default", "pv", volume)["spec"]["hostPath"]["path"])
     saved = checkpoint_path(folder, 0, shards)
@@ -241,7 +235,7 @@ def test_a_deleted_syncer_pod_resumes_from_its_checkpoint(cluster_with_operator,
     (old,) = pods(cluster, "readme", naming.shard_selector("tiny-cpu", 0))
     cluster.kubectl("-n", "readme", "delete", "pod", old["metadata"]["name"], "--wait=true", timeout=120)
     new = wait_until(lambda: ready_replacement(cluster, old), timeout=600, interval=3)
-    log = node.logs(new)
+    log = cluster.kubectl("-n", "readme", "logs", new["metadata"]["name"]).stdout
     resumed = [json.loads(line) for line in log.splitlines() if "resumed from checkpoint" in line]
     assert resumed, log[-3000:]
     print(f"before deleting {old['metadata']['name']}: {before}; {new['metadata']['name']}: {resumed[0]}")
@@ -261,7 +255,7 @@ def test_a_container_killed_by_its_memory_limit_is_a_failure_not_a_preemption(cl
     kubelet reports OOMKilled), and the operator charges that to the restart budget (0 here: the job fails,
     saying why), never as a preemption."""
     cluster, _ = cluster_with_operator
-    job = fitted(EXAMPLE)
+    job = yaml.safe_load(EXAMPLE.read_text())
     solo = job["spec"]["islands"][0]
     solo["resources"] = {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "64Mi"}}
     job["spec"]["islands"] = [solo]
