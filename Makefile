@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint unit e2e e2e-kind test-realnode cluster-up protos bench-syncer bench-comm bench-simulator syncer images clean
+.PHONY: run test lint unit e2e e2e-kind e2e-realnode test-realnode cluster-up protos bench-syncer bench-comm bench-simulator syncer images clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +33,13 @@ e2e: $(STAMP)  ## the end-to-end suite through helm and kubectl on the KWOK test
 e2e-kind: $(STAMP)  ## the same suite on a new kind cluster with the images built here (needs Docker and image pulls)
 	tests/e2e/kind.sh
 
-test-realnode: $(STAMP)  ## pods as real containers on one real node (kubelet, containerd, kube-proxy, CoreDNS), as root: docs/real-nodes.md
+test-realnode: $(STAMP)  ## pods as real containers on real nodes (kubelet, containerd, kube-proxy, CoreDNS), as root: docs/real-nodes.md
 	tests/cluster/realnode/build.sh >/dev/null
 	DILOCO_REALNODE=1 $(BIN)/python -m pytest -p no:cacheprovider tests/cluster/realnode
+
+e2e-realnode: $(STAMP)  ## the e2e suite on real nodes running the images built here (realnode/images.sh), as root
+	tests/cluster/realnode/build.sh >/dev/null
+	DILOCO_E2E_REALNODE=1 $(BIN)/python -m pytest -m e2e -p no:cacheprovider tests/e2e
 
 cluster-up: $(STAMP)  ## the KWOK test cluster and its pod runner, by hand: prints a KUBECONFIG, Ctrl-C stops it
 	PYTHONPATH=tests $(BIN)/python -m cluster.up

@@ -1,24 +1,29 @@
 """The cluster the e2e suite runs against: any kubeconfig in DILOCO_E2E_KUBECONFIG (a kind cluster with the
-project's images loaded, `make e2e-kind`), else the KWOK test cluster (tests/cluster) with the pod runner
-standing in for kubelets, so the chart's operator Deployment and the job's syncers and workers really run,
-as local processes, from this checkout."""
+project's images loaded, `make e2e-kind`); with DILOCO_E2E_REALNODE=1, the test cluster's control plane with
+real nodes (tests/cluster/realnode: kubelets running the project's images, an on-demand pool and a spot pool;
+`make e2e-realnode`); else the KWOK test cluster (tests/cluster) with the pod runner standing in for kubelets,
+so the chart's operator Deployment and the job's syncers and workers really run, as local processes, from this
+checkout."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster.cluster import Cluster
+from cluster.cluster import Cluster, MissingBinaries, start_cluster
 from cluster.controlplane import binaries_dir
 from cluster.isolated import IsolatedCluster, start_isolated
 from cluster.pod_runner import PodRunner
+from cluster.realnode import archives
+from cluster.realnode.node import ON_DEMAND, SPOT, MissingToolchain, RealNodes, kill_container, start_real_nodes
 from kubernetes import config as kube_config
 from support import missing_binary
 
@@ -28,14 +33,16 @@ OPERATOR_NAMESPACE = "diloco-system"
 
 @dataclass
 class Target:
-    """A cluster and what the suite may do to it. `cluster` and `runner` exist only for the session's KWOK
-    cluster, `isolated` only for a second KWOK cluster run whole in a PID namespace (`other_clusters`)."""
+    """A cluster and what the suite may do to it. `cluster` exists for the session's test cluster (its volumes
+    are folders of this machine), `runner` only when KWOK's nodes run it, `nodes` only when real nodes do,
+    `isolated` only for a second KWOK cluster run whole in a PID namespace (`other_clusters`)."""
 
     kubeconfig: Path
     bin: Path
     image_tag: str
     cluster: Cluster | None = None
     runner: PodRunner | None = None
+    nodes: RealNodes | None = None
     isolated: IsolatedCluster | None = None
 
     def kubectl(
@@ -76,18 +83,23 @@ class Target:
         return result.stdout
 
     def crash(self, namespace: str, pod: str) -> None:
-        """Makes the pod's main process die as a crash would: SIGKILL on the KWOK cluster; in a real container
-        (where PID 1 ignores signals it has no handler for) SIGINT, which Python turns into an exit."""
+        """Makes the pod's main process die as a crash would: SIGKILL, from the pod runner on the KWOK cluster or
+        from the host on real nodes. (From inside a container no signal can do it: PID 1 ignores those it has no
+        handler for, and the trainer's handlers for SIGTERM and SIGINT stop it gracefully, exit code 0.)"""
         if self.runner is not None:
             assert self.runner.kill(namespace, pod, signal.SIGKILL) == 1
+        elif self.nodes is not None:
+            found = self.kubectl("-n", namespace, "get", "pod", pod, "-o", "json").stdout
+            (container,) = json.loads(found)["status"]["containerStatuses"]
+            kill_container(container["containerID"].removeprefix("containerd://"))
         else:
-            self.kubectl(
-                "-n", namespace, "exec", pod, "--", "python", "-c", "import os, signal; os.kill(1, signal.SIGINT)"
-            )
+            pytest.skip("crashing a container needs the KWOK test cluster's pod runner or real nodes on this host")
 
     def lose_node(self, name: str) -> None:
-        """A spot node preempted: its pods evicted, the Node gone."""
-        if self.cluster is not None:
+        """A spot node preempted: its pods evicted, the Node gone (and a real node's machine with it)."""
+        if self.nodes is not None:
+            self.nodes.lose(name)
+        elif self.cluster is not None:
             self.cluster.delete_node(name)
         else:
             self.kubectl("cordon", name)
@@ -96,7 +108,9 @@ class Target:
 
     def restore_node(self, name: str) -> None:
         """Brings a lost node's pool back to size (on kind, the kubelet re-registers the node by itself)."""
-        if self.cluster is not None:
+        if self.nodes is not None:
+            self.nodes.restore(name)
+        elif self.cluster is not None:
             assert self.cluster.add_node(name.rsplit("-", 1)[0]) == name
 
 
@@ -116,6 +130,9 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     if external:
         yield _external(Path(external))
         return
+    if os.environ.get("DILOCO_E2E_REALNODE") == "1":
+        yield from _real_nodes(tmp_path_factory)
+        return
     cluster: Cluster = request.getfixturevalue("kwok_cluster")
     if binaries_dir(("helm",)) is None:
         missing_binary("no cached helm (run tests/cluster/build.sh)")
@@ -126,6 +143,40 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     finally:
         runner.stop()
     assert not runner.leftovers(), f"pod processes left running: {runner.leftovers()}"
+
+
+REAL_POOLS = (replace(ON_DEMAND, count=3), replace(SPOT, count=2))
+"""Three on-demand nodes, as the README's example needs (three island pods of a CPU each, two CPUs a node), and
+two spot nodes, so that a spot island has somewhere to go when its node is lost."""
+
+
+def _real_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    if os.geteuid() != 0:
+        pytest.skip("DILOCO_E2E_REALNODE=1: real nodes need root (docs/real-nodes.md)")
+    for image in ("operator", "trainer"):
+        if reason := archives.unusable(image):
+            pytest.skip(reason)
+    workdir = tmp_path_factory.mktemp("e2e-realnode")
+    (workdir / "cluster").mkdir()
+    try:
+        cluster = start_cluster(workdir / "cluster", pools=())
+    except MissingBinaries as error:
+        pytest.skip(str(error))
+    nodes = None
+    try:
+        trainer = archives.archive("trainer")
+        # test_diloco_job.py rolls its job onto another image: the same one, by another name.
+        tags = {"diloco-trainer:dev-rolled": "diloco-trainer:dev"}
+        images = (archives.archive("operator"), trainer)
+        nodes = start_real_nodes(cluster, workdir / "nodes", REAL_POOLS, images, tags, timeout=1200)
+        yield Target(cluster.kubeconfig, cluster.bin, "dev", cluster=cluster, nodes=nodes)
+    except MissingToolchain as error:
+        pytest.skip(str(error))
+    finally:
+        if nodes is not None:
+            nodes.stop()
+        cluster.stop()
+    assert nodes is None or not nodes.leftovers(), nodes.leftovers()
 
 
 def install_operator(target: Target) -> None:

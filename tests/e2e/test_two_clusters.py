@@ -159,7 +159,8 @@ def link_tools():
 @pytest.fixture
 def near_job(target, operator):
     """The job in A, its shards exposed at A's node address, B's connections delayed at A's node ports."""
-    assert target.runner is not None
+    if target.runner is None:
+        pytest.skip("the link's delay is the KWOK test cluster's pod runner's, at its node ports")
     target.runner.node_port_delay = LINK.one_way_seconds
     target.kubectl("create", "namespace", NAMESPACE)
     expose = {"type": "NodePort", "nodeAddress": NEAR_ADDRESS}

@@ -25,10 +25,11 @@ import ipaddress
 import json
 import os
 import shutil
+import signal
 import string
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -305,11 +306,13 @@ def start_real_nodes(
     workdir: Path,
     pools: Sequence[Pool] = (ON_DEMAND,),
     images: tuple[Path, ...] = (),
+    tags: Mapping[str, str] | None = None,
     timeout: float = 180.0,
 ) -> RealNodes:
     """Starts `pool.count` nodes of each pool in `workdir` (named `<pool>-<index>`, labelled and tainted as the
-    pool says), each with the pause and CoreDNS images and `images` (OCI archives) preloaded; installs the add-ons
-    (addons.yaml) and returns once every node is Ready and the cluster's DNS answers."""
+    pool says), each with the pause and CoreDNS images and `images` (OCI archives) preloaded, and more names for
+    them in `tags` (new name: image); installs the add-ons (addons.yaml) and returns once every node is Ready and
+    the cluster's DNS answers."""
     binaries, node_images = node_binaries()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "logs").mkdir(exist_ok=True)
@@ -326,7 +329,8 @@ def start_real_nodes(
         token = plane.service_account_token("kube-system", "kube-proxy")
         (workdir / "kube-proxy.kubeconfig").write_text(kubeconfig(nodes.server, token, plane.ca, API_SERVER_NAME))
         _service_account_files(plane, "kube-network-policies", workdir / "netpol-account")
-        _import(workdir / "images", nodes.pause_image, (*(i.archive for i in node_images.values()), *images))
+        archives = (*(image.archive for image in node_images.values()), *images)
+        _import(workdir / "images", nodes.pause_image, archives, tags or {})
         nodes.relay = _host_network_up(nodes, workdir / "logs" / "relay.log")
         started = [nodes.add(pool, index) for pool in pools for index in range(pool.count)]
         deadline = time.monotonic() + timeout
@@ -341,8 +345,32 @@ def start_real_nodes(
     return nodes
 
 
-def _import(workdir: Path, pause_image: str, archives: Sequence[Path]) -> None:
-    """Imports `archives` into a containerd store in `workdir` (import.sh), configured as the nodes' are."""
+def container_processes(container_id: str) -> dict[int, dict[str, str]]:
+    """The host's view of a container's processes: pid to the fields of /proc/PID/status. The nodes' PID
+    namespaces are children of the host's, and each container's processes sit in a cgroup named after its ID."""
+    found = {}
+    for process in Path("/proc").iterdir():
+        try:
+            if process.name.isdigit() and container_id in (process / "cgroup").read_text():
+                lines = (process / "status").read_text().splitlines()
+                found[int(process.name)] = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+def kill_container(container_id: str, sig: int = signal.SIGKILL) -> int:
+    """Sends `sig` to the container's main process (PID 1 in its namespace) from the host, as the kernel's OOM
+    killer or a crash would end it: from inside the container, its PID 1 ignores every signal it has no handler
+    for, SIGKILL included. Returns the host pid signalled."""
+    (pid,) = [pid for pid, status in container_processes(container_id).items() if status["NSpid"].split()[-1] == "1"]
+    os.kill(pid, sig)
+    return pid
+
+
+def _import(workdir: Path, pause_image: str, archives: Sequence[Path], tags: Mapping[str, str]) -> None:
+    """Imports `archives` into a containerd store in `workdir` (import.sh), configured as the nodes' are, and
+    gives the images in `tags` their other names."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "containerd.toml").write_text(_containerd_config(workdir, pause_image))
     subprocess.run(
@@ -351,11 +379,18 @@ def _import(workdir: Path, pause_image: str, archives: Sequence[Path]) -> None:
             str(HERE / "import.sh"),
             str(workdir / "containerd.toml"),
             str(workdir / "import.log"),
+            ",".join(f"{_qualified(image)}={_qualified(name)}" for name, image in tags.items()),
             *map(str, archives),
         ],
         check=True,
         capture_output=True,
     )
+
+
+def _qualified(image: str) -> str:
+    """An image's name as containerd keeps it: `busybox:1` is `docker.io/library/busybox:1` (other names are
+    passed whole)."""
+    return image if "/" in image else f"docker.io/library/{image}"
 
 
 def _copy_store(store: Path, root: Path) -> None:

@@ -28,7 +28,7 @@ from support import wait_until
 from cluster.cluster import Cluster, start_cluster
 from cluster.realnode import archives, busybox
 from cluster.realnode.busybox import last_probe, running, web_pod
-from cluster.realnode.node import ON_DEMAND, RealNodes, not_enabled, start_real_nodes
+from cluster.realnode.node import ON_DEMAND, RealNodes, container_processes, not_enabled, start_real_nodes
 from diloco.api.conditions import ConditionType, Reason
 from diloco.api.job import DiLoCoJobSpec
 from diloco.operator import naming
@@ -88,17 +88,8 @@ def operator_pods(cluster: Cluster) -> list[dict]:
 
 
 def container_uids(container_id: str) -> set[int]:
-    """The real uids of a container's processes, from the host's /proc (the node's PID namespace is a child of
-    the host's; each container's processes sit in a cgroup named after the container's ID)."""
-    found = set()
-    for process in Path("/proc").iterdir():
-        try:
-            if process.name.isdigit() and container_id in (process / "cgroup").read_text():
-                uid = next(line for line in (process / "status").read_text().splitlines() if line.startswith("Uid:"))
-                found.add(int(uid.split()[1]))
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return found
+    """The real uids of a container's processes, as the host sees them."""
+    return {int(status["Uid"].split()[0]) for status in container_processes(container_id).values()}
 
 
 def test_the_operator_runs_in_the_cluster_as_the_images_user_with_its_probes_passing(cluster_with_operator):
