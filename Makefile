@@ -37,8 +37,9 @@ test-realnode: $(STAMP)  ## pods as real containers on real nodes (kubelet, cont
 	tests/cluster/realnode/build.sh >/dev/null
 	DILOCO_REALNODE=1 $(BIN)/python -m pytest -p no:cacheprovider tests/cluster/realnode
 
-e2e-realnode: $(STAMP)  ## the e2e suite on real nodes running the images built here (realnode/images.sh), as root
+e2e-realnode: $(STAMP)  ## the e2e suite on real nodes running the images built here, as root: docs/real-nodes.md
 	tests/cluster/realnode/build.sh >/dev/null
+	tests/cluster/realnode/images.sh operator trainer >/dev/null
 	DILOCO_E2E_REALNODE=1 $(BIN)/python -m pytest -m e2e -p no:cacheprovider tests/e2e
 
 cluster-up: $(STAMP)  ## the KWOK test cluster and its pod runner, by hand: prints a KUBECONFIG, Ctrl-C stops it

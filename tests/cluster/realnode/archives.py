@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 import tarfile
 from pathlib import Path
 
@@ -46,3 +47,9 @@ def unusable(image: str) -> str | None:
     if built_from != build_context.digest(ROOT, image):
         return f"{saved} was built from other sources than this checkout ({built_from=}): {rebuild}"
     return None
+
+
+if __name__ == "__main__":
+    # `archives.py IMAGE...`: those of the images whose archive cannot stand for this checkout (images.sh builds
+    # only them).
+    print(*(image for image in sys.argv[1:] if unusable(image)))

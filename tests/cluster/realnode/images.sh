@@ -11,7 +11,8 @@
 # is that directory. The wheels (3 GB, wheels.sh) are kept in $CACHE/wheels too, shared by every checkout as
 # hard links: a new checkout downloads nothing, and after a source change only the source layers are built
 # again (about 2 minutes for the trainer here, half of it `docker save`). Each image is labelled with the
-# digest of its sources (deploy/images/context.py), which the real-node tests compare with the checkout's.
+# digest of its sources (deploy/images/context.py), which the real-node tests compare with the checkout's; an
+# image whose archive already carries this checkout's digest is not built again.
 set -euo pipefail
 shopt -s inherit_errexit
 
@@ -20,6 +21,13 @@ CACHE=${DILOCO_CLUSTER_CACHE:-$HOME/.cache/diloco-cluster}
 TAG=${TAG:-dev}
 images=("$@")
 [[ ${#images[@]} -gt 0 ]] || images=(operator trainer)
+stale=$(python3 tests/cluster/realnode/archives.py "${images[@]}")
+read -ra images <<<"$stale"
+if [[ ${#images[@]} -eq 0 ]]; then
+    echo "[images] the archives are this checkout's already" >&2
+    echo "$CACHE/images"
+    exit 0
+fi
 docker_dir=$CACHE/docker
 mkdir -p "$docker_dir" "$CACHE/images"
 export DOCKER_HOST=unix://$docker_dir/docker.sock
