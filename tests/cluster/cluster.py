@@ -82,13 +82,18 @@ class Cluster(ControlPlane):
         and removed now; without, only the Node object goes and the pod garbage collector deletes its pods
         after its usual quarantine (about a minute)."""
         if evict:
-            self.kubectl("cordon", name)
-            taint = OUT_OF_SERVICE_TAINT
-            self.kubectl("taint", "node", name, f"{taint['key']}={taint['value']}:{taint['effect']}")
-            deadline = time.monotonic() + 60
-            while self.pods_on(name) and time.monotonic() < deadline:
-                time.sleep(0.5)
+            self.evict_node(name)
         self.kubectl("delete", "node", name, "--wait=true")
+
+    def evict_node(self, name: str) -> None:
+        """Cordons the node and taints it out-of-service, as a cloud's node-termination handling does, and waits
+        (a minute at most) until its pods are gone."""
+        self.kubectl("cordon", name)
+        taint = OUT_OF_SERVICE_TAINT
+        self.kubectl("taint", "node", name, f"{taint['key']}={taint['value']}:{taint['effect']}")
+        deadline = time.monotonic() + 60
+        while self.pods_on(name) and time.monotonic() < deadline:
+            time.sleep(0.5)
 
     def node_names(self) -> list[str]:
         out = self.kubectl("get", "nodes", "-o", "jsonpath={.items[*].metadata.name}").stdout

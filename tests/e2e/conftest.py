@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster.cluster import Cluster, MissingBinaries, start_cluster
+from cluster.cluster import Cluster
 from cluster.controlplane import binaries_dir
 from cluster.isolated import IsolatedCluster, start_isolated
 from cluster.pod_runner import PodRunner
 from cluster.realnode import archives
-from cluster.realnode.node import ON_DEMAND, SPOT, MissingToolchain, RealNodes, kill_container, start_real_nodes
+from cluster.realnode.node import MISSING, ON_DEMAND, SPOT, RealNodes, kill_container, real_cluster
 from kubernetes import config as kube_config
 from support import missing_binary
 
@@ -157,26 +157,14 @@ def _real_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
         if reason := archives.unusable(image):
             pytest.skip(reason)
     workdir = tmp_path_factory.mktemp("e2e-realnode")
-    (workdir / "cluster").mkdir()
+    images = (archives.archive("operator"), archives.archive("trainer"))
+    # test_diloco_job.py rolls its job onto another image: the same one, by another name.
+    tags = {"diloco-trainer:dev-rolled": "diloco-trainer:dev"}
     try:
-        cluster = start_cluster(workdir / "cluster", pools=())
-    except MissingBinaries as error:
+        with real_cluster(workdir, REAL_POOLS, images, tags, timeout=1200) as (cluster, nodes):
+            yield Target(cluster.kubeconfig, cluster.bin, "dev", cluster=cluster, nodes=nodes)
+    except MISSING as error:
         pytest.skip(str(error))
-    nodes = None
-    try:
-        trainer = archives.archive("trainer")
-        # test_diloco_job.py rolls its job onto another image: the same one, by another name.
-        tags = {"diloco-trainer:dev-rolled": "diloco-trainer:dev"}
-        images = (archives.archive("operator"), trainer)
-        nodes = start_real_nodes(cluster, workdir / "nodes", REAL_POOLS, images, tags, timeout=1200)
-        yield Target(cluster.kubeconfig, cluster.bin, "dev", cluster=cluster, nodes=nodes)
-    except MissingToolchain as error:
-        pytest.skip(str(error))
-    finally:
-        if nodes is not None:
-            nodes.stop()
-        cluster.stop()
-    assert nodes is None or not nodes.leftovers(), nodes.leftovers()
 
 
 def install_operator(target: Target) -> None:

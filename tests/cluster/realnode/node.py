@@ -4,10 +4,9 @@ and the CNI bridge plugin, so that pods run as real containers with their own ne
 Services by their ClusterIP, resolve their names through the cluster's CoreDNS, and are fenced by
 NetworkPolicies.
 
-    cluster = start_cluster(workdir, pools=())
-    nodes = start_real_nodes(cluster, workdir / "nodes", pools=(Pool(...), ...), images=(archive,))
-    nodes.lose("cpu-spot-0"); nodes.restore("cpu-spot-0")   # a spot node preempted, and its pool back to size
-    nodes.stop()     # nothing left: no process, mount, netns, cgroup, bridge, route, nftables table or images
+    with real_cluster(workdir, pools=(Pool(...), ...), images=(archive,)) as (cluster, nodes):
+        nodes.lose("cpu-spot-0"); nodes.restore("cpu-spot-0")   # a spot node preempted, and its pool back
+    # stopped: no process, mount, netns, cgroup, bridge, route, nftables table or images left
 
 Each node is what a kind node is, without the container: a network namespace of its own (NETWORK's address on
 eth0, a veth to the host's bridge, so the API server reaches its kubelet for logs and exec), in which node.sh
@@ -29,11 +28,13 @@ import signal
 import string
 import subprocess
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from cluster.cluster import Cluster, MissingBinaries, start_cluster
 from cluster.controlplane import SERVICE_CIDR, ControlPlane, kubeconfig, pinned_version, spawn, stop_group
 from cluster.nodes import SPOT_LABELS, SPOT_TAINT, Pool, pool_labels
 
@@ -85,6 +86,10 @@ def not_enabled() -> str | None:
 
 class MissingToolchain(RuntimeError):
     """realnode/build.sh has not been run, or Debian's packages (DEBIAN_PACKAGES) are not installed."""
+
+
+MISSING = (MissingBinaries, MissingToolchain)
+"""What real_cluster raises when a build or package it needs is not there (each says the command to run)."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,7 @@ class RealNode:
 class RealNodes:
     """Real nodes of one cluster, on one bridge of the host, each started and stopped on its own."""
 
-    plane: ControlPlane
+    plane: Cluster
     workdir: Path
     suffix: str
     binaries: dict[str, Path]
@@ -195,13 +200,8 @@ class RealNodes:
     def lose(self, name: str) -> None:
         """A spot node preempted, as a cloud does it: cordoned and tainted out-of-service (its pods evicted, so
         they stop as on a graceful node shutdown), then the machine gone and its Node object deleted."""
-        node = self.nodes[name]
-        self.plane.kubectl("cordon", name)
-        self.plane.kubectl("taint", "node", name, "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute")
-        deadline = time.monotonic() + 60
-        while self._pods_on(name) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        node.kill()
+        self.plane.evict_node(name)
+        self.nodes[name].kill()
         self.plane.kubectl("delete", "node", name, "--wait=true", timeout=120)
 
     def restore(self, name: str, timeout: float = 300.0) -> None:
@@ -296,13 +296,9 @@ class RealNodes:
             node.workdir / "logs" / "node.log",
         )
 
-    def _pods_on(self, name: str) -> list[str]:
-        out = self.plane.kubectl("get", "pods", "-A", "--field-selector", f"spec.nodeName={name}", "-o", "name")
-        return out.stdout.split()
-
 
 def start_real_nodes(
-    plane: ControlPlane,
+    plane: Cluster,
     workdir: Path,
     pools: Sequence[Pool] = (ON_DEMAND,),
     images: tuple[Path, ...] = (),
@@ -343,6 +339,31 @@ def start_real_nodes(
         nodes.stop()
         raise
     return nodes
+
+
+@contextmanager
+def real_cluster(
+    workdir: Path,
+    pools: Sequence[Pool],
+    images: tuple[Path, ...] = (),
+    tags: Mapping[str, str] | None = None,
+    timeout: float = 180.0,
+) -> Iterator[tuple[Cluster, RealNodes]]:
+    """The test control plane with no KWOK node and real nodes of `pools` (start_real_nodes), in `workdir`; both
+    stopped on the way out, which then checks that the nodes left nothing behind. Raises MISSING without the
+    builds or packages."""
+    (workdir / "cluster").mkdir(parents=True, exist_ok=True)
+    cluster = start_cluster(workdir / "cluster", pools=())
+    try:
+        nodes = start_real_nodes(cluster, workdir / "nodes", pools, images, tags, timeout)
+        try:
+            yield cluster, nodes
+        finally:
+            nodes.stop()
+    finally:
+        cluster.stop()
+    assert not nodes.leftovers(), nodes.leftovers()
+    assert str(workdir) not in Path("/proc/mounts").read_text(), f"mounts left under {workdir}"
 
 
 def container_processes(container_id: str) -> dict[int, dict[str, str]]:

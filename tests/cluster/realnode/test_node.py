@@ -18,11 +18,11 @@ import pytest
 import yaml
 from support import wait_until
 
-from cluster.cluster import Cluster, MissingBinaries, start_cluster
+from cluster.cluster import Cluster
 from cluster.nodes import SPOT_TAINT
 from cluster.realnode import busybox
 from cluster.realnode.busybox import USER, last_probe, running, served, web_pod
-from cluster.realnode.node import NETWORK, ON_DEMAND, SPOT, MissingToolchain, RealNodes, not_enabled, start_real_nodes
+from cluster.realnode.node import MISSING, NETWORK, ON_DEMAND, SPOT, RealNodes, not_enabled, real_cluster
 from diloco.api.job import DiLoCoJobSpec
 from diloco.operator import naming
 from diloco.operator.children import OperatorRef, network_policy
@@ -38,27 +38,11 @@ def real_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Clust
     if reason := not_enabled():
         pytest.skip(reason)
     workdir = tmp_path_factory.mktemp("realnode")
-    image = busybox.image(workdir)
-    (workdir / "cluster").mkdir()
     try:
-        cluster = start_cluster(workdir / "cluster", pools=())
-    except MissingBinaries as error:
+        with real_cluster(workdir, (ON_DEMAND, SPOT), images=(busybox.image(workdir),)) as (cluster, nodes):
+            yield cluster, nodes
+    except MISSING as error:
         pytest.skip(str(error))
-    try:
-        nodes = start_real_nodes(cluster, workdir / "nodes", pools=(ON_DEMAND, SPOT), images=(image,))
-    except BaseException as error:
-        cluster.stop()
-        if isinstance(error, MissingToolchain):
-            pytest.skip(str(error))
-        raise
-    try:
-        yield cluster, nodes
-    finally:
-        nodes.stop()
-        cluster.stop()
-    mounts = Path("/proc/mounts").read_text()
-    assert not nodes.leftovers(), nodes.leftovers()
-    assert str(workdir) not in mounts
 
 
 @pytest.fixture
