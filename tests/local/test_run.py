@@ -161,8 +161,15 @@ def test_a_killed_island_resumes_at_the_jobs_step_with_warm_optimizer_state(tmp_
     for island in killed:
         island_0 = [e.step for e in island_events(out, "island-0", StepEvent) if e.t <= replacement(island).t]
         assert kill_at - inner_steps <= replacement(island).step <= island_0[-1], "where the job is, not step 0"
+    # A kill lands a step or more after the step it was aimed at (the killer polls the progress files, and
+    # island-2's waits for island-1's); at most H before the step it landed at is trained again.
+    landed = {
+        island: max(e.step for e in island_events(out, island, StepEvent) if e.source.pid == pid)
+        for island, pid in killed.items()
+    }
+    retrained = sum(step - (kill_at - inner_steps) for step in landed.values())
     tokens_per_step = 16 * 128  # batch 16 of the tiny preset's 128-token context
-    assert summary["tokens_trained"] <= (3 * steps + 2 * inner_steps) * tokens_per_step, "at most H lost per kill"
+    assert summary["tokens_trained"] <= (3 * steps + retrained) * tokens_per_step, "at most H lost per kill"
     done = {e.source.island: e.step for e in read_events(out / "progress") if isinstance(e, DoneEvent)}
     assert done == {f"island-{i}": steps for i in range(3)}
 
