@@ -30,7 +30,8 @@ _P = ParamSpec("_P")
 
 @dataclass(frozen=True)
 class Source:
-    """Which worker wrote an event: its slot (island and rank in the island), the run mode, its process."""
+    """Which worker wrote an event: its slot (island and rank in the island), the run mode, its process. A
+    syncer shard writes as island `shard-<index>`, rank 0, mode `syncer`."""
 
     island: str
     rank: int
@@ -130,6 +131,42 @@ class RoundEvent(ProgressEvent):
 
 
 @dataclass(frozen=True)
+class PushEvent(ProgressEvent):
+    """Rank 0 of an island began pushing a fragment's progress over the steps up to `began_at`; the push is
+    named as its shard names it (the island, its base's `incarnation` and `base_version`, its `sequence`),
+    so that the shard's `MergeEvent` says whether those steps reached the global model, also when this
+    process was killed before it heard so."""
+
+    kind: ClassVar[str] = "push"
+    fragment: int
+    began_at: int
+    incarnation: int
+    base_version: int
+    sequence: int
+
+
+PushKey = tuple[str, int, int, int]
+"""A push as a shard names it: (island, base incarnation, base version, sequence)."""
+
+
+@dataclass(frozen=True)
+class MergeEvent(ProgressEvent):
+    """A syncer shard merged these pushes into `fragment`, making its global `version` (the local runner
+    has each shard write these beside the workers' events, under its own source)."""
+
+    kind: ClassVar[str] = "merge"
+    fragment: int
+    version: int
+    pushes: tuple[PushKey, ...] = ()
+
+    @classmethod
+    def from_payload(cls, t: float, source: Source, payload: dict[str, Any]) -> MergeEvent:
+        own = {name: v for name, v in payload.items() if name != "pushes"}
+        pushes = tuple((str(i), int(n), int(v), int(q)) for i, n, v, q in payload.get("pushes", ()))
+        return cls(t, source, **own, pushes=pushes)
+
+
+@dataclass(frozen=True)
 class CheckpointEvent(ProgressEvent):
     """The data-parallel baseline saved its model at `step`."""
 
@@ -180,7 +217,8 @@ class DoneEvent(ProgressEvent):
 
 
 EVENT_KINDS: dict[str, type[ProgressEvent]] = {
-    cls.kind: cls for cls in (StartEvent, StepEvent, EvalEvent, RoundEvent, CheckpointEvent, DoneEvent)
+    cls.kind: cls
+    for cls in (StartEvent, StepEvent, EvalEvent, RoundEvent, PushEvent, MergeEvent, CheckpointEvent, DoneEvent)
 }
 _SOURCE = tuple(f.name for f in fields(Source))
 
@@ -212,7 +250,7 @@ def parse_line(line: str) -> ProgressEvent:
     source = Source(**{name: record.pop(name) for name in _SOURCE})
     try:
         return EVENT_KINDS[kind].from_payload(t, source, record)
-    except TypeError as e:  # a field missing or unexpected for the kind
+    except (TypeError, ValueError) as e:  # a field missing, unexpected or malformed for the kind
         raise ProgressLineError(f"{kind} event: {e}") from None
 
 

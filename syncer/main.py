@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from diloco.lifetime import follow_launcher
 from diloco.logs import setup_logging
+from diloco.progress import ProgressWriter, Source
 from diloco.settings import add_tls_arguments, env_default, load_security, load_token, load_training_config
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.server import SyncerServer
@@ -44,9 +46,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--metrics-port", type=int, default=int(env_default("METRICS_PORT", "9090")), help="Prometheus port; 0 disables"
     )
+    p.add_argument(
+        "--progress-file",
+        default=env_default("PROGRESS_FILE"),
+        help="append a line per merge here, naming the pushes in it (the local runner's goodput accounting)",
+    )
     add_tls_arguments(p)
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     return p.parse_args(argv)
+
+
+def _merge_progress(args: argparse.Namespace) -> ProgressWriter:
+    source = Source(island=f"shard-{args.shard_index}", rank=0, mode="syncer", pid=os.getpid())
+    return ProgressWriter(Path(args.progress_file), source)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -71,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         checkpoint_interval=args.checkpoint_interval,
         metrics=metrics,
+        progress=_merge_progress(args) if args.progress_file else None,
     )
     if args.metrics_port:
         metrics.serve(args.metrics_port, addr=args.host)

@@ -27,6 +27,7 @@ from diloco.core.compressed_pull import held_after, values_digest
 from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoding, EncodingError
 from diloco.core.refusal import Refusal
+from diloco.progress import MergeEvent, ProgressWriter
 from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.references import Reference, References
@@ -111,6 +112,7 @@ class SyncerServer:
         max_workers: int = 32,
         max_queued_calls: int = MAX_QUEUED_CALLS,
         stream_idle_seconds: float | None = None,
+        progress: ProgressWriter | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """`max_workers` threads serve the data calls (Seed, PushDelta, Pull), `CONTROL_WORKERS` more the
@@ -118,8 +120,10 @@ class SyncerServer:
         is how long a data stream may keep the shard waiting (`streams`).
         `security`: the shard's certificate (and the CA, for mutual TLS), or plaintext asked for by name.
         `health_port` (0: any free one) serves grpc.health.v1 alone in plaintext, for probes that cannot speak
-        TLS (the kubelet's): health says only whether the shard serves, as on the main port without a token."""
+        TLS (the kubelet's): health says only whether the shard serves, as on the main port without a token.
+        `progress` records each merge and the pushes in it (the local runner's goodput accounting)."""
         self.config = config
+        self.progress = progress
         self.metrics = metrics or SyncerMetrics()
         self.clock = clock
         self.max_fragment_bytes = max_fragment_bytes
@@ -244,6 +248,8 @@ class SyncerServer:
             thread.join()
         self._control.shutdown()
         self.save_checkpoint(clean=True)
+        if self.progress is not None:
+            self.progress.close()
         log.info("syncer shard stopped", extra={"shard": self.state.shard_index})
 
     def wait(self) -> None:
@@ -283,6 +289,9 @@ class SyncerServer:
             self.metrics.merges.labels(str(index)).inc()
             self.metrics.version.labels(str(index)).set(record.version)
             self.metrics.contributors.observe(len(record.contributors))
+            if self.progress is not None:
+                pushes = tuple((k.island, k.incarnation, k.base_version, k.sequence) for k in record.pushes)
+                self.progress.write(MergeEvent, fragment=index, version=record.version, pushes=pushes)
             log.debug(
                 "merged",
                 extra={

@@ -85,10 +85,14 @@ class MergeRecord:
 
     fragment: int
     version: int
-    contributors: tuple[str, ...]
+    pushes: tuple[PushKey, ...]
     tokens: int
     max_staleness: int
     dropped: str | None
+
+    @property
+    def contributors(self) -> tuple[str, ...]:
+        return tuple(key.island for key in self.pushes)
 
 
 @dataclass
@@ -470,7 +474,7 @@ class ShardState:
         return MergeRecord(
             fragment=index,
             version=frag.version,
-            contributors=tuple(p.key.island for p in pending),
+            pushes=tuple(p.key for p in pending),
             tokens=tokens,
             max_staleness=max(c.staleness for c in contributions),
             dropped=dropped,

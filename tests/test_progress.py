@@ -9,9 +9,11 @@ from diloco.progress import (
     DoneEvent,
     EvalEvent,
     LearnerTotals,
+    MergeEvent,
     ProgressFollower,
     ProgressLineError,
     ProgressWriter,
+    PushEvent,
     RoundEvent,
     Source,
     StartEvent,
@@ -40,6 +42,8 @@ ONE_OF_EACH = [
     EvalEvent(102.0, SOURCE, step=20, loss=2.5),
     RoundEvent(103.0, SOURCE, fragment=1, began_at=15, outcome="MERGED", version=5),
     RoundEvent(103.5, SOURCE, fragment=0, began_at=20, outcome="ABANDONED", version=None),
+    PushEvent(103.2, SOURCE, fragment=1, began_at=30, incarnation=7, base_version=5, sequence=12),
+    MergeEvent(103.4, Source("shard-0", 0, "syncer", 99), fragment=1, version=6, pushes=(("island-1", 7, 5, 12),)),
     CheckpointEvent(104.0, Source("ddp", 1, "ddp", 77), step=50),
     DoneEvent(105.0, SOURCE, step=40, loss=2.0, learner=TOTALS),
     DoneEvent(105.0, Source("ddp", 1, "ddp", 77), step=40, loss=2.0),
@@ -56,6 +60,10 @@ WORKER_LINES = [
     f'{{"event": "eval", {HEADER}, "step": 20, "loss": 2.75}}\n',
     f'{{"event": "round", {HEADER}, "fragment": 0, "began_at": 10, "outcome": "MERGED", "version": 2}}\n',
     f'{{"event": "round", {HEADER}, "fragment": 1, "began_at": 15, "outcome": "FAILED", "version": null}}\n',
+    f'{{"event": "push", {HEADER}, "fragment": 0, "began_at": 10, "incarnation": 3, "base_version": 1, '
+    '"sequence": 1700000000000000000}\n',
+    '{"event": "merge", "t": 1700000000.5, "island": "shard-0", "rank": 0, "mode": "syncer", "pid": 99, '
+    '"fragment": 0, "version": 2, "pushes": [["island-1", 3, 1, 1700000000000000000], ["island-2", 3, 0, 5]]}\n',
     f'{{"event": "checkpoint", {HEADER}, "step": 50}}\n',
     f'{{"event": "done", {HEADER}, "step": 40, "loss": 2.5}}\n',
     f'{{"event": "done", {HEADER}, "step": 40, "loss": 2.5, "inner_steps": 40, "tokens": 81920, "syncs_pushed": 8, '
@@ -73,7 +81,7 @@ def test_every_kind_of_event_reads_back_as_the_record_that_was_written(event):
 
 
 def test_every_kind_has_a_record():
-    assert set(EVENT_KINDS) == {"start", "step", "eval", "round", "checkpoint", "done"}
+    assert set(EVENT_KINDS) == {"start", "step", "eval", "round", "push", "merge", "checkpoint", "done"}
     assert {e.kind for e in ONE_OF_EACH} == set(EVENT_KINDS)
 
 
@@ -122,6 +130,7 @@ def test_an_unknown_kind_is_refused_by_name_when_parsing_a_line():
         ('{"event": "eval", "t": 1.0, "step": 1, "loss": 2.0}', "eval event without island, rank, mode, pid"),
         (f'{{"event": "eval", {HEADER}, "step": 1}}', "eval event: .*loss"),
         (f'{{"event": "checkpoint", {HEADER}, "step": 1, "shard": 3}}', "checkpoint event: .*shard"),
+        (f'{{"event": "merge", {HEADER}, "fragment": 0, "version": 2, "pushes": [["a", 1]]}}', "merge event: "),
     ],
 )
 def test_a_line_that_holds_no_event_is_refused_with_the_reason(line, reason):

@@ -121,6 +121,19 @@ class RoundReport:
     version: int | None = None  # the global version adopted, when the outcome adopts one
 
 
+@dataclass(frozen=True)
+class PushReport:
+    """A push rank 0 began: the fragment's progress over the steps up to `began_at_step`, named as the shard
+    names it, so the shard's record of its merges says whether those steps reached the global model even
+    when this process does not live to hear the round end."""
+
+    fragment: int
+    began_at_step: int
+    incarnation: int
+    base_version: int
+    sequence: int
+
+
 @dataclass
 class _IslandFragment:
     """One fragment as this rank tracks it; `base`, `base_version` and `sequence` are used on rank 0 only."""
@@ -163,6 +176,7 @@ class Learner:
         backoff: Backoff = Backoff(),
         synchronous: bool = False,
         on_round: Callable[[RoundReport], None] | None = None,
+        on_push: Callable[[PushReport], None] | None = None,
         compressed_pulls: bool | None = None,
         flush_timeout: float = 60.0,
         stop: StopRequest | None = None,
@@ -177,7 +191,8 @@ class Learner:
         per attempt, plus its bytes at the job's `min_transfer_mbps`, and is retried for `retry_for`.
 
         `synchronous` makes every sync a barrier (the island waits for the merge and mixes at once): the
-        synchronous-DiLoCo baseline. `on_round` hears how every round ended, on every rank.
+        synchronous-DiLoCo baseline. `on_round` hears how every round ended, on every rank; `on_push`
+        hears every push as rank 0 begins it.
         `compressed_pulls` (default: DILOCO_COMPRESSED_PULLS, on unless "0") has the shards send merged
         fragments as differences to the island's base in the job's encoding instead of float32 values.
 
@@ -207,6 +222,7 @@ class Learner:
         self.close_timeout = close_timeout
         self.synchronous = synchronous
         self.on_round = on_round
+        self.on_push = on_push
         self.flush_timeout = flush_timeout
         self.stop = stop
         self.checkpoint_every = checkpoint_every
@@ -699,6 +715,9 @@ class Learner:
             feedback=self._feedback,
         )
         self._rounds[f.plan.index] = round_
+        if self.on_push is not None:
+            version = f.base_version
+            self.on_push(PushReport(f.plan.index, f.began_at, version.incarnation, version.version, f.sequence))
         round_.start()
 
     def _decisions(self, running: dict[int, Fraction]) -> torch.Tensor:

@@ -27,6 +27,7 @@ from diloco.progress import (
     EvalEvent,
     LearnerTotals,
     ProgressWriter,
+    PushEvent,
     RoundEvent,
     Source,
     StartEvent,
@@ -37,7 +38,7 @@ from diloco.transport.tls import Security
 from diloco.worker.adamw import AdamW
 from diloco.worker.data import EVAL_WINDOWS, BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
-from diloco.worker.learner import CHECKPOINT_EVERY, Learner, RoundReport
+from diloco.worker.learner import CHECKPOINT_EVERY, Learner, PushReport, RoundReport
 from diloco.worker.metrics import WorkerSnapshot
 from diloco.worker.model import GPT, build_model, resolve_preset
 from diloco.worker.pod_ranks import local_position, place
@@ -188,6 +189,7 @@ class Trainer:
                 synchronous=settings.mode == Mode.SYNC_DILOCO,
                 sync_timeout=600.0 if settings.mode == Mode.SYNC_DILOCO else 60.0,
                 on_round=self._on_round,
+                on_push=self._on_push,
                 flush_timeout=settings.flush_seconds,
                 stop=stop,
                 checkpoint_dir=settings.checkpoint_dir,
@@ -232,6 +234,16 @@ class Trainer:
             began_at=report.began_at_step,
             outcome=report.outcome.name,
             version=report.version,
+        )
+
+    def _on_push(self, report: PushReport) -> None:
+        self.progress.write(
+            PushEvent,
+            fragment=report.fragment,
+            began_at=report.began_at_step,
+            incarnation=report.incarnation,
+            base_version=report.base_version,
+            sequence=report.sequence,
         )
 
     def _checkpoint_path(self) -> Path | None:

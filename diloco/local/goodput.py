@@ -2,8 +2,10 @@
 
 Goodput is the share of allocated worker time spent on steps that ended in the final model:
 - DiLoCo (decoupled or synchronous): a step's compute counts for each fragment whose later push, from the
-  same process, was merged (a fraction 1/P per fragment); steps lost with a killed process, or pushed but
-  never merged, count nothing, and neither does time blocked waiting on a sync.
+  same process, was merged (a fraction 1/P per fragment): the process heard the merge, or a shard recorded
+  the push in one, as a shard does for a push it took from a process killed before the merge. Steps lost
+  with a killed process, or pushed but never merged, count nothing, and neither does time blocked waiting
+  on a sync. (A push is rank 0's: the other ranks of an island count their steps by the merges they hear.)
 - Data-parallel: a step counts when it is the last execution of that step number on its rank; executions
   rolled back to a checkpoint after a failure are wasted.
 A slot (one worker position) is allocated from the job's start until its last process finishes, so startup,
@@ -17,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from diloco.core.config import Mode
-from diloco.progress import EvalEvent, ProgressEvent, RoundEvent, StartEvent, StepEvent
+from diloco.progress import EvalEvent, MergeEvent, ProgressEvent, PushEvent, RoundEvent, StartEvent, StepEvent
 
 
 @dataclass(frozen=True)
@@ -39,13 +41,18 @@ class Account:
 
 
 def diloco_useful_seconds(events: Sequence[ProgressEvent], fragments: int) -> float:
-    """Compute time of steps whose progress reached the global model, per the module's rule."""
+    """Compute time of steps whose progress reached the global model, per the module's rule; `events` are
+    the workers' and the shards' (their merges)."""
+    merged_pushes = {(e.fragment, *push) for e in events if isinstance(e, MergeEvent) for push in e.pushes}
     steps: dict[int, list[StepEvent]] = defaultdict(list)
     merged_upto: dict[int, dict[int, int]] = defaultdict(dict)
     for e in events:
         if isinstance(e, StepEvent):
             steps[e.source.pid].append(e)
-        elif isinstance(e, RoundEvent) and e.merged:
+        elif (isinstance(e, RoundEvent) and e.merged) or (
+            isinstance(e, PushEvent)
+            and (e.fragment, e.source.island, e.incarnation, e.base_version, e.sequence) in merged_pushes
+        ):
             latest = merged_upto[e.source.pid]
             latest[e.fragment] = max(latest.get(e.fragment, 0), e.began_at)
     useful = 0.0
@@ -109,10 +116,13 @@ def account(
     started_at: float,
     tokens_per_eval_step: int,
 ) -> Account:
-    """Everything the run summary and the goodput benchmark need, from the events alone."""
+    """Everything the run summary and the goodput benchmark need, from the events alone (the workers', and
+    the shards' merges, which take no worker slot)."""
     ends: dict[tuple[str, int], float] = {}
     pids = set()
     for e in events:
+        if isinstance(e, MergeEvent):
+            continue
         ends[e.source.slot] = max(ends.get(e.source.slot, started_at), e.t)
         pids.add(e.source.pid)
     job_end = max(ends.values(), default=started_at)

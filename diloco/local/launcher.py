@@ -231,7 +231,7 @@ class LocalJob:
     def __init__(self, plan: RunPlan) -> None:
         self.plan = plan
         self.out = plan.out
-        for folder in ("progress", "logs", "checkpoints", "tls"):
+        for folder in ("progress", "merges", "logs", "checkpoints", "tls"):
             # A run starts from nothing: a previous run's checkpoints would be resumed and its events counted.
             shutil.rmtree(self.out / folder, ignore_errors=True)
             (self.out / folder).mkdir(parents=True)
@@ -287,6 +287,8 @@ class LocalJob:
             "2",
             "--metrics-port",
             str(self.metrics_ports[shard]),
+            "--progress-file",
+            str(self.out / "merges" / f"shard-{shard}.jsonl"),
         ]
         p = self.plan
         workers = p.islands * p.ranks_per_island

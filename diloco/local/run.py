@@ -103,7 +103,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
             bar.set_postfix(loss=f"{reader.loss:.3f}", refresh=False)
 
         result = job.run(on_tick=tick)
-    events = read_events(plan.out / "progress")
+    events = read_events(plan.out / "progress") + read_events(plan.out / "merges")
     workers = plan.islands * plan.ranks_per_island
     acct = account(
         events,

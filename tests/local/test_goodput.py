@@ -3,7 +3,7 @@
 import pytest
 
 from diloco.local.goodput import account, ddp_useful_seconds, diloco_useful_seconds, eval_curve
-from diloco.progress import EvalEvent, RoundEvent, Source, StepEvent
+from diloco.progress import EvalEvent, MergeEvent, PushEvent, RoundEvent, Source, StepEvent
 
 
 def step(pid, n, t, seconds=1.0, sync=0.0, island="island-0", rank=0):
@@ -14,6 +14,19 @@ def step(pid, n, t, seconds=1.0, sync=0.0, island="island-0", rank=0):
 def merged(pid, fragment, began_at, outcome="MERGED", island="island-0"):
     source = Source(island=island, rank=0, mode="diloco", pid=pid)
     return RoundEvent(0.0, source, fragment=fragment, began_at=began_at, outcome=outcome)
+
+
+def pushed(pid, fragment, began_at, sequence, island="island-0", base_version=0):
+    source = Source(island=island, rank=0, mode="diloco", pid=pid)
+    return PushEvent(0.0, source, fragment=fragment, began_at=began_at, incarnation=1, base_version=base_version,
+                     sequence=sequence)  # fmt: skip
+
+
+def shard_merged(fragment, *pushes):
+    """A shard's record of a merge of `pushes`, each (island, base version, sequence)."""
+    source = Source(island="shard-0", rank=0, mode="syncer", pid=99)
+    keys = tuple((island, 1, base, sequence) for island, base, sequence in pushes)
+    return MergeEvent(0.0, source, fragment=fragment, version=1, pushes=keys)
 
 
 def evaluated(n, loss):
@@ -37,6 +50,31 @@ def test_a_killed_process_loses_its_unmerged_steps_but_not_its_merged_ones():
     before_kill = [step(1, n, n) for n in range(1, 5)] + [merged(1, 0, 2)]
     after_restart = [step(2, n, 10 + n) for n in range(1, 3)] + [merged(2, 0, 2)]
     assert diloco_useful_seconds(before_kill + after_restart, fragments=1) == pytest.approx(2 + 2)
+
+
+def test_a_push_a_shard_merged_after_its_process_was_killed_counts_its_steps():
+    """Killed at step 4 after pushing at 3: the process never heard the merge, the shard recorded it."""
+    killed = [step(1, n, n) for n in range(1, 5)] + [pushed(1, 0, 3, sequence=11)]
+    assert diloco_useful_seconds(killed, fragments=1) == 0.0
+    assert diloco_useful_seconds([*killed, shard_merged(0, ("island-0", 0, 11))], fragments=1) == pytest.approx(3)
+
+
+def test_only_the_pushes_a_shard_names_count_by_fragment_island_base_and_sequence():
+    killed = [step(1, n, n) for n in range(1, 5)] + [pushed(1, 0, 3, sequence=11)]
+    for other in [
+        shard_merged(1, ("island-0", 0, 11)),  # another fragment
+        shard_merged(0, ("island-1", 0, 11)),  # another island
+        shard_merged(0, ("island-0", 1, 11)),  # another base
+        shard_merged(0, ("island-0", 0, 12)),  # another push
+    ]:
+        assert diloco_useful_seconds([*killed, other], fragments=1) == 0.0
+
+
+def test_a_shards_merges_take_no_worker_slot():
+    events = [step(1, 1, 110.0), pushed(1, 0, 1, sequence=5), shard_merged(0, ("island-0", 0, 5))]
+    acct = account(events, mode="diloco", slots=1, fragments=1, started_at=100.0, tokens_per_eval_step=10)
+    assert acct.allocated_seconds == pytest.approx(10) and acct.goodput == pytest.approx(0.1)
+    assert acct.process_starts == 1
 
 
 def test_ddp_counts_the_last_execution_of_each_step_only():

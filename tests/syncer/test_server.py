@@ -26,6 +26,7 @@ from syncer_harness import (
 )
 
 from diloco.core.encoding import Encoding, decode, encode, error_bound
+from diloco.progress import MergeEvent, ProgressWriter, Source, read_events
 from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.transport.auth import bearer_metadata
@@ -205,6 +206,22 @@ class TestIdempotency:
         reference = ReferenceFragment(config, seed)
         reference.merge([(da, 100), (db, 50)])
         reference.assert_matches(islands["a"].pull(0)[1])
+
+    def test_each_merge_is_recorded_with_the_pushes_in_it(self, start_server, clients, tmp_path):
+        """What goodput accounting reads: which pushes reached the global model, named as they were sent,
+        whether or not the island lived to hear of the merge."""
+        shard = Source(island="shard-0", rank=0, mode="syncer", pid=1)
+        progress = ProgressWriter(tmp_path / "merges.jsonl", shard)
+        server = start_server(config_for(quorum=2, grace_seconds=60.0), progress=progress)
+        islands = joined(server.port, "ab", 2)
+        clients.append(islands)
+        base = islands["a"].pull(0)[0]
+        push(islands["a"], 0, base, random_values(3, 0.1), sequence=5)
+        push(islands["b"], 0, base, random_values(4, 0.1), sequence=9)
+        wait_until(lambda: fragment_status(islands["a"], 0).version.version == 1)
+        (merge,) = wait_until(lambda: [e for e in read_events(tmp_path) if isinstance(e, MergeEvent)], timeout=10)
+        assert (merge.fragment, merge.version, merge.source) == (0, 1, shard)
+        assert set(merge.pushes) == {("a", base.incarnation, 0, 5), ("b", base.incarnation, 0, 9)}
 
     def test_retry_after_the_merge_is_a_duplicate(self, start_server, clients):
         config = config_for(quorum=1, grace_seconds=60.0)

@@ -259,6 +259,22 @@ def test_an_island_that_finished_holds_back_no_merge(start_shards, island):
     assert a.learner.stats.syncs_abandoned == 0, a.learner.stats
 
 
+def test_each_push_is_reported_by_the_name_the_shard_merges_it_under(start_shards, island):
+    """What lets goodput count the steps of a push whose island was killed before it heard the merge."""
+    shards = start_shards(make_config())
+    pushes = []
+    a = island(shards, seed=1, name="a", on_push=pushes.append)
+    a.train(8)  # H=4, P=2: four rounds, each answered before the next step
+    reported = [(r.fragment, r.began_at_step, ("a", r.incarnation, r.base_version, r.sequence)) for r in pushes]
+    merged = {
+        (p, (k.island, k.incarnation, k.base_version, k.sequence))
+        for p, fragment in shards.servers[0].state.fragments.items()
+        for k in fragment.merged_keys
+    }
+    assert [(p, step) for p, step, _ in reported] == [(1, 2), (0, 4), (1, 6), (0, 8)]
+    assert {(p, key) for p, _, key in reported} == merged
+
+
 def test_a_synchronous_island_does_not_wait_at_the_start_for_islands_that_finished(start_shards, island):
     """A sync-DiLoCo island restarted after the others left starts at once rather than after sync_timeout."""
     shards = start_shards(make_config(quorum=2))
