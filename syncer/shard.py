@@ -17,7 +17,7 @@ import torch
 
 from diloco.core.config import TrainingConfig
 from diloco.core.fragments import owned_fragments
-from diloco.core.grace import HISTORY, grace_window
+from diloco.core.grace import HISTORY, grace_window, may_push_by
 from diloco.core.island_id import check_island_id
 from diloco.core.merge import (
     MAX_TOKENS_PER_INNER_STEP,
@@ -109,6 +109,8 @@ class ShardFragment:
     quorum_since: float | None = None
     merged_quorum_since: float | None = None  # when the last merge's quorum was reached
     merged_keys: set[PushKey] = field(default_factory=set)
+    last_push: dict[str, float] = field(default_factory=dict)  # per island, when its last push arrived
+    push_interval: dict[str, float] = field(default_factory=dict)  # per island, between its last two pushes
     last_merge_unix: float = 0.0
     last_contributors: int = 0
     max_staleness_seen: int = 0
@@ -293,6 +295,9 @@ class ShardState:
         ):
             return PushResult(duplicate=True, version=frag.version, staleness=staleness)
         self._record_lateness(frag, staleness, now)
+        if key.island in frag.last_push:
+            frag.push_interval[key.island] = now - frag.last_push[key.island]
+        frag.last_push[key.island] = now
         frag.pending[key.island] = Pending(key, [d.to(torch.float32) for d in delta], tokens, inner_steps)
         frag.max_staleness_seen = max(frag.max_staleness_seen, staleness)
         self.touch(key.island, now)
@@ -393,7 +398,8 @@ class ShardState:
     # Merges
 
     def poll(self, now: float) -> list[int]:
-        """Fragments due for a merge: quorum reached and either everyone live reported or grace is over."""
+        """Fragments due for a merge: quorum reached and either every live island that may push before the
+        grace window closes has reported, or the window is over."""
         live = set(self.live_islands(now))
         quorum = self.effective_quorum(now)
         due = []
@@ -403,8 +409,13 @@ class ShardState:
                 continue
             if frag.quorum_since is None:
                 frag.quorum_since = now
-            everyone = bool(live) and live <= frag.pending.keys()
-            if everyone or now >= frag.quorum_since + self.grace_seconds():
+            closes = frag.quorum_since + self.grace_seconds()
+            awaited = [
+                island
+                for island in live - frag.pending.keys()
+                if may_push_by(frag.last_push.get(island), frag.push_interval.get(island), closes)
+            ]
+            if (live and not awaited) or now >= closes:
                 due.append(frag.index)
         return due
 

@@ -6,6 +6,14 @@ fragment arrives a round stale) or, sized for the worst case, delays every merge
 late contributions arrive after the quorum was reached (`lateness`) and waits a margin beyond what it has
 seen, never longer than the configured `graceSeconds`. Islands that left or whose lease expired are not
 waited for at all: a merge goes ahead as soon as every live island has pushed, whatever the window.
+
+Nor is a live island whose own cadence puts its next push after the window closes. Islands drift out of
+phase (a restarted island resumes at the job's step, not at the others' moment in the round), the
+latenesses spread over the whole round, and the window grows to the configured bound; a merge then waited
+that long for islands that were not due until well after it, and every island whose round it was heard
+its merge that much later (the last rounds of a run, which end it, most of all). An island's cadence is
+the time between its last two pushes of the fragment; one without two pushes yet, or overdue, may still
+come and is waited for.
 """
 
 from __future__ import annotations
@@ -45,3 +53,11 @@ def grace_window(lateness: Sequence[float], max_grace: float) -> float:
     if len(lateness) < MIN_OBSERVATIONS:
         return max_grace
     return min(max_grace, max(FLOOR_SECONDS, MARGIN * lateness_quantile(lateness)))
+
+
+def may_push_by(last_push: float | None, interval: float | None, deadline: float) -> bool:
+    """Whether a live island that has not pushed to a merge yet may still do so by `deadline`, from its
+    last push of the fragment and the `interval` between its last two: when either is unknown, it may."""
+    if last_push is None or interval is None:
+        return True
+    return last_push + interval <= deadline

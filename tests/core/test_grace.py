@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from diloco.core.grace import FLOOR_SECONDS, MARGIN, MIN_OBSERVATIONS, grace_window, lateness_quantile
+from diloco.core.grace import FLOOR_SECONDS, MARGIN, MIN_OBSERVATIONS, grace_window, lateness_quantile, may_push_by
 
 
 def test_until_it_has_seen_enough_a_shard_waits_the_whole_configured_window():
@@ -45,3 +45,15 @@ def test_the_window_never_exceeds_the_configured_grace(lateness, max_grace):
 def test_later_arrivals_never_shorten_the_window(lateness, extra):
     later = [x + extra for x in lateness]
     assert grace_window(later, 1e6) >= grace_window(lateness, 1e6)
+
+
+def test_an_island_of_unknown_cadence_may_push_at_any_time():
+    assert may_push_by(None, None, 0.0) and may_push_by(5.0, None, 0.0)
+
+
+def test_an_island_is_due_one_interval_after_its_last_push():
+    assert may_push_by(10.0, 5.0, 15.0) and not may_push_by(10.0, 5.0, 14.9)
+
+
+def test_an_overdue_island_may_still_push():
+    assert may_push_by(10.0, 5.0, 30.0)

@@ -189,6 +189,39 @@ class TestAdaptiveGrace:
         assert shard.grace_seconds() == 30.0
 
 
+class TestWaitingOnlyForIslandsDue:
+    """a pushes at 0, 10, 20, ..., b half a round later (5, 15, ...): each is 5 s late for the other's merges,
+    beyond the 2 s window."""
+
+    def pushes_and_polls(self, shard, island, at):
+        push(shard, island, at)
+        return shard.poll(at)
+
+    def test_once_its_cadence_is_known_an_island_due_after_the_window_is_not_waited_for(self):
+        shard = make_shard(quorum=1, grace_seconds=2.0, island_timeout_seconds=1000.0)
+        for island in "ab":
+            shard.join(island, 0.0)
+        for island, at in (("a", 0.0), ("b", 5.0), ("a", 10.0)):
+            assert self.pushes_and_polls(shard, island, at) == [], "the other's cadence is not known yet"
+            assert shard.poll(at + 2.0) == [0]
+            shard.merge(0, at + 2.0)
+        for island, at in (("b", 15.0), ("a", 20.0), ("b", 25.0)):
+            assert self.pushes_and_polls(shard, island, at) == [0], "the other is due 5 s on, after the window"
+            shard.merge(0, at)
+
+    def test_an_overdue_island_is_waited_for_the_window(self):
+        shard = make_shard(quorum=1, grace_seconds=2.0, island_timeout_seconds=1000.0)
+        for island in "ab":
+            shard.join(island, 0.0)
+        for island, at in (("a", 0.0), ("b", 5.0), ("a", 10.0), ("b", 15.0)):
+            self.pushes_and_polls(shard, island, at)
+            shard.merge(0, at + 2.0)
+        assert self.pushes_and_polls(shard, "a", 20.0) == [0], "b is due at 25: after the window"
+        shard.merge(0, 20.0)
+        assert self.pushes_and_polls(shard, "a", 30.0) == [], "b, due at 25, is late: it may still come"
+        assert shard.poll(32.0) == [0]
+
+
 class TestCadence:
     def test_the_cadence_is_the_fastest_live_island_s_seconds_per_step(self):
         shard = make_shard(island_timeout_seconds=100.0)
