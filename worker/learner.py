@@ -273,6 +273,7 @@ class Learner:
         self._resumed_warm = False
         self._started = False
         self._closed = False
+        self._left = False
 
     @classmethod
     def from_env(
@@ -619,15 +620,23 @@ class Learner:
     def flush(self, timeout: float | None = None) -> None:
         """Pushes every fragment's progress since its last sync and waits up to `timeout` seconds (default
         `flush_timeout`, or after a stop request what its grace period leaves) for the merges: the end of a
-        run, so that its last steps reach the global model too. Also checkpoints the optimizer state, for the
+        run, so that its last steps reach the global model too; the island pushes no more after it. Once the
+        shards hold those pushes a decoupled island tells them it has left, so that no merge of the islands
+        still training waits for it while it waits for its own (a synchronous one stays in the barrier until
+        it closes: its last merge takes in every island). Also checkpoints the optimizer state, for the
         island that replaces this one (a roll, a drain)."""
         self._save_checkpoint()
         if timeout is None:
             timeout = self.stop.flush_budget() if self.stop is not None and self.stop_requested else self.flush_timeout
+        deadline = time.monotonic() + timeout
         for f in self._fragments:
             if f.mixable_at is None:
                 self._begin_round(f)
-        self._await_rounds(timeout)
+        if self.island.is_leader and not self.synchronous:
+            for round_ in list(self._rounds.values()):
+                round_.wait_delivered(max(0.0, deadline - time.monotonic()))
+            self._leave(deadline)
+        self._await_rounds(max(0.0, deadline - time.monotonic()))
 
     def _await_rounds(self, timeout: float) -> None:
         """Waits for the running rounds and mixes their results now rather than τ steps later."""
@@ -665,16 +674,24 @@ class Learner:
             timeout = self.stop.leave_reserve if self.stop is not None and self._stop_agreed else self.close_timeout
         deadline = time.monotonic() + timeout
         self.wait_for_syncs(timeout)
+        self._leave(deadline)
         for client in self._clients:
-            try:
-                client.leave(max(0.1, deadline - time.monotonic()))
-            except grpc.RpcError as error:
-                log.debug("leave not delivered", extra={"target": client.target, "code": str(error.code())})
             client.close()
         self._stop_metrics()
         if self._checkpointer is not None:
             self._checkpointer.close(CHECKPOINT_CLOSE_SECONDS)
         log.info("learner closed", extra={"island": self.island_id, "rank": self.island.rank, **asdict(self.stats)})
+
+    def _leave(self, deadline: float) -> None:
+        """Tells every shard, once, that the island has left: it no longer caps a quorum or holds a merge."""
+        if self._left:
+            return
+        self._left = True
+        for client in self._clients:
+            try:
+                client.leave(max(0.1, deadline - time.monotonic()))
+            except grpc.RpcError as error:
+                log.debug("leave not delivered", extra={"target": client.target, "code": str(error.code())})
 
     def _stop_metrics(self) -> None:
         """Frees the metrics port, so that a learner made again in this process can serve on it."""

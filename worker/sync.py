@@ -109,6 +109,7 @@ class FragmentSync:
         self._stopping = stopping
         self._stats = stats
         self._result: SyncResult | None = None
+        self._delivered = threading.Event()  # the shard holds the push, or the round is over without it
         self._thread = threading.Thread(target=self._run, name=f"diloco-sync-{request.fragment}", daemon=True)
 
     def start(self) -> None:
@@ -118,6 +119,11 @@ class FragmentSync:
         """Waits up to `timeout` seconds; True when the round is over."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def wait_delivered(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds until the shard has taken the push (or the round ended without it):
+        from then on the push reaches the global model whatever becomes of this process."""
+        return self._delivered.wait(timeout)
 
     @property
     def result(self) -> SyncResult | None:
@@ -133,6 +139,8 @@ class FragmentSync:
             else:
                 log.exception("sync failed", extra=self._fields())
             self._result = SyncResult(RoundOutcome.FAILED)
+        finally:
+            self._delivered.set()
 
     def _fields(self, **more: object) -> dict[str, object]:
         return {"fragment": self.request.fragment, "target": self.client.target, **more}
@@ -158,6 +166,7 @@ class FragmentSync:
                 log.debug("push refused, pulling afresh", extra=self._fields(detail=error.details()))
                 return self._fresh()
             return self._failed("push", error)
+        self._delivered.set()
         blobs = encoded[1]
         if self.feedback is not None:
             sent = [decode(b, d.shape, self.encoding, self.block_size, self.top_k) for b, d in zip(blobs, delta)]

@@ -259,6 +259,20 @@ def test_an_island_that_finished_holds_back_no_merge(start_shards, island):
     assert a.learner.stats.syncs_abandoned == 0, a.learner.stats
 
 
+def test_a_flushing_island_leaves_once_the_shards_hold_its_pushes_not_once_they_merge(start_shards, island):
+    """So that the islands still training hold no merge for one that pushes no more."""
+    shards = start_shards(make_config(quorum=2, grace_seconds=60.0))
+    a = island(shards, seed=1, name="a")
+    island(shards, seed=2, name="b")
+    a.train(1)
+    a.learner.flush(timeout=0.5)  # its pushes cannot merge: b is live and not in, and the window is 60 s
+    with shards.client(0) as observer:
+        status = observer.status()
+    assert (list(status.live_islands), list(status.left_islands)) == (["b"], ["a"])
+    assert [f.pending for f in status.fragments] == [1, 1], "a's pushes wait for the next merge"
+    assert (a.learner.stats.syncs_pushed, a.learner.stats.syncs_merged) == (2, 0)
+
+
 def test_each_push_is_reported_by_the_name_the_shard_merges_it_under(start_shards, island):
     """What lets goodput count the steps of a push whose island was killed before it heard the merge."""
     shards = start_shards(make_config())
