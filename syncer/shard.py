@@ -295,9 +295,10 @@ class ShardState:
         ):
             return PushResult(duplicate=True, version=frag.version, staleness=staleness)
         self._record_lateness(frag, staleness, now)
-        if key.island in frag.last_push:
-            frag.push_interval[key.island] = now - frag.last_push[key.island]
-        frag.last_push[key.island] = now
+        if key.island in self.islands:  # joined: bounded by MAX_KNOWN_ISLANDS; an invented id is never awaited
+            if key.island in frag.last_push:
+                frag.push_interval[key.island] = now - frag.last_push[key.island]
+            frag.last_push[key.island] = now
         frag.pending[key.island] = Pending(key, [d.to(torch.float32) for d in delta], tokens, inner_steps)
         frag.max_staleness_seen = max(frag.max_staleness_seen, staleness)
         self.touch(key.island, now)

@@ -209,6 +209,11 @@ class TestWaitingOnlyForIslandsDue:
             assert self.pushes_and_polls(shard, island, at) == [0], "the other is due 5 s on, after the window"
             shard.merge(0, at)
 
+    def test_a_push_under_an_id_that_never_joined_leaves_no_cadence_behind(self):
+        shard = make_shard(quorum=1, grace_seconds=2.0)
+        push(shard, "invented", 1.0)
+        assert shard.fragments[0].last_push == {} and shard.fragments[0].push_interval == {}
+
     def test_an_overdue_island_is_waited_for_the_window(self):
         shard = make_shard(quorum=1, grace_seconds=2.0, island_timeout_seconds=1000.0)
         for island in "ab":
