@@ -430,9 +430,12 @@ class SyncerServer:
         return self._delta_reply(request, held, differences, version, delta_encoding)
 
     def leave(self, island: str) -> None:
-        """The island has finished: it no longer caps the quorum, so a merge that waited only for it is due."""
+        """The island has finished: it no longer caps the quorum, so a merge that waited only for it is due,
+        and made before the reply. Once the last island's Leave returns, every push it handed over is in the
+        global model, ready to export."""
         with self._cond:
             self.state.leave(island)
+            self._merge_due()
             self._cond.notify_all()
 
     def status(self) -> pb.StatusReply:

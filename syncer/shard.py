@@ -400,8 +400,10 @@ class ShardState:
 
     def poll(self, now: float) -> list[int]:
         """Fragments due for a merge: quorum reached and either every live island that may push before the
-        grace window closes has reported, or the window is over."""
+        grace window closes has reported, or the window is over. With nobody live that is vacuous only once every
+        island has left: one that timed out may yet come back within the window."""
         live = set(self.live_islands(now))
+        everyone_left = bool(self.left) and not self.islands
         quorum = self.effective_quorum(now)
         due = []
         for frag in self.fragments.values():
@@ -416,7 +418,7 @@ class ShardState:
                 for island in live - frag.pending.keys()
                 if may_push_by(frag.last_push.get(island), frag.push_interval.get(island), closes)
             ]
-            if (live and not awaited) or now >= closes:
+            if (not awaited and (live or everyone_left)) or now >= closes:
                 due.append(frag.index)
         return due
 

@@ -113,6 +113,14 @@ class TestQuorumAndGrace:
         shard.join("a", 2.0)
         assert shard.live_islands(2.0) == ["a"] and shard.left == set()
 
+    def test_once_every_island_has_left_nothing_is_awaited(self):
+        shard = make_shard(quorum=2, grace_seconds=60.0, island_timeout_seconds=1000.0)
+        for island in "ab":
+            shard.join(island, 0.0)
+            push(shard, island, 1.0)
+            shard.leave(island)
+        assert shard.poll(1.0) == [0], "the last pushes of a finished job merge at once, ready to export"
+
     def test_no_live_island_is_not_everyone_reporting(self):
         shard = make_shard(quorum=1, grace_seconds=5.0, island_timeout_seconds=10.0)
         push(shard, "a", 0.0)
