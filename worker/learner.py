@@ -617,34 +617,49 @@ class Learner:
             self._step_seconds = smoothed if self._step_seconds else seconds
         self._last_step_at = now
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Pushes every fragment's progress since its last sync and waits up to `timeout` seconds (default
-        `flush_timeout`, or after a stop request what its grace period leaves) for the merges: the end of a
-        run, so that its last steps reach the global model too; the island pushes no more after it. Once the
+    def flush(self, timeout: float | None = None, *, wait_for_merges: bool = True) -> None:
+        """Pushes every fragment's progress since its last sync (where a round is still out, against the merge
+        it brings back) and waits up to `timeout` seconds (default `flush_timeout`, or after a stop request
+        what its grace period leaves) for the merges: the end of a run, so that its last steps reach the
+        global model too; the island pushes no more after it. Once the
         shards hold those pushes a decoupled island tells them it has left, so that no merge of the islands
         still training waits for it while it waits for its own (a synchronous one stays in the barrier until
         it closes: its last merge takes in every island). Also checkpoints the optimizer state, for the
-        island that replaces this one (a roll, a drain)."""
+        island that replaces this one (a roll, a drain).
+
+        `wait_for_merges=False` returns once the pushes are handed over (a decoupled island has then left):
+        for a process that ends here and needs no merged model of its own, the job's final model being the
+        shards' (`diloco export`). The shards merge those pushes all the same."""
         self._save_checkpoint()
         if timeout is None:
             timeout = self.stop.flush_budget() if self.stop is not None and self.stop_requested else self.flush_timeout
         deadline = time.monotonic() + timeout
+        out = [f for f in self._fragments if f.mixable_at is not None]
         for f in self._fragments:
             if f.mixable_at is None:
                 self._begin_round(f)
+        if out:  # a round still out holds its fragment's base: the steps since go against what it brings back
+            self._await_rounds(max(0.0, deadline - time.monotonic()), out)
+            for f in out:
+                if f.mixable_at is None:
+                    self._begin_round(f)
         if self.island.is_leader and not self.synchronous:
             for round_ in list(self._rounds.values()):
                 round_.wait_delivered(max(0.0, deadline - time.monotonic()))
             self._leave(deadline)
-        self._await_rounds(max(0.0, deadline - time.monotonic()))
+        if wait_for_merges:
+            self._await_rounds(max(0.0, deadline - time.monotonic()))
 
-    def _await_rounds(self, timeout: float) -> None:
-        """Waits for the running rounds and mixes their results now rather than τ steps later."""
-        for f in self._fragments:
-            if f.mixable_at is not None:
-                f.mixable_at = self._phase
+    def _await_rounds(self, timeout: float, fragments: Sequence[_IslandFragment] | None = None) -> None:
+        """Waits for the running rounds (of these `fragments`, default all) and mixes their results now
+        rather than τ steps later."""
+        running = [f for f in (self._fragments if fragments is None else fragments) if f.mixable_at is not None]
+        for f in running:
+            f.mixable_at = self._phase
         if self.island.is_leader:
-            self.wait_for_syncs(timeout)
+            deadline = time.monotonic() + timeout
+            for f in running:
+                self._rounds[f.plan.index].join(max(0.0, deadline - time.monotonic()))
         self._finish_rounds()
 
     def all_reduce_gradients(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 import grpc
 import pytest
@@ -271,6 +272,46 @@ def test_a_flushing_island_leaves_once_the_shards_hold_its_pushes_not_once_they_
     assert (list(status.live_islands), list(status.left_islands)) == (["b"], ["a"])
     assert [f.pending for f in status.fragments] == [1, 1], "a's pushes wait for the next merge"
     assert (a.learner.stats.syncs_pushed, a.learner.stats.syncs_merged) == (2, 0)
+
+
+def test_a_process_that_needs_no_merged_model_ends_once_its_pushes_are_handed_over(start_shards, island):
+    """The built-in trainer's end: its last merges are the shards' to make, and once the last island has left
+    they are made before its Leave is answered, so the global model is ready to export."""
+    shards = start_shards(make_config(quorum=2, grace_seconds=60.0))
+    a = island(shards, seed=1, name="a")
+    b = island(shards, seed=2, name="b")
+    for each in (a, b):
+        each.train(1)
+        flushing = threading.Thread(target=each.learner.flush, kwargs={"wait_for_merges": False}, daemon=True)
+        flushing.start()
+        flushing.join(timeout=30)  # waiting for a merge would take the whole 60 s flush timeout
+        assert not flushing.is_alive(), "flush waited for merges the process does not need"
+    with shards.client(0) as observer:
+        status = observer.status()
+    assert (list(status.live_islands), sorted(status.left_islands)) == ([], ["a", "b"])
+    assert [(f.version.version, f.last_contributors, f.pending) for f in status.fragments] == [(1, 2, 0), (1, 2, 0)]
+    assert (a.learner.stats.syncs_pushed, a.learner.stats.syncs_merged) == (2, 0)
+
+
+def test_the_last_steps_of_a_fragment_whose_round_is_out_at_the_end_follow_that_round(start_shards, island):
+    """Its steps since that push are pushed against the merge the round brings back, not dropped."""
+    shards = start_shards(make_config(quorum=2, grace_seconds=60.0))
+    a = island(shards, seed=1, name="a")
+    b = island(shards, seed=2, name="b")
+    a.train(3, wait=False)  # fragment 1's round, pushed at step 2, waits for b (K = 2)
+    flushing = threading.Thread(target=a.learner.flush, kwargs={"wait_for_merges": False}, daemon=True)
+    flushing.start()
+    b.train(2, wait=False)  # b's push of fragment 1 lets the merge a's round waits for happen
+    flushing.join(timeout=30)
+    assert not flushing.is_alive()
+    b.learner.flush(wait_for_merges=False)
+    merged = {
+        (p, k.island, k.sequence)
+        for p, fragment in shards.servers[0].state.fragments.items()
+        for k in fragment.merged_keys
+    }
+    assert Counter(p for p, island_id, _ in merged if island_id == "a") == {0: 1, 1: 2}
+    assert shards.servers[0].state.fragments[1].version == 2, "a's step 3 went into a second merge"
 
 
 def test_each_push_is_reported_by_the_name_the_shard_merges_it_under(start_shards, island):
