@@ -276,7 +276,8 @@ class Trainer:
 
     def run(self) -> float:
         """Trains until `steps` inner steps (with none, until stopped), then flushes the last progress;
-        returns the held-out loss (after a stop, the last one measured: the grace period is for the flush)."""
+        returns the held-out loss of the final model where this process holds it (rank 0 of the data-parallel
+        baseline, not after a stop: the grace period is for the flush), else the last one measured."""
         s = self.settings
         tokens_per_step = s.batch_size * self.context
         if self.learner is not None:
@@ -344,15 +345,19 @@ class Trainer:
                 self.eval_loss = self.evaluate()
                 self.progress.write(EvalEvent, step=self.step, loss=self.eval_loss)
         if self.learner is not None:
-            self.learner.flush()  # with its island checkpoint: a stopped island is replaced (a roll, a drain)
+            # With its island checkpoint: a stopped island is replaced (a roll, a drain). A decoupled island
+            # hands its last pushes over and goes: their merges are the shards' to make, and the job's final
+            # model is the shards' (what `diloco export` assembles), not this process's.
+            self.learner.flush(wait_for_merges=self.learner.synchronous)
         else:
             self._save()
         if self.stopped:
             log.info("stopped", extra={"island": self.island_id, "rank": self.ranks.rank, "step": self.step})
             return self.eval_loss
-        final = self.evaluate()
-        self.progress.write(DoneEvent, step=self.step, loss=final, learner=self._learner_totals())
-        return final
+        if self.learner is None and self.ranks.is_leader:  # data-parallel ranks all hold the final model
+            self.eval_loss = self.evaluate()
+        self.progress.write(DoneEvent, step=self.step, loss=self.eval_loss, learner=self._learner_totals())
+        return self.eval_loss
 
     def _stop_requested(self) -> bool:
         """Whether any rank of the island was asked to stop: all ranks leave the loop at the same step, so

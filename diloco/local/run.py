@@ -114,7 +114,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         tokens_per_eval_step=workers * plan.batch_size * _context(plan.preset),
     )
     if plan.mode == Mode.DDP:
-        finals = [e.loss for e in events if isinstance(e, DoneEvent)]
+        finals = [e.loss for e in events if isinstance(e, DoneEvent) and e.source.rank == 0]  # rank 0 evaluates
         final = finals[-1] if finals else math.nan
         comm = ddp_comm_bytes(_parameters(plan.preset), workers, acct.steps_executed / workers)
     else:

@@ -250,6 +250,14 @@ def test_sync_diloco_is_a_barrier_across_all_islands(tmp_path):
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 3.5
 
 
+def test_the_data_parallel_baseline_s_final_model_is_evaluated_once_by_rank_0(tmp_path):
+    """Its ranks hold the same model; the others end with their last step rather than repeat the evaluation."""
+    (summary,), out = run(tmp_path, "ddp", "--mode", "ddp", "--steps", "10")
+    done = {e.source.rank: e for e in read_events(out / "ddp" / "progress") if isinstance(e, DoneEvent)}
+    assert math.isfinite(done[0].loss) and summary["final_loss"] == done[0].loss < INITIAL_LOSS
+    assert math.isnan(done[1].loss), "no evaluation was asked of rank 1 (eval every 20 steps, 10 trained)"
+
+
 def test_the_merge_policy_defaults_are_a_jobs_own():
     """A local run merges as a DiLoCoJob with the same knobs unset would; only the schedule is scaled down."""
     args, job = build_parser().parse_args(["run"]), TrainingConfig()
