@@ -9,13 +9,16 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from diloco.lifetime import follow_launcher
-from diloco.logs import setup_logging
-from diloco.progress import ProgressWriter, Source
-from diloco.settings import add_tls_arguments, env_default, load_security, load_token, load_training_config
-from diloco.syncer.metrics import SyncerMetrics
-from diloco.syncer.server import SyncerServer
-from diloco.transport.tls import Role
+from diloco.startup import collection_paused
+
+with collection_paused():  # torch and its kin: seconds of a restart on a busy machine
+    from diloco.lifetime import follow_launcher
+    from diloco.logs import setup_logging
+    from diloco.progress import ProgressWriter, Source
+    from diloco.settings import add_tls_arguments, env_default, load_security, load_token, load_training_config
+    from diloco.syncer.metrics import SyncerMetrics
+    from diloco.syncer.server import SyncerServer
+    from diloco.transport.tls import Role
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

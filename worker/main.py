@@ -12,26 +12,29 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
+from diloco.startup import collection_paused
 
-from diloco.core.config import Mode, Precision
-from diloco.lifetime import follow_launcher
-from diloco.logs import setup_logging
-from diloco.settings import (
-    DEFAULT_CORPUS_BYTES,
-    add_tls_arguments,
-    env_default,
-    load_security,
-    load_token,
-    load_training_config,
-)
-from diloco.transport.tls import PLAINTEXT, Role
-from diloco.worker.learner import CHECKPOINT_EVERY
-from diloco.worker.metrics import serve_metrics
-from diloco.worker.pod_launcher import is_local_rank, launch
-from diloco.worker.pod_ranks import LOOPBACK, PodShape, local_position, metrics_port
-from diloco.worker.shutdown import StopRequest
-from diloco.worker.trainer import Trainer, TrainerSettings
+with collection_paused():  # torch and its kin: seconds of a start on a busy machine
+    import torch
+
+    from diloco.core.config import Mode, Precision
+    from diloco.lifetime import follow_launcher
+    from diloco.logs import setup_logging
+    from diloco.settings import (
+        DEFAULT_CORPUS_BYTES,
+        add_tls_arguments,
+        env_default,
+        load_security,
+        load_token,
+        load_training_config,
+    )
+    from diloco.transport.tls import PLAINTEXT, Role
+    from diloco.worker.learner import CHECKPOINT_EVERY
+    from diloco.worker.metrics import serve_metrics
+    from diloco.worker.pod_launcher import is_local_rank, launch
+    from diloco.worker.pod_ranks import LOOPBACK, PodShape, local_position, metrics_port
+    from diloco.worker.shutdown import StopRequest
+    from diloco.worker.trainer import Trainer, TrainerSettings
 
 log = logging.getLogger("diloco.worker")
 

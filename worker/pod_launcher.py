@@ -15,13 +15,13 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from typing import TYPE_CHECKING
 
 from diloco.lifetime import launcher_env
 from diloco.worker.pod_ranks import LOOPBACK, PodShape
+
+if TYPE_CHECKING:  # the elastic agent is imported by a pod that launches ranks, not by every rank it starts
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 log = logging.getLogger("diloco.worker")
 
@@ -48,6 +48,10 @@ def launch(
     The ranks of a one-pod island meet on loopback, and gloo there uses the loopback interface (unless
     GLOO_SOCKET_IFNAME says otherwise): every peer is in the pod, and the pod's address need not sit on an
     interface gloo can find."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     host = shape.rendezvous_host(master_addr)
     os.environ.update(launcher_env())
     if host == LOOPBACK:

@@ -16,11 +16,12 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, cast
+from typing import TYPE_CHECKING, Final, cast
 
 import grpc
 
-from diloco.transport import certificates
+if TYPE_CHECKING:  # issuing certificates (cryptography) is for local runs and tests, not a process's start
+    from diloco.transport import certificates
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 """What a server certificate for one machine (`diloco run`, tests, benchmarks) is valid for."""
@@ -167,6 +168,8 @@ class Pki:
 def throwaway_pki(names: Sequence[str] = LOOPBACK_NAMES, *, mutual: bool = False) -> Pki:
     """A fresh CA, a server certificate for `names` and a client certificate, for one run on one machine:
     `diloco run`, the tests and the benchmarks exercise TLS as a cluster does, with nothing to set up."""
+    from diloco.transport import certificates
+
     now = datetime.datetime.now(datetime.UTC)
     ca = certificates.new_ca("diloco throwaway CA", now)
     return Pki(
