@@ -638,6 +638,7 @@ class Learner:
         for f in self._fragments:
             if f.mixable_at is None:
                 self._begin_round(f)
+        out = [f for f in out if f.began_at < self._step]  # one that began at this step carries every step
         if out:  # a round still out holds its fragment's base: the steps since go against what it brings back
             self._await_rounds(max(0.0, deadline - time.monotonic()), out)
             for f in out:

@@ -314,6 +314,19 @@ def test_the_last_steps_of_a_fragment_whose_round_is_out_at_the_end_follow_that_
     assert shards.servers[0].state.fragments[1].version == 2, "a's step 3 went into a second merge"
 
 
+def test_a_round_begun_at_the_last_step_is_not_waited_for(start_shards, island):
+    """Its push already carries every step of its fragment."""
+    shards = start_shards(make_config(quorum=2, grace_seconds=60.0))
+    a = island(shards, seed=1, name="a")
+    island(shards, seed=2, name="b")
+    a.train(2, wait=False)  # fragment 1's round begins at step 2 and waits for b (K = 2), which never pushes
+    flushing = threading.Thread(target=a.learner.flush, kwargs={"wait_for_merges": False}, daemon=True)
+    flushing.start()
+    flushing.join(timeout=30)  # waiting for that round would take the whole 60 s flush timeout
+    assert not flushing.is_alive()
+    assert a.learner.stats.syncs_pushed == 2, "fragment 1 at step 2, fragment 0 at the flush"
+
+
 def test_each_push_is_reported_by_the_name_the_shard_merges_it_under(start_shards, island):
     """What lets goodput count the steps of a push whose island was killed before it heard the merge."""
     shards = start_shards(make_config())
