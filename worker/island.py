@@ -36,6 +36,15 @@ class Island:
         nccl = dist.get_backend(group) == dist.Backend.NCCL
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
+    def release(self) -> None:
+        """Lets go of the process group once this process is done with the island's collectives.
+
+        torch's destroy_process_group() unregisters a group, but its threads run on while anything still holds
+        it; a gloo thread that finishes a collective during the interpreter's exit aborts the process there
+        ("terminate called without an active exception"), and the pod's launcher takes that for a failed rank.
+        The rank and size stay, for what is reported afterwards; a collective after this raises."""
+        self.group = None
+
     @property
     def is_leader(self) -> bool:
         """Rank 0 of the island: the only rank that talks to the syncers."""

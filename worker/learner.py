@@ -696,6 +696,7 @@ class Learner:
         self._stop_metrics()
         if self._checkpointer is not None:
             self._checkpointer.close(CHECKPOINT_CLOSE_SECONDS)
+        self.island.release()
         log.info("learner closed", extra={"island": self.island_id, "rank": self.island.rank, **asdict(self.stats)})
 
     def _leave(self, deadline: float) -> None:

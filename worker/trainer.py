@@ -387,3 +387,5 @@ class Trainer:
         self.progress.close()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()
+        self.group = None  # with the islands' references gone, the group's threads end now (Island.release)
+        self.ranks.release()

@@ -2,7 +2,8 @@
 
 Usage: island_rank.py RANK WORLD STORE_FILE SYNCER CONFIG_JSON STEPS OUT_FILE
 Each rank starts from its own random init and reports different token counts; it saves its parameters
-right after start() and after training, and its stats, to OUT_FILE.
+right after start() and after training, its stats, and how many references to the process group its closed
+learner still holds, to OUT_FILE.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main() -> None:
     )
     model = tiny_model(seed=100 + rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    held_before = sys.getrefcount(dist.group.WORLD)
     learner = Learner(
         model,
         optimizer,
@@ -58,12 +60,18 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         learner.wait_for_syncs(30.0)
+    learner.close()
+    held_after = sys.getrefcount(dist.group.WORLD)
+    dist.destroy_process_group()
     torch.save(
-        {"after_start": after_start, "final": flat_params(model), "stats": dataclasses.asdict(learner.stats)},
+        {
+            "after_start": after_start,
+            "final": flat_params(model),
+            "stats": dataclasses.asdict(learner.stats),
+            "group_references_kept": held_after - held_before,
+        },
         out,
     )
-    learner.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
