@@ -10,6 +10,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# An editable install leaves our own modules uncompiled: the first run's processes would each compile them.
+	$(BIN)/python -m compileall -q diloco operator syncer worker
 	touch $(STAMP)
 
 run: $(STAMP)  ## the embedded default: a syncer and 4 islands on loopback train the tiny GPT (a few minutes)
