@@ -29,6 +29,7 @@ from support import missing_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_NAMESPACE = "diloco-system"
+RESYNC_SECONDS = 2  # the operator's reconcile interval here (the chart's resyncSeconds, 10 by default)
 
 
 @dataclass
@@ -189,8 +190,14 @@ def install_operator(target: Target) -> None:
         "--set",
         "replicaCount=1",
         "--set",
-        "resyncSeconds=2",
+        f"resyncSeconds={RESYNC_SECONDS}",
     )
+
+
+@pytest.fixture(scope="session")
+def resync_seconds() -> float:
+    """The installed operator's seconds between reconcile passes over a job."""
+    return RESYNC_SECONDS
 
 
 @pytest.fixture(scope="session")

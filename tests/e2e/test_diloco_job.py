@@ -1,7 +1,7 @@
 """End to end, through kubectl and helm only: a small variant of deploy/examples/tiny-cpu.yaml (an on-demand
 island and a spot island, few and cheap steps) trains for real, its trainers Ready once they train,
 survives the loss of its spot node, a crashing trainer and a restarted operator, rolls onto a new image one
-island at a time while it trains, finishes, exports its model
+island at a time while it trains, is suspended and resumed, finishes, exports its model
 to a volume of the user's, and is garbage-collected when deleted. Then a job whose island cannot join its
 syncer is never Ready, and says so.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -253,6 +254,32 @@ def test_an_image_change_rolls_the_islands_one_at_a_time_while_the_job_trains(ta
     assert shard["image"] == image, "the shards run the job's image too"
     wait_until(lambda: status(target).get("phase") == "Running", timeout=180)
     progress_beyond(target, status(target)["outerStep"])
+
+
+def test_a_suspended_job_stops_its_islands_cleanly_and_resumes_where_it_was(target, job, resync_seconds):
+    """Suspending deletes the island pods: each trainer, on SIGTERM, pushes its last steps, says Leave and
+    exits, which is no failure; the shards stay up and stop reporting the islands live at once (else for
+    islandTimeoutSeconds, 60 s). Resuming brings the islands back, and the job trains on from its step."""
+    before = status(target)
+    restarts = {i["name"]: i["restarts"] for i in before["islands"]}
+    suspend = partial(target.kubectl, "-n", NAMESPACE, "patch", "dilocojob", JOB, "--type", "merge", "-p")
+    suspend(json.dumps({"spec": {"suspend": True}}))
+    wait_until(
+        lambda: status(target).get("phase") == "Suspended" and not pods(target, "solo") and not pods(target, "spot"),
+        timeout=180,
+    )
+    left = {i["name"]: i.get("lastSync") for i in status(target)["islands"]}
+    time.sleep(2.5 * resync_seconds)  # two reconcile passes at least, each asking the shards who is live
+    suspended = status(target)
+    assert {i["name"]: i.get("lastSync") for i in suspended["islands"]} == left, "the islands left the shards"
+    assert {i["name"]: i["restarts"] for i in suspended["islands"]} == restarts, "a stop is not a failure"
+    assert get(target, "deployment", "tiny-syncer-0")["status"].get("readyReplicas") == 1, "the shards stay"
+    assert suspended["outerStep"] >= before["outerStep"] and suspended["tokens"] >= before["tokens"]
+
+    suspend(json.dumps({"spec": {"suspend": False}}))
+    wait_until(lambda: (s := status(target)).get("phase") == "Running" and s["islandsReady"] == "2/2", timeout=180)
+    progress_beyond(target, suspended["outerStep"])
+    assert status(target)["tokens"] > suspended["tokens"]
 
 
 def test_the_job_finishes_when_its_stop_condition_is_reached(target, job):
