@@ -42,7 +42,7 @@ class Island:
         torch's destroy_process_group() unregisters a group, but its threads run on while anything still holds
         it; a gloo thread that finishes a collective during the interpreter's exit aborts the process there
         ("terminate called without an active exception"), and the pod's launcher takes that for a failed rank.
-        The rank and size stay, for what is reported afterwards; a collective after this raises."""
+        The rank and size stay, for what is reported afterwards; the island's collectives are over."""
         self.group = None
 
     @property
