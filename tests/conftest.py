@@ -46,9 +46,10 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 @pytest.fixture(scope="session")
 def kwok_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """etcd, kube-apiserver, kube-controller-manager, kube-scheduler and KWOK with the default node pools."""
+    """etcd, kube-apiserver, kube-controller-manager, kube-scheduler and KWOK with the default node pools,
+    started for the e2e suite's pod runner (a probed container is ready when the runner's probe says so)."""
     try:
-        cluster = start_cluster(tmp_path_factory.mktemp("cluster"))
+        cluster = start_cluster(tmp_path_factory.mktemp("cluster"), pod_runner=True)
     except MissingBinaries as error:
         missing_binary(str(error))
     try:

@@ -2,7 +2,8 @@
 (controlplane.py), kube-controller-manager (every default controller, each with its own service-account
 credentials), kube-scheduler, KWOK keeping fake nodes of realistic pools alive (nodes.py) and a local-path
 volume provisioner (volumes.py). Pods are scheduled, get IPs and become Ready as on a real cluster, but no
-container runs: tests/cluster/pod_runner.py runs this project's containers as local processes.
+container runs: tests/cluster/pod_runner.py runs this project's containers as local processes (and, on a
+cluster started for it, says when a probed container is ready).
 
     cluster = start_cluster(workdir)          # the default pools of nodes.py
     cluster.kubectl("get", "nodes")
@@ -47,11 +48,45 @@ OUT_OF_SERVICE_TAINT = {"key": "node.kubernetes.io/out-of-service", "value": "no
 force-deleted by the pod garbage collector, so their controllers replace them elsewhere."""
 
 
-def kwok_stages(source: Path, workdir: Path) -> Path:
-    """KWOK's stages less those left to the pod runner, written into `workdir`."""
+PROBED_CONTAINERS_NOT_READY = (
+    # (what KWOK's pod-ready template says, what it says here): a pod is Ready only if no container is probed,
+    (
+        "{{ $now := Now }}\n",
+        '{{ $now := Now }}\n{{ $ready := "True" }}{{ range .spec.containers }}'
+        '{{ if .readinessProbe }}{{ $ready = "False" }}{{ end }}{{ end }}\n',
+    ),
+    ('status: "True"\n  type: Ready\n', "status: {{ $ready | Quote }}\n  type: Ready\n"),
+    ('status: "True"\n  type: ContainersReady\n', "status: {{ $ready | Quote }}\n  type: ContainersReady\n"),
+    # and a probed container starts not ready (the init containers' statuses, after these, are left as they are).
+    (
+        "  ready: true\n  restartCount: 0\n  state:\n",
+        "  ready: {{ not .readinessProbe }}\n  restartCount: 0\n  state:\n",
+    ),
+)
+
+
+def probes_left_to_the_runner(stage: dict) -> dict:
+    """KWOK's `pod-ready` stage made to start a container that has a readinessProbe not ready, and its pod
+    with it, as a kubelet does until the probe passes; the pod runner then reports it ready as its probe says
+    (or at once, for a container it does not run). As KWOK has it, a probed pod is Ready from the moment it
+    is bound until the runner starts its process: long enough for `helm install --wait`, a Deployment's
+    availability or a test's wait for Ready to take a pod whose process has not started for one that is up."""
+    template = stage["spec"]["next"]["statusTemplate"]
+    for was, becomes in PROBED_CONTAINERS_NOT_READY:
+        if template.count(was) != 1:
+            raise ValueError(f"KWOK's pod-ready stage has changed: {was!r} is not in it once")
+        template = template.replace(was, becomes)
+    return {**stage, "spec": {**stage["spec"], "next": {**stage["spec"]["next"], "statusTemplate": template}}}
+
+
+def kwok_stages(source: Path, workdir: Path, pod_runner: bool = False) -> Path:
+    """KWOK's stages less those left to the pod runner, written into `workdir`; with `pod_runner` (one runs
+    this cluster's pods), probed containers' readiness is left to it too (`probes_left_to_the_runner`)."""
     kept = [
         d for d in yaml.safe_load_all(source.read_text()) if d and d["metadata"]["name"] not in LEFT_TO_THE_POD_RUNNER
     ]
+    if pod_runner:
+        kept = [probes_left_to_the_runner(d) if d["metadata"]["name"] == "pod-ready" else d for d in kept]
     path = workdir / KWOK_STAGES
     path.write_text(yaml.safe_dump_all(kept))
     return path
@@ -156,12 +191,17 @@ class MissingBinaries(RuntimeError):
 
 
 def start_cluster(
-    workdir: Path, pools: Iterable[Pool] = DEFAULT_POOLS, bin_dir: Path | None = None, timeout: float = 120.0
+    workdir: Path,
+    pools: Iterable[Pool] = DEFAULT_POOLS,
+    bin_dir: Path | None = None,
+    timeout: float = 120.0,
+    pod_runner: bool = False,
 ) -> Cluster:
     """Starts every component in `workdir` (binaries from `bin_dir`, else build.sh's cache), creates `count`
     nodes of each pool, and returns once the nodes are Ready and the `default` namespace can run pods (its
     service account exists). In a workdir a cluster ran in before, it starts again on its own data (see
-    start_control_plane) with the nodes it had, creating none."""
+    start_control_plane) with the nodes it had, creating none. `pod_runner`: a pod runner will run its pods,
+    and report their probed containers ready (`kwok_stages`); without one, KWOK reports every pod Ready."""
     bin_dir = bin_dir or binaries_dir(BINARIES)
     stages = (bin_dir / KWOK_STAGES) if bin_dir else None
     if stages is None or not stages.exists():
@@ -216,7 +256,7 @@ def start_cluster(
             "kwok",
             [
                 "--config",
-                str(kwok_stages(stages, cluster.workdir)),
+                str(kwok_stages(stages, cluster.workdir, pod_runner)),
                 "--node-lease-duration-seconds",
                 "40",
                 "--manage-all-nodes=false",

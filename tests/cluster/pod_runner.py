@@ -19,9 +19,11 @@ lastState holding the exit code, 128+N for a signal), so the operator's failure 
 started on the data of one that was killed with its cluster (isolated.py's restart) finds pods Running on its
 nodes whose processes died with it: as a kubelet after a reboot, it reports each container lost (LOST) and
 restarts it, its restartCount carried on. A
-container with a readinessProbe is not ready when it starts and becomes ready, and unready again, as its
+container with a readinessProbe is not ready from the moment its pod is bound (KWOK leaves it so on a cluster
+started for a runner: cluster.start_cluster's `pod_runner`) and becomes ready, and unready again, as its
 probe's results say (probes.py); each failed probe is an `Unhealthy` Warning Event on the pod, aggregated as
-the kubelet's are; the pod is Ready while all its containers are.
+the kubelet's are; the pod is Ready while all its containers are. A probed container the runner does not run
+is reported ready at once.
 
 No device plugin runs here and no container sees a GPU (CUDA_VISIBLE_DEVICES is empty): a pod asking for
 accelerators (nvidia.com/gpu ...) runs on CPU, where the built-in worker starts one gloo rank per
@@ -364,11 +366,29 @@ class PodRunner:
                     self._converge(container, pod, spec)
         for pod in every_pod:
             meta = pod["metadata"]
+            self._report_unprobed(pod)
             if meta.get("deletionTimestamp") and FINALIZER in (meta.get("finalizers") or ()):
                 if not any(
                     c.uid == meta["uid"] and c.process and c.process.poll() is None for c in self.containers.values()
                 ):
                     self._release(pod)
+
+    def _report_unprobed(self, pod: Mapping[str, Any]) -> None:
+        """Reports ready the probed containers this runner does not run (a pod left to KWOK alone, a foreign
+        image), which KWOK started not ready (cluster.kwok_stages): no process of theirs answers a probe, so
+        they are taken as up, as KWOK takes every container it alone runs."""
+        meta, status = pod["metadata"], pod.get("status") or {}
+        if meta.get("deletionTimestamp") or status.get("phase") != "Running":
+            return
+        runs = self.runnable(pod)
+        ready = {s["name"]: s.get("ready") for s in status.get("containerStatuses") or ()}
+        updates = {
+            spec["name"]: {"ready": True}
+            for spec in pod["spec"]["containers"]
+            if ready.get(spec["name"]) is False and not (runs and image_name(spec["image"]) in self.images)
+        }
+        if updates:
+            self._patch_statuses(pod, updates)
 
     def _assign_ingress(self, services: list[dict[str, Any]]) -> None:
         """Publishes an ingress IP for each LoadBalancer Service without one, as a cloud controller does (its
@@ -695,21 +715,26 @@ class PodRunner:
     ) -> None:
         """The kubelet's status update for `container` (other containers' statuses kept as they are); the pod is
         Ready while every container is."""
+        update: dict[str, Any] = {
+            "ready": ready,
+            "started": "running" in state,
+            "restartCount": container.restarts,
+            "state": state,
+        }
+        if container.last_exit is not None:
+            update["lastState"] = {"terminated": container.last_exit}
+        self._patch_statuses(pod, {container.name: update}, phase)
+
+    def _patch_statuses(
+        self, pod: Mapping[str, Any], updates: Mapping[str, dict[str, Any]], phase: str | None = None
+    ) -> None:
+        """The status update of some of the pod's containers (by name), the others' kept as they are."""
         now = _now()
         current = {s["name"]: s for s in (pod.get("status") or {}).get("containerStatuses") or ()}
         statuses = []
         for spec in pod["spec"]["containers"]:
             status = dict(current.get(spec["name"]) or {"name": spec["name"], "image": spec["image"], "imageID": ""})
-            if spec["name"] == container.name:
-                status |= {
-                    "ready": ready,
-                    "started": "running" in state,
-                    "restartCount": container.restarts,
-                    "state": state,
-                }
-                if container.last_exit is not None:
-                    status["lastState"] = {"terminated": container.last_exit}
-            statuses.append(status)
+            statuses.append(status | updates.get(spec["name"], {}))
         flag = "True" if all(status.get("ready") for status in statuses) else "False"
         body: dict[str, Any] = {
             "status": {
@@ -722,7 +747,7 @@ class PodRunner:
         if phase:
             body["status"]["phase"] = phase
         try:
-            self.core.patch_namespaced_pod_status(container.pod, container.namespace, body)
+            self.core.patch_namespaced_pod_status(pod["metadata"]["name"], pod["metadata"]["namespace"], body)
         except ApiException as error:
             if error.status != 404:
                 raise

@@ -33,7 +33,7 @@ def main() -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    cluster = start_cluster(workdir)
+    cluster = start_cluster(workdir, pod_runner=True)
     runner = PodRunner(kube_config.new_client_from_config(str(cluster.kubeconfig)), workdir / "pods")
     try:
         runner.start()
