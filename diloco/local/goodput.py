@@ -9,17 +9,32 @@ Goodput is the share of allocated worker time spent on steps that ended in the f
 - Data-parallel: a step counts when it is the last execution of that step number on its rank; executions
   rolled back to a checkpoint after a failure are wasted.
 A slot (one worker position) is allocated from the job's start until its last process finishes, so startup,
-downtime after a kill and waiting all count against goodput.
+downtime after a kill and waiting all count against goodput. `Losses` says where the rest of that time went.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from diloco.core.config import Mode
 from diloco.progress import EvalEvent, MergeEvent, ProgressEvent, PushEvent, RoundEvent, StartEvent, StepEvent
+
+
+@dataclass(frozen=True)
+class Losses:
+    """Where the allocated slot-seconds that were not useful went, summed over the slots."""
+
+    first_start: float  # from the job's start to each slot's first step (the whole run, for a silent slot)
+    restarting: float  # from a process's last event to its successor's first step: down after a kill, then starting
+    lost_steps: float  # compute of executed steps that did not count (not carried by a merged push; rolled back)
+    blocked: float  # within steps, waiting on a sync
+    other: float  # the rest: between steps, and after each slot's last step
+
+    def shares(self, allocated_seconds: float) -> dict[str, float]:
+        """Each as a share of the allocated slot-seconds (goodput's denominator)."""
+        return {name: value / allocated_seconds if allocated_seconds else 0.0 for name, value in asdict(self).items()}
 
 
 @dataclass(frozen=True)
@@ -34,6 +49,7 @@ class Account:
     eval_curve: list[tuple[int, float]] = field(default_factory=list)
     tokens_per_second: float = 0.0  # all workers together, while stepping
     mfu: float | None = None  # mean over workers; None when a worker's accelerator peak is unknown
+    losses: Losses = field(default_factory=lambda: Losses(0.0, 0.0, 0.0, 0.0, 0.0))
 
     @property
     def goodput(self) -> float:
@@ -73,6 +89,31 @@ def ddp_useful_seconds(events: Sequence[ProgressEvent]) -> float:
             if key not in last or e.t >= last[key].t:
                 last[key] = e
     return sum(e.compute_seconds for e in last.values())
+
+
+def starts(events: Iterable[ProgressEvent], started_at: float) -> tuple[float, float]:
+    """Seconds from the job's start to each slot's first step, and from each process's last event to its
+    successor's first step in the same slot (a process that never stepped starts nothing: its time runs on to
+    the next one's first step), summed over the slots; `events` are the workers' own."""
+    processes: dict[tuple[str, int], dict[int, list[ProgressEvent]]] = defaultdict(lambda: defaultdict(list))
+    for e in events:
+        processes[e.source.slot][e.source.pid].append(e)
+    first = restarting = 0.0
+    for by_pid in processes.values():
+        ended, stepped = started_at, False
+        for records in sorted(by_pid.values(), key=lambda r: min(e.t for e in r)):
+            steps = [e for e in records if isinstance(e, StepEvent)]
+            if steps:
+                began = min(e.t - e.seconds for e in steps)
+                if stepped:
+                    restarting += began - ended
+                else:
+                    first += began - ended
+                stepped = True
+                ended = max(e.t for e in records)
+        if not stepped:
+            first += max(e.t for records in by_pid.values() for e in records) - started_at
+    return first, restarting
 
 
 def eval_curve(events: Iterable[ProgressEvent], tokens_per_eval_step: int) -> list[tuple[int, float]]:
@@ -131,6 +172,11 @@ def account(
     steps = [e for e in events if isinstance(e, StepEvent)]
     useful = ddp_useful_seconds(events) if mode == Mode.DDP else diloco_useful_seconds(events, fragments)
     tokens_per_second, mfu = throughput(events)
+    first_start, restarting = starts((e for e in events if not isinstance(e, MergeEvent)), started_at)
+    first_start += silent_slots * (job_end - started_at)
+    blocked = sum(e.sync_seconds for e in steps)
+    lost_steps = sum(e.compute_seconds for e in steps) - useful
+    other = allocated - useful - first_start - restarting - lost_steps - blocked
     return Account(
         mode=mode,
         slots=slots,
@@ -142,4 +188,5 @@ def account(
         eval_curve=eval_curve(events, tokens_per_eval_step),
         tokens_per_second=tokens_per_second,
         mfu=mfu,
+        losses=Losses(first_start, restarting, lost_steps, blocked, other),
     )

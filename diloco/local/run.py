@@ -47,6 +47,7 @@ class ModeSummary:
     tokens_per_second_per_accelerator: float = 0.0  # per worker process: one accelerator each
     mfu: float | None = None  # model FLOPs utilisation (None: no accelerator peak known, e.g. on CPU)
     round_steps: dict[str, float] = field(default_factory=dict)  # per island: mean inner steps per round
+    losses: dict[str, float] = field(default_factory=dict)  # where the rest of the allocated time went, as shares
 
 
 def round_steps(events: list[ProgressEvent]) -> dict[str, float]:
@@ -139,6 +140,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         tokens_per_second_per_accelerator=acct.tokens_per_second / workers,
         mfu=acct.mfu,
         round_steps=round_steps(events),
+        losses=acct.losses.shares(acct.allocated_seconds),
     )
     return summary, acct, result
 

@@ -1,9 +1,11 @@
 """Goodput counts only compute whose steps reached the final model, against all allocated worker time."""
 
+from dataclasses import replace
+
 import pytest
 
-from diloco.local.goodput import account, ddp_useful_seconds, diloco_useful_seconds, eval_curve
-from diloco.progress import EvalEvent, MergeEvent, PushEvent, RoundEvent, Source, StepEvent
+from diloco.local.goodput import Losses, account, ddp_useful_seconds, diloco_useful_seconds, eval_curve
+from diloco.progress import EvalEvent, MergeEvent, PushEvent, RoundEvent, Source, StartEvent, StepEvent
 
 
 def step(pid, n, t, seconds=1.0, sync=0.0, island="island-0", rank=0):
@@ -94,6 +96,25 @@ def test_allocation_runs_from_job_start_to_each_slot_end_and_goodput_divides():
     assert acct.allocated_seconds == pytest.approx(10 + 20)
     assert acct.goodput == pytest.approx(2.0 / 30.0)
     assert (acct.tokens_trained, acct.process_starts) == (20, 2)
+
+
+def test_the_time_that_was_not_useful_is_told_apart_and_adds_up():
+    """One slot: a process starts 2 s late, steps 1-4, has its push at step 2 merged and is killed; 4 s later
+    its successor steps 3-5, half of step 4 blocked on a sync, and hears its push at 5 merged 1 s after."""
+    killed = [step(1, n, 102.0 + n) for n in range(1, 5)] + [replace(merged(1, 0, 2), t=104.5)]
+    successor = [step(2, 3, 111.0), step(2, 4, 112.0, sync=0.5), step(2, 5, 113.0), replace(merged(2, 0, 5), t=114.0)]
+    acct = account(killed + successor, mode="diloco", slots=1, fragments=1, started_at=100.0, tokens_per_eval_step=10)
+    assert (acct.allocated_seconds, acct.useful_seconds) == pytest.approx((14.0, 2.0 + 2.5))
+    assert acct.losses == Losses(first_start=2.0, restarting=4.0, lost_steps=2.0, blocked=0.5, other=1.0)
+    assert sum(acct.losses.shares(acct.allocated_seconds).values()) + acct.goodput == pytest.approx(1.0)
+
+
+def test_a_slot_that_never_stepped_lost_its_whole_time_to_starting():
+    started = StartEvent(105.0, Source(island="island-1", rank=0, mode="diloco", pid=3), step=0, world=1)
+    events = [step(1, 1, 110.0), replace(merged(1, 0, 1), t=110.0), started]
+    acct = account(events, mode="diloco", slots=3, fragments=1, started_at=100.0, tokens_per_eval_step=10)
+    # island-0 started in 9 s; island-1 (a process that never stepped) for its 5 s; a silent slot for all 10.
+    assert acct.losses.first_start == pytest.approx(9.0 + 5.0 + 10.0)
 
 
 def test_eval_curve_averages_islands_at_each_step():
