@@ -46,10 +46,10 @@ class Account:
     steps_executed: int
     tokens_trained: int
     process_starts: int
+    losses: Losses  # where the allocated time that was not useful went
     eval_curve: list[tuple[int, float]] = field(default_factory=list)
     tokens_per_second: float = 0.0  # all workers together, while stepping
     mfu: float | None = None  # mean over workers; None when a worker's accelerator peak is unknown
-    losses: Losses = field(default_factory=lambda: Losses(0.0, 0.0, 0.0, 0.0, 0.0))
 
     @property
     def goodput(self) -> float:

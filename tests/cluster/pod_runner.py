@@ -483,8 +483,8 @@ class PodRunner:
         container.probing = None
         log.info("started %s/%s %s", container.namespace, container.pod, container.name)
         if restarting or probe:
-            # A first start has the status KWOK gave the pod (running, ready): a probed container is not ready
-            # until its probe says so.
+            # A first start has the status KWOK gave the pod: running, and ready unless probed (on a cluster
+            # started for a runner; ready all the same on another). A probed container is ready once its probe says so.
             self._patch(pod, container, {"running": {"startedAt": container.started_at}}, ready=not probe)
             container.last_exit = None
 
