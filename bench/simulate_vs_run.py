@@ -132,7 +132,7 @@ def main() -> int:
         type=float,
         default=40.0,
         help="kills until this many seconds: less than the shortest slot, so every kill finds its island "
-        "training (a killed island restarts its steps, so slots end at different times)",
+        "training (islands end at different times: where a kill falls sets how far behind it resumes)",
     )
     p.add_argument(
         "--seed",
