@@ -254,10 +254,6 @@ def bench_goodput(args: argparse.Namespace) -> bool:
             f"  {s['mode']:>11}: goodput {s['goodput']:.3f}, wall {s['wall_seconds']:.0f} s, eval loss "
             f"{s['final_loss']:.3f}, restarts {s['restarts']}"
         )
-        print(
-            f"  {'':>11}  the rest: "
-            + ", ".join(f"{name.replace('_', ' ')} {v:.3f}" for name, v in s["losses"].items())
-        )
     print(
         f"goodput: ours {ours['goodput']:.3f} (target >= 0.85), sync-diloco {sync['goodput']:.3f} "
         f"(ratio {ours['goodput'] / sync['goodput']:.2f}), ddp {ddp['goodput']:.3f} "

@@ -180,6 +180,9 @@ def print_summary(summaries: list[ModeSummary]) -> None:
             + ("  (timed out)" if s.timed_out else "")
         )
     for s in summaries:
+        rest = ", ".join(f"{name.replace('_', ' ')} {share:.3f}" for name, share in s.losses.items())
+        print(f"{s.mode} allocated time not in the model: {rest}")
+    for s in summaries:
         if s.round_steps:
             steps = ", ".join(f"{island} {n:.1f}" for island, n in s.round_steps.items())
             print(f"{s.mode} mean inner steps per round: {steps}")

@@ -61,6 +61,9 @@ def test_a_short_run_lowers_the_loss_and_faults_do_not_derail_it(tmp_path, capsy
     assert math.isfinite(faulty["final_loss"])
     assert faulty["final_loss"] < clean["final_loss"] + 0.5, "kills cost some steps, not the run"
     assert load_trace(out / "trace.json") == trace, "the trace the run replayed is kept beside its results"
+    printed = capsys.readouterr().out
+    assert "diloco allocated time not in the model: first start 0." in printed, "the run says where goodput went"
+    assert faulty["losses"]["restarting"] > 0, "two replacements started after their kills"
 
 
 def pid_at_step(out, island, at_step, rank=0):
