@@ -5,7 +5,8 @@ Goodput is the share of allocated worker time spent on steps that ended in the f
   same process, was merged (a fraction 1/P per fragment): the process heard the merge, or a shard recorded
   the push in one, as a shard does for a push it took from a process killed before the merge. Steps lost
   with a killed process, or pushed but never merged, count nothing, and neither does time blocked waiting
-  on a sync. (A push is rank 0's: the other ranks of an island count their steps by the merges they hear.)
+  on a sync. (A push is rank 0's: another rank of the island counts its steps by the merges it heard and
+  those of the pushes of the rank 0 beside it, `island_leaders`.)
 - Data-parallel: a step counts when it is the last execution of that step number on its rank; executions
   rolled back to a checkpoint after a failure are wasted.
 A slot (one worker position) is allocated from the job's start until its last process finishes, so startup,
@@ -19,7 +20,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from diloco.core.config import Mode
-from diloco.progress import EvalEvent, MergeEvent, ProgressEvent, PushEvent, RoundEvent, StartEvent, StepEvent
+from diloco.progress import (
+    EvalEvent,
+    MergeEvent,
+    ProgressEvent,
+    PushEvent,
+    RoundEvent,
+    Source,
+    StartEvent,
+    StepEvent,
+)
 
 
 @dataclass(frozen=True)
@@ -72,12 +82,37 @@ def diloco_useful_seconds(events: Sequence[ProgressEvent], fragments: int) -> fl
             latest = merged_upto[e.source.pid]
             latest[e.fragment] = max(latest.get(e.fragment, 0), e.began_at)
     useful = 0.0
+    leaders = island_leaders(e for e in events if not isinstance(e, MergeEvent))
     for pid, records in steps.items():
-        reached = sorted(merged_upto[pid].values())
+        heard, leader = merged_upto[pid], merged_upto[leaders.get(pid, pid)]
+        reached = sorted(max(heard.get(f, 0), leader.get(f, 0)) for f in heard.keys() | leader.keys())
         for step in records:
             share = sum(1 for upto in reached if upto >= step.step) / fragments
             useful += share * step.compute_seconds
     return useful
+
+
+def island_leaders(events: Iterable[ProgressEvent]) -> dict[int, int]:
+    """For each process of a rank other than 0, the rank-0 process of its island that lived alongside it
+    longest: the one whose pushes carried its steps (the ranks of an island step in lockstep and re-form
+    together), so a push merged after both were killed counts for both; `events` are the workers' own."""
+    lives: dict[int, tuple[Source, float, float]] = {}
+    for e in events:
+        source, first, last = lives.get(e.source.pid, (e.source, e.t, e.t))
+        lives[e.source.pid] = (source, min(first, e.t), max(last, e.t))
+    leaders = [(source, first, last) for source, first, last in lives.values() if source.rank == 0]
+    found = {}
+    for pid, (source, first, last) in lives.items():
+        if source.rank == 0:
+            continue
+        overlaps = [
+            (min(last, end) - max(first, begin), leader.pid)
+            for leader, begin, end in leaders
+            if leader.island == source.island and min(last, end) >= max(first, begin)
+        ]
+        if overlaps:
+            found[pid] = max(overlaps)[1]
+    return found
 
 
 def ddp_useful_seconds(events: Sequence[ProgressEvent]) -> float:

@@ -4,7 +4,14 @@ from dataclasses import replace
 
 import pytest
 
-from diloco.local.goodput import Losses, account, ddp_useful_seconds, diloco_useful_seconds, eval_curve
+from diloco.local.goodput import (
+    Losses,
+    account,
+    ddp_useful_seconds,
+    diloco_useful_seconds,
+    eval_curve,
+    island_leaders,
+)
 from diloco.progress import EvalEvent, MergeEvent, PushEvent, RoundEvent, Source, StartEvent, StepEvent
 
 
@@ -120,3 +127,21 @@ def test_a_slot_that_never_stepped_lost_its_whole_time_to_starting():
 def test_eval_curve_averages_islands_at_each_step():
     events = [evaluated(10, 3.0), evaluated(10, 2.0), evaluated(20, 1.5)]
     assert eval_curve(events, tokens_per_eval_step=100) == [(1000, 2.5), (2000, 1.5)]
+
+
+def test_a_push_merged_after_its_island_was_killed_counts_for_every_rank_of_it():
+    """Two ranks killed together at step 4 after rank 0 pushed at 3: only rank 0 pushes, and no rank heard
+    the merge, yet both ranks' steps 1-3 are in the global model."""
+    rank0 = [step(1, n, n) for n in range(1, 5)] + [pushed(1, 0, 3, sequence=11)]
+    rank1 = [step(2, n, n, rank=1) for n in range(1, 5)]
+    events = [*rank0, *rank1, shard_merged(0, ("island-0", 0, 11))]
+    assert diloco_useful_seconds(events, fragments=1) == pytest.approx(3 + 3)
+
+
+def test_another_rank_takes_its_credit_from_the_rank_0_that_lived_beside_it():
+    """The island re-formed at t=10: the second rank 1 is not credited with the first rank 0's push."""
+    first = [step(1, n, n) for n in range(1, 5)] + [step(2, n, n, rank=1) for n in range(1, 5)]
+    second = [step(3, n, 10 + n) for n in range(1, 3)] + [step(4, n, 10 + n, rank=1) for n in range(1, 3)]
+    events = [*first, *second, pushed(1, 0, 3, sequence=11), shard_merged(0, ("island-0", 0, 11))]
+    assert diloco_useful_seconds(events, fragments=1) == pytest.approx(3 + 3)
+    assert island_leaders(events) == {2: 1, 4: 3}
