@@ -10,12 +10,14 @@ chip and says how long its replacement takes. Every policy replays the same even
   lost), trains on with fewer chips, and re-forms again to take the replacement back.
 - `sync-diloco` / `decoupled-diloco`: chips are split into M learners. A failure stops only its learner, for
   `reschedule_seconds + reform_seconds`, and the learner restarts from the latest global fragments, losing each
-  fragment's progress since that fragment's last push. Merges follow the quorum rule of the syncer: once K
-  pushes are pending (K capped by the live learners), wait up to the grace window for the other live
-  learners, then merge. A learner that has pushed must see that push merged within `overlap_steps` (tau)
-  inner steps (or within the round, with `MergeWait.ROUND`) or it waits. Synchronous DiLoCo is the same
-  engine with K = M, never capped, and no grace. With `speedAware`, a decoupled learner of a slower
-  generation runs fewer inner steps per round (`diloco.core.pace`), tau scaled alike.
+  fragment's progress since that fragment's last push. Merges follow the syncer shard's rules
+  (`diloco.core.grace`): once K pushes are pending (K capped by the live learners), the merge waits for the
+  other live learners whose cadence puts their next push before its window closes; the window is sized
+  from how late pushes came after earlier quorums, at most the grace (`graceSeconds`). A learner that has
+  pushed must see that push merged within `overlap_steps` (tau) inner steps (or within the round, with
+  `MergeWait.ROUND`) or it waits. Synchronous DiLoCo is the same engine with K = M, never capped, and no
+  grace. With `speedAware`, a decoupled learner of a slower generation runs fewer inner steps per round
+  (`diloco.core.pace`), tau scaled alike.
 
 Every group first spends `startup_seconds` starting (0 by default). Interruptions strike only hardware that is
 running: an event on a group that is already down or restarting (or on a replica already out) is absorbed
@@ -32,12 +34,14 @@ import heapq
 import math
 import re
 import statistics
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from diloco.core.config import Mode, TrainingConfig
+from diloco.core.grace import HISTORY, grace_window, may_push_by
 from diloco.core.pace import paced_inner_steps
 from diloco.core.rules import QUORUM_WITHIN_ISLANDS
 from diloco.local.failure_trace import FailureEvent, chip_target
@@ -456,6 +460,9 @@ class _Learner:
     steps_run: float = 0.0
     steps_lost: float = 0.0
     up_time: float = 0.0
+    base: int = 0  # the merge whose result it trains from: how stale its next push is
+    last_push: float | None = None  # when its last round push reached the syncer
+    push_interval: float | None = None  # between its last two pushes: its cadence, as the shard measures it
 
     def advance(self, t: float) -> None:
         """Brings its progress up to time `t`: steps while it trains, nothing while it waits or is down."""
@@ -511,9 +518,13 @@ class _DilocoRun:
         ]
         self.learner_of = (np.searchsorted(config.learner_bounds(), failures.chips, side="right") - 1).tolist()
         self.pending: set[int] = set()  # learners whose push waits for the next merge
-        self.down = self.m  # learners down (all, until their start-up is over)
         self.timer_at: float | None = None  # when the running grace window ends
-        self.timer_epoch = 0  # invalidates a grace window's MERGE event once it has merged
+        self.timer_epoch = 0  # invalidates a grace window's MERGE event once it has merged or moved
+        self.quorum_since: float | None = None  # when the pending merge reached its quorum
+        self.merged_quorum_since: float | None = None  # the same, for the last merge
+        self.lateness: deque[float] = deque(maxlen=HISTORY)  # how long after a quorum pushes came
+        self.window: float | None = None  # the merge window `lateness` gives (None: not worked out since)
+        self.down = self.m  # learners down (all, until their start-up is over)
         self.merges = self.contributors = 0
         self.struck = self.absorbed = 0
         self.heap: list[tuple[float, _Event, int, int]] = []
@@ -531,7 +542,9 @@ class _DilocoRun:
     def merge(self, t: float) -> None:
         self.merges += 1
         self.contributors += len(self.pending)
+        self.merged_quorum_since, self.quorum_since = self.quorum_since, None
         for i in self.pending:
+            self.learners[i].base = self.merges
             if self.latency > 0:
                 heapq.heappush(self.heap, (t + self.latency, _DELIVER, i, self.learners[i].pushes))
             else:
@@ -541,29 +554,58 @@ class _DilocoRun:
         self.timer_epoch += 1
 
     def maybe_merge(self, t: float) -> None:
-        """Merges once the quorum is in and either every live learner has pushed or the grace is over."""
-        if not self.pending:
+        """Merges once the quorum is in and no live learner that may push before the window closes is still
+        to come, or the window is over; else (re)arms the window's end."""
+        pending = self.pending
+        if not pending:
             return
-        learners = self.learners
+        learners, timeout = self.learners, self.timeout
         # Live: what the syncer counts, which includes a learner down for less than `timeout`.
-        live = (
-            [i for i, lr in enumerate(learners) if lr.status is not _DOWN or t < lr.down_since + self.timeout]
-            if self.timeout > 0
-            else None
-        )
-        alive = self.m - self.down if live is None else len(live)
-        needed = self.quorum if self.synchronous else max(1, min(self.quorum, alive))
-        if len(self.pending) < needed:
-            return
-        if live is None:
-            everyone = sum(1 for i in self.pending if learners[i].status is not _DOWN) == alive
+        if timeout > 0:
+            alive = sum(1 for lr in learners if lr.status is not _DOWN or t < lr.down_since + timeout)
         else:
-            everyone = self.pending.issuperset(live)
-        if self.grace <= 0 or everyone:
-            self.merge(t)
-        elif self.timer_at is None:
-            self.timer_at = t + self.grace
-            heapq.heappush(self.heap, (self.timer_at, _MERGE, -1, self.timer_epoch))
+            alive = self.m - self.down
+        needed = self.quorum if self.synchronous else max(1, min(self.quorum, alive))
+        if len(pending) < needed:
+            self.quorum_since = None
+            self._arm(None)
+            return
+        if self.quorum_since is None:
+            self.quorum_since = t
+        if self.window is None:
+            self.window = grace_window(self.lateness, self.grace)
+        closes = self.quorum_since + self.window
+        if t < closes:
+            for i, lr in enumerate(learners):
+                if (
+                    i not in pending
+                    and (lr.status is not _DOWN or t < lr.down_since + timeout)
+                    and may_push_by(lr.last_push, lr.push_interval, closes)
+                ):
+                    self._arm(closes)
+                    return
+        self.merge(t)
+
+    def _arm(self, closes: float | None) -> None:
+        """The running window now ends at `closes` (None: none runs); a MERGE event of an earlier end is void."""
+        if closes != self.timer_at:
+            self.timer_at = closes
+            self.timer_epoch += 1
+            if closes is not None:
+                heapq.heappush(self.heap, (closes, _MERGE, -1, self.timer_epoch))
+
+    def record_push(self, i: int, t: float) -> None:
+        """What the shard learns from a push: how late it came after its round's quorum (one a merge late
+        counts from that merge's quorum), and the learner's cadence."""
+        learner = self.learners[i]
+        staleness = self.merges - learner.base
+        since = self.quorum_since if staleness == 0 else self.merged_quorum_since if staleness == 1 else None
+        if since is not None:
+            self.lateness.append(t - since)
+            self.window = None
+        if learner.last_push is not None:
+            learner.push_interval = t - learner.last_push
+        learner.last_push = t
 
     # --- a learner's events ---
 
@@ -614,6 +656,7 @@ class _DilocoRun:
 
     def recover(self, i: int, t: float) -> None:
         self.learners[i].restarted(t)
+        self.learners[i].base = self.merges  # it pulled the latest global fragments
         self.down -= 1
         self.schedule(i, t)
 
@@ -622,6 +665,7 @@ class _DilocoRun:
         learner = self.learners[i]
         learner.advance(t)
         learner.phase = 0.0
+        self.record_push(i, t)
         self.pending.add(i)
         learner.awaiting = True
         learner.pushes += 1

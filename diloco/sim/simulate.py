@@ -616,7 +616,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--encoding", default=job.encoding.value, choices=[e.value for e in Encoding], help="of outer gradients")
     add("--top-k-fraction", type=float, default=job.top_k_fraction, help="share of values the sparse encoding sends")
     add("--quorum", type=int, default=job.quorum, help="K: pushes a merge waits for (capped by live islands)")
-    add("--grace-seconds", type=float, default=job.grace_seconds, help="seconds a merge waits for more once K are in")
+    add(
+        "--grace-seconds",
+        type=float,
+        default=job.grace_seconds,
+        help="the most seconds a merge waits for more once K are in (the window adapts to the lateness seen)",
+    )
     add(
         "--speed-aware",
         action=argparse.BooleanOptionalAction,
