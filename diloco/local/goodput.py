@@ -40,7 +40,7 @@ class Losses:
     restarting: float  # from a process's last event to its successor's first step: down after a kill, then starting
     lost_steps: float  # compute of executed steps that did not count (not carried by a merged push; rolled back)
     blocked: float  # within steps, waiting on a sync
-    other: float  # the rest: between steps, and after each slot's last step
+    other: float  # the rest: between steps (held-out evaluations among it), and after each slot's last step
 
     def shares(self, allocated_seconds: float) -> dict[str, float]:
         """Each as a share of the allocated slot-seconds (goodput's denominator)."""
