@@ -518,13 +518,13 @@ class _DilocoRun:
         ]
         self.learner_of = (np.searchsorted(config.learner_bounds(), failures.chips, side="right") - 1).tolist()
         self.pending: set[int] = set()  # learners whose push waits for the next merge
+        self.down = self.m  # learners down (all, until their start-up is over)
         self.timer_at: float | None = None  # when the running grace window ends
         self.timer_epoch = 0  # invalidates a grace window's MERGE event once it has merged or moved
         self.quorum_since: float | None = None  # when the pending merge reached its quorum
         self.merged_quorum_since: float | None = None  # the same, for the last merge
         self.lateness: deque[float] = deque(maxlen=HISTORY)  # how long after a quorum pushes came
         self.window: float | None = None  # the merge window `lateness` gives (None: not worked out since)
-        self.down = self.m  # learners down (all, until their start-up is over)
         self.merges = self.contributors = 0
         self.struck = self.absorbed = 0
         self.heap: list[tuple[float, _Event, int, int]] = []
