@@ -27,10 +27,12 @@ from diloco.core.merge import (
     merge_deltas,
     tokens_are_possible,
 )
-from diloco.core.outer_optimizer import init_momentum, outer_momentum, outer_step
+from diloco.core.outer_optimizer import ROUND_EPSILON, init_momentum, outer_momentum, outer_step
 from diloco.core.refusal import Refusal
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
+READABLE_FORMATS = frozenset({1, CHECKPOINT_FORMAT})
+"""Format 2 added the outer round's progress; a format-1 checkpoint resumes with a round opening."""
 MAX_KNOWN_ISLANDS = 4096
 """Islands a shard remembers, joined or left: 8 times the most a DiLoCoJob admits; keeps Status small."""
 MAX_PENDING_BYTES = 16 * 1024**3
@@ -111,6 +113,8 @@ class ShardFragment:
     merged_keys: set[PushKey] = field(default_factory=set)
     last_push: dict[str, float] = field(default_factory=dict)  # per island, when its last push arrived
     push_interval: dict[str, float] = field(default_factory=dict)  # per island, between its last two pushes
+    round_progress: float = 0.0  # the share of the outer round in progress already merged (outer_step)
+    round_left: set[str] = field(default_factory=set)  # islands that left while the round was in progress
     last_merge_unix: float = 0.0
     last_contributors: int = 0
     max_staleness_seen: int = 0
@@ -190,6 +194,8 @@ class ShardState:
             raise Refused(Refusal.OUT_OF_STEP, "not_joined", f"island {island!r} never joined this shard")
         del self.islands[island]
         self.left.add(island)
+        for frag in self.fragments.values():  # it still counts for the rounds it was part of
+            frag.round_left.add(island)
 
     def live_islands(self, now: float) -> list[str]:
         horizon = now - self.config.island_timeout_seconds
@@ -428,14 +434,16 @@ class ShardState:
         ends = [f.quorum_since + grace for f in self.fragments.values() if f.quorum_since is not None]
         return min(ends, default=None)
 
-    def merge_share(self, contributors: int, now: float) -> float:
-        """The share of the live islands' work a merge of `contributors` islands stands for (the outer
-        step's `share`). When islands drift out of phase (after restarts, or at different speeds) with K
-        below M, each island's delta is merged on its own, so a round of M islands makes M outer steps:
-        taken whole, the outer learning rate and Nesterov momentum act M times per round on deltas up to M
-        merges stale, and the global model diverges. As shares, a round moves the fragment about as far as
-        one merge of all M islands would."""
-        return contributors / max(contributors, len(self.live_islands(now)))
+    def round_members(self, frag: ShardFragment, now: float) -> int:
+        """The islands a round of the fragment is made of: the live ones, and those that left while it was in
+        progress, so that islands finishing one after another do not make the last merges larger shares."""
+        return len(set(self.live_islands(now)) | frag.round_left)
+
+    def merge_share(self, frag: ShardFragment, contributors: int, now: float) -> float:
+        """The share of a round a merge of `contributors` islands stands for (the outer step's `share`): with K
+        below M and islands out of phase, a round of M islands arrives as several merges, and together they
+        must move the fragment, momentum included, as one merge of all M would (`outer_step`)."""
+        return contributors / max(contributors, self.round_members(frag, now))
 
     def merge(self, index: int, now: float) -> MergeRecord:
         """Merges the pending contributions into the fragment with the outer optimizer; bumps its version.
@@ -461,14 +469,16 @@ class ShardState:
         outer = self.config.outer
         values = [v.clone() for v in frag.values]
         momentum = [m.clone() for m in frag.momentum]
-        outer_step(
+        share = self.merge_share(frag, len(pending), now)
+        progress = outer_step(
             values,
             momentum,
             outer_grad,
             lr=outer.lr,
             momentum_coef=outer_momentum(self.config),
             nesterov=outer.nesterov,
-            share=self.merge_share(len(pending), now),
+            share=share,
+            round_progress=frag.round_progress,
         )
         frag.pending.clear()
         frag.merged_quorum_since, frag.quorum_since = frag.quorum_since, None
@@ -476,6 +486,9 @@ class ShardState:
         dropped = None if all_finite(values) and all_finite(momentum) else "non_finite"
         if dropped is None:
             frag.values, frag.momentum = values, momentum
+            if frag.round_progress + share >= 1 - ROUND_EPSILON:  # a round completed: the next is of those live
+                frag.round_left.clear()
+            frag.round_progress = progress
             frag.version += 1
             frag.merged_keys |= {p.key for p in pending}
             oldest_useful = frag.version - self.config.max_staleness
@@ -523,8 +536,8 @@ class ShardState:
         """Resumes a shard. After an unclean stop the versions it served may be ahead of the checkpoint, so
         it takes a new incarnation: islands holding such versions are told to pull again. When each island
         was last heard from survives either way, so the quorum cap does not fall to one after a restart."""
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"checkpoint format {state.get('format')} is not {CHECKPOINT_FORMAT}")
+        if state.get("format") not in READABLE_FORMATS:
+            raise ValueError(f"checkpoint format {state.get('format')} is not one of {sorted(READABLE_FORMATS)}")
         saved = (state["shard_index"], state["num_shards"], state["num_fragments"])
         wanted = (shard_index, num_shards, config.fragments)
         if saved != wanted:
@@ -558,6 +571,8 @@ def _saved_fragment(frag: ShardFragment) -> dict[str, Any]:
             for p in frag.pending.values()
         ],
         "merged_keys": [[k.island, k.incarnation, k.base_version, k.sequence] for k in frag.merged_keys],
+        "round_progress": frag.round_progress,
+        "round_left": sorted(frag.round_left),
         "last_merge_unix": frag.last_merge_unix,
         "last_contributors": frag.last_contributors,
         "max_staleness_seen": frag.max_staleness_seen,
@@ -577,6 +592,8 @@ def _restore_fragment(frag: ShardFragment, saved: dict[str, Any], keep_pushes: b
             key = PushKey(*p["key"])
             frag.pending[key.island] = Pending(key, list(p["delta"]), p["tokens"], p["inner_steps"])
         frag.merged_keys = {PushKey(*k) for k in saved["merged_keys"]}
+    frag.round_progress = saved.get("round_progress", 0.0)  # format 1 had no rounds: each merge was its own
+    frag.round_left = set(saved.get("round_left", ()))
     frag.last_merge_unix = saved["last_merge_unix"]
     frag.last_contributors = saved["last_contributors"]
     frag.max_staleness_seen = saved["max_staleness_seen"]

@@ -2,8 +2,19 @@
 
 Syncer shards apply it per fragment, to tensors they hold without any nn.Module, optimizer object or autograd
 state, and checkpoint the momentum buffers themselves; a function over explicit parameter and momentum lists
-keeps that state visible. It matches torch.optim.SGD(momentum=mu, nesterov=..., dampening=0) exactly: a
-zero-initialised buffer gives mu·0 + g = g on the first step, which is torch's buf = g.
+keeps that state visible. A full step matches torch.optim.SGD(momentum=mu, nesterov=..., dampening=0)
+exactly: a zero-initialised buffer gives mu·0 + g = g on the first step, which is torch's buf = g.
+
+A decoupled shard rarely takes a full step: it merges whichever islands have pushed, so one round of M islands
+may arrive as M merges of one island each. Each merge is a *share* of a round, and momentum advances once per
+round of shares, not once per merge (as Delayed Nesterov does in Async Local-SGD, Liu et al. 2024). One
+Nesterov step, θ ← θ − lr·((1+μ)·g + μ²·buf) with buf ← μ·buf + g, splits into a part that depends only on
+the momentum of earlier rounds (μ²·buf) and a part linear in this round's gradient ((1+μ)·g). The momentum part
+is taken when a round opens; each merge then adds its share s of the gradient part, s·(1+μ)·g to the step and
+s·g to the buffer. However the round's deltas happen to be grouped in time, the fragment and its momentum end
+the round exactly where one merge of all of them would have put them. Scaling each merge's step by its share
+instead (and decaying momentum by μ^share), as shards did before, only matched a full step once momentum had
+settled: stale one-island merges each carried momentum forward, and the global model fell behind its islands.
 """
 
 from __future__ import annotations
@@ -14,6 +25,9 @@ import torch
 from torch import Tensor
 
 from diloco.core.config import Encoding, TrainingConfig
+
+ROUND_EPSILON = 1e-9
+"""Shares of a round add up in floating point (three thirds are 0.999…): this close to 1, a round is complete."""
 
 
 def outer_momentum(config: TrainingConfig) -> float:
@@ -42,14 +56,15 @@ def outer_step(
     momentum_coef: float,
     nesterov: bool = True,
     share: float = 1.0,
-) -> None:
-    """Apply one outer step in place: buf ← μ·buf + g; θ ← θ − lr·(g + μ·buf if nesterov else buf).
+    round_progress: float = 0.0,
+) -> float:
+    """Apply `share` of a round's outer step in place, `round_progress` of the round being already applied;
+    returns the round's progress after it (0 once the round is complete).
 
-    `share` in (0, 1] is the part of a full round (every live island's delta) this step stands for. A
-    partial step is the full one spread out in time: g is scaled by it, so is momentum's push, and momentum
-    decays by μ**share, so that M steps of share 1/M act like one full step: buf ← μ^s·buf + s·g;
-    θ ← θ − lr·(s·g + s·μ·buf). Without that, islands merged one at a time (K = 1, out of phase) take M
-    full-momentum outer steps per round with delayed deltas, and the global model diverges."""
+    Opening a round (progress 0): buf ← μ·buf, θ ← θ − lr·μ·buf (Nesterov; heavy ball: θ ← θ − lr·buf).
+    Then for the share s: buf ← buf + s·g, θ ← θ − lr·(1+μ)·s·g (heavy ball: lr·s·g). A share that runs past
+    the end of the round completes it and opens the next with the rest. With share 1 from progress 0 this is
+    one full step of torch's SGD."""
     if not len(params) == len(momentum) == len(outer_grad):
         raise ValueError(
             f"got {len(params)} params, {len(momentum)} momentum buffers and {len(outer_grad)} outer gradients"
@@ -60,18 +75,29 @@ def outer_step(
         raise ValueError(f"momentum_coef must be in [0, 1), got {momentum_coef}")
     if not 0 < share <= 1:
         raise ValueError(f"share must be in (0, 1], got {share}")
+    if not 0 <= round_progress < 1:
+        raise ValueError(f"round_progress must be in [0, 1), got {round_progress}")
     for i, (param, buf, grad) in enumerate(zip(params, momentum, outer_grad)):
         if not param.shape == buf.shape == grad.shape:
             raise ValueError(
                 f"tensor {i}: param {tuple(param.shape)}, momentum {tuple(buf.shape)} and outer gradient "
                 f"{tuple(grad.shape)} differ in shape"
             )
+    look_ahead = momentum_coef if nesterov else 1.0
+    gradient_gain = 1 + momentum_coef if nesterov else 1.0
+    remaining, progress = share, round_progress
     with torch.no_grad():
-        for param, buf, grad in zip(params, momentum, outer_grad):
-            scaled = grad if share == 1 else grad * share
-            buf.mul_(momentum_coef**share).add_(scaled)
-            if nesterov:
-                step = torch.add(scaled, buf, alpha=momentum_coef * share)
-            else:
-                step = buf if share == 1 else buf * share
-            param.add_(step, alpha=-lr)
+        while remaining > ROUND_EPSILON:
+            if progress == 0:
+                for param, buf in zip(params, momentum):
+                    buf.mul_(momentum_coef)
+                    param.add_(buf, alpha=-lr * look_ahead)
+            taken = min(remaining, 1 - progress)
+            for param, buf, grad in zip(params, momentum, outer_grad):
+                buf.add_(grad, alpha=taken)
+                param.add_(grad, alpha=-lr * gradient_gain * taken)
+            remaining -= taken
+            progress += taken
+            if progress >= 1 - ROUND_EPSILON:
+                progress = 0.0
+    return progress

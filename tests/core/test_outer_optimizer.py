@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from diloco.core.config import Encoding, TrainingConfig
 from diloco.core.outer_optimizer import init_momentum, outer_momentum, outer_step
@@ -50,10 +52,10 @@ def test_matches_torch_sgd_over_ten_steps(nesterov):
         for p, g in zip(theirs, grads):
             p.grad = g.clone()
         sgd.step()
-        for a, b in zip(ours, theirs):
-            assert torch.equal(a, b.detach())
+        for a, b in zip(ours, theirs):  # the same step, its terms added in another order
+            torch.testing.assert_close(a, b.detach(), rtol=1e-6, atol=1e-6)
         for buf, p in zip(momentum, theirs):
-            assert torch.equal(buf, sgd.state[p]["momentum_buffer"])
+            torch.testing.assert_close(buf, sgd.state[p]["momentum_buffer"], rtol=1e-6, atol=1e-6)
 
 
 def test_grad_is_not_modified_and_params_requiring_grad_are_fine():
@@ -87,31 +89,80 @@ def test_errors_leave_state_untouched():
         outer_step(params, momentum, [torch.ones(2), torch.ones(3)], lr=0.7, momentum_coef=1.0)
 
 
-def test_hand_computed_partial_step():
-    # share 0.5: buf <- 0.9**0.5 * 0 + 0.5 * 0.2 = 0.1; step = 0.1 + 0.5 * 0.9 * 0.1 = 0.145; theta = 1 - 0.7 * 0.145
-    params, momentum = [torch.tensor([1.0], dtype=torch.float64)], [torch.zeros(1, dtype=torch.float64)]
-    outer_step(params, momentum, [torch.tensor([0.2], dtype=torch.float64)], lr=0.7, momentum_coef=0.9, share=0.5)
-    assert momentum[0].item() == pytest.approx(0.1, abs=1e-12)
-    assert params[0].item() == pytest.approx(1.0 - 0.7 * 0.145, abs=1e-12)
+def test_hand_computed_partial_steps_of_one_round():
+    # buf 0.5 from earlier rounds, lr 0.7, mu 0.9. The round opens: buf <- 0.45; theta <- 1 - 0.7 * 0.9 * 0.45
+    # = 0.7165. Share 0.5 of g = 0.2: buf <- 0.45 + 0.1 = 0.55; theta <- 0.7165 - 0.7 * 1.9 * 0.1 = 0.5835.
+    # The other half, g = 0.4: buf <- 0.55 + 0.2 = 0.75; theta <- 0.5835 - 0.7 * 1.9 * 0.2 = 0.3175; complete.
+    params, momentum = [torch.tensor([1.0], dtype=torch.float64)], [torch.tensor([0.5], dtype=torch.float64)]
+    progress = outer_step(params, momentum, [torch.tensor([0.2], dtype=torch.float64)], **OUTER, share=0.5)
+    assert (progress, momentum[0].item(), params[0].item()) == pytest.approx((0.5, 0.55, 0.5835), abs=1e-12)
+    progress = outer_step(
+        params, momentum, [torch.tensor([0.4], dtype=torch.float64)], **OUTER, share=0.5, round_progress=progress
+    )
+    assert (progress, momentum[0].item(), params[0].item()) == pytest.approx((0.0, 0.75, 0.3175), abs=1e-12)
 
 
-@pytest.mark.parametrize("islands", [2, 4, 8])
-def test_partial_steps_of_a_round_move_as_far_as_one_full_step(islands):
-    """M merges of one island each (share 1/M) against one merge of all M, under the same steady outer
-    gradient: once momentum has settled, a round moves the parameters equally far either way."""
-    full, partial = [torch.zeros(1, dtype=torch.float64)], [torch.zeros(1, dtype=torch.float64)]
-    full_buf, partial_buf = init_momentum(full), init_momentum(partial)
-    grad = [torch.ones(1, dtype=torch.float64)]
-    for _ in range(200):
-        outer_step(full, full_buf, grad, lr=0.7, momentum_coef=0.9)
-        for _ in range(islands):
-            outer_step(partial, partial_buf, grad, lr=0.7, momentum_coef=0.9, share=1 / islands)
-    before = (full[0].item(), partial[0].item())
-    outer_step(full, full_buf, grad, lr=0.7, momentum_coef=0.9)
-    for _ in range(islands):
-        outer_step(partial, partial_buf, grad, lr=0.7, momentum_coef=0.9, share=1 / islands)
-    full_round, partial_round = full[0].item() - before[0], partial[0].item() - before[1]
-    assert partial_round == pytest.approx(full_round, rel=0.05)
+OUTER = {"lr": 0.7, "momentum_coef": 0.9}
+
+
+def synchronous_rounds(rounds: list[list[torch.Tensor]], nesterov: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: one full outer step per round, of the mean of that round's deltas."""
+    params, momentum = [torch.zeros(6, dtype=torch.float64)], [torch.zeros(6, dtype=torch.float64)]
+    for deltas in rounds:
+        outer_step(params, momentum, [torch.stack(deltas).mean(0)], **OUTER, nesterov=nesterov)
+    return params[0], momentum[0]
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@given(
+    groupings=st.lists(st.lists(st.integers(1, 4), min_size=1, max_size=4), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_however_a_round_is_grouped_into_merges_it_moves_the_fragment_as_one_merge_of_it(groupings, seed, nesterov):
+    """M islands per round, merged in groups of any sizes (a merge of k of them is a share k/M): the fragment
+    and its momentum end every round exactly where one synchronous merge of the round's deltas puts them."""
+    gen = torch.Generator().manual_seed(seed)
+    rounds, merges = [], []
+    for sizes in groupings:
+        deltas = [torch.randn(6, generator=gen, dtype=torch.float64) for _ in range(sum(sizes))]
+        rounds.append(deltas)
+        at = 0
+        for k in sizes:
+            merges.append((torch.stack(deltas[at : at + k]).mean(0), k / len(deltas)))
+            at += k
+    params, momentum = [torch.zeros(6, dtype=torch.float64)], [torch.zeros(6, dtype=torch.float64)]
+    progress = 0.0
+    for grad, share in merges:
+        progress = outer_step(
+            params, momentum, [grad], **OUTER, nesterov=nesterov, share=share, round_progress=progress
+        )
+    want_params, want_momentum = synchronous_rounds(rounds, nesterov)
+    assert progress == 0.0
+    torch.testing.assert_close(params[0], want_params, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(momentum[0], want_momentum, rtol=1e-9, atol=1e-9)
+
+
+def test_a_share_past_the_end_of_a_round_opens_the_next_with_the_rest():
+    # Three merges of half a round each: the second completes round one and is the first half of nothing
+    # more; the third opens round two. As two rounds of one island's delta g each, split in halves.
+    g = [torch.tensor([1.0], dtype=torch.float64)]
+    split, whole = [torch.zeros(1, dtype=torch.float64)], [torch.zeros(1, dtype=torch.float64)]
+    split_buf, whole_buf = init_momentum(split), init_momentum(whole)
+    progress = outer_step(split, split_buf, g, **OUTER, share=0.75)
+    progress = outer_step(split, split_buf, g, **OUTER, share=0.75, round_progress=progress)
+    assert progress == pytest.approx(0.5)
+    progress = outer_step(split, split_buf, g, **OUTER, share=0.5, round_progress=progress)
+    assert progress == 0.0
+    for _ in range(2):
+        outer_step(whole, whole_buf, g, **OUTER)
+    torch.testing.assert_close(split, whole)
+    torch.testing.assert_close(split_buf, whole_buf)
+
+
+@pytest.mark.parametrize("progress", [-0.1, 1.0])
+def test_round_progress_outside_0_1_is_refused(progress):
+    with pytest.raises(ValueError, match="round_progress"):
+        outer_step([torch.zeros(1)], [torch.zeros(1)], [torch.ones(1)], **OUTER, round_progress=progress)
 
 
 @pytest.mark.parametrize("share", [0.0, -0.5, 1.5])

@@ -69,24 +69,41 @@ def random_values(seed: int, scale: float = 1.0) -> list[tuple[str, torch.Tensor
 
 
 class ReferenceFragment:
-    """The outer optimizer written out by hand (Nesterov SGD, zero initial momentum), independent of the
-    code under test: θ ← θ − lr·(g + μ·buf) after buf ← μ·buf + g, g the token-weighted mean of the deltas.
-    A merge of k of the `live` islands is a share s = k/live of a round: buf ← μ^s·buf + s·g and
-    θ ← θ − lr·(s·g + s·μ·buf)."""
+    """The outer optimizer written out by hand, independent of the code under test: per round of shares, the
+    fragment sits at θ_0 − lr·(μ²·buf_0 + (1+μ)·G), where θ_0 and buf_0 are where the round opened and G is the
+    sum of share × g over the round's merges (g the token-weighted mean of a merge's deltas, share = k of the
+    `live` islands); once the shares make a whole round, buf ← μ·buf_0 + G and the next round opens there.
+    With whole rounds it is Nesterov SGD: buf ← μ·buf + g, θ ← θ − lr·(g + μ·buf)."""
 
     def __init__(self, config: TrainingConfig, values: list[tuple[str, torch.Tensor]]) -> None:
         self.lr = config.outer.lr
         self.mu = config.outer.momentum
-        self.theta = [v.clone().double() for _, v in values]
-        self.buf = [torch.zeros_like(t) for t in self.theta]
+        self.opened = [v.clone().double() for _, v in values]  # θ_0
+        self.buf = [torch.zeros_like(t) for t in self.opened]  # buf_0
+        self.grad = [torch.zeros_like(t) for t in self.opened]  # G
+        self.progress = 0.0
+        self.theta = [t.clone() for t in self.opened]
 
     def merge(self, contributions: list[tuple[list[tuple[str, torch.Tensor]], int]], live: int | None = None) -> None:
         total = sum(tokens for _, tokens in contributions)
         share = len(contributions) / (live or len(contributions))
-        for j in range(len(self.theta)):
-            g = sum(delta[j][1].double() * tokens for delta, tokens in contributions) / total
-            self.buf[j] = self.mu**share * self.buf[j] + share * g
-            self.theta[j] = self.theta[j] - self.lr * (share * g + share * self.mu * self.buf[j])
+        g = [
+            sum(delta[j][1].double() * tokens for delta, tokens in contributions) / total for j in range(len(self.buf))
+        ]
+        while share > 1e-12:
+            taken = min(share, 1 - self.progress)
+            self.grad = [acc + taken * gj for acc, gj in zip(self.grad, g)]
+            self.progress += taken
+            share -= taken
+            mu, lr = self.mu, self.lr
+            self.theta = [
+                t0 - lr * (mu * mu * b + (1 + mu) * acc) for t0, b, acc in zip(self.opened, self.buf, self.grad)
+            ]
+            if self.progress >= 1 - 1e-9:
+                self.buf = [mu * b + acc for b, acc in zip(self.buf, self.grad)]
+                self.opened = [t.clone() for t in self.theta]
+                self.grad = [torch.zeros_like(t) for t in self.theta]
+                self.progress = 0.0
 
     def assert_matches(self, pulled: list[tuple[str, torch.Tensor]], atol: float = 1e-5) -> None:
         assert [name for name, _ in pulled] == list(SHAPES)

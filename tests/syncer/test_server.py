@@ -129,9 +129,10 @@ class TestQuorumAndGrace:
         version, values = islands["c"].pull(0)
         assert version.version == 1
         reference.assert_matches(values)
-        # By hand for one element, the formula of the brief with the share s = 2/3: seed − lr·s·(g + μ·s·g).
+        # By hand for one element: the first round opens with no momentum and takes its share s = 2/3 of the
+        # gradient part of a Nesterov step, seed − lr·(1 + μ)·s·g.
         g, s = (da[0][1][0, 0] * 100 + db_decoded[0][1][0, 0] * 300) / 400, 2 / 3
-        expected = seeded[0][0][1][0, 0] - config.outer.lr * s * (g + config.outer.momentum * s * g)
+        expected = seeded[0][0][1][0, 0] - config.outer.lr * (1 + config.outer.momentum) * s * g
         assert values[0][1][0, 0].item() == pytest.approx(expected.item(), abs=1e-5)
 
         untouched = islands["c"].pull(1)

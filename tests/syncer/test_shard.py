@@ -327,9 +327,10 @@ class TestStalenessAndIdempotency:
         lr, mu = shard.config.outer.lr, shard.config.outer.momentum
         after_first = outer_lr_first_step(1.0, shard.config)
         grad = (4.0 * 100 * 0.5 + 1.0 * 100) / (100 * 0.5 + 100)
-        share = 2 / 3  # island a is live and not in this merge: it stands for two thirds of a round
-        momentum = mu**share * 1.0 + share * grad
-        expected = after_first - lr * (share * grad + share * mu * momentum)
+        # The first merge, a's alone before b and c joined, was a whole round (momentum 1.0 after it). This one
+        # opens the next, of a, b and c, with its momentum part, μ·(μ·1.0), and takes 2/3 of its gradient part.
+        share = 2 / 3
+        expected = after_first - lr * mu * mu * 1.0 - lr * (1 + mu) * share * grad
         assert torch.allclose(shard.fragments[0].values[0], torch.full((2,), expected))
 
     def test_base_ahead_or_from_another_incarnation_asks_for_a_pull(self):
@@ -533,9 +534,74 @@ class TestIslandsOutOfPhase:
         shard = make_shard(quorum=1, grace_seconds=0.0)
         for island in "abcd":
             shard.join(island, 0.0)
-        assert shard.merge_share(1, 1.0) == 0.25
-        assert shard.merge_share(4, 1.0) == 1.0
-        assert shard.merge_share(1, 1.0 + shard.config.island_timeout_seconds + 1) == 1.0, "dead islands count not"
+        frag = shard.fragments[0]
+        assert shard.merge_share(frag, 1, 1.0) == 0.25
+        assert shard.merge_share(frag, 4, 1.0) == 1.0
+        later = 1.0 + shard.config.island_timeout_seconds + 1
+        assert shard.merge_share(frag, 1, later) == 1.0, "dead islands count not"
+
+
+class TestRoundsOfShares:
+    """However a round's pushes are grouped in time, the fragment moves as one merge of all of them would:
+    against a shard that merges every round's deltas together (the synchronous reference)."""
+
+    ISLANDS = "abcd"
+
+    def run(self, groups_per_round: list[list[str]], leave_after: dict[str, int] | None = None) -> ShardState:
+        """Rounds of one delta per island, each island's delta the same on both shards; `groups_per_round`
+        says which islands each merge of a round holds, `leave_after` the merge after which an island leaves."""
+        shard = make_shard(quorum=1, grace_seconds=0.0, island_timeout_seconds=1e9)
+        for island in self.ISLANDS:
+            shard.join(island, 0.0)
+        gen = torch.Generator().manual_seed(3)
+        merges = 0
+        for r, groups in enumerate(groups_per_round):
+            deltas = {i: float(torch.randn(1, generator=gen)) for i in self.ISLANDS}
+            for group in groups:
+                for island in group:
+                    push(shard, island, float(r), seq=r, delta=deltas[island])
+                shard.merge(0, float(r))
+                merges += 1
+                for island, after in (leave_after or {}).items():
+                    if after == merges:
+                        shard.leave(island)
+        return shard
+
+    def assert_same(self, shard: ShardState, reference: ShardState) -> None:
+        frag, want = shard.fragments[0], reference.fragments[0]
+        for got, expected in zip([*frag.values, *frag.momentum], [*want.values, *want.momentum]):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+    def test_islands_merged_one_at_a_time_move_the_fragment_as_merges_of_all(self):
+        rounds = 5
+        together = self.run([[self.ISLANDS]] * rounds)
+        apart = self.run([[*self.ISLANDS]] * rounds)
+        paired = self.run([["ab", "cd"], ["a", "bcd"], ["abc", "d"], ["d", "c", "ba"], ["abcd"]])
+        assert together.fragments[0].version == rounds and apart.fragments[0].version == 4 * rounds
+        self.assert_same(apart, together)
+        self.assert_same(paired, together)
+        assert apart.fragments[0].round_progress == 0.0
+
+    def test_islands_that_finish_one_after_another_do_not_enlarge_the_last_merges(self):
+        # The last round: each island's last push merged alone, and the island leaves after it, as at the end
+        # of a job. Those merges are still quarters of the round that they end.
+        last = {island: 4 + n for n, island in enumerate(self.ISLANDS, start=1)}
+        finishing = self.run([[self.ISLANDS]] * 4 + [[*self.ISLANDS]], leave_after=last)
+        together = self.run([[self.ISLANDS]] * 5)
+        self.assert_same(finishing, together)
+        assert finishing.fragments[0].round_left == {"d"}, "a, b and c counted for the round that ended; d left after"
+
+    def test_a_round_in_progress_survives_a_restart(self):
+        shard = make_shard(quorum=1, grace_seconds=0.0)
+        for island in "abcd":
+            shard.join(island, 0.0)
+        push(shard, "a", 0.0)
+        shard.merge(0, 0.0)
+        shard.leave("b")
+        saved = shard.to_state_dict(clean=True)
+        resumed = ShardState.from_state_dict(shard.config, 0, 1, saved, new_incarnation=INCARNATION + 1)
+        assert resumed.fragments[0].round_progress == shard.fragments[0].round_progress == 0.25
+        assert resumed.fragments[0].round_left == {"b"}
 
 
 class TestMergeBounds:
@@ -607,7 +673,7 @@ class TestIslandIds:
         shard.touch("stranger", 1.0)
         push(shard, "stranger", 1.0)  # a valid push still counts as a contribution
         assert shard.live_islands(1.0) == ["a"]
-        assert shard.merge_share(1, 1.0) == 1 / 1, "the stranger dilutes no merge"
+        assert shard.merge_share(shard.fragments[0], 1, 1.0) == 1 / 1, "the stranger dilutes no merge"
 
     def test_only_an_island_that_joined_can_leave_and_a_retried_leave_is_answered(self):
         shard = make_shard()
