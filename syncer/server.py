@@ -374,13 +374,19 @@ class SyncerServer:
             return accepted, self.version(self.state.fragments[index].version)
 
     def admit_push(
-        self, key: PushKey, fragment: int, specs: Sequence[TensorSpec], tokens: int, inner_steps: int
+        self,
+        key: PushKey,
+        fragment: int,
+        specs: Sequence[TensorSpec],
+        tokens: int,
+        inner_steps: int,
+        slack_seconds: float | None = None,
     ) -> tuple[PushResult | None, int]:
         """Checks a push header before its data is read: a duplicate's result (None to read on) and the most
         bytes the data may take. A duplicate is answered, so it refreshes the island; a push to read on does
         when it is taken."""
         with self._cond:
-            early = self.state.check_push(key, fragment, specs, tokens, inner_steps)
+            early = self.state.check_push(key, fragment, specs, tokens, inner_steps, slack_seconds)
             if early is not None:
                 self.state.touch(key.island, self.clock())
             return early, self.state.fragments[fragment].nbytes
@@ -394,10 +400,13 @@ class SyncerServer:
         tokens: int,
         inner_steps: int,
         step_seconds: float,
+        slack_seconds: float | None = None,
     ) -> PushResult:
         """Takes a decoded push and wakes the merge thread, which may find the fragment due now."""
         with self._cond:
-            result = self.state.submit(key, fragment, specs, delta, tokens, inner_steps, self.clock(), step_seconds)
+            result = self.state.submit(
+                key, fragment, specs, delta, tokens, inner_steps, self.clock(), step_seconds, slack_seconds
+            )
             self._dirty |= not result.duplicate
             self._cond.notify_all()
             return result
@@ -420,14 +429,14 @@ class SyncerServer:
             if (request.have.incarnation, request.have.version) == (self.state.incarnation, frag.version):
                 return None
             if delta_encoding is not None and (held := self._held_reference(request)) is not None:
-                version = frag.version
+                version, merged_arrival = frag.version, frag.merged_arrival
                 differences = [torch.sub(v, h) for v, h in zip(frag.values, held.values)]
             else:
                 _, messages, nbytes = self._pull_reply(request.fragment_id, encoding)
                 if delta_encoding is not None and request.island_id and encoding is Encoding.FP32:
                     self._record_full(request.island_id, request.fragment_id)
                 return ServedPull(messages, nbytes, delta=False)
-        return self._delta_reply(request, held, differences, version, delta_encoding)
+        return self._delta_reply(request, held, differences, version, merged_arrival, delta_encoding)
 
     def leave(self, island: str) -> None:
         """The island has finished: it no longer caps the quorum, so a merge that waited only for it is due,
@@ -482,7 +491,9 @@ class SyncerServer:
             for payload, spec in zip(payloads, frag.specs):
                 payload.dtype = spec.dtype
             version = _version(self.state.incarnation, frag.version)
-            messages = list(wire.fragment_messages(index, version, payloads, blobs))
+            messages = list(
+                wire.fragment_messages(index, version, payloads, blobs, merged_arrival_seconds=frag.merged_arrival)
+            )
             cached = (frag.version, messages, sum(len(b) for b in blobs))
             self._replies[(index, encoding)] = cached
         return cached
@@ -521,6 +532,7 @@ class SyncerServer:
         held: Reference,
         differences: list[torch.Tensor],
         version: int,
+        merged_arrival: float,
         encoding: Encoding,
     ) -> ServedPull:
         """The difference from `held` to the values of `version` in `encoding`; records what the island will
@@ -536,7 +548,12 @@ class SyncerServer:
         with self._cond:
             self._references.record(request.island_id, request.fragment_id, ref)
         messages = wire.fragment_messages(
-            request.fragment_id, _version(ref.incarnation, version), payloads, blobs, delta_base=request.held.version
+            request.fragment_id,
+            _version(ref.incarnation, version),
+            payloads,
+            blobs,
+            delta_base=request.held.version,
+            merged_arrival_seconds=merged_arrival,
         )
         return ServedPull(list(messages), sum(len(b) for b in blobs), delta=True)
 
@@ -731,13 +748,14 @@ class _Servicer:
                 h = _first_header(parts, pb.PushHeader)
                 key = PushKey(h.island_id, h.base.incarnation, h.base.version, h.sequence)
                 specs = _specs(h.tensors)
-                early, limit = s.admit_push(key, h.fragment_id, specs, h.tokens, h.inner_steps)
+                slack = h.slack_seconds if h.HasField("slack_seconds") else None
+                early, limit = s.admit_push(key, h.fragment_id, specs, h.tokens, h.inner_steps, slack)
                 if early is None:
                     watched.expect(min(_declared_bytes(h.tensors), limit))
                     _, tensors = wire.read_push_stream(itertools.chain([h], parts), max_total_bytes=limit)
             if early is None:
                 delta = [t for _, t in tensors]
-                result = s.submit_push(key, h.fragment_id, specs, delta, h.tokens, h.inner_steps, h.step_seconds)
+                result = s.submit_push(key, h.fragment_id, specs, delta, h.tokens, h.inner_steps, h.step_seconds, slack)
                 s.metrics.bytes_in.inc(sum(p.byte_length for p, _ in tensors))
             else:
                 result = early
@@ -753,6 +771,8 @@ class _Servicer:
             current=s.version(result.version),
             staleness=result.staleness,
             cadence_step_seconds=s.cadence_step_seconds(),
+            arrival_seconds=result.arrived,
+            merged_arrival_seconds=result.merged_arrival,
         )
 
     def Pull(self, request: pb.PullRequest | wire.Undecodable, context: grpc.ServicerContext) -> Iterator[bytes]:

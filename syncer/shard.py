@@ -8,6 +8,8 @@ metrics label; a refused call never changes the state.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ import torch
 
 from diloco.core.config import TrainingConfig
 from diloco.core.fragments import owned_fragments
-from diloco.core.grace import HISTORY, grace_window, may_push_by
+from diloco.core.grace import HISTORY, grace_window, merge_closes
 from diloco.core.island_id import check_island_id
 from diloco.core.merge import (
     MAX_TOKENS_PER_INNER_STEP,
@@ -72,6 +74,9 @@ class Pending:
     delta: list[torch.Tensor]
     tokens: int
     inner_steps: int
+    arrived: float = 0.0  # the shard's clock when it was taken
+    on_time: bool = True  # based on the version then current: pushed in the round it was trained for
+    slack: float | None = None  # seconds after the push the island mixes the merge in (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,8 @@ class PushResult:
     duplicate: bool
     version: int
     staleness: int
+    arrived: float = 0.0  # the shard's clock when the push was taken (0 for a duplicate)
+    merged_arrival: float = 0.0  # the median arrival of the merge that made `version` (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -111,10 +118,9 @@ class ShardFragment:
     quorum_since: float | None = None
     merged_quorum_since: float | None = None  # when the last merge's quorum was reached
     merged_keys: set[PushKey] = field(default_factory=set)
-    last_push: dict[str, float] = field(default_factory=dict)  # per island, when its last push arrived
-    push_interval: dict[str, float] = field(default_factory=dict)  # per island, between its last two pushes
     round_progress: float = 0.0  # the share of the outer round in progress already merged (outer_step)
     round_left: set[str] = field(default_factory=set)  # islands that left while the round was in progress
+    merged_arrival: float = 0.0  # the median arrival of the on-time pushes the current version merged
     last_merge_unix: float = 0.0
     last_contributors: int = 0
     max_staleness_seen: int = 0
@@ -252,10 +258,20 @@ class ShardState:
     # Pushes
 
     def check_push(
-        self, key: PushKey, fragment: int, specs: Sequence[TensorSpec], tokens: int, inner_steps: int
+        self,
+        key: PushKey,
+        fragment: int,
+        specs: Sequence[TensorSpec],
+        tokens: int,
+        inner_steps: int,
+        slack_seconds: float | None = None,
     ) -> PushResult | None:
         """Validates a push header before its data is read: a duplicate's result, None to go on, or Refused."""
         self.check_island(key.island)
+        if slack_seconds is not None and not (math.isfinite(slack_seconds) and slack_seconds >= 0):
+            raise Refused(
+                Refusal.INVALID, "slack", f"slack seconds must be finite and non-negative, got {slack_seconds}"
+            )
         frag = self.seeded_fragment(fragment)
         if key in frag.merged_keys or (key.island in frag.pending and frag.pending[key.island].key == key):
             return PushResult(duplicate=True, version=frag.version, staleness=0)
@@ -282,14 +298,16 @@ class ShardState:
         inner_steps: int,
         now: float,
         step_seconds: float = 0.0,
+        slack_seconds: float | None = None,
     ) -> PushResult:
         """Takes a decoded delta as the island's pending contribution to the fragment's next merge.
 
         An island has at most one pending contribution per fragment: its deltas are cumulative against its
         base, so a newer push replaces an older one, and a late retry of an older push changes nothing.
-        `step_seconds` is the island's measured seconds per inner step (0: not measured).
+        `step_seconds` is the island's measured seconds per inner step, `slack_seconds` how long after the
+        push it mixes the merge in (0 and None: not measured).
         """
-        duplicate = self.check_push(key, fragment, specs, tokens, inner_steps)
+        duplicate = self.check_push(key, fragment, specs, tokens, inner_steps, slack_seconds)
         if duplicate is not None:
             return duplicate
         frag = self.fragments[fragment]
@@ -301,16 +319,15 @@ class ShardState:
         ):
             return PushResult(duplicate=True, version=frag.version, staleness=staleness)
         self._record_lateness(frag, staleness, now)
-        if key.island in self.islands:  # joined: bounded by MAX_KNOWN_ISLANDS; an invented id is never awaited
-            if key.island in frag.last_push:
-                frag.push_interval[key.island] = now - frag.last_push[key.island]
-            frag.last_push[key.island] = now
-        frag.pending[key.island] = Pending(key, [d.to(torch.float32) for d in delta], tokens, inner_steps)
+        delta32 = [d.to(torch.float32) for d in delta]
+        frag.pending[key.island] = Pending(key, delta32, tokens, inner_steps, now, staleness == 0, slack_seconds)
         frag.max_staleness_seen = max(frag.max_staleness_seen, staleness)
         self.touch(key.island, now)
         if step_seconds > 0 and key.island in self.islands:
             self.step_seconds[key.island] = step_seconds
-        return PushResult(duplicate=False, version=frag.version, staleness=staleness)
+        return PushResult(
+            duplicate=False, version=frag.version, staleness=staleness, arrived=now, merged_arrival=frag.merged_arrival
+        )
 
     def _record_lateness(self, frag: ShardFragment, staleness: int, now: float) -> None:
         """How long after its round's quorum a contribution arrived. One based on the version before the last
@@ -405,9 +422,9 @@ class ShardState:
     # Merges
 
     def poll(self, now: float) -> list[int]:
-        """Fragments due for a merge: quorum reached and either every live island that may push before the
-        grace window closes has reported, or the window is over. With nobody live that is vacuous only once every
-        island has left: one that timed out may yet come back within the window."""
+        """Fragments due for a merge: quorum reached and either every live island has reported, or the merge
+        window is over (`closes`). With nobody live that is vacuous only once every island has left: one that
+        timed out may yet come back within the window."""
         live = set(self.live_islands(now))
         everyone_left = bool(self.left) and not self.islands
         quorum = self.effective_quorum(now)
@@ -418,21 +435,22 @@ class ShardState:
                 continue
             if frag.quorum_since is None:
                 frag.quorum_since = now
-            closes = frag.quorum_since + self.grace_seconds()
-            awaited = [
-                island
-                for island in live - frag.pending.keys()
-                if may_push_by(frag.last_push.get(island), frag.push_interval.get(island), closes)
-            ]
-            if (not awaited and (live or everyone_left)) or now >= closes:
+            awaited = live - frag.pending.keys()
+            if (not awaited and (live or everyone_left)) or now >= self.closes(frag):
                 due.append(frag.index)
         return due
 
+    def closes(self, frag: ShardFragment) -> float:
+        """When the merge of a fragment whose quorum is in closes: the adaptive window, within the slack of the
+        islands already in it (`diloco.core.grace`)."""
+        if frag.quorum_since is None:
+            raise ValueError(f"fragment {frag.index} has no quorum")
+        pushed = [(p.arrived, p.slack) for p in frag.pending.values()]
+        return merge_closes(frag.quorum_since, self.grace_seconds(), pushed)
+
     def next_deadline(self) -> float | None:
-        """When the earliest running grace window closes, for the server's merge thread to wake."""
-        grace = self.grace_seconds()
-        ends = [f.quorum_since + grace for f in self.fragments.values() if f.quorum_since is not None]
-        return min(ends, default=None)
+        """When the earliest running merge window closes, for the server's merge thread to wake."""
+        return min((self.closes(f) for f in self.fragments.values() if f.quorum_since is not None), default=None)
 
     def round_members(self, frag: ShardFragment, now: float) -> int:
         """The islands a round of the fragment is made of: the live ones, and those that left while it was in
@@ -489,6 +507,7 @@ class ShardState:
             if frag.round_progress + share >= 1 - ROUND_EPSILON:  # a round completed: the next is of those live
                 frag.round_left.clear()
             frag.round_progress = progress
+            frag.merged_arrival = merged_arrival(pending)
             frag.version += 1
             frag.merged_keys |= {p.key for p in pending}
             oldest_useful = frag.version - self.config.max_staleness
@@ -553,6 +572,13 @@ class ShardState:
         for p, fragment in state["fragments"].items():
             _restore_fragment(shard.fragment(p), fragment, keep_pushes=clean)
         return shard
+
+
+def merged_arrival(pending: Sequence[Pending]) -> float:
+    """The median arrival of a merge's pushes that came in the round they were trained for (of all of them when
+    none did): a push that missed the last merge and arrived early in this one is no measure of this round."""
+    on_time = [p.arrived for p in pending if p.on_time]
+    return statistics.median(on_time or [p.arrived for p in pending])
 
 
 def _saved_fragment(frag: ShardFragment) -> dict[str, Any]:

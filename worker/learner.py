@@ -67,6 +67,7 @@ from diloco.core.config import Encoding, Mode, TrainingConfig
 from diloco.core.fragments import Fragment, plan_fragments, resume_step, shard_of
 from diloco.core.island_id import check_island_id
 from diloco.core.pace import fragments_due_in, paced_inner_steps, phase_stride
+from diloco.core.phase import QUANTUM, RATE_QUANTUM, Correction, bounded_rate, catch_up, correction, round_offset
 from diloco.settings import env_default, load_security, load_token, load_training_config
 from diloco.transport.client import Backoff, SyncerClient
 from diloco.transport.deadlines import BASE_SECONDS
@@ -265,6 +266,9 @@ class Learner:
         self._metrics_server: WSGIServer | None = None
         self._step_hook: RemovableHandle | None = None
         self._phase = Fraction(0)
+        self._phase_owed = Fraction(0)  # phase units still to advance (or hold back) to keep in phase
+        self._phase_rate = Fraction(0)  # the island's pace beyond its stride, learned from its offsets
+        self._sync_seconds = 0.0  # the last round's push and pull, which the island's slack leaves room for
         self._round_steps = config.inner_steps
         self._stats.set_round_steps(self._round_steps)
         self._step_seconds = 0.0
@@ -562,7 +566,9 @@ class Learner:
         tokens, self._pending_tokens = self._pending_tokens, 0
         self._measure_step(started)
         self._step += 1
-        before, self._phase = self._phase, self._phase + phase_stride(self.config.inner_steps, self._round_steps)
+        stride = phase_stride(self.config.inner_steps, self._round_steps)
+        advance, self._phase_owed = catch_up(stride, self._phase_rate, self._phase_owed)
+        before, self._phase = self._phase, self._phase + advance
         for f in self._fragments:
             f.tokens += tokens
             f.steps += 1
@@ -735,6 +741,7 @@ class Learner:
             inner_steps=f.steps,
             sequence=f.sequence,
             step_seconds=self._step_seconds,
+            slack_seconds=self._slack_seconds(),
         )
         round_ = FragmentSync(
             self._clients[f.shard],
@@ -754,11 +761,35 @@ class Learner:
             self.on_push(PushReport(f.plan.index, f.began_at, version.incarnation, version.version, f.sequence))
         round_.start()
 
+    def _slack_seconds(self) -> float | None:
+        """How long after a push this island mixes the merge in: τ phase units of its steps, less what its
+        last sync took; None when unknown, and at a barrier, where the island waits for the merge anyway."""
+        if self.synchronous or not self._step_seconds:
+            return None
+        steps = self.config.overlap_steps / phase_stride(self.config.inner_steps, self._round_steps)
+        return max(0.0, float(steps) * self._step_seconds - self._sync_seconds)
+
+    def _phase_correction(self, arrival: float, merged_arrival: float) -> Correction:
+        """What brings this island's pushes in phase with its merges' (`diloco.core.phase`): nothing at a
+        barrier, or while arrivals or the step time are unknown."""
+        if self.synchronous or not (arrival and merged_arrival and self._step_seconds):
+            return Correction()
+        round_seconds = self._round_steps * self._step_seconds
+        offset = round_offset(arrival, merged_arrival, round_seconds)
+        self._stats.set_phase_offset(offset)
+        stride = phase_stride(self.config.inner_steps, self._round_steps)
+        kept = correction(offset, self._step_seconds, stride, self.config.inner_steps)
+        log.debug(
+            "phase offset",
+            extra={"island": self.island_id, "offset": offset, "owed": float(kept.owed), "rate": float(kept.rate)},
+        )
+        return kept
+
     def _decisions(self, running: dict[int, Fraction]) -> torch.Tensor:
-        """Rank 0's verdict per fragment: (outcome, incarnation, version, inner steps per round), outcome 0
-        while a round must go on (reply not in, or fewer than τ steps since its push began), steps per round
-        0 to keep them as they are."""
-        decisions = torch.zeros(len(self._fragments), 4, dtype=torch.int64)
+        """Rank 0's verdict per fragment: (outcome, incarnation, version, inner steps per round, phase
+        correction in QUANTUMs, pace correction in RATE_QUANTUMs), outcome 0 while a round must go on (reply not
+        in, or fewer than τ steps since its push began), steps per round 0 to keep them as they are."""
+        decisions = torch.zeros(len(self._fragments), 6, dtype=torch.int64)
         if not self.island.is_leader:
             return decisions
         for index, mixable_at in running.items():
@@ -777,6 +808,11 @@ class Learner:
                     round_.request.step_seconds,
                     result.cadence_step_seconds,
                 )
+            kept = self._phase_correction(result.arrival, result.merged_arrival)
+            decisions[index, 4] = int(kept.owed * QUANTUM)
+            decisions[index, 5] = int(kept.rate * RATE_QUANTUM)
+            if result.sync_seconds:
+                self._sync_seconds = result.sync_seconds
         return decisions
 
     def _finish_rounds(self) -> None:
@@ -786,9 +822,11 @@ class Learner:
         decisions = self.island.broadcast(self._decisions(running)).cpu()
         for index in running:
             f = self._fragments[index]
-            code, incarnation, version, round_steps = decisions[index].tolist()
+            code, incarnation, version, round_steps, owed, rate = decisions[index].tolist()
             if code == 0:
                 continue
+            self._phase_owed += Fraction(owed, QUANTUM)
+            self._phase_rate = bounded_rate(self._phase_rate + Fraction(rate, RATE_QUANTUM))
             if round_steps and round_steps != self._round_steps:
                 log.info("inner steps per round", extra={"island": self.island_id, "steps": round_steps})
                 self._round_steps = round_steps

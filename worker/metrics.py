@@ -131,6 +131,12 @@ class WorkerCollector(Collector):
             "Inner steps per round the island runs: H, fewer on a speed-aware island slower than the fastest",
             learner.round_steps,
         )
+        yield gauge(
+            "diloco_worker_phase_offset_seconds",
+            "How late the island's last push came after the median push of the merge that took it (negative: "
+            "early); the island corrects its schedule by it, so it stays near 0 while islands keep in phase",
+            learner.phase_offset_seconds,
+        )
         syncs = CounterMetricFamily(
             "diloco_worker_syncs", "Fragment rounds by how they ended", labels=[*labels, "outcome"]
         )

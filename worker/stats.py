@@ -34,10 +34,13 @@ class LearnerStats:
     rounds_begun: int = 0
     round_inner_steps: int = 0
     round_steps: int = 0  # inner steps per round the island runs now: H, or fewer when speed-aware and slow
+    phase_offset_seconds: float = 0.0  # how late the island's last measured push came to its merge (rank 0)
     versions: dict[int, Version] = field(default_factory=dict)
 
 
-_COUNTERS = frozenset(f.name for f in fields(LearnerStats) if f.name not in ("versions", "round_steps"))
+_COUNTERS = frozenset(
+    f.name for f in fields(LearnerStats) if f.name not in ("versions", "round_steps", "phase_offset_seconds")
+)
 
 
 class StatsRecorder:
@@ -58,6 +61,10 @@ class StatsRecorder:
     def set_round_steps(self, steps: int) -> None:
         with self._lock:
             self._stats.round_steps = steps
+
+    def set_phase_offset(self, seconds: float) -> None:
+        with self._lock:
+            self._stats.phase_offset_seconds = seconds
 
     def set_version(self, fragment: int, version: Version) -> None:
         with self._lock:

@@ -65,6 +65,7 @@ class SyncRequest:
     inner_steps: int
     sequence: int
     step_seconds: float = 0.0  # the island's measured seconds per inner step (0: not measured)
+    slack_seconds: float | None = None  # how long after the push the island mixes the merge in (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,12 @@ class SyncResult:
     version: pb.FragmentVersion | None = None
     values: list[torch.Tensor] | None = None
     cadence_step_seconds: float = 0.0  # the job's cadence the shard answered the push with (0: unknown)
+    # When the shard took the push, and the median arrival of the merge it is measured against (the one that took
+    # it in, or for a stale push the one it missed), both on the shard's clock (`diloco.core.phase`); 0 when
+    # unknown, or when the merge pulled is not the one with the push.
+    arrival: float = 0.0
+    merged_arrival: float = 0.0
+    sync_seconds: float = 0.0  # the push's call and the pull that brought the merge, together
 
 
 class FragmentSync:
@@ -151,6 +158,7 @@ class FragmentSync:
         if self.feedback is not None:
             delta = self.feedback.compensated(r.fragment, delta)
         encoded = wire.tensor_payloads(list(zip(r.names, delta)), self.encoding, self.block_size, self.top_k)
+        pushing = time.monotonic()
         try:
             reply = self.client.push_encoded(
                 r.fragment,
@@ -160,12 +168,14 @@ class FragmentSync:
                 sequence=r.sequence,
                 encoded=encoded,
                 step_seconds=r.step_seconds,
+                slack_seconds=r.slack_seconds,
             )
         except grpc.RpcError as error:
             if refusal_of(error.code()) is Refusal.OUT_OF_STEP:
                 log.debug("push refused, pulling afresh", extra=self._fields(detail=error.details()))
                 return self._fresh()
             return self._failed("push", error)
+        push_seconds = time.monotonic() - pushing
         self._delivered.set()
         blobs = encoded[1]
         if self.feedback is not None:
@@ -187,23 +197,43 @@ class FragmentSync:
         # Wait for a version newer than the one the push was taken at: that merge includes this delta, so
         # the next delta, taken against it, does not count this round's progress a second time.
         have = r.base_version if reply.duplicate else reply.current
-        return replace(self._await_merge(have), cadence_step_seconds=reply.cadence_step_seconds)
+        result = self._await_merge(have)
+        if reply.duplicate:
+            merged_arrival = 0.0
+        elif reply.staleness:
+            merged_arrival = reply.merged_arrival_seconds
+        elif result.version is not None and result.version.version == have.version + 1:
+            merged_arrival = result.merged_arrival
+        else:
+            merged_arrival = 0.0  # a later merge than the one with the push
+        return replace(
+            result,
+            cadence_step_seconds=reply.cadence_step_seconds,
+            arrival=reply.arrival_seconds if merged_arrival else 0.0,
+            merged_arrival=merged_arrival,
+            sync_seconds=push_seconds + result.sync_seconds,
+        )
 
     def _await_merge(self, have: pb.FragmentVersion) -> SyncResult:
         deadline = time.monotonic() + self.timeout
         delay = POLL_INITIAL_SECONDS
+        # The merge is due within the island's slack: a poll that slept past it would mix it in steps late.
+        longest = POLL_MAX_SECONDS
+        if self.request.slack_seconds:
+            longest = min(longest, max(POLL_INITIAL_SECONDS, self.request.slack_seconds / 4))
         held = self._held()
         while True:
+            pulling = time.monotonic()
             try:
                 pulled = self._pull(have, held)
             except grpc.RpcError as error:
                 return self._failed("pull", error)
             if pulled is not None:
-                return self._adopt(RoundOutcome.MERGED, pulled)
+                return replace(self._adopt(RoundOutcome.MERGED, pulled), sync_seconds=time.monotonic() - pulling)
             if time.monotonic() + delay > deadline or self._stopping.wait(delay):
                 log.debug("no merge in time, round abandoned", extra=self._fields(have=have.version))
                 return SyncResult(RoundOutcome.ABANDONED)
-            delay = min(delay * 2, POLL_MAX_SECONDS)
+            delay = min(delay * 2, longest)
 
     def _fresh(self) -> SyncResult:
         """The fragment's current values whatever this island holds. A shard that lost its state entirely
@@ -247,7 +277,7 @@ class FragmentSync:
                 outcome=outcome.name, version=pulled.version.version, delta=pulled.delta, bytes=pulled.wire_bytes
             ),
         )
-        return SyncResult(outcome, pulled.version, values)
+        return SyncResult(outcome, pulled.version, values, merged_arrival=pulled.merged_arrival)
 
     def _failed(self, call: str, error: grpc.RpcError) -> SyncResult:
         level = logging.DEBUG if self._stopping.is_set() else logging.WARNING
@@ -276,11 +306,7 @@ def pull_values(
     `pull_encoding` is set, else in full float32, which take `expect_bytes` (the deadline follows them)."""
     if pull_encoding is not None:
         return client.pull_delta(fragment, have=have, held=held, encoding=pull_encoding, expect_bytes=expect_bytes)
-    pulled = client.pull(fragment, have=have, expect_bytes=expect_bytes)
-    if pulled is None:
-        return None
-    version, named = pulled
-    return Pulled(version, named, fragment_bytes([t for _, t in named]), delta=False)
+    return client.pull_full(fragment, have=have, expect_bytes=expect_bytes)
 
 
 def fragment_values(

@@ -1,25 +1,21 @@
-"""The adaptive grace window: how long a shard holds a merge open, once its quorum is in, for the islands
-that are merely late.
+"""The merge window: how long a shard holds a merge open, once its quorum is in, for the islands that are merely
+late, and never so long that an island which has pushed must wait for the merge.
 
-A fixed window either cuts off islands that drift further apart than it (they miss the merge and their
-fragment arrives a round stale) or, sized for the worst case, delays every merge. So the shard records how
-late contributions arrive after the quorum was reached (`lateness`) and waits a margin beyond what it has
-seen, never longer than the configured `graceSeconds`. Islands that left or whose lease expired are not
-waited for at all: a merge goes ahead as soon as every live island has pushed, whatever the window.
-
-Nor is a live island whose own cadence puts its next push after the window closes. Islands drift out of
-phase (a restarted island resumes at the job's step, not at the others' moment in the round), the
-latenesses spread over the whole round, and the window grows to the configured bound; a merge then waited
-that long for islands that were not due until well after it, and every island whose round it was heard
-its merge that much later (the last rounds of a run, which end it, most of all). An island's cadence is
-the time between its last two pushes of the fragment; one without two pushes yet, or overdue, may still
-come and is waited for.
+A merge goes ahead as soon as every live island has pushed. Otherwise it closes at the earliest of two bounds:
+- the *adaptive* window: the shard records how late contributions arrive after the quorum was reached
+  (`lateness`) and waits a margin beyond what it has seen, never longer than the configured `graceSeconds`;
+- the *slack* of the islands already in the merge, as Decoupled DiLoCo bounds its grace window by the job's
+  own slack, γ·(τ·t_step − t_quorum − t_sync): an island pushing a fragment keeps training for τ inner
+  steps before it mixes the merged values in, less the time its sync takes, and says so with each push. A
+  merge that closes within γ of every pending island's slack reaches each of them before it needs it, so
+  waiting for the late ones costs the early ones nothing.
+Islands stay in phase (`diloco.core.phase`), so in steady state every live island pushes within the window.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 HISTORY = 32
 """Latenesses a shard remembers: the last few rounds of every island of a small job."""
@@ -30,7 +26,9 @@ QUANTILE = 0.9
 MARGIN = 1.5
 """A window is this many times the lateness it covers, for the spread it has not seen yet."""
 FLOOR_SECONDS = 0.25
-"""The shortest window: islands arriving together still differ by a push's transfer and a poll."""
+"""The shortest adaptive window: islands arriving together still differ by a push's transfer and a poll."""
+SLACK_FRACTION = 0.8
+"""γ: the share of an island's slack a merge may take, the rest a margin for the merge itself and the pull."""
 
 
 def lateness_quantile(lateness: Sequence[float], quantile: float = QUANTILE) -> float:
@@ -55,9 +53,11 @@ def grace_window(lateness: Sequence[float], max_grace: float) -> float:
     return min(max_grace, max(FLOOR_SECONDS, MARGIN * lateness_quantile(lateness)))
 
 
-def may_push_by(last_push: float | None, interval: float | None, deadline: float) -> bool:
-    """Whether a live island that has not pushed to a merge yet may still do so by `deadline`, from its
-    last push of the fragment and the `interval` between its last two: when either is unknown, it may."""
-    if last_push is None or interval is None:
-        return True
-    return last_push + interval <= deadline
+def merge_closes(quorum_since: float, window: float, pushed: Iterable[tuple[float, float | None]]) -> float:
+    """When a merge whose quorum came in at `quorum_since` closes: after the adaptive `window`, but before any
+    pending island, `pushed` as (arrival, slack seconds) with slack None when unknown, would wait for it
+    (arrival + SLACK_FRACTION x slack); at once when the quorum itself came after that."""
+    if window < 0:
+        raise ValueError(f"window must be non-negative, got {window}")
+    deadlines = [arrival + SLACK_FRACTION * slack for arrival, slack in pushed if slack is not None]
+    return max(quorum_since, min([quorum_since + window, *deadlines]))

@@ -12,8 +12,9 @@ chip and says how long its replacement takes. Every policy replays the same even
   `reschedule_seconds + reform_seconds`, and the learner restarts from the latest global fragments, losing each
   fragment's progress since that fragment's last push. Merges follow the syncer shard's rules
   (`diloco.core.grace`): once K pushes are pending (K capped by the live learners), the merge waits for the
-  other live learners whose cadence puts their next push before its window closes; the window is sized
-  from how late pushes came after earlier quorums, at most the grace (`graceSeconds`). A learner that has
+  other live learners until its window closes; the window is sized from how late pushes came after earlier
+  quorums, at most the grace (`graceSeconds`), and closes before any pending learner's slack (tau inner steps
+  less the sync latency) runs out, so that a merge of waiting costs no learner a wait. A learner that has
   pushed must see that push merged within `overlap_steps` (tau) inner steps (or within the round, with
   `MergeWait.ROUND`) or it waits. Synchronous DiLoCo is the same engine with K = M, never capped, and no
   grace. With `speedAware`, a decoupled learner of a slower generation runs fewer inner steps per round
@@ -41,7 +42,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from diloco.core.config import Mode, TrainingConfig
-from diloco.core.grace import HISTORY, grace_window, may_push_by
+from diloco.core.grace import HISTORY, grace_window, merge_closes
 from diloco.core.pace import paced_inner_steps
 from diloco.core.rules import QUORUM_WITHIN_ISLANDS
 from diloco.local.failure_trace import FailureEvent, chip_target
@@ -461,8 +462,7 @@ class _Learner:
     steps_lost: float = 0.0
     up_time: float = 0.0
     base: int = 0  # the merge whose result it trains from: how stale its next push is
-    last_push: float | None = None  # when its last round push reached the syncer
-    push_interval: float | None = None  # between its last two pushes: its cadence, as the shard measures it
+    last_push: float = 0.0  # when its last round push reached the syncer
 
     def advance(self, t: float) -> None:
         """Brings its progress up to time `t`: steps while it trains, nothing while it waits or is down."""
@@ -574,17 +574,19 @@ class _DilocoRun:
             self.quorum_since = t
         if self.window is None:
             self.window = grace_window(self.lateness, self.grace)
-        closes = self.quorum_since + self.window
+        closes = merge_closes(self.quorum_since, self.window, [(learners[i].last_push, self.slack(i)) for i in pending])
         if t < closes:
             for i, lr in enumerate(learners):
-                if (
-                    i not in pending
-                    and (lr.status is not _DOWN or t < lr.down_since + timeout)
-                    and may_push_by(lr.last_push, lr.push_interval, closes)
-                ):
+                if i not in pending and (lr.status is not _DOWN or t < lr.down_since + timeout):
                     self._arm(closes)
                     return
         self.merge(t)
+
+    def slack(self, i: int) -> float:
+        """How long after its push learner i can wait for the merge without waiting at all: its tau in steps
+        less the sync latency (what its push tells the shard)."""
+        learner = self.learners[i]
+        return max(0.0, self.tau * self.round_steps[i] / self.h * learner.step_s - self.latency)
 
     def _arm(self, closes: float | None) -> None:
         """The running window now ends at `closes` (None: none runs); a MERGE event of an earlier end is void."""
@@ -596,15 +598,13 @@ class _DilocoRun:
 
     def record_push(self, i: int, t: float) -> None:
         """What the shard learns from a push: how late it came after its round's quorum (one a merge late
-        counts from that merge's quorum), and the learner's cadence."""
+        counts from that merge's quorum), and when it came."""
         learner = self.learners[i]
         staleness = self.merges - learner.base
         since = self.quorum_since if staleness == 0 else self.merged_quorum_since if staleness == 1 else None
         if since is not None:
             self.lateness.append(t - since)
             self.window = None
-        if learner.last_push is not None:
-            learner.push_interval = t - learner.last_push
         learner.last_push = t
 
     # --- a learner's events ---

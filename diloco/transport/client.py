@@ -84,6 +84,7 @@ class Pulled:
     tensors: list[tuple[str, torch.Tensor]]
     wire_bytes: int
     delta: bool
+    merged_arrival: float = 0.0  # the shard's clock at the median on-time push of the merge making `version`
 
 
 def _method(name: str) -> str:
@@ -247,9 +248,11 @@ class SyncerClient:
         sequence: int,
         encoded: tuple[Sequence[pb.TensorPayload], Sequence[bytes]],
         step_seconds: float = 0.0,
+        slack_seconds: float | None = None,
     ) -> pb.PushReply:
         """`push` of an outer gradient the caller encoded (`wire.tensor_payloads`), for a caller that needs
-        the bytes it sends (error feedback decodes them)."""
+        the bytes it sends (error feedback decodes them). `slack_seconds`: how long after this push the island
+        mixes the merge in (a merge waits for late islands no longer than that)."""
         payloads, blobs = encoded
         header = pb.PushHeader(
             island_id=self.island_id,
@@ -259,6 +262,7 @@ class SyncerClient:
             inner_steps=inner_steps,
             sequence=sequence,
             step_seconds=step_seconds,
+            slack_seconds=slack_seconds,
         )
         timeout = self._timeout(sum(len(b) for b in blobs))
         return self._retrying(
@@ -276,14 +280,25 @@ class SyncerClient:
     ) -> tuple[pb.FragmentVersion, list[tuple[str, torch.Tensor]]] | None:
         """The fragment's newest values, or None when `have` is already the newest. `expect_bytes`, the most
         the reply may carry (the fragment's float32 bytes), sizes the deadline."""
+        pulled = self.pull_full(fragment_id, have, encoding, expect_bytes=expect_bytes)
+        return None if pulled is None else (pulled.version, pulled.tensors)
+
+    def pull_full(
+        self,
+        fragment_id: int,
+        have: pb.FragmentVersion | None = None,
+        encoding: Encoding = Encoding.FP32,
+        *,
+        expect_bytes: int = 0,
+    ) -> Pulled | None:
+        """`pull`, with all the reply says of the values."""
         request = pb.PullRequest(
             fragment_id=fragment_id,
             have=have or pb.FragmentVersion(),
             encoding=wire_encoding(encoding),
             island_id=self.island_id,
         )
-        pulled = self._retrying("Pull", lambda: self._pull_attempt(request, None, expect_bytes))
-        return None if pulled is None else (pulled.version, pulled.tensors)
+        return self._retrying("Pull", lambda: self._pull_attempt(request, None, expect_bytes))
 
     def pull_delta(
         self,
@@ -324,13 +339,14 @@ class SyncerClient:
         wire_bytes = sum(p.byte_length for p, _ in tensors)
         named = [(p.name, t) for p, t in tensors]
         if not header.HasField("delta_base"):
-            return Pulled(header.version, named, wire_bytes, delta=False)
+            return Pulled(header.version, named, wire_bytes, delta=False, merged_arrival=header.merged_arrival_seconds)
         if held is None or header.delta_base != (held.version or pb.FragmentVersion()):
             raise wire.WireError(
                 Refusal.INVALID, f"fragment {request.fragment_id}: a difference to values this island does not hold"
             )
         values = apply_delta(held.values, [t for _, t in named])
-        return Pulled(header.version, [(name, v) for (name, _), v in zip(named, values)], wire_bytes, delta=True)
+        named = [(name, v) for (name, _), v in zip(named, values)]
+        return Pulled(header.version, named, wire_bytes, delta=True, merged_arrival=header.merged_arrival_seconds)
 
     def leave(self, timeout: float) -> None:
         """Tells the shard this island has finished. Tried once: a shard that misses it times the island out

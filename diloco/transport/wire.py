@@ -173,13 +173,20 @@ def fragment_messages(
     blobs: Sequence[bytes],
     max_chunk: int = MAX_CHUNK_BYTES,
     delta_base: pb.FragmentVersion | None = None,
+    merged_arrival_seconds: float = 0.0,
 ) -> Iterator[bytes]:
     """The serialized FragmentChunk messages of a Seed request or a Pull reply: a header, then the data.
 
     Takes bytes encoded once by `tensor_payloads`, so a retried call or many pulls of one version re-send
     them without encoding again. With `delta_base`, the tensors are differences to the values of that version.
     """
-    header = pb.FragmentHeader(fragment_id=fragment_id, version=version, tensors=payloads, delta_base=delta_base)
+    header = pb.FragmentHeader(
+        fragment_id=fragment_id,
+        version=version,
+        tensors=payloads,
+        delta_base=delta_base,
+        merged_arrival_seconds=merged_arrival_seconds,
+    )
     return _messages(pb.FragmentChunk(header=header), blobs, max_chunk)
 
 

@@ -2,7 +2,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from diloco.core.grace import FLOOR_SECONDS, MARGIN, MIN_OBSERVATIONS, grace_window, lateness_quantile, may_push_by
+from diloco.core.grace import (
+    FLOOR_SECONDS,
+    MARGIN,
+    MIN_OBSERVATIONS,
+    SLACK_FRACTION,
+    grace_window,
+    lateness_quantile,
+    merge_closes,
+)
 
 
 def test_until_it_has_seen_enough_a_shard_waits_the_whole_configured_window():
@@ -47,13 +55,36 @@ def test_later_arrivals_never_shorten_the_window(lateness, extra):
     assert grace_window(later, 1e6) >= grace_window(lateness, 1e6)
 
 
-def test_an_island_of_unknown_cadence_may_push_at_any_time():
-    assert may_push_by(None, None, 0.0) and may_push_by(5.0, None, 0.0)
+def test_without_slack_a_merge_closes_when_its_window_ends():
+    assert merge_closes(10.0, 2.0, [(10.0, None), (10.5, None)]) == 12.0
 
 
-def test_an_island_is_due_one_interval_after_its_last_push():
-    assert may_push_by(10.0, 5.0, 15.0) and not may_push_by(10.0, 5.0, 14.9)
+def test_a_merge_closes_before_any_pending_island_would_wait_for_it():
+    # The first island pushed at 10 and mixes in 0.5 s later; the second pushed at 10.1 with 2 s to spare.
+    assert merge_closes(10.0, 2.0, [(10.0, 0.5), (10.1, 2.0)]) == pytest.approx(10.0 + SLACK_FRACTION * 0.5)
 
 
-def test_an_overdue_island_may_still_push():
-    assert may_push_by(10.0, 5.0, 30.0)
+def test_a_quorum_that_came_after_the_slack_closes_its_merge_at_once():
+    # K = 2: the quorum came at 11, after the first island's slack ran out at 10.4.
+    assert merge_closes(11.0, 2.0, [(10.0, 0.5), (11.0, 3.0)]) == 11.0
+
+
+@given(
+    quorum_since=st.floats(0, 1e4),
+    window=st.floats(0, 100),
+    pushed=st.lists(st.tuples(st.floats(0, 1e4), st.none() | st.floats(0, 100)), max_size=16),
+)
+def test_a_merge_never_closes_before_its_quorum_nor_after_its_window(quorum_since, window, pushed):
+    closes = merge_closes(quorum_since, window, pushed)
+    assert quorum_since <= closes <= quorum_since + window
+    bounds = [arrival + SLACK_FRACTION * slack for arrival, slack in pushed if slack is not None]
+    assert all(closes <= max(quorum_since, bound) for bound in bounds)
+
+
+def test_an_island_without_slack_closes_the_merge_at_its_push():
+    assert merge_closes(10.0, 2.0, [(10.0, 0.0)]) == 10.0
+
+
+def test_a_negative_window_is_refused():
+    with pytest.raises(ValueError, match="window"):
+        merge_closes(0.0, -1.0, [])

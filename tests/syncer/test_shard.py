@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from diloco.core.config import TrainingConfig
-from diloco.core.grace import MARGIN
+from diloco.core.grace import MARGIN, SLACK_FRACTION
 from diloco.core.island_id import ISLAND_ID_MAX_CHARS
 from diloco.core.merge import MAX_TOKEN_RATIO
 from diloco.syncer.shard import MAX_KNOWN_ISLANDS, MAX_PENDING_BYTES, PushKey, Refused, ShardState, TensorSpec
@@ -197,42 +197,43 @@ class TestAdaptiveGrace:
         assert shard.grace_seconds() == 30.0
 
 
-class TestWaitingOnlyForIslandsDue:
-    """a pushes at 0, 10, 20, ..., b half a round later (5, 15, ...): each is 5 s late for the other's merges,
-    beyond the 2 s window."""
+class TestMergeWindow:
+    """Once its quorum is in, a merge waits for every live island up to its window, and never past the slack
+    of the islands already in it (`diloco.core.grace`)."""
 
-    def pushes_and_polls(self, shard, island, at):
-        push(shard, island, at)
-        return shard.poll(at)
-
-    def test_once_its_cadence_is_known_an_island_due_after_the_window_is_not_waited_for(self):
+    def test_a_merge_waits_the_window_for_every_live_island(self):
         shard = make_shard(quorum=1, grace_seconds=2.0, island_timeout_seconds=1000.0)
         for island in "ab":
             shard.join(island, 0.0)
-        for island, at in (("a", 0.0), ("b", 5.0), ("a", 10.0)):
-            assert self.pushes_and_polls(shard, island, at) == [], "the other's cadence is not known yet"
-            assert shard.poll(at + 2.0) == [0]
-            shard.merge(0, at + 2.0)
-        for island, at in (("b", 15.0), ("a", 20.0), ("b", 25.0)):
-            assert self.pushes_and_polls(shard, island, at) == [0], "the other is due 5 s on, after the window"
-            shard.merge(0, at)
+        push(shard, "a", 0.0)
+        assert shard.poll(0.0) == [] and shard.poll(1.9) == [], "b is live and may come"
+        assert shard.poll(2.0) == [0]
 
-    def test_a_push_under_an_id_that_never_joined_leaves_no_cadence_behind(self):
+    def test_a_merge_goes_ahead_once_every_live_island_has_pushed(self):
         shard = make_shard(quorum=1, grace_seconds=2.0)
-        push(shard, "invented", 1.0)
-        assert shard.fragments[0].last_push == {} and shard.fragments[0].push_interval == {}
-
-    def test_an_overdue_island_is_waited_for_the_window(self):
-        shard = make_shard(quorum=1, grace_seconds=2.0, island_timeout_seconds=1000.0)
         for island in "ab":
             shard.join(island, 0.0)
-        for island, at in (("a", 0.0), ("b", 5.0), ("a", 10.0), ("b", 15.0)):
-            self.pushes_and_polls(shard, island, at)
-            shard.merge(0, at + 2.0)
-        assert self.pushes_and_polls(shard, "a", 20.0) == [0], "b is due at 25: after the window"
-        shard.merge(0, 20.0)
-        assert self.pushes_and_polls(shard, "a", 30.0) == [], "b, due at 25, is late: it may still come"
-        assert shard.poll(32.0) == [0]
+        push(shard, "a", 0.0)
+        push(shard, "b", 0.5)
+        assert shard.poll(0.5) == [0]
+
+    def test_a_merge_closes_within_the_slack_of_the_islands_in_it(self):
+        shard = make_shard(quorum=1, grace_seconds=2.0)
+        for island in "ab":
+            shard.join(island, 0.0)
+        key = PushKey("a", INCARNATION, 0, 0)
+        shard.submit(key, 0, SPECS, [torch.zeros(2), torch.zeros(1)], 100, 10, 10.0, slack_seconds=0.5)
+        assert shard.poll(10.0) == [] and shard.poll(10.3) == []
+        assert shard.closes(shard.fragments[0]) == pytest.approx(10.0 + SLACK_FRACTION * 0.5)
+        assert shard.poll(10.0 + SLACK_FRACTION * 0.5) == [0], "a mixes in at 10.5: b is not waited for longer"
+
+    @pytest.mark.parametrize("slack", [float("nan"), float("inf"), -0.1])
+    def test_a_slack_that_is_not_a_finite_duration_is_refused(self, slack):
+        shard = make_shard()
+        with pytest.raises(Refused) as refused:
+            shard.check_push(PushKey("a", INCARNATION, 0, 0), 0, SPECS, 100, 10, slack)
+        assert status_code(refused.value.kind) == grpc.StatusCode.INVALID_ARGUMENT and refused.value.reason == "slack"
+        assert shard.fragments[0].pending == {}
 
 
 class TestCadence:
@@ -590,6 +591,20 @@ class TestRoundsOfShares:
         together = self.run([[self.ISLANDS]] * 5)
         self.assert_same(finishing, together)
         assert finishing.fragments[0].round_left == {"d"}, "a, b and c counted for the round that ended; d left after"
+
+    def test_a_merge_remembers_when_its_on_time_pushes_arrived(self):
+        shard = make_shard(quorum=1, grace_seconds=60.0)
+        for island in "abcd":
+            shard.join(island, 0.0)
+        for island, at in (("a", 10.0), ("b", 10.2), ("c", 11.0)):
+            push(shard, island, at)
+        shard.merge(0, 11.0)
+        assert shard.fragments[0].merged_arrival == 10.2, "the median of the pushes it took"
+        push(shard, "d", 11.5, base=0)  # d missed that merge: no measure of the next round
+        for island, at in (("a", 20.0), ("b", 20.4)):
+            push(shard, island, at, seq=1)
+        shard.merge(0, 20.4)
+        assert shard.fragments[0].merged_arrival == 20.2
 
     def test_a_round_in_progress_survives_a_restart(self):
         shard = make_shard(quorum=1, grace_seconds=0.0)

@@ -60,16 +60,18 @@ class FragmentVersion(_message.Message):
     def __init__(self, incarnation: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FragmentHeader(_message.Message):
-    __slots__ = ("fragment_id", "version", "tensors", "delta_base")
+    __slots__ = ("fragment_id", "version", "tensors", "delta_base", "merged_arrival_seconds")
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DELTA_BASE_FIELD_NUMBER: _ClassVar[int]
+    MERGED_ARRIVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     fragment_id: int
     version: FragmentVersion
     tensors: _containers.RepeatedCompositeFieldContainer[TensorPayload]
     delta_base: FragmentVersion
-    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., delta_base: _Optional[_Union[FragmentVersion, _Mapping]] = ...) -> None: ...
+    merged_arrival_seconds: float
+    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., delta_base: _Optional[_Union[FragmentVersion, _Mapping]] = ..., merged_arrival_seconds: _Optional[float] = ...) -> None: ...
 
 class FragmentChunk(_message.Message):
     __slots__ = ("header", "data", "offset", "crc32")
@@ -114,7 +116,7 @@ class SeedReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[_Union[FragmentVersion, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("island_id", "fragment_id", "base", "tokens", "inner_steps", "sequence", "tensors", "step_seconds")
+    __slots__ = ("island_id", "fragment_id", "base", "tokens", "inner_steps", "sequence", "tensors", "step_seconds", "slack_seconds")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +125,7 @@ class PushHeader(_message.Message):
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SLACK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     fragment_id: int
     base: FragmentVersion
@@ -131,7 +134,8 @@ class PushHeader(_message.Message):
     sequence: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorPayload]
     step_seconds: float
-    def __init__(self, island_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., sequence: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    slack_seconds: float
+    def __init__(self, island_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., sequence: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., slack_seconds: _Optional[float] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data", "offset", "crc32")
@@ -146,16 +150,20 @@ class PushChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("duplicate", "current", "staleness", "cadence_step_seconds")
+    __slots__ = ("duplicate", "current", "staleness", "cadence_step_seconds", "arrival_seconds", "merged_arrival_seconds")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     CADENCE_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MERGED_ARRIVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
     current: FragmentVersion
     staleness: int
     cadence_step_seconds: float
-    def __init__(self, duplicate: _Optional[bool] = ..., current: _Optional[_Union[FragmentVersion, _Mapping]] = ..., staleness: _Optional[int] = ..., cadence_step_seconds: _Optional[float] = ...) -> None: ...
+    arrival_seconds: float
+    merged_arrival_seconds: float
+    def __init__(self, duplicate: _Optional[bool] = ..., current: _Optional[_Union[FragmentVersion, _Mapping]] = ..., staleness: _Optional[int] = ..., cadence_step_seconds: _Optional[float] = ..., arrival_seconds: _Optional[float] = ..., merged_arrival_seconds: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("fragment_id", "have", "encoding", "island_id", "held", "delta_encoding")
