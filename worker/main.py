@@ -79,6 +79,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="run this many times slower, standing in for older hardware",
     )
     p.add_argument(
+        "--jitter",
+        type=float,
+        default=float(env("JITTER", "0")),
+        help="each step lasts a random 0 to 2 x this share of its own time more, as on a machine shared with "
+        "other work (on average this much slower)",
+    )
+    p.add_argument(
         "--reference-step-seconds",
         type=float,
         default=float(env("REFERENCE_STEP_SECONDS", "0")) or None,
@@ -148,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             eval_every=args.eval_every,
             seed=args.seed,
             slowdown=args.slowdown,
+            jitter=args.jitter,
             reference_step_seconds=args.reference_step_seconds,
             threads=args.threads,
             device=args.device,

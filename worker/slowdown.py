@@ -12,6 +12,8 @@ reference is then too short for the machine.
 
 from __future__ import annotations
 
+import random
+
 
 def pause_seconds(elapsed: float, slowdown: float, reference: float | None) -> float:
     """What a step that took `elapsed` seconds sleeps: to `slowdown` times `reference` with a reference step
@@ -19,6 +21,15 @@ def pause_seconds(elapsed: float, slowdown: float, reference: float | None) -> f
     if reference is None:
         return (slowdown - 1.0) * elapsed
     return max(0.0, slowdown * reference - elapsed)
+
+
+def jitter_seconds(elapsed: float, jitter: float, reference: float | None, rng: random.Random) -> float:
+    """A random extra pause for an island whose steps vary, as on a machine shared with other work: uniform
+    between 0 and 2 x `jitter` times the step's time (the reference's, with one), so that the island is
+    `jitter` slower on average and no two of its rounds take the same time."""
+    if jitter < 0:
+        raise ValueError(f"jitter must be non-negative, got {jitter}")
+    return rng.uniform(0.0, 2.0 * jitter) * (elapsed if reference is None else reference)
 
 
 def overran(elapsed: float, slowdown: float, reference: float | None) -> bool:

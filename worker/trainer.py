@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import time
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
@@ -44,7 +45,7 @@ from diloco.worker.model import GPT, build_model, resolve_preset
 from diloco.worker.pod_ranks import local_position, place
 from diloco.worker.precision import autocast, resolve_precision
 from diloco.worker.shutdown import StopRequest
-from diloco.worker.slowdown import overran, pause_seconds
+from diloco.worker.slowdown import jitter_seconds, overran, pause_seconds
 from diloco.worker.throughput import Rate, ThroughputMeter, peak_flops
 
 log = logging.getLogger("diloco.worker")
@@ -64,6 +65,7 @@ class TrainerSettings:
     eval_windows: int = EVAL_WINDOWS
     seed: int = 0
     slowdown: float = 1.0
+    jitter: float = 0.0  # each step lasts a random 0 to 2 x this more (diloco.worker.slowdown)
     reference_step_seconds: float | None = None  # the emulated full-speed device's step (diloco.worker.slowdown)
     threads: int | None = None
     device: str = "cpu"
@@ -88,6 +90,8 @@ class TrainerSettings:
             raise ValueError("steps, batch size, eval and checkpoint intervals must be positive")
         if self.slowdown < 1.0:
             raise ValueError(f"slowdown is a factor >= 1 (1 = full speed), got {self.slowdown}")
+        if self.jitter < 0:
+            raise ValueError(f"jitter is a non-negative share of a step, got {self.jitter}")
         if self.reference_step_seconds is not None and self.reference_step_seconds <= 0:
             raise ValueError(f"the reference step time must be positive, got {self.reference_step_seconds}")
         precisions = [p.value for p in Precision]
@@ -172,6 +176,7 @@ class Trainer:
         self.sampler = BatchSampler(
             self.train_tokens, self.context, island, self.ranks.rank, self.ranks.size, stream_seed
         )
+        self.jitter_rng = random.Random(f"{settings.seed}/{island}/{self.ranks.rank}")
         self.progress = ProgressWriter(
             settings.progress_file, Source(island=island, rank=self.ranks.rank, mode=settings.mode, pid=os.getpid())
         )
@@ -324,7 +329,10 @@ class Trainer:
             self.last_step_monotonic = time.monotonic()
             elapsed = time.perf_counter() - started
             sync_seconds = self._blocked_seconds() - blocked_before
-            if (pause := pause_seconds(elapsed, s.slowdown, s.reference_step_seconds)) > 0:
+            pause = pause_seconds(elapsed, s.slowdown, s.reference_step_seconds)
+            if s.jitter:
+                pause += jitter_seconds(elapsed, s.jitter, s.reference_step_seconds, self.jitter_rng)
+            if pause > 0:
                 time.sleep(pause)
             seconds = time.perf_counter() - started
             self.rate = self.meter.record(tokens_per_step, seconds)
@@ -344,6 +352,9 @@ class Trainer:
             if self.step % s.eval_every == 0 and self.ranks.is_leader:
                 self.eval_loss = self.evaluate()
                 self.progress.write(EvalEvent, step=self.step, loss=self.eval_loss)
+        if self.learner is not None and not self.stopped and self.ranks.is_leader and self.step % s.eval_every:
+            self.eval_loss = self.evaluate()  # the island's own model at the end, beside the global one
+            self.progress.write(EvalEvent, step=self.step, loss=self.eval_loss)
         if self.learner is not None:
             # With its island checkpoint: a stopped island is replaced (a roll, a drain). A decoupled island
             # hands its last pushes over and goes: their merges are the shards' to make, and the job's final

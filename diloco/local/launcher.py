@@ -76,6 +76,7 @@ class RunPlan:
     eval_every: int = 50
     checkpoint_every: int = 50
     slowdowns: tuple[float, ...] = ()
+    jitters: tuple[float, ...] = ()  # per island: each step a random 0 to 2 x this share longer
     reference_step_seconds: float | None = None  # the emulated device's step, which slowdowns multiply
     equal_time: bool = False  # decoupled islands take steps in proportion to their speed: see island_steps
     trace: tuple[FailureEvent, ...] = ()
@@ -94,6 +95,9 @@ class RunPlan:
 
     def slowdown(self, index: int) -> float:
         return self.slowdowns[index] if index < len(self.slowdowns) else 1.0
+
+    def jitter(self, index: int) -> float:
+        return self.jitters[index] if index < len(self.jitters) else 0.0
 
     def island_steps(self, index: int) -> int:
         """The island's inner steps: `steps`, or with `equal_time` in decoupled DiLoCo, `steps` times how
@@ -261,7 +265,7 @@ class LocalJob:
             "DILOCO_TLS_CA_FILE": str(self.tls_files["ca.crt"]),
             "OMP_NUM_THREADS": threads,
             "MKL_NUM_THREADS": threads,
-            "DILOCO_LOG_LEVEL": "WARNING",
+            "DILOCO_LOG_LEVEL": os.environ.get("DILOCO_LOG_LEVEL", "WARNING"),  # the run's own: quiet unless asked
             "PYTHONUNBUFFERED": "1",
             **launcher_env(),
         }
@@ -347,6 +351,8 @@ class LocalJob:
             str(p.seed),
             "--slowdown",
             str(p.slowdown(island)),
+            "--jitter",
+            str(p.jitter(island)),
             *(["--reference-step-seconds", str(p.reference_step_seconds)] if p.reference_step_seconds else []),
             "--threads",
             str(p.threads),

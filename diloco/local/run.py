@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from diloco.core.config import Encoding, Mode, Precision, TrainingConfig
+from diloco.core.config import Encoding, Mode, OuterOptimizerConfig, Precision, TrainingConfig
 from diloco.core.rules import QUORUM_WITHIN_ISLANDS
 from diloco.local.failure_trace import FailureEvent, load_trace, random_trace, save_trace, syncer_target, worker_target
 from diloco.local.goodput import Account, account
@@ -46,6 +46,7 @@ class ModeSummary:
     tokens_per_second_per_island: float = 0.0
     tokens_per_second_per_accelerator: float = 0.0  # per worker process: one accelerator each
     mfu: float | None = None  # model FLOPs utilisation (None: no accelerator peak known, e.g. on CPU)
+    islands_loss: float = math.nan  # DiLoCo: the mean held-out loss of the islands' own models at their end
     round_steps: dict[str, float] = field(default_factory=dict)  # per island: mean inner steps per round
     losses: dict[str, float] = field(default_factory=dict)  # where the rest of the allocated time went, as shares
 
@@ -59,6 +60,13 @@ def round_steps(events: list[ProgressEvent]) -> dict[str, float]:
             rounds[e.source.island] += e.learner.rounds_begun
             steps[e.source.island] += e.learner.round_inner_steps
     return {island: steps[island] / rounds[island] for island in sorted(rounds) if rounds[island]}
+
+
+def islands_final_loss(events: list[ProgressEvent]) -> float:
+    """The mean held-out loss of the islands' own final models (each island's rank 0 evaluates its model as
+    it ends), beside which the global model is judged: merging must lose nothing the islands learned."""
+    finals = {e.source.island: e.loss for e in events if isinstance(e, DoneEvent) and e.source.rank == 0}
+    return sum(finals.values()) / len(finals) if finals else math.nan
 
 
 def ddp_comm_bytes(parameters: int, workers: int, steps_executed_per_worker: float) -> float:
@@ -141,6 +149,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         mfu=acct.mfu,
         round_steps=round_steps(events),
         losses=acct.losses.shares(acct.allocated_seconds),
+        islands_loss=islands_final_loss(events) if plan.mode != Mode.DDP else math.nan,
     )
     return summary, acct, result
 
@@ -182,6 +191,12 @@ def print_summary(summaries: list[ModeSummary]) -> None:
     for s in summaries:
         rest = ", ".join(f"{name.replace('_', ' ')} {share:.3f}" for name, share in s.losses.items())
         print(f"{s.mode} allocated time not in the model: {rest}")
+    for s in summaries:
+        if math.isfinite(s.islands_loss):
+            print(
+                f"{s.mode} global model {s.final_loss:.3f} vs the islands' own (mean) {s.islands_loss:.3f}: "
+                f"{s.final_loss - s.islands_loss:+.3f}"
+            )
     for s in summaries:
         if s.round_steps:
             steps = ", ".join(f"{island} {n:.1f}" for island, n in s.round_steps.items())
@@ -233,6 +248,17 @@ def plot_curves(path: Path, accounts: list[Account], summaries: list[ModeSummary
     plt.close(fig)
 
 
+def per_island(option: str, text: str, minimum: float) -> tuple[float, ...]:
+    """A comma-separated value per island (islands beyond the list take the default)."""
+    try:
+        values = tuple(float(x) for x in text.split(",")) if text else ()
+    except ValueError:
+        raise ValueError(f"{option} takes comma-separated numbers, one per island, got {text!r}") from None
+    if any(not math.isfinite(v) or v < minimum for v in values):
+        raise ValueError(f"{option} values must be at least {minimum:g}, got {text!r}")
+    return values
+
+
 def build_trace(args: argparse.Namespace, workers: list[str]) -> list[FailureEvent]:
     """The given trace, checked against this job's processes, or a random one made from the options."""
     if args.trace:
@@ -258,19 +284,21 @@ def build_trace(args: argparse.Namespace, workers: list[str]) -> list[FailureEve
 
 
 def run(args: argparse.Namespace) -> int:
-    config = TrainingConfig(
-        inner_steps=args.inner_steps,
-        fragments=args.fragments,
-        overlap_steps=args.overlap_steps,
-        encoding=args.encoding,
-        top_k_fraction=args.top_k_fraction,
-        quorum=args.quorum,
-        grace_seconds=args.grace_seconds,
-        speed_aware=args.speed_aware,
-    )
-    slowdowns = tuple(float(x) for x in args.slowdown.split(",")) if args.slowdown else ()
     workers = [worker_target(f"island-{i}", r) for i in range(args.islands) for r in range(args.ranks_per_island)]
     try:
+        config = TrainingConfig(
+            inner_steps=args.inner_steps,
+            fragments=args.fragments,
+            overlap_steps=args.overlap_steps,
+            encoding=args.encoding,
+            top_k_fraction=args.top_k_fraction,
+            quorum=args.quorum,
+            grace_seconds=args.grace_seconds,
+            speed_aware=args.speed_aware,
+            outer=OuterOptimizerConfig(lr=args.outer_lr, momentum=args.outer_momentum),
+        )
+        slowdowns = per_island("--slowdown", args.slowdown, minimum=1.0)
+        jitters = per_island("--jitter", args.jitter, minimum=0.0)
         QUORUM_WITHIN_ISLANDS.check(
             {"quorum": "--quorum", "islands": "--islands"}, quorum=config.quorum, islands=args.islands
         )
@@ -318,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
             eval_every=args.eval_every,
             checkpoint_every=args.checkpoint_every,
             slowdowns=slowdowns,
+            jitters=jitters,
             reference_step_seconds=args.reference_step_seconds,
             equal_time=args.equal_time,
             trace=tuple(trace),
@@ -392,6 +421,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--top-k-fraction", type=float, default=job.top_k_fraction, help="share of values the sparse encoding sends"
     )
     p.add_argument("--quorum", type=int, default=job.quorum, help="K")
+    p.add_argument("--outer-lr", type=float, default=job.outer.lr, help="the outer optimizer's learning rate")
+    p.add_argument(
+        "--outer-momentum", type=float, default=job.outer.momentum, help="the outer optimizer's Nesterov momentum"
+    )
     p.add_argument(
         "--grace-seconds",
         type=float,
@@ -405,6 +438,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="islands slower than the fastest run fewer inner steps per round, at the fastest's cadence",
     )
     p.add_argument("--slowdown", default="", help="per-island slowdown factors, e.g. 1,1,3,1")
+    p.add_argument(
+        "--jitter",
+        default="",
+        help="per-island step jitter, e.g. 0,0,0,0.3: each step of island 3 lasts a random 0 to 60%% longer",
+    )
     p.add_argument(
         "--equal-time",
         action="store_true",

@@ -30,3 +30,21 @@ def test_a_transfer_rate_no_link_has_is_refused(tmp_path, capsys):
     assert main(args) == 2
     assert "min_transfer_mbps" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_per_island_values_that_are_not_numbers_or_too_small_are_refused(tmp_path, capsys):
+    for option, value, said in (
+        ("--jitter", "0,x", "--jitter takes comma-separated numbers"),
+        ("--jitter", "0,-1", "--jitter values must be at least 0"),
+        ("--slowdown", "1,0.5", "--slowdown values must be at least 1"),
+    ):
+        args = ["run", "--islands", "2", option, value, "--quiet", "--out", str(tmp_path / "run")]
+        assert main(args) == 2
+        assert said in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_outer_momentum_the_optimizer_cannot_take_is_refused(tmp_path, capsys):
+    args = ["run", "--outer-momentum", "1.5", "--quiet", "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    assert "momentum" in capsys.readouterr().err
