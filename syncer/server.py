@@ -429,14 +429,14 @@ class SyncerServer:
             if (request.have.incarnation, request.have.version) == (self.state.incarnation, frag.version):
                 return None
             if delta_encoding is not None and (held := self._held_reference(request)) is not None:
-                version, merged_arrival = frag.version, frag.merged_arrival
+                version, round_opened = frag.version, frag.round_opened
                 differences = [torch.sub(v, h) for v, h in zip(frag.values, held.values)]
             else:
                 _, messages, nbytes = self._pull_reply(request.fragment_id, encoding)
                 if delta_encoding is not None and request.island_id and encoding is Encoding.FP32:
                     self._record_full(request.island_id, request.fragment_id)
                 return ServedPull(messages, nbytes, delta=False)
-        return self._delta_reply(request, held, differences, version, merged_arrival, delta_encoding)
+        return self._delta_reply(request, held, differences, version, round_opened, delta_encoding)
 
     def leave(self, island: str) -> None:
         """The island has finished: it no longer caps the quorum, so a merge that waited only for it is due,
@@ -492,7 +492,7 @@ class SyncerServer:
                 payload.dtype = spec.dtype
             version = _version(self.state.incarnation, frag.version)
             messages = list(
-                wire.fragment_messages(index, version, payloads, blobs, merged_arrival_seconds=frag.merged_arrival)
+                wire.fragment_messages(index, version, payloads, blobs, round_opened_seconds=frag.round_opened)
             )
             cached = (frag.version, messages, sum(len(b) for b in blobs))
             self._replies[(index, encoding)] = cached
@@ -532,7 +532,7 @@ class SyncerServer:
         held: Reference,
         differences: list[torch.Tensor],
         version: int,
-        merged_arrival: float,
+        round_opened: float,
         encoding: Encoding,
     ) -> ServedPull:
         """The difference from `held` to the values of `version` in `encoding`; records what the island will
@@ -553,7 +553,7 @@ class SyncerServer:
             payloads,
             blobs,
             delta_base=request.held.version,
-            merged_arrival_seconds=merged_arrival,
+            round_opened_seconds=round_opened,
         )
         return ServedPull(list(messages), sum(len(b) for b in blobs), delta=True)
 
@@ -772,7 +772,7 @@ class _Servicer:
             staleness=result.staleness,
             cadence_step_seconds=s.cadence_step_seconds(),
             arrival_seconds=result.arrived,
-            merged_arrival_seconds=result.merged_arrival,
+            live_islands=_saturated(result.live_islands, U32),
         )
 
     def Pull(self, request: pb.PullRequest | wire.Undecodable, context: grpc.ServicerContext) -> Iterator[bytes]:

@@ -85,7 +85,7 @@ class PushResult:
     version: int
     staleness: int
     arrived: float = 0.0  # the shard's clock when the push was taken (0 for a duplicate)
-    merged_arrival: float = 0.0  # the median arrival of the merge that made `version` (0: unknown)
+    live_islands: int = 0  # islands live when it was taken
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class ShardFragment:
     merged_keys: set[PushKey] = field(default_factory=set)
     round_progress: float = 0.0  # the share of the outer round in progress already merged (outer_step)
     round_left: set[str] = field(default_factory=set)  # islands that left while the round was in progress
-    merged_arrival: float = 0.0  # the median arrival of the on-time pushes the current version merged
+    round_opened: float = 0.0  # when the round in progress opened: its first merge's median arrival (0: unknown)
     last_merge_unix: float = 0.0
     last_contributors: int = 0
     max_staleness_seen: int = 0
@@ -325,9 +325,8 @@ class ShardState:
         self.touch(key.island, now)
         if step_seconds > 0 and key.island in self.islands:
             self.step_seconds[key.island] = step_seconds
-        return PushResult(
-            duplicate=False, version=frag.version, staleness=staleness, arrived=now, merged_arrival=frag.merged_arrival
-        )
+        live = len(self.live_islands(now))
+        return PushResult(duplicate=False, version=frag.version, staleness=staleness, arrived=now, live_islands=live)
 
     def _record_lateness(self, frag: ShardFragment, staleness: int, now: float) -> None:
         """How long after its round's quorum a contribution arrived. One based on the version before the last
@@ -504,10 +503,11 @@ class ShardState:
         dropped = None if all_finite(values) and all_finite(momentum) else "non_finite"
         if dropped is None:
             frag.values, frag.momentum = values, momentum
+            if frag.round_progress == 0 or frag.round_progress + share > 1 + ROUND_EPSILON:
+                frag.round_opened = merged_arrival(pending)  # this merge opened a round (or carried into one)
             if frag.round_progress + share >= 1 - ROUND_EPSILON:  # a round completed: the next is of those live
                 frag.round_left.clear()
             frag.round_progress = progress
-            frag.merged_arrival = merged_arrival(pending)
             frag.version += 1
             frag.merged_keys |= {p.key for p in pending}
             oldest_useful = frag.version - self.config.max_staleness

@@ -66,8 +66,8 @@ from torch.utils.hooks import RemovableHandle
 from diloco.core.config import Encoding, Mode, TrainingConfig
 from diloco.core.fragments import Fragment, plan_fragments, resume_step, shard_of
 from diloco.core.island_id import check_island_id
-from diloco.core.pace import fragments_due_in, paced_inner_steps, phase_stride
-from diloco.core.phase import QUANTUM, RATE_QUANTUM, Correction, bounded_rate, catch_up, correction, round_offset
+from diloco.core.pace import fragments_due_in, next_due, paced_inner_steps, phase_stride
+from diloco.core.phase import QUANTUM, push_target, round_offset, steered_advance
 from diloco.settings import env_default, load_security, load_token, load_training_config
 from diloco.transport.client import Backoff, SyncerClient
 from diloco.transport.deadlines import BASE_SECONDS
@@ -84,6 +84,7 @@ from diloco.worker.sync import (
     FragmentSync,
     RoundOutcome,
     SyncRequest,
+    SyncResult,
     fragment_bytes,
     fragment_values,
     held_values,
@@ -149,6 +150,8 @@ class _IslandFragment:
     sequence: int = 0
     mixable_at: Fraction | None = None  # while a round runs: the first phase that may act on its result (push + τ)
     began_at: int = 0  # the step the last round began at
+    pushed_at: float = 0.0  # rank 0: when (monotonic) the last round began its push
+    target: float | None = None  # rank 0: when (monotonic) to begin the next push, to keep in phase
 
 
 class Learner:
@@ -266,8 +269,6 @@ class Learner:
         self._metrics_server: WSGIServer | None = None
         self._step_hook: RemovableHandle | None = None
         self._phase = Fraction(0)
-        self._phase_owed = Fraction(0)  # phase units still to advance (or hold back) to keep in phase
-        self._phase_rate = Fraction(0)  # the island's pace beyond its stride, learned from its offsets
         self._sync_seconds = 0.0  # the last round's push and pull, which the island's slack leaves room for
         self._round_steps = config.inner_steps
         self._stats.set_round_steps(self._round_steps)
@@ -566,9 +567,7 @@ class Learner:
         tokens, self._pending_tokens = self._pending_tokens, 0
         self._measure_step(started)
         self._step += 1
-        stride = phase_stride(self.config.inner_steps, self._round_steps)
-        advance, self._phase_owed = catch_up(stride, self._phase_rate, self._phase_owed)
-        before, self._phase = self._phase, self._phase + advance
+        before, self._phase = self._phase, self._phase + self._advance()
         for f in self._fragments:
             f.tokens += tokens
             f.steps += 1
@@ -730,6 +729,7 @@ class Learner:
         if not self.island.is_leader:
             return
         f.sequence += 1
+        f.pushed_at, f.target = time.monotonic(), None  # a target serves one push: the next comes with its merge
         self._stats.add(rounds_begun=1, round_inner_steps=self._round_steps)
         request = SyncRequest(
             fragment=f.plan.index,
@@ -769,27 +769,46 @@ class Learner:
         steps = self.config.overlap_steps / phase_stride(self.config.inner_steps, self._round_steps)
         return max(0.0, float(steps) * self._step_seconds - self._sync_seconds)
 
-    def _phase_correction(self, arrival: float, merged_arrival: float) -> Correction:
-        """What brings this island's pushes in phase with its merges' (`diloco.core.phase`): nothing at a
-        barrier, or while arrivals or the step time are unknown."""
-        if self.synchronous or not (arrival and merged_arrival and self._step_seconds):
-            return Correction()
-        round_seconds = self._round_steps * self._step_seconds
-        offset = round_offset(arrival, merged_arrival, round_seconds)
-        self._stats.set_phase_offset(offset)
+    def _advance(self) -> Fraction:
+        """Phase units this inner step advances: the island's stride, or, once a merge has told it when its next
+        push of the fragment due next should begin, as steered towards then (`diloco.core.phase`); rank 0's
+        decision on every rank. At a barrier, always the stride."""
         stride = phase_stride(self.config.inner_steps, self._round_steps)
-        kept = correction(offset, self._step_seconds, stride, self.config.inner_steps)
-        log.debug(
-            "phase offset",
-            extra={"island": self.island_id, "offset": offset, "owed": float(kept.owed), "rate": float(kept.rate)},
-        )
-        return kept
+        if self.synchronous:
+            return stride
+        advance = stride
+        if self.island.is_leader:
+            point, fragment = next_due(self._phase, self.config.inner_steps, self.config.fragments)
+            target = self._fragments[fragment].target
+            if target is not None:
+                seconds_left = target - time.monotonic()
+                advance = steered_advance(stride, point - self._phase, seconds_left, self._step_seconds)
+        if self.island.distributed:
+            quanta = self.island.broadcast(torch.tensor([int(advance * QUANTUM)], dtype=torch.int64))
+            advance = Fraction(int(quanta.item()), QUANTUM)
+        return advance
+
+    def _keep_in_phase(self, f: _IslandFragment, result: SyncResult) -> None:
+        """Rank 0: when to begin the fragment's next push, from how late this one came to its round
+        (`diloco.core.phase`), in rounds of the job's cadence (the fastest island's H steps); nothing at a
+        barrier, alone (no other island to keep in phase with), or while the arrivals or the step time are
+        unknown."""
+        if self.synchronous or result.live_islands < 2:
+            return
+        if not (result.arrival and result.round_opened and self._step_seconds):
+            return
+        cadence = result.cadence_step_seconds or self._step_seconds
+        round_seconds = self.config.inner_steps * cadence
+        offset = round_offset(result.arrival, result.round_opened, round_seconds)
+        f.target = push_target(f.pushed_at, offset, round_seconds)
+        self._stats.set_phase_offset(offset)
+        log.debug("phase offset", extra={"island": self.island_id, "fragment": f.plan.index, "offset": offset})
 
     def _decisions(self, running: dict[int, Fraction]) -> torch.Tensor:
-        """Rank 0's verdict per fragment: (outcome, incarnation, version, inner steps per round, phase
-        correction in QUANTUMs, pace correction in RATE_QUANTUMs), outcome 0 while a round must go on (reply not
-        in, or fewer than τ steps since its push began), steps per round 0 to keep them as they are."""
-        decisions = torch.zeros(len(self._fragments), 6, dtype=torch.int64)
+        """Rank 0's verdict per fragment: (outcome, incarnation, version, inner steps per round), outcome 0
+        while a round must go on (reply not in, or fewer than τ steps since its push began), steps per round
+        0 to keep them as they are."""
+        decisions = torch.zeros(len(self._fragments), 4, dtype=torch.int64)
         if not self.island.is_leader:
             return decisions
         for index, mixable_at in running.items():
@@ -808,9 +827,7 @@ class Learner:
                     round_.request.step_seconds,
                     result.cadence_step_seconds,
                 )
-            kept = self._phase_correction(result.arrival, result.merged_arrival)
-            decisions[index, 4] = int(kept.owed * QUANTUM)
-            decisions[index, 5] = int(kept.rate * RATE_QUANTUM)
+            self._keep_in_phase(self._fragments[index], result)
             if result.sync_seconds:
                 self._sync_seconds = result.sync_seconds
         return decisions
@@ -822,11 +839,9 @@ class Learner:
         decisions = self.island.broadcast(self._decisions(running)).cpu()
         for index in running:
             f = self._fragments[index]
-            code, incarnation, version, round_steps, owed, rate = decisions[index].tolist()
+            code, incarnation, version, round_steps = decisions[index].tolist()
             if code == 0:
                 continue
-            self._phase_owed += Fraction(owed, QUANTUM)
-            self._phase_rate = bounded_rate(self._phase_rate + Fraction(rate, RATE_QUANTUM))
             if round_steps and round_steps != self._round_steps:
                 log.info("inner steps per round", extra={"island": self.island_id, "steps": round_steps})
                 self._round_steps = round_steps

@@ -74,11 +74,11 @@ class SyncResult:
     version: pb.FragmentVersion | None = None
     values: list[torch.Tensor] | None = None
     cadence_step_seconds: float = 0.0  # the job's cadence the shard answered the push with (0: unknown)
-    # When the shard took the push, and the median arrival of the merge it is measured against (the one that took
-    # it in, or for a stale push the one it missed), both on the shard's clock (`diloco.core.phase`); 0 when
-    # unknown, or when the merge pulled is not the one with the push.
+    # When the shard took the push, and when the round of the merge that brought it back opened, both on the
+    # shard's clock (`diloco.core.phase`); 0 when unknown.
     arrival: float = 0.0
-    merged_arrival: float = 0.0
+    round_opened: float = 0.0
+    live_islands: int = 0  # islands the shard counted live when it took the push
     sync_seconds: float = 0.0  # the push's call and the pull that brought the merge, together
 
 
@@ -198,19 +198,11 @@ class FragmentSync:
         # the next delta, taken against it, does not count this round's progress a second time.
         have = r.base_version if reply.duplicate else reply.current
         result = self._await_merge(have)
-        if reply.duplicate:
-            merged_arrival = 0.0
-        elif reply.staleness:
-            merged_arrival = reply.merged_arrival_seconds
-        elif result.version is not None and result.version.version == have.version + 1:
-            merged_arrival = result.merged_arrival
-        else:
-            merged_arrival = 0.0  # a later merge than the one with the push
         return replace(
             result,
             cadence_step_seconds=reply.cadence_step_seconds,
-            arrival=reply.arrival_seconds if merged_arrival else 0.0,
-            merged_arrival=merged_arrival,
+            arrival=0.0 if reply.duplicate else reply.arrival_seconds,  # a retry's arrival is the first's
+            live_islands=reply.live_islands,
             sync_seconds=push_seconds + result.sync_seconds,
         )
 
@@ -277,7 +269,7 @@ class FragmentSync:
                 outcome=outcome.name, version=pulled.version.version, delta=pulled.delta, bytes=pulled.wire_bytes
             ),
         )
-        return SyncResult(outcome, pulled.version, values, merged_arrival=pulled.merged_arrival)
+        return SyncResult(outcome, pulled.version, values, round_opened=pulled.round_opened)
 
     def _failed(self, call: str, error: grpc.RpcError) -> SyncResult:
         level = logging.DEBUG if self._stopping.is_set() else logging.WARNING

@@ -59,3 +59,14 @@ def fragments_due_in(before: Fraction, after: Fraction, inner_steps: int, fragme
     if last - first + 1 > inner_steps:  # every fragment falls due within any H consecutive points
         points = range(max(1, last - inner_steps + 1), last + 1)
     return sorted({p for point in points for p in fragments_due(point, inner_steps, fragments)})
+
+
+def next_due(phase: Fraction, inner_steps: int, fragments: int) -> tuple[int, int]:
+    """The first due point after `phase` and the lowest fragment due there: where the island's schedule goes
+    next (some fragment is due within any H consecutive points)."""
+    start = max(1, math.floor(phase) + 1)
+    for point in range(start, start + inner_steps):
+        due = fragments_due(point, inner_steps, fragments)
+        if due:
+            return point, due[0]
+    raise AssertionError("every fragment is due within any H consecutive points")

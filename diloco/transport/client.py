@@ -84,7 +84,7 @@ class Pulled:
     tensors: list[tuple[str, torch.Tensor]]
     wire_bytes: int
     delta: bool
-    merged_arrival: float = 0.0  # the shard's clock at the median on-time push of the merge making `version`
+    round_opened: float = 0.0  # the shard's clock when the round `version` belongs to opened (0: unknown)
 
 
 def _method(name: str) -> str:
@@ -339,14 +339,14 @@ class SyncerClient:
         wire_bytes = sum(p.byte_length for p, _ in tensors)
         named = [(p.name, t) for p, t in tensors]
         if not header.HasField("delta_base"):
-            return Pulled(header.version, named, wire_bytes, delta=False, merged_arrival=header.merged_arrival_seconds)
+            return Pulled(header.version, named, wire_bytes, delta=False, round_opened=header.round_opened_seconds)
         if held is None or header.delta_base != (held.version or pb.FragmentVersion()):
             raise wire.WireError(
                 Refusal.INVALID, f"fragment {request.fragment_id}: a difference to values this island does not hold"
             )
         values = apply_delta(held.values, [t for _, t in named])
         named = [(name, v) for (name, _), v in zip(named, values)]
-        return Pulled(header.version, named, wire_bytes, delta=True, merged_arrival=header.merged_arrival_seconds)
+        return Pulled(header.version, named, wire_bytes, delta=True, round_opened=header.round_opened_seconds)
 
     def leave(self, timeout: float) -> None:
         """Tells the shard this island has finished. Tried once: a shard that misses it times the island out

@@ -173,7 +173,7 @@ def fragment_messages(
     blobs: Sequence[bytes],
     max_chunk: int = MAX_CHUNK_BYTES,
     delta_base: pb.FragmentVersion | None = None,
-    merged_arrival_seconds: float = 0.0,
+    round_opened_seconds: float = 0.0,
 ) -> Iterator[bytes]:
     """The serialized FragmentChunk messages of a Seed request or a Pull reply: a header, then the data.
 
@@ -185,7 +185,7 @@ def fragment_messages(
         version=version,
         tensors=payloads,
         delta_base=delta_base,
-        merged_arrival_seconds=merged_arrival_seconds,
+        round_opened_seconds=round_opened_seconds,
     )
     return _messages(pb.FragmentChunk(header=header), blobs, max_chunk)
 

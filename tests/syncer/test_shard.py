@@ -592,19 +592,21 @@ class TestRoundsOfShares:
         self.assert_same(finishing, together)
         assert finishing.fragments[0].round_left == {"d"}, "a, b and c counted for the round that ended; d left after"
 
-    def test_a_merge_remembers_when_its_on_time_pushes_arrived(self):
+    def test_a_round_opens_when_its_first_merge_got_its_pushes(self):
         shard = make_shard(quorum=1, grace_seconds=60.0)
         for island in "abcd":
             shard.join(island, 0.0)
         for island, at in (("a", 10.0), ("b", 10.2), ("c", 11.0)):
             push(shard, island, at)
         shard.merge(0, 11.0)
-        assert shard.fragments[0].merged_arrival == 10.2, "the median of the pushes it took"
-        push(shard, "d", 11.5, base=0)  # d missed that merge: no measure of the next round
+        assert shard.fragments[0].round_opened == 10.2, "the median of the pushes of the merge that opened it"
+        push(shard, "d", 11.5, base=0)  # d missed that merge: its merge ends the round, and opens none
+        shard.merge(0, 11.5)
+        assert shard.fragments[0].round_opened == 10.2
         for island, at in (("a", 20.0), ("b", 20.4)):
             push(shard, island, at, seq=1)
         shard.merge(0, 20.4)
-        assert shard.fragments[0].merged_arrival == 20.2
+        assert shard.fragments[0].round_opened == pytest.approx(20.2), "the next round"
 
     def test_a_round_in_progress_survives_a_restart(self):
         shard = make_shard(quorum=1, grace_seconds=0.0)

@@ -24,51 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n diloco/transport/v1/syncer.proto\x12\tdiloco.v1\"\xac\x01\n\rTensorPayload\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1f\n\x05\x64type\x18\x03 \x01(\x0e\x32\x10.diloco.v1.DType\x12%\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x13.diloco.v1.Encoding\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x62yte_length\x18\x06 \x01(\x04\x12\r\n\x05top_k\x18\x07 \x01(\r\"7\n\x0f\x46ragmentVersion\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\xcd\x01\n\x0e\x46ragmentHeader\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12+\n\x07version\x18\x02 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.diloco.v1.TensorPayload\x12.\n\ndelta_base\x18\x04 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12\x1e\n\x16merged_arrival_seconds\x18\x05 \x01(\x01\"s\n\rFragmentChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.diloco.v1.FragmentHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x42\x06\n\x04part\"7\n\x0bJoinRequest\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x15\n\rnum_fragments\x18\x02 \x01(\r\"\x82\x01\n\tJoinReply\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x17\n\x0fowned_fragments\x18\x03 \x03(\r\x12\x1a\n\x12unseeded_fragments\x18\x04 \x03(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\r\"J\n\tSeedReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12+\n\x07version\x18\x02 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\"\x84\x02\n\nPushHeader\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x02 \x01(\r\x12(\n\x04\x62\x61se\x18\x03 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x13\n\x0binner_steps\x18\x05 \x01(\x04\x12\x10\n\x08sequence\x18\x06 \x01(\x04\x12)\n\x07tensors\x18\x07 \x03(\x0b\x32\x18.diloco.v1.TensorPayload\x12\x14\n\x0cstep_seconds\x18\x08 \x01(\x01\x12\x1a\n\rslack_seconds\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_slack_seconds\"k\n\tPushChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x42\x06\n\x04part\"\xb5\x01\n\tPushReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12+\n\x07\x63urrent\x18\x02 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12\x11\n\tstaleness\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x64\x65nce_step_seconds\x18\x04 \x01(\x01\x12\x17\n\x0f\x61rrival_seconds\x18\x05 \x01(\x01\x12\x1e\n\x16merged_arrival_seconds\x18\x06 \x01(\x01\"\xd8\x01\n\x0bPullRequest\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12(\n\x04have\x18\x02 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12%\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x13.diloco.v1.Encoding\x12\x11\n\tisland_id\x18\x04 \x01(\t\x12#\n\x04held\x18\x05 \x01(\x0b\x32\x15.diloco.v1.HeldValues\x12+\n\x0e\x64\x65lta_encoding\x18\x06 \x01(\x0e\x32\x13.diloco.v1.Encoding\"I\n\nHeldValues\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x06\"!\n\x0cLeaveRequest\x12\x11\n\tisland_id\x18\x01 \x01(\t\"\x0c\n\nLeaveReply\"\x0f\n\rStatusRequest\"\xda\x01\n\x0e\x46ragmentStatus\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0e\n\x06seeded\x18\x02 \x01(\x08\x12+\n\x07version\x18\x03 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12\x0f\n\x07pending\x18\x04 \x01(\r\x12\x19\n\x11last_contributors\x18\x05 \x01(\r\x12\x17\n\x0flast_merge_unix\x18\x06 \x01(\x01\x12\x1a\n\x12max_staleness_seen\x18\x07 \x01(\r\x12\x15\n\rtokens_merged\x18\x08 \x01(\x04\"\xa9\x01\n\x0bStatusReply\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12,\n\tfragments\x18\x03 \x03(\x0b\x32\x19.diloco.v1.FragmentStatus\x12\x14\n\x0clive_islands\x18\x04 \x03(\t\x12\x17\n\x0frejected_pushes\x18\x05 \x01(\x04\x12\x14\n\x0cleft_islands\x18\x06 \x03(\t*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03*X\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46P32\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x12\x08\n\x04INT8\x10\x03\x12\x08\n\x04INT4\x10\x04\x12\n\n\x06SPARSE\x10\x05\x32\xe4\x02\n\x06Syncer\x12\x34\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x14.diloco.v1.JoinReply\x12\x38\n\x04Seed\x12\x18.diloco.v1.FragmentChunk\x1a\x14.diloco.v1.SeedReply(\x01\x12\x39\n\tPushDelta\x12\x14.diloco.v1.PushChunk\x1a\x14.diloco.v1.PushReply(\x01\x12:\n\x04Pull\x12\x16.diloco.v1.PullRequest\x1a\x18.diloco.v1.FragmentChunk0\x01\x12:\n\x06Status\x12\x18.diloco.v1.StatusRequest\x1a\x16.diloco.v1.StatusReply\x12\x37\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x15.diloco.v1.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n diloco/transport/v1/syncer.proto\x12\tdiloco.v1\"\xac\x01\n\rTensorPayload\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1f\n\x05\x64type\x18\x03 \x01(\x0e\x32\x10.diloco.v1.DType\x12%\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x13.diloco.v1.Encoding\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x62yte_length\x18\x06 \x01(\x04\x12\r\n\x05top_k\x18\x07 \x01(\r\"7\n\x0f\x46ragmentVersion\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\xcb\x01\n\x0e\x46ragmentHeader\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12+\n\x07version\x18\x02 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.diloco.v1.TensorPayload\x12.\n\ndelta_base\x18\x04 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12\x1c\n\x14round_opened_seconds\x18\x05 \x01(\x01\"s\n\rFragmentChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.diloco.v1.FragmentHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x42\x06\n\x04part\"7\n\x0bJoinRequest\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x15\n\rnum_fragments\x18\x02 \x01(\r\"\x82\x01\n\tJoinReply\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x17\n\x0fowned_fragments\x18\x03 \x03(\r\x12\x1a\n\x12unseeded_fragments\x18\x04 \x03(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\r\"J\n\tSeedReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12+\n\x07version\x18\x02 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\"\x84\x02\n\nPushHeader\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x02 \x01(\r\x12(\n\x04\x62\x61se\x18\x03 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x13\n\x0binner_steps\x18\x05 \x01(\x04\x12\x10\n\x08sequence\x18\x06 \x01(\x04\x12)\n\x07tensors\x18\x07 \x03(\x0b\x32\x18.diloco.v1.TensorPayload\x12\x14\n\x0cstep_seconds\x18\x08 \x01(\x01\x12\x1a\n\rslack_seconds\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_slack_seconds\"k\n\tPushChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x42\x06\n\x04part\"\xab\x01\n\tPushReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12+\n\x07\x63urrent\x18\x02 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12\x11\n\tstaleness\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x64\x65nce_step_seconds\x18\x04 \x01(\x01\x12\x17\n\x0f\x61rrival_seconds\x18\x05 \x01(\x01\x12\x14\n\x0clive_islands\x18\x06 \x01(\r\"\xd8\x01\n\x0bPullRequest\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12(\n\x04have\x18\x02 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12%\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x13.diloco.v1.Encoding\x12\x11\n\tisland_id\x18\x04 \x01(\t\x12#\n\x04held\x18\x05 \x01(\x0b\x32\x15.diloco.v1.HeldValues\x12+\n\x0e\x64\x65lta_encoding\x18\x06 \x01(\x0e\x32\x13.diloco.v1.Encoding\"I\n\nHeldValues\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x06\"!\n\x0cLeaveRequest\x12\x11\n\tisland_id\x18\x01 \x01(\t\"\x0c\n\nLeaveReply\"\x0f\n\rStatusRequest\"\xda\x01\n\x0e\x46ragmentStatus\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0e\n\x06seeded\x18\x02 \x01(\x08\x12+\n\x07version\x18\x03 \x01(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12\x0f\n\x07pending\x18\x04 \x01(\r\x12\x19\n\x11last_contributors\x18\x05 \x01(\r\x12\x17\n\x0flast_merge_unix\x18\x06 \x01(\x01\x12\x1a\n\x12max_staleness_seen\x18\x07 \x01(\r\x12\x15\n\rtokens_merged\x18\x08 \x01(\x04\"\xa9\x01\n\x0bStatusReply\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12,\n\tfragments\x18\x03 \x03(\x0b\x32\x19.diloco.v1.FragmentStatus\x12\x14\n\x0clive_islands\x18\x04 \x03(\t\x12\x17\n\x0frejected_pushes\x18\x05 \x01(\x04\x12\x14\n\x0cleft_islands\x18\x06 \x03(\t*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03*X\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46P32\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x12\x08\n\x04INT8\x10\x03\x12\x08\n\x04INT4\x10\x04\x12\n\n\x06SPARSE\x10\x05\x32\xe4\x02\n\x06Syncer\x12\x34\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x14.diloco.v1.JoinReply\x12\x38\n\x04Seed\x12\x18.diloco.v1.FragmentChunk\x1a\x14.diloco.v1.SeedReply(\x01\x12\x39\n\tPushDelta\x12\x14.diloco.v1.PushChunk\x1a\x14.diloco.v1.PushReply(\x01\x12:\n\x04Pull\x12\x16.diloco.v1.PullRequest\x1a\x18.diloco.v1.FragmentChunk0\x01\x12:\n\x06Status\x12\x18.diloco.v1.StatusRequest\x1a\x16.diloco.v1.StatusReply\x12\x37\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x15.diloco.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'diloco.transport.v1.syncer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2179
-  _globals['_DTYPE']._serialized_end=2249
-  _globals['_ENCODING']._serialized_start=2251
-  _globals['_ENCODING']._serialized_end=2339
+  _globals['_DTYPE']._serialized_start=2167
+  _globals['_DTYPE']._serialized_end=2237
+  _globals['_ENCODING']._serialized_start=2239
+  _globals['_ENCODING']._serialized_end=2327
   _globals['_TENSORPAYLOAD']._serialized_start=48
   _globals['_TENSORPAYLOAD']._serialized_end=220
   _globals['_FRAGMENTVERSION']._serialized_start=222
   _globals['_FRAGMENTVERSION']._serialized_end=277
   _globals['_FRAGMENTHEADER']._serialized_start=280
-  _globals['_FRAGMENTHEADER']._serialized_end=485
-  _globals['_FRAGMENTCHUNK']._serialized_start=487
-  _globals['_FRAGMENTCHUNK']._serialized_end=602
-  _globals['_JOINREQUEST']._serialized_start=604
-  _globals['_JOINREQUEST']._serialized_end=659
-  _globals['_JOINREPLY']._serialized_start=662
-  _globals['_JOINREPLY']._serialized_end=792
-  _globals['_SEEDREPLY']._serialized_start=794
-  _globals['_SEEDREPLY']._serialized_end=868
-  _globals['_PUSHHEADER']._serialized_start=871
-  _globals['_PUSHHEADER']._serialized_end=1131
-  _globals['_PUSHCHUNK']._serialized_start=1133
-  _globals['_PUSHCHUNK']._serialized_end=1240
-  _globals['_PUSHREPLY']._serialized_start=1243
-  _globals['_PUSHREPLY']._serialized_end=1424
-  _globals['_PULLREQUEST']._serialized_start=1427
-  _globals['_PULLREQUEST']._serialized_end=1643
-  _globals['_HELDVALUES']._serialized_start=1645
-  _globals['_HELDVALUES']._serialized_end=1718
-  _globals['_LEAVEREQUEST']._serialized_start=1720
-  _globals['_LEAVEREQUEST']._serialized_end=1753
-  _globals['_LEAVEREPLY']._serialized_start=1755
-  _globals['_LEAVEREPLY']._serialized_end=1767
-  _globals['_STATUSREQUEST']._serialized_start=1769
-  _globals['_STATUSREQUEST']._serialized_end=1784
-  _globals['_FRAGMENTSTATUS']._serialized_start=1787
-  _globals['_FRAGMENTSTATUS']._serialized_end=2005
-  _globals['_STATUSREPLY']._serialized_start=2008
-  _globals['_STATUSREPLY']._serialized_end=2177
-  _globals['_SYNCER']._serialized_start=2342
-  _globals['_SYNCER']._serialized_end=2698
+  _globals['_FRAGMENTHEADER']._serialized_end=483
+  _globals['_FRAGMENTCHUNK']._serialized_start=485
+  _globals['_FRAGMENTCHUNK']._serialized_end=600
+  _globals['_JOINREQUEST']._serialized_start=602
+  _globals['_JOINREQUEST']._serialized_end=657
+  _globals['_JOINREPLY']._serialized_start=660
+  _globals['_JOINREPLY']._serialized_end=790
+  _globals['_SEEDREPLY']._serialized_start=792
+  _globals['_SEEDREPLY']._serialized_end=866
+  _globals['_PUSHHEADER']._serialized_start=869
+  _globals['_PUSHHEADER']._serialized_end=1129
+  _globals['_PUSHCHUNK']._serialized_start=1131
+  _globals['_PUSHCHUNK']._serialized_end=1238
+  _globals['_PUSHREPLY']._serialized_start=1241
+  _globals['_PUSHREPLY']._serialized_end=1412
+  _globals['_PULLREQUEST']._serialized_start=1415
+  _globals['_PULLREQUEST']._serialized_end=1631
+  _globals['_HELDVALUES']._serialized_start=1633
+  _globals['_HELDVALUES']._serialized_end=1706
+  _globals['_LEAVEREQUEST']._serialized_start=1708
+  _globals['_LEAVEREQUEST']._serialized_end=1741
+  _globals['_LEAVEREPLY']._serialized_start=1743
+  _globals['_LEAVEREPLY']._serialized_end=1755
+  _globals['_STATUSREQUEST']._serialized_start=1757
+  _globals['_STATUSREQUEST']._serialized_end=1772
+  _globals['_FRAGMENTSTATUS']._serialized_start=1775
+  _globals['_FRAGMENTSTATUS']._serialized_end=1993
+  _globals['_STATUSREPLY']._serialized_start=1996
+  _globals['_STATUSREPLY']._serialized_end=2165
+  _globals['_SYNCER']._serialized_start=2330
+  _globals['_SYNCER']._serialized_end=2686
 # @@protoc_insertion_point(module_scope)

@@ -60,18 +60,18 @@ class FragmentVersion(_message.Message):
     def __init__(self, incarnation: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FragmentHeader(_message.Message):
-    __slots__ = ("fragment_id", "version", "tensors", "delta_base", "merged_arrival_seconds")
+    __slots__ = ("fragment_id", "version", "tensors", "delta_base", "round_opened_seconds")
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DELTA_BASE_FIELD_NUMBER: _ClassVar[int]
-    MERGED_ARRIVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_OPENED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     fragment_id: int
     version: FragmentVersion
     tensors: _containers.RepeatedCompositeFieldContainer[TensorPayload]
     delta_base: FragmentVersion
-    merged_arrival_seconds: float
-    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., delta_base: _Optional[_Union[FragmentVersion, _Mapping]] = ..., merged_arrival_seconds: _Optional[float] = ...) -> None: ...
+    round_opened_seconds: float
+    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., delta_base: _Optional[_Union[FragmentVersion, _Mapping]] = ..., round_opened_seconds: _Optional[float] = ...) -> None: ...
 
 class FragmentChunk(_message.Message):
     __slots__ = ("header", "data", "offset", "crc32")
@@ -150,20 +150,20 @@ class PushChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("duplicate", "current", "staleness", "cadence_step_seconds", "arrival_seconds", "merged_arrival_seconds")
+    __slots__ = ("duplicate", "current", "staleness", "cadence_step_seconds", "arrival_seconds", "live_islands")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     CADENCE_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    MERGED_ARRIVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_ISLANDS_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
     current: FragmentVersion
     staleness: int
     cadence_step_seconds: float
     arrival_seconds: float
-    merged_arrival_seconds: float
-    def __init__(self, duplicate: _Optional[bool] = ..., current: _Optional[_Union[FragmentVersion, _Mapping]] = ..., staleness: _Optional[int] = ..., cadence_step_seconds: _Optional[float] = ..., arrival_seconds: _Optional[float] = ..., merged_arrival_seconds: _Optional[float] = ...) -> None: ...
+    live_islands: int
+    def __init__(self, duplicate: _Optional[bool] = ..., current: _Optional[_Union[FragmentVersion, _Mapping]] = ..., staleness: _Optional[int] = ..., cadence_step_seconds: _Optional[float] = ..., arrival_seconds: _Optional[float] = ..., live_islands: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("fragment_id", "have", "encoding", "island_id", "held", "delta_encoding")
