@@ -163,3 +163,12 @@ def test_the_built_in_trainer_reads_the_pods_variables_and_takes_only_its_own_se
     assert worker.env[pod_env.SLOWDOWN] == "2.0" and worker.env[pod_env.MODE] == "diloco"
     assert (tmp_path / "tls" / "token").read_text() == TOKEN
     assert worker.env[pod_env.TOKEN_FILE] == job.syncers[0].env[pod_env.TOKEN_FILE] == str(tmp_path / "tls" / "token")
+
+
+def test_a_command_island_behind_a_link_runs_in_its_namespace_as_the_built_in_trainer_does(tmp_path):
+    plan = RunPlan(mode="diloco", config=TrainingConfig(), out=tmp_path, islands=2, link=Link(mbps=1.0), command=("t",))
+    job = LocalJob(plan)
+    for island, worker in enumerate(job.workers.values()):
+        assert worker.command[:4] == ["ip", "netns", "exec", job.network.namespace(island)]
+        assert worker.command[4:] == [sys.executable, "-m", "diloco.worker.pod_launcher", "t"]
+        assert worker.env[pod_env.SYNCERS] == f"{HUB_ADDRESS}:{job.syncer_ports[0]}"
