@@ -191,6 +191,11 @@ class LearnerTotals:
     rounds_begun: int = 0  # fragment rounds begun (rank 0 of an island)
     round_inner_steps: int = 0  # their inner steps per round together: below H per round on a slow speed-aware island
 
+    @classmethod
+    def of(cls, stats: object) -> LearnerTotals:
+        """The totals of a learner's counters (`diloco.worker.stats.LearnerStats`, read by name)."""
+        return cls(**{f.name: getattr(stats, f.name) for f in fields(cls)})
+
 
 _TOTALS = tuple(f.name for f in fields(LearnerTotals))
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from diloco import pod_env
 from diloco.api.job import (
     DiLoCoJobSpec,
     Exposure,
@@ -48,6 +49,8 @@ from diloco.operator.tokens import fingerprint
 CONFIG_DIR = "/etc/diloco"
 TOKEN_DIR = "/var/run/secrets/diloco"
 CHECKPOINT_DIR = "/var/lib/diloco"
+CONFIG_FILE = f"{CONFIG_DIR}/{n.CONFIG_KEY}"
+TOKEN_FILE = f"{TOKEN_DIR}/{n.TOKEN_KEY}"
 CHECKPOINT_VOLUME = "checkpoints"
 EXPORT_DIR = "/export"
 SHARD_CHECKPOINTS_DIR = "/shards"
@@ -56,7 +59,7 @@ RUN_AS = 10001
 WORKER_COMMAND = ("diloco-worker",)
 SYNCER_COMMAND = ("diloco-syncer",)
 DEFAULT_DATA = "stdlib"
-TRAINER_GRACE_SECONDS = 30
+TRAINER_GRACE_SECONDS = pod_env.DEFAULT_GRACE_SECONDS
 """Seconds an island pod has after SIGTERM unless its pod template sets terminationGracePeriodSeconds: the
 built-in worker finishes its step, pushes its last steps and says Leave within them."""
 
@@ -168,10 +171,7 @@ def _shared_mounts() -> list[dict[str, Any]]:
 
 
 def _shared_env() -> dict[str, str]:
-    return {
-        "DILOCO_CONFIG_FILE": f"{CONFIG_DIR}/{n.CONFIG_KEY}",
-        "DILOCO_TOKEN_FILE": f"{TOKEN_DIR}/{n.TOKEN_KEY}",
-    }
+    return {pod_env.CONFIG_FILE: CONFIG_FILE, pod_env.TOKEN_FILE: TOKEN_FILE}
 
 
 def config_hash(spec: DiLoCoJobSpec, *, syncer: bool) -> str:
@@ -409,39 +409,43 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
     of one rank also gets RANK (the same number), while the ranks of a pod of N are numbered ordinal x N +
     local rank by the pod's launcher (the built-in worker's, or torchrun's). The pod's grace period goes
     down too, so that one setting bounds the worker's last pushes after SIGTERM."""
-    syncers = ",".join(shard_targets(job, spec))
-    values = {
-        **_shared_env(),
-        "DILOCO_JOB": job.name,
-        "DILOCO_ISLAND": island.name,
-        "DILOCO_SYNCERS": syncers,
-        "DILOCO_METRICS_PORT": str(spec.trainer.metrics_port),
-        "DILOCO_ACCELERATORS_PER_POD": str(island.accelerators_per_pod),
-        "DILOCO_TERMINATION_GRACE_SECONDS": str(island_grace_seconds(island)),
-        "DILOCO_CHECKPOINT_DIR": CHECKPOINT_DIR,
-    }
-    if island.checkpoint is not None and island.checkpoint.checkpoint_every is not None:
-        values["DILOCO_CHECKPOINT_EVERY"] = str(island.checkpoint.checkpoint_every)
-    if spec.trainer.preset is not None:
-        values["DILOCO_MODEL"] = spec.trainer.preset.value
-        values["DILOCO_DATA"] = spec.trainer.data or DEFAULT_DATA
-        values["DILOCO_PRECISION"] = (spec.trainer.precision or Precision.AUTO).value
-        values["DILOCO_ACTIVATION_CHECKPOINTING"] = "1" if spec.trainer.activation_checkpointing else "0"
-    ranks_per_pod = max(1, island.accelerators_per_pod)
-    if (threads := threads_per_rank(island)) is not None:
-        values["OMP_NUM_THREADS"] = str(threads)
-    values |= {
-        "WORLD_SIZE": str(island.replicas * ranks_per_pod),
-        "MASTER_ADDR": n.rank0_address(job.name, job.namespace, island.name),
-        "MASTER_PORT": str(spec.trainer.rendezvous_port),
-    }
+    checkpoint = island.checkpoint
+    pod = pod_env.IslandPod(
+        job=job.name,
+        island=island.name,
+        syncers=shard_targets(job, spec),
+        config_file=CONFIG_FILE,
+        token_file=TOKEN_FILE,
+        metrics_port=spec.trainer.metrics_port,
+        accelerators_per_pod=island.accelerators_per_pod,
+        grace_seconds=island_grace_seconds(island),
+        checkpoint_dir=CHECKPOINT_DIR,
+        checkpoint_every=checkpoint.checkpoint_every if checkpoint is not None else None,
+        threads=threads_per_rank(island),
+        world_size=island.replicas * max(1, island.accelerators_per_pod),
+        master_addr=n.rank0_address(job.name, job.namespace, island.name),
+        master_port=spec.trainer.rendezvous_port,
+        trainer=builtin_trainer_env(spec),
+    )
     ordinal = {"valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{n.POD_INDEX_LABEL}']"}}}
-    ranks = ["NODE_RANK", "RANK"] if ranks_per_pod == 1 else ["NODE_RANK"]
     return [
-        *_env(values),
-        *({"name": name, **ordinal} for name in ranks),
-        {"name": "DILOCO_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        *_env(pod.variables()),
+        *({"name": name, **ordinal} for name in pod.ordinal_variables),
+        {"name": pod_env.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
+
+
+def builtin_trainer_env(spec: DiLoCoJobSpec) -> dict[str, str]:
+    """The built-in trainer's settings (`diloco-worker`); none for a command of one's own."""
+    trainer = spec.trainer
+    if trainer.preset is None:
+        return {}
+    return {
+        pod_env.MODEL: trainer.preset.value,
+        pod_env.DATA: trainer.data or DEFAULT_DATA,
+        pod_env.PRECISION: (trainer.precision or Precision.AUTO).value,
+        pod_env.ACTIVATION_CHECKPOINTING: "1" if trainer.activation_checkpointing else "0",
+    }
 
 
 TRAINER_READINESS_PATH = "/readyz"

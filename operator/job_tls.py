@@ -28,6 +28,7 @@ from typing import Any
 
 from diloco.api.job import DiLoCoJobSpec
 from diloco.operator import naming as n
+from diloco.pod_env import tls_variables
 from diloco.transport import certificates
 from diloco.transport.tls import PLAINTEXT, Security, Tls
 
@@ -163,15 +164,15 @@ class JobTls:
 
     def env(self, syncer: bool) -> dict[str, str]:
         """The DILOCO_TLS_* variables (`diloco.settings.load_security`) of a syncer's or an island's container."""
-        tls = self.spec.tls
-        if tls.insecure_plaintext:
-            return {"DILOCO_INSECURE_PLAINTEXT": "1"}
-        env = {"DILOCO_TLS_CA_FILE": f"{TLS_DIR}/{CA_FILE}"}
-        if syncer or self.mutual:
-            env |= {"DILOCO_TLS_CERT_FILE": f"{TLS_DIR}/{CERT_FILE}", "DILOCO_TLS_KEY_FILE": f"{TLS_DIR}/{KEY_FILE}"}
-        if self.mutual:
-            env["DILOCO_TLS_MUTUAL"] = "1"
-        return env
+        if self.spec.tls.insecure_plaintext:
+            return tls_variables(insecure_plaintext=True)
+        own = syncer or self.mutual
+        return tls_variables(
+            ca_file=f"{TLS_DIR}/{CA_FILE}",
+            cert_file=f"{TLS_DIR}/{CERT_FILE}" if own else None,
+            key_file=f"{TLS_DIR}/{KEY_FILE}" if own else None,
+            mutual=self.mutual,
+        )
 
 
 def job_tls(

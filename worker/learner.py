@@ -63,6 +63,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
+from diloco import pod_env
 from diloco.core.config import Encoding, Mode, TrainingConfig
 from diloco.core.fragments import Fragment, plan_fragments, resume_step, shard_of
 from diloco.core.island_id import check_island_id
@@ -76,6 +77,7 @@ from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.worker.error_feedback import ErrorFeedback
 from diloco.worker.island import Island
 from diloco.worker.island_checkpoint import IslandCheckpointer, checkpoint_path, load_error_feedback
+from diloco.worker.loop_instruments import LoopInstruments
 from diloco.worker.metrics import WorkerSnapshot, serve_metrics
 from diloco.worker.pod_ranks import local_position, metrics_port
 from diloco.worker.shutdown import StopRequest
@@ -97,6 +99,9 @@ log = logging.getLogger("diloco.worker")
 
 CHECKPOINT_EVERY = 50
 """Inner steps between two island checkpoints unless told otherwise (DILOCO_CHECKPOINT_EVERY)."""
+
+SYNCHRONOUS_SYNC_SECONDS = 600.0
+"""How long an island of the synchronous baseline waits at its barrier for a merge before it gives the round up."""
 
 CHECKPOINT_CLOSE_SECONDS = 5.0
 """How long `close` waits for an island checkpoint still being written, after the island has left."""
@@ -189,6 +194,7 @@ class Learner:
         checkpoint_dir: Path | None = None,
         checkpoint_every: int = CHECKPOINT_EVERY,
         tokens_per_step: int | None = None,
+        instruments: LoopInstruments | None = None,
     ) -> None:
         """`syncers[i]` is the address of shard i, reached with `security` (TLS, or plaintext by name). A
         round with no merge within `sync_timeout` seconds is abandoned; each call gets `rpc_timeout` seconds
@@ -208,7 +214,10 @@ class Learner:
         steps and at `flush`, and `start` takes up the newest any rank of the island holds. `tokens_per_step`,
         the tokens each rank trains on in one inner step (what the loop reports a step), lets `start` find
         the job's step from the shards' token counts; without it, an island resumes at its checkpoint's
-        step (or 0)."""
+        step (or 0).
+
+        `instruments` write the progress events a local run reads and emulate its slower hardware
+        (`diloco.worker.loop_instruments`)."""
         if not syncers:
             raise ValueError("a learner needs at least one syncer shard")
         if not island_id:
@@ -231,6 +240,7 @@ class Learner:
         self.stop = stop
         self.checkpoint_every = checkpoint_every
         self.tokens_per_step = tokens_per_step
+        self._instruments = instruments
         self._token = token
         if compressed_pulls is None:
             compressed_pulls = env_default("COMPRESSED_PULLS", "1") != "0"
@@ -297,22 +307,27 @@ class Learner:
         readiness endpoint; DILOCO_TERMINATION_GRACE_SECONDS, the pod's grace period, within which the last
         steps are pushed after SIGTERM (whose handler it installs when called on the main thread; Ctrl-C
         keeps its usual meaning); DILOCO_CHECKPOINT_DIR and DILOCO_CHECKPOINT_EVERY, where and how often
-        the island checkpoints its optimizer state. Without `process_group`, an initialised default process
-        group is taken to be the island (one torch.distributed world per island, formed from the WORLD_SIZE,
-        RANK, MASTER_ADDR and MASTER_PORT the operator sets). `options` are the constructor's keyword
-        arguments (`tokens_per_step`, which only the loop knows, among them), which win over the
-        environment."""
-        syncers = [target.strip() for target in (env_default("SYNCERS") or "").split(",") if target.strip()]
+        the island checkpoints its optimizer state (the names: `diloco.pod_env`). A local run's
+        DILOCO_PROGRESS_FILE, DILOCO_MODE, DILOCO_SLOWDOWN, DILOCO_JITTER and DILOCO_REFERENCE_STEP_SECONDS
+        give it the instruments of `diloco.worker.loop_instruments` (DILOCO_MODE=sync-diloco: the synchronous
+        baseline). Without `process_group`, an initialised default process group is taken to be the island
+        (one torch.distributed world per island, formed from the WORLD_SIZE, RANK, MASTER_ADDR and
+        MASTER_PORT the operator sets). `options` are the constructor's keyword arguments (`tokens_per_step`,
+        which only the loop knows, among them), which win over the environment."""
+        env = os.environ
+        syncers = [target.strip() for target in env.get(pod_env.SYNCERS, "").split(",") if target.strip()]
         if not syncers:
-            raise ValueError("DILOCO_SYNCERS is not set: expected comma-separated syncer addresses")
-        island = env_default("ISLAND")
+            raise ValueError(f"{pod_env.SYNCERS} is not set: expected comma-separated syncer addresses")
+        island = env.get(pod_env.ISLAND)
         if not island:
-            raise ValueError("DILOCO_ISLAND is not set: expected this island's id")
+            raise ValueError(f"{pod_env.ISLAND} is not set: expected this island's id")
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
-        stop = StopRequest(float(env_default("TERMINATION_GRACE_SECONDS", "30")))
+        stop = StopRequest(float(env.get(pod_env.TERMINATION_GRACE_SECONDS, pod_env.DEFAULT_GRACE_SECONDS)))
         if threading.current_thread() is threading.main_thread():
             stop.install((signal.SIGTERM,))
+        instruments = LoopInstruments.from_env(env)
+        synchronous = instruments is not None and instruments.synchronous
         settings: dict[str, Any] = {
             "syncers": syncers,
             "token": load_token(None),
@@ -320,10 +335,13 @@ class Learner:
             "island_id": island,
             "process_group": process_group,
             "stop": stop,
-            "metrics_port": metrics_port(int(env_default("METRICS_PORT", "0")), local_position(os.environ)[0]),
-            "metrics_host": env_default("METRICS_HOST", "0.0.0.0"),
-            "checkpoint_dir": Path(folder) if (folder := env_default("CHECKPOINT_DIR")) else None,
-            "checkpoint_every": int(env_default("CHECKPOINT_EVERY", str(CHECKPOINT_EVERY))),
+            "metrics_port": metrics_port(int(env.get(pod_env.METRICS_PORT, "0")), local_position(env)[0]),
+            "metrics_host": env.get(pod_env.METRICS_HOST, "0.0.0.0"),
+            "checkpoint_dir": Path(folder) if (folder := env.get(pod_env.CHECKPOINT_DIR)) else None,
+            "checkpoint_every": int(env.get(pod_env.CHECKPOINT_EVERY, CHECKPOINT_EVERY)),
+            "instruments": instruments,
+            "synchronous": synchronous,
+            "sync_timeout": SYNCHRONOUS_SYNC_SECONDS if synchronous else 60.0,
         }
         return cls(model, optimizer, load_training_config(None), **(settings | options))
 
@@ -382,6 +400,8 @@ class Learner:
         self._warm_start()
         self._step_hook = self.optimizer.register_step_post_hook(self._after_optimizer_step)
         self._started = True
+        if self._instruments is not None:
+            self._instruments.started(self)
         log.info(
             "learner started",
             extra={
@@ -544,6 +564,11 @@ class Learner:
         """Whether `start` restored the inner optimizer's state from an island checkpoint."""
         return self._resumed_warm
 
+    @property
+    def loss(self) -> float:
+        """The latest training loss the loop reported (NaN before any)."""
+        return self._loss
+
     def shard_status(self) -> list[pb.StatusReply]:
         """Every shard's status, in shard order (rank 0 alone holds the channels: [] on the other ranks)."""
         return [client.status() for client in self._clients]
@@ -582,6 +607,8 @@ class Learner:
         self._stats.add(inner_steps=1, tokens=tokens, blocked_seconds=time.perf_counter() - started)
         if self._step % self.checkpoint_every == 0:
             self._save_checkpoint()
+        if self._instruments is not None:
+            self._instruments.stepped(self)
 
     def _save_checkpoint(self) -> None:
         """Starts writing this rank's optimizer state as it is now (skipped while the last write runs)."""
@@ -655,6 +682,8 @@ class Learner:
             self._leave(deadline)
         if wait_for_merges:
             self._await_rounds(max(0.0, deadline - time.monotonic()))
+        if self._instruments is not None and not self._stop_agreed:  # stopped: no end of its own (a roll, a drain)
+            self._instruments.done(self)
 
     def _await_rounds(self, timeout: float, fragments: Sequence[_IslandFragment] | None = None) -> None:
         """Waits for the running rounds (of these `fragments`, default all) and mixes their results now
@@ -701,6 +730,8 @@ class Learner:
         self._stop_metrics()
         if self._checkpointer is not None:
             self._checkpointer.close(CHECKPOINT_CLOSE_SECONDS)
+        if self._instruments is not None:
+            self._instruments.close()
         self.island.release()
         log.info("learner closed", extra={"island": self.island_id, "rank": self.island.rank, **asdict(self.stats)})
 
@@ -756,9 +787,12 @@ class Learner:
             feedback=self._feedback,
         )
         self._rounds[f.plan.index] = round_
+        version = f.base_version
+        push = PushReport(f.plan.index, f.began_at, version.incarnation, version.version, f.sequence)
         if self.on_push is not None:
-            version = f.base_version
-            self.on_push(PushReport(f.plan.index, f.began_at, version.incarnation, version.version, f.sequence))
+            self.on_push(push)
+        if self._instruments is not None:
+            self._instruments.push(push)
         round_.start()
 
     def _slack_seconds(self) -> float | None:
@@ -848,15 +882,11 @@ class Learner:
                 self._stats.set_round_steps(round_steps)
             outcome = RoundOutcome(code)
             f.mixable_at = None
+            ended = RoundReport(index, f.began_at, outcome, version if outcome.adopts else None)
             if self.on_round is not None:
-                self.on_round(
-                    RoundReport(
-                        fragment=index,
-                        began_at_step=f.began_at,
-                        outcome=outcome,
-                        version=version if outcome.adopts else None,
-                    )
-                )
+                self.on_round(ended)
+            if self._instruments is not None:
+                self._instruments.round(ended)
             if outcome.adopts:
                 self._mix(f, Version(incarnation, version))
                 self._last_sync_unix = time.time()

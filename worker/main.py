@@ -31,8 +31,8 @@ with collection_paused():  # torch and its kin: seconds of a start on a busy mac
     from diloco.transport.tls import PLAINTEXT, Role
     from diloco.worker.learner import CHECKPOINT_EVERY
     from diloco.worker.metrics import serve_metrics
-    from diloco.worker.pod_launcher import is_local_rank, launch
-    from diloco.worker.pod_ranks import LOOPBACK, PodShape, local_position, metrics_port
+    from diloco.worker.pod_launcher import WORKER_MODULE, is_local_rank, launch_pod
+    from diloco.worker.pod_ranks import PodShape, local_position, metrics_port
     from diloco.worker.shutdown import StopRequest
     from diloco.worker.trainer import Trainer, TrainerSettings
 
@@ -175,11 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         raise SystemExit(f"diloco-worker: {error}") from None
     if shape.launches_ranks and not is_local_rank():
-        master_addr = os.environ.get("MASTER_ADDR", LOOPBACK)
-        master_port = int(os.environ.get("MASTER_PORT", "29500"))
         arguments = sys.argv[1:] if argv is None else argv
-        grace = args.termination_grace_seconds
-        return launch(shape, arguments, master_addr, master_port, "diloco-worker", grace)
+        command = [sys.executable, "-m", WORKER_MODULE, *arguments]
+        return launch_pod(command, "diloco-worker", args.termination_grace_seconds)
     stop = StopRequest(args.termination_grace_seconds)
     stop.install()
     trainer = Trainer(

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from diloco import pod_env
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -33,11 +35,11 @@ class PodShape:
     def from_env(cls, env: Mapping[str, str]) -> PodShape:
         """From what the operator injects: DILOCO_ACCELERATORS_PER_POD (N; 0 or unset: one process),
         WORLD_SIZE (every rank of the island: pods x N) and NODE_RANK (the pod's ordinal)."""
-        ranks = max(1, int(env.get("DILOCO_ACCELERATORS_PER_POD") or 1))
-        world = int(env.get("WORLD_SIZE") or ranks)
+        ranks = max(1, int(env.get(pod_env.ACCELERATORS_PER_POD) or 1))
+        world = int(env.get(pod_env.WORLD_SIZE) or ranks)
         if world % ranks:
-            raise ValueError(f"WORLD_SIZE={world} is not a whole number of pods of {ranks} ranks")
-        return cls(pods=world // ranks, ranks_per_pod=ranks, node_rank=int(env.get("NODE_RANK") or 0))
+            raise ValueError(f"{pod_env.WORLD_SIZE}={world} is not a whole number of pods of {ranks} ranks")
+        return cls(pods=world // ranks, ranks_per_pod=ranks, node_rank=int(env.get(pod_env.NODE_RANK) or 0))
 
     @property
     def world_size(self) -> int:

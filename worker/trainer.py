@@ -14,7 +14,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,8 +28,6 @@ from diloco.progress import (
     EvalEvent,
     LearnerTotals,
     ProgressWriter,
-    PushEvent,
-    RoundEvent,
     Source,
     StartEvent,
     StepEvent,
@@ -39,7 +37,8 @@ from diloco.transport.tls import Security
 from diloco.worker.adamw import AdamW
 from diloco.worker.data import EVAL_WINDOWS, BatchSampler, evaluate, load_tokens, split_holdout
 from diloco.worker.island import Island
-from diloco.worker.learner import CHECKPOINT_EVERY, Learner, PushReport, RoundReport
+from diloco.worker.learner import CHECKPOINT_EVERY, SYNCHRONOUS_SYNC_SECONDS, Learner, PushReport, RoundReport
+from diloco.worker.loop_instruments import write_push, write_round
 from diloco.worker.metrics import WorkerSnapshot
 from diloco.worker.model import GPT, build_model, resolve_preset
 from diloco.worker.pod_ranks import local_position, place
@@ -192,7 +191,7 @@ class Trainer:
                 island_id=island,
                 process_group=self.group,
                 synchronous=settings.mode == Mode.SYNC_DILOCO,
-                sync_timeout=600.0 if settings.mode == Mode.SYNC_DILOCO else 60.0,
+                sync_timeout=SYNCHRONOUS_SYNC_SECONDS if settings.mode == Mode.SYNC_DILOCO else 60.0,
                 on_round=self._on_round,
                 on_push=self._on_push,
                 flush_timeout=settings.flush_seconds,
@@ -233,23 +232,10 @@ class Trainer:
         )
 
     def _on_round(self, report: RoundReport) -> None:
-        self.progress.write(
-            RoundEvent,
-            fragment=report.fragment,
-            began_at=report.began_at_step,
-            outcome=report.outcome.name,
-            version=report.version,
-        )
+        write_round(self.progress, report)
 
     def _on_push(self, report: PushReport) -> None:
-        self.progress.write(
-            PushEvent,
-            fragment=report.fragment,
-            began_at=report.began_at_step,
-            incarnation=report.incarnation,
-            base_version=report.base_version,
-            sequence=report.sequence,
-        )
+        write_push(self.progress, report)
 
     def _checkpoint_path(self) -> Path | None:
         folder = self.settings.checkpoint_dir
@@ -381,8 +367,7 @@ class Trainer:
         """The learner's counters for the `done` event (none in data-parallel)."""
         if self.learner is None:
             return None
-        stats = self.learner.stats
-        return LearnerTotals(**{f.name: getattr(stats, f.name) for f in fields(LearnerTotals)})
+        return LearnerTotals.of(self.learner.stats)
 
     def _blocked_seconds(self) -> float:
         """Time the training thread has spent on sync work (waiting, in the synchronous baseline)."""

@@ -15,6 +15,7 @@ downtime after a kill and waiting all count against goodput. `Losses` says where
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -58,6 +59,7 @@ class Account:
     process_starts: int
     losses: Losses  # where the allocated time that was not useful went
     eval_curve: list[tuple[int, float]] = field(default_factory=list)
+    train_curve: list[tuple[int, float]] = field(default_factory=list)  # the training loss the workers reported
     tokens_per_second: float = 0.0  # all workers together, while stepping
     mfu: float | None = None  # mean over workers; None when a worker's accelerator peak is unknown
 
@@ -161,6 +163,24 @@ def eval_curve(events: Iterable[ProgressEvent], tokens_per_eval_step: int) -> li
     return [(step * tokens_per_eval_step, sum(v) / len(v)) for step, v in sorted(by_step.items())]
 
 
+TRAIN_CURVE_POINTS = 20
+
+
+def train_curve(events: Iterable[ProgressEvent], points: int = TRAIN_CURVE_POINTS) -> list[tuple[int, float]]:
+    """The training loss the workers reported, as up to `points` points: the steps of every worker in the
+    order they ended, cut into equal runs, each the tokens trained by its end and its steps' mean loss. For
+    a loop of one's own this is the only loss the run sees; its first and last points say whether it fell."""
+    steps = sorted((e for e in events if isinstance(e, StepEvent) and math.isfinite(e.loss)), key=lambda e: e.t)
+    runs = min(points, len(steps))
+    curve = []
+    tokens = 0
+    for run in range(runs):
+        chosen = steps[run * len(steps) // runs : (run + 1) * len(steps) // runs]
+        tokens += sum(e.tokens for e in chosen)
+        curve.append((tokens, sum(e.loss for e in chosen) / len(chosen)))
+    return curve
+
+
 def throughput(events: Iterable[ProgressEvent]) -> tuple[float, float | None]:
     """Tokens per second of all workers together while they step (each slot's tokens over its steps' wall
     time, summed), and their mean model FLOPs utilisation from what each slot's last start reported."""
@@ -221,6 +241,7 @@ def account(
         tokens_trained=sum(e.tokens for e in steps),
         process_starts=len(pids),
         eval_curve=eval_curve(events, tokens_per_eval_step),
+        train_curve=train_curve(events),
         tokens_per_second=tokens_per_second,
         mfu=mfu,
         losses=Losses(first_start, restarting, lost_steps, blocked, other),

@@ -1,11 +1,16 @@
 """A DiLoCo job on one machine: syncer shards and island workers as processes on loopback, supervised the
 way Kubernetes would (a dead worker or shard is replaced), with failures injected from a trace.
 
-Each island is one pod: one `diloco-worker` process, which with more than one rank per island starts them
-as its local ranks (diloco.worker.pod_launcher), as a pod with that many accelerators does. Islands re-form
-when one of their ranks dies (the pod's process and every rank in it stop, and all restart together), and
-other islands never notice. The data-parallel baseline has one world, the islands its nodes: any death
-stops every worker, and all restart from the last checkpoint, as a non-elastic job does.
+Each island is one pod: one `diloco-worker` process, or a command of one's own (`diloco run -- COMMAND`), which
+with more than one rank per island starts them as its local ranks (diloco.worker.pod_launcher), as a pod with
+that many accelerators does. Every island's process gets the environment the operator gives an island's pod
+(`diloco.pod_env.IslandPod`: shards, token and config files, TLS, checkpoint folder, metrics port, grace
+period, rendezvous), plus the run's instruments (`diloco.pod_env.LOCAL_RUN`: where to write progress events,
+the mode, the emulated slowness), through which the built-in trainer and a loop's `Learner.from_env` alike
+report what they do. Islands re-form when one of their ranks dies (the pod's process and every rank in it
+stop, and all restart together), and other islands never notice. The data-parallel baseline has one world,
+the islands its nodes: any death stops every worker, and all restart from the last checkpoint, as a
+non-elastic job does.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diloco import pod_env
 from diloco.core.config import Mode, TrainingConfig
 from diloco.lifetime import launcher_env
 from diloco.local.delay_proxy import DelayProxy
@@ -35,11 +41,18 @@ from diloco.local.wan import Link
 from diloco.progress import StartEvent, read_events
 from diloco.settings import DEFAULT_CORPUS_BYTES
 from diloco.transport.tls import LOOPBACK_NAMES, throwaway_pki
+from diloco.worker.pod_launcher import LAUNCHER_MODULE
 
 log = logging.getLogger("diloco.local.launcher")
 
 TOKEN = "local-run"
+JOB = "local-run"
+GRACE_SECONDS = pod_env.DEFAULT_GRACE_SECONDS
+"""What each island's process is told it has after SIGTERM, and what the launcher gives it before SIGKILL."""
 RESTART_DELAY_SECONDS = 1.0
+FAILURES_BEFORE_TRAINING = 3
+"""Times an island's process may fail before it has ever trained before the run gives up: a loop that cannot
+start (a typo, a missing file) would otherwise be restarted until the run's timeout."""
 POLL_SECONDS = 0.1
 SYNCER_START_SECONDS = 180.0  # importing torch and grpc takes minutes on a saturated machine
 
@@ -50,8 +63,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _write_pem(folder: Path, files: dict[str, bytes]) -> dict[str, Path]:
-    """The run's certificates and keys as files its processes read, readable by this user alone."""
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive ports free on loopback: a pod's local rank r serves metrics on the
+    pod's port + r."""
+    while True:
+        first = free_port()
+        try:
+            for port in range(first + 1, first + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+
+
+def _write_secrets(folder: Path, files: dict[str, bytes]) -> dict[str, Path]:
+    """The run's token, certificates and keys as files its processes read, readable by this user alone."""
     paths = {}
     for name, pem in files.items():
         paths[name] = folder / name
@@ -75,6 +102,7 @@ class RunPlan:
     seed: int = 0
     eval_every: int = 50
     checkpoint_every: int = 50
+    command: tuple[str, ...] = ()  # every island's worker: a loop of one's own; empty: the built-in trainer
     slowdowns: tuple[float, ...] = ()
     jitters: tuple[float, ...] = ()  # per island: each step a random 0 to 2 x this share longer
     reference_step_seconds: float | None = None  # the emulated device's step, which slowdowns multiply
@@ -99,6 +127,11 @@ class RunPlan:
     def jitter(self, index: int) -> float:
         return self.jitters[index] if index < len(self.jitters) else 0.0
 
+    @property
+    def built_in(self) -> bool:
+        """Whether the islands run the built-in trainer, whose steps, model and evaluations the run knows."""
+        return not self.command
+
     def island_steps(self, index: int) -> int:
         """The island's inner steps: `steps`, or with `equal_time` in decoupled DiLoCo, `steps` times how
         many times faster than the slowest island it is, so that every island trains for the slowest's time,
@@ -110,8 +143,10 @@ class RunPlan:
         return round(self.steps * slowest / self.slowdown(index))
 
     @property
-    def total_steps(self) -> int:
-        """Inner steps of every rank of every island together."""
+    def total_steps(self) -> int | None:
+        """Inner steps of every rank of every island together (None: a command's own, unknown)."""
+        if not self.built_in:
+            return None
         return self.ranks_per_island * sum(self.island_steps(i) for i in range(self.islands))
 
 
@@ -171,17 +206,21 @@ class _Proc:
     restart_at: float | None = None
     done: bool = False
     starts: int = 0
+    failures: int = 0  # exits with an error that no injected failure caused
 
     def start(self, log_dir: Path) -> None:
         """In a session of its own, killed as a group, as a container is killed whole (its local ranks, in
         sessions of their own, die with it: diloco.worker.pod_launcher.follow_launcher)."""
-        log_file = open(log_dir / f"{self.name.replace(':', '-').replace('/', '-')}.log", "ab")
+        log_file = open(self.log_path(log_dir), "ab")
         self.proc = subprocess.Popen(
             self.command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
         )
         log_file.close()
         self.restart_at = None
         self.starts += 1
+
+    def log_path(self, log_dir: Path) -> Path:
+        return log_dir / f"{self.name.replace(':', '-').replace('/', '-')}.log"
 
     @property
     def alive(self) -> bool:
@@ -197,6 +236,10 @@ class _Proc:
         self.proc.wait()
 
 
+class IslandCannotStart(RuntimeError):
+    """An island's process kept failing before it ever trained; the message names its log."""
+
+
 @dataclass
 class JobResult:
     started_at: float
@@ -206,6 +249,7 @@ class JobResult:
     merged_contributions: float = 0.0  # island contributions those merges took in (summed over merges)
     global_eval_loss: float | None = None
     model_dir: Path | None = None  # the syncers' final global model, exported (diloco export's format)
+    export_error: str | None = None  # why there is none, for a command
     kills: int = 0
     timed_out: bool = False
     worker_starts: dict[str, int] = field(default_factory=dict)  # per island's process
@@ -245,13 +289,19 @@ class LocalJob:
         self.network = IslandNetwork(plan.islands, plan.link) if plan.link.shaped else None
         # A CA for this run alone, so the shards and islands speak TLS exactly as they do on a cluster.
         self.pki = throwaway_pki(LOOPBACK_NAMES + ((HUB_ADDRESS,) if self.network else ()))
-        self.tls_files = _write_pem(
+        self.secrets = _write_secrets(
             self.out / "tls",
-            {"ca.crt": self.pki.ca.cert, "tls.crt": self.pki.server_cert.cert, "tls.key": self.pki.server_cert.key},
+            {
+                "ca.crt": self.pki.ca.cert,
+                "tls.crt": self.pki.server_cert.cert,
+                "tls.key": self.pki.server_cert.key,
+                "token": TOKEN.encode(),
+            },
         )
         self.syncer_ports = [free_port() for _ in range(plan.shards)]
         self.metrics_ports = [free_port() for _ in range(plan.shards)]
         self.island_ports = [free_port() for _ in range(plan.islands)]
+        self.island_metrics_ports = [free_ports(plan.ranks_per_island) for _ in range(plan.islands)]
         self.syncers = [] if plan.mode == Mode.DDP else [self._syncer(i) for i in range(plan.shards)]
         self.workers = {plan.island_name(i): self._worker(i) for i in range(plan.islands)}
         self._counters = {(shard, name): _CounterTracker() for shard in range(plan.shards) for name in _SYNCER_COUNTERS}
@@ -261,14 +311,57 @@ class LocalJob:
         threads = str(threads or self.plan.threads)
         return {
             **os.environ,
-            "DILOCO_TOKEN": TOKEN,
-            "DILOCO_TLS_CA_FILE": str(self.tls_files["ca.crt"]),
             "OMP_NUM_THREADS": threads,
             "MKL_NUM_THREADS": threads,
             "DILOCO_LOG_LEVEL": os.environ.get("DILOCO_LOG_LEVEL", "WARNING"),  # the run's own: quiet unless asked
             "PYTHONUNBUFFERED": "1",
             **launcher_env(),
         }
+
+    def island_pod(self, island: int) -> pod_env.IslandPod:
+        """What the island's process is told, as the operator tells an island's pod. In data-parallel every
+        island is one pod (node) of one world, which meets at island 0."""
+        p = self.plan
+        ddp = p.mode == Mode.DDP
+        return pod_env.IslandPod(
+            job=JOB,
+            island=p.island_name(island),
+            syncers=[f"{HUB_ADDRESS if self.network else '127.0.0.1'}:{port}" for port in self.syncer_ports],
+            config_file=str(self.config_file),
+            token_file=str(self.secrets["token"]),
+            metrics_port=self.island_metrics_ports[island],
+            accelerators_per_pod=p.ranks_per_island,
+            grace_seconds=GRACE_SECONDS,
+            checkpoint_dir=str(self.out / "checkpoints" / "workers"),
+            checkpoint_every=p.checkpoint_every,
+            threads=p.threads,
+            world_size=(p.islands if ddp else 1) * p.ranks_per_island,
+            master_addr=island_address(0) if self.network and ddp else "127.0.0.1",
+            master_port=self.island_ports[0] if ddp else self.island_ports[island],
+        )
+
+    def island_env(self, island: int) -> dict[str, str]:
+        """The island's variables as an island pod of the operator's gets them: its `island_pod`, the pod's
+        own (ordinal 0 of its island, or its node rank in data-parallel) and the CA that verifies the shards."""
+        pod = self.island_pod(island)
+        ordinal = island if self.plan.mode == Mode.DDP else 0
+        own = pod.own(ordinal, f"{self.plan.island_name(island)}-{ordinal}")
+        return pod.variables() | own | pod_env.tls_variables(ca_file=str(self.secrets["ca.crt"]))
+
+    def run_env(self, island: int) -> dict[str, str]:
+        """What this run gives the island's process beyond a pod's (`diloco.pod_env.LOCAL_RUN`)."""
+        p = self.plan
+        name = p.island_name(island)
+        env = {
+            pod_env.PROGRESS_FILE: str(self.out / "progress" / f"{name}-rank{{rank}}.jsonl"),
+            pod_env.MODE: p.mode,
+            pod_env.SLOWDOWN: str(p.slowdown(island)),
+            pod_env.JITTER: str(p.jitter(island)),
+            pod_env.METRICS_HOST: "127.0.0.1",
+        }
+        if p.reference_step_seconds:
+            env[pod_env.REFERENCE_STEP_SECONDS] = str(p.reference_step_seconds)
+        return env
 
     def _syncer(self, shard: int) -> _Proc:
         command = [
@@ -298,47 +391,43 @@ class LocalJob:
         workers = p.islands * p.ranks_per_island
         env = {
             **self._base_env(syncer_threads(os.cpu_count() or 1, workers, p.threads, p.shards)),
-            "DILOCO_TLS_CERT_FILE": str(self.tls_files["tls.crt"]),
-            "DILOCO_TLS_KEY_FILE": str(self.tls_files["tls.key"]),
+            pod_env.TOKEN_FILE: str(self.secrets["token"]),
+            **pod_env.tls_variables(
+                ca_file=str(self.secrets["ca.crt"]),
+                cert_file=str(self.secrets["tls.crt"]),
+                key_file=str(self.secrets["tls.key"]),
+            ),
         }
         return _Proc(syncer_target(shard), command, env)
 
     def _worker(self, island: int) -> _Proc:
-        """The island's pod: its process, and its ranks as that process's local ranks (the environment the
-        operator gives a pod; in data-parallel every island is one node of one world)."""
+        """The island's pod: its process, and its ranks as that process's local ranks, with the environment
+        the operator gives a pod (`island_env`) and this run's instruments (`run_env`)."""
         p = self.plan
-        name = p.island_name(island)
-        ddp = p.mode == Mode.DDP
-        node_rank = str(island if ddp else 0)
-        env = {
-            **self._base_env(),
-            "DILOCO_ACCELERATORS_PER_POD": str(p.ranks_per_island),
-            "WORLD_SIZE": str((p.islands if ddp else 1) * p.ranks_per_island),
-            "NODE_RANK": node_rank,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(self.island_ports[0] if ddp else self.island_ports[island]),
-        }
-        if self.network and ddp:
-            # One world across the islands' links: it meets at island 0 and all-reduces over each island's own
-            # end of its link, however long a collective takes to cross it.
-            env |= {"MASTER_ADDR": island_address(0), "GLOO_SOCKET_IFNAME": ISLAND_DEVICE}
-            env["DILOCO_DIST_TIMEOUT"] = str(p.timeout)
-        if p.ranks_per_island == 1:
-            env["RANK"] = node_rank
+        env = {**self._base_env(), **self.island_env(island), **self.run_env(island)}
+        if self.network and p.mode == Mode.DDP:
+            # One world across the islands' links: it all-reduces over each island's own end of its link,
+            # however long a collective takes to cross it.
+            env |= {"GLOO_SOCKET_IFNAME": ISLAND_DEVICE, "DILOCO_DIST_TIMEOUT": str(p.timeout)}
         if p.device.startswith("cuda") and p.gpus:
             env["CUDA_VISIBLE_DEVICES"] = island_gpus(island, p.ranks_per_island, p.gpus)
+        if p.built_in:
+            command = self._built_in_command(island)
+        else:
+            # This run's Python first on PATH, as in the trainer image: `python` is the one with diloco and torch.
+            env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
+            command = [sys.executable, "-m", LAUNCHER_MODULE, *p.command]
+        if self.network:
+            command = self.network.command(island, command)
+        return _Proc(f"worker:{p.island_name(island)}", command, env)
+
+    def _built_in_command(self, island: int) -> list[str]:
+        """`diloco-worker` with the built-in trainer's own settings; the rest it reads from the environment."""
+        p = self.plan
         command = [
             sys.executable,
             "-m",
             "diloco.worker.main",
-            "--mode",
-            p.mode,
-            "--island",
-            name,
-            "--syncers",
-            ",".join(f"{HUB_ADDRESS if self.network else '127.0.0.1'}:{port}" for port in self.syncer_ports),
-            "--config",
-            str(self.config_file),
             "--model",
             p.preset,
             "--steps",
@@ -349,11 +438,6 @@ class LocalJob:
             str(p.eval_every),
             "--seed",
             str(p.seed),
-            "--slowdown",
-            str(p.slowdown(island)),
-            "--jitter",
-            str(p.jitter(island)),
-            *(["--reference-step-seconds", str(p.reference_step_seconds)] if p.reference_step_seconds else []),
             "--threads",
             str(p.threads),
             "--device",
@@ -362,18 +446,8 @@ class LocalJob:
             p.precision,
             "--max-data-bytes",
             str(p.max_data_bytes),
-            "--progress-file",
-            str(self.out / "progress" / f"{name}-rank{{rank}}.jsonl"),
-            "--checkpoint-dir",
-            str(self.out / "checkpoints" / "workers"),
-            "--checkpoint-every",
-            str(p.checkpoint_every),
         ]
-        if p.data:
-            command += ["--data", p.data]
-        if self.network:
-            command = self.network.command(island, command)
-        return _Proc(f"worker:{name}", command, env)
+        return command + (["--data", p.data] if p.data else [])
 
     def _fails_with(self, island: str) -> list[_Proc]:
         """The processes that fail together with a rank of `island`: its pod, or everyone in data-parallel."""
@@ -475,8 +549,14 @@ class LocalJob:
             result.finished_at = time.time()
             self._scrape_syncers()
             if self.syncers and not result.timed_out:  # a job that ran out of time has no final model
-                result.model_dir = self._export_global()
-                result.global_eval_loss = self._evaluate(result.model_dir)
+                if self.plan.built_in:  # a command's model and data are its own to evaluate
+                    result.model_dir = self._export_global()
+                    result.global_eval_loss = self._evaluate(result.model_dir)
+                else:
+                    try:
+                        result.model_dir = self._export_global()
+                    except ValueError as error:  # the shards hold nothing: the command never trained
+                        result.export_error = str(error)
         finally:
             for proc in [*self.workers.values(), *self.syncers]:
                 if proc.alive:
@@ -484,7 +564,7 @@ class LocalJob:
             for proc in [*self.workers.values(), *self.syncers]:
                 if proc.proc is not None:
                     try:
-                        proc.proc.wait(30)
+                        proc.proc.wait(GRACE_SECONDS)
                     except subprocess.TimeoutExpired:
                         proc.kill()
         result.syncer_bytes = self._counter("bytes")
@@ -511,7 +591,21 @@ class LocalJob:
                 proc.done = True
             elif code is not None:
                 log.info("worker exited; its island re-forms", extra={"island": name, "code": code})
+                self._check_started(name, proc, code, logs)
                 self._take_down(self._fails_with(name), RESTART_DELAY_SECONDS, now)
+
+    def _check_started(self, island: str, proc: _Proc, code: int, logs: Path) -> None:
+        """Gives up on an island whose process has failed `FAILURES_BEFORE_TRAINING` times and never began
+        training (no start event of the island's): it will not start by being restarted."""
+        proc.failures += 1
+        if proc.failures < FAILURES_BEFORE_TRAINING:
+            return
+        events = read_events(self.out / "progress")
+        if not any(isinstance(e, StartEvent) and e.source.island == island for e in events):
+            raise IslandCannotStart(
+                f"{island} exited {proc.failures} times (last with {code}) before it ever trained; see "
+                f"{proc.log_path(logs)}"
+            )
 
     def _export_global(self) -> Path:
         """The syncers' global model written to `<out>/model`, as `diloco export` writes it."""

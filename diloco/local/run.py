@@ -2,6 +2,10 @@
 and several islands as processes on loopback, shows progress, prints a summary and writes a loss-curve
 PNG. Options make islands slower (mixed hardware), inject failures, and run the baselines (`ddp`:
 all-reduce every step; `sync-diloco`: a barrier at every sync) on the same machine and failure trace.
+
+`diloco run [options] -- COMMAND ARGS...` runs a loop of one's own (one that trains through
+`Learner.from_env`) as every island's worker instead, with the environment the operator gives an island's
+pods, the same failures, summary and export; its loss is the one the loop reports.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -20,7 +25,7 @@ from diloco.core.config import Encoding, Mode, OuterOptimizerConfig, Precision, 
 from diloco.core.rules import QUORUM_WITHIN_ISLANDS
 from diloco.local.failure_trace import FailureEvent, load_trace, random_trace, save_trace, syncer_target, worker_target
 from diloco.local.goodput import Account, account
-from diloco.local.launcher import JobResult, LocalJob, RunPlan, check_gpus
+from diloco.local.launcher import IslandCannotStart, JobResult, LocalJob, RunPlan, check_gpus
 from diloco.local.netns import check_available
 from diloco.local.wan import Link
 from diloco.progress import DoneEvent, EvalEvent, ProgressEvent, ProgressFollower, StepEvent, read_events
@@ -47,6 +52,8 @@ class ModeSummary:
     tokens_per_second_per_accelerator: float = 0.0  # per worker process: one accelerator each
     mfu: float | None = None  # model FLOPs utilisation (None: no accelerator peak known, e.g. on CPU)
     islands_loss: float = math.nan  # DiLoCo: the mean held-out loss of the islands' own models at their end
+    train_loss_start: float = math.nan  # the training loss the islands reported, over the run's first steps
+    train_loss_end: float = math.nan  # ... and over its last
     round_steps: dict[str, float] = field(default_factory=dict)  # per island: mean inner steps per round
     losses: dict[str, float] = field(default_factory=dict)  # where the rest of the allocated time went, as shares
 
@@ -83,15 +90,21 @@ class _ProgressReader:
     def __init__(self, folder: Path) -> None:
         self.events = ProgressFollower(folder)
         self.steps: dict[tuple[str, int], int] = {}
-        self.loss = math.nan
+        self.eval_loss = math.nan
+        self.train_loss = math.nan  # what a loop of one's own reports: it has no held-out evaluation
 
     def poll(self) -> int:
         for event in self.events.poll():
             if isinstance(event, StepEvent):
                 self.steps[event.source.slot] = event.step
+                self.train_loss = event.loss
             elif isinstance(event, EvalEvent):
-                self.loss = event.loss
+                self.eval_loss = event.loss
         return sum(self.steps.values())
+
+    @property
+    def loss(self) -> float:
+        return self.eval_loss if math.isfinite(self.eval_loss) else self.train_loss
 
 
 def mode_config(mode: str, config: TrainingConfig, islands: int) -> TrainingConfig:
@@ -120,7 +133,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         slots=workers,
         fragments=plan.config.fragments,
         started_at=result.started_at,
-        tokens_per_eval_step=workers * plan.batch_size * _context(plan.preset),
+        tokens_per_eval_step=workers * plan.batch_size * _context(plan.preset) if plan.built_in else 0,
     )
     if plan.mode == Mode.DDP:
         finals = [e.loss for e in events if isinstance(e, DoneEvent) and e.source.rank == 0]  # rank 0 evaluates
@@ -150,6 +163,8 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         round_steps=round_steps(events),
         losses=acct.losses.shares(acct.allocated_seconds),
         islands_loss=islands_final_loss(events) if plan.mode != Mode.DDP else math.nan,
+        train_loss_start=acct.train_curve[0][1] if acct.train_curve else math.nan,
+        train_loss_end=acct.train_curve[-1][1] if acct.train_curve else math.nan,
     )
     return summary, acct, result
 
@@ -182,8 +197,9 @@ def print_summary(summaries: list[ModeSummary]) -> None:
     print(header)
     for s in summaries:
         mfu = f"{s.mfu:>5.1%}" if s.mfu is not None else f"{'-':>5}"
+        final = f"{s.final_loss:>9.3f}" if math.isfinite(s.final_loss) else f"{'-':>9}"  # a command's: its own
         print(
-            f"{s.mode:>12} {s.wall_seconds:>7.1f} {s.final_loss:>9.3f} {s.goodput:>8.2f} {s.tokens_trained:>10} "
+            f"{s.mode:>12} {s.wall_seconds:>7.1f} {final} {s.goodput:>8.2f} {s.tokens_trained:>10} "
             f"{s.kills:>5} {s.restarts:>8} {s.comm_bytes_per_token:>12.1f} {s.merges:>6} "
             f"{s.islands_per_merge:>13.2f} {s.tokens_per_second:>9.0f} {s.tokens_per_second_per_island:>10.0f} {mfu}"
             + ("  (timed out)" if s.timed_out else "")
@@ -191,6 +207,12 @@ def print_summary(summaries: list[ModeSummary]) -> None:
     for s in summaries:
         rest = ", ".join(f"{name.replace('_', ' ')} {share:.3f}" for name, share in s.losses.items())
         print(f"{s.mode} allocated time not in the model: {rest}")
+    for s in summaries:
+        if math.isfinite(s.train_loss_start):
+            print(
+                f"{s.mode} training loss the islands reported: {s.train_loss_start:.3f} over the first steps, "
+                f"{s.train_loss_end:.3f} over the last"
+            )
     for s in summaries:
         if math.isfinite(s.islands_loss):
             print(
@@ -210,10 +232,13 @@ def print_summary(summaries: list[ModeSummary]) -> None:
                 continue
             comm = other.comm_bytes_per_token / ours.comm_bytes_per_token if ours.comm_bytes_per_token else math.nan
             good = ours.goodput / other.goodput if other.goodput else math.inf
-            print(
-                f"diloco vs {other.mode}: eval loss ratio {ours.final_loss / other.final_loss:.3f}, "
-                f"goodput ratio {good:.2f}, communication {comm:.0f}x less per token"
+            held_out = math.isfinite(ours.final_loss) and math.isfinite(other.final_loss)
+            loss = (
+                f"eval loss ratio {ours.final_loss / other.final_loss:.3f}"
+                if held_out  # else a loop of one's own: the training loss it reports
+                else f"training loss ratio {ours.train_loss_end / other.train_loss_end:.3f}"
             )
+            print(f"diloco vs {other.mode}: {loss}, goodput ratio {good:.2f}, communication {comm:.0f}x less per token")
 
 
 def plot_curves(path: Path, accounts: list[Account], summaries: list[ModeSummary]) -> None:
@@ -223,7 +248,11 @@ def plot_curves(path: Path, accounts: list[Account], summaries: list[ModeSummary
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    held_out = any(acct.eval_curve for acct in accounts)
     for acct, summary in zip(accounts, summaries):
+        if not held_out and acct.train_curve:  # a loop of one's own: the loss it reports is all the run sees
+            xs, ys = zip(*acct.train_curve)
+            ax.plot(xs, ys, marker="o", markersize=3, label=f"{acct.mode} (training loss the islands reported)")
         if acct.eval_curve:
             xs, ys = zip(*acct.eval_curve)
             (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=f"{acct.mode} (during training)")
@@ -238,8 +267,8 @@ def plot_curves(path: Path, accounts: list[Account], summaries: list[ModeSummary
                     label=f"{acct.mode} final model: {summary.final_loss:.3f}",
                 )
     ax.set_xlabel("tokens trained (all workers)")
-    ax.set_ylabel("held-out loss (nats/byte)")
-    ax.set_title("diloco run: held-out loss")
+    ax.set_ylabel("held-out loss (nats/byte)" if held_out else "training loss (the loop's own)")
+    ax.set_title("diloco run: held-out loss" if held_out else "diloco run: training loss")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
@@ -283,9 +312,34 @@ def build_trace(args: argparse.Namespace, workers: list[str]) -> list[FailureEve
     )
 
 
+DDP_NEEDS_THE_TRAINER = (
+    "ddp is not run for a command: data-parallel all-reduces gradients at every step inside the trainer, which "
+    "a loop of one's own does not do"
+)
+
+
+def run_command(args: argparse.Namespace) -> tuple[str, ...]:
+    """The command after `--` that every island runs, checked against the options that need the built-in
+    trainer (empty: the built-in trainer)."""
+    command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
+    if command and args.mode == Mode.DDP:
+        raise ValueError(f"--mode ddp: {DDP_NEEDS_THE_TRAINER}; run it as diloco or sync-diloco")
+    if command and args.equal_time:
+        raise ValueError("--equal-time sets the built-in trainer's steps; a command counts its own")
+    return command
+
+
+def modes_to_run(mode: str, compare: bool, command: tuple[str, ...]) -> list[str]:
+    """`mode`, then with `compare` the other modes on the same trace: every one for the built-in trainer,
+    the DiLoCo ones for a command (`DDP_NEEDS_THE_TRAINER`)."""
+    others = [m.value for m in Mode if m != mode and not (command and m == Mode.DDP)]
+    return [mode] + (others if compare else [])
+
+
 def run(args: argparse.Namespace) -> int:
     workers = [worker_target(f"island-{i}", r) for i in range(args.islands) for r in range(args.ranks_per_island)]
     try:
+        command = run_command(args)
         config = TrainingConfig(
             inner_steps=args.inner_steps,
             fragments=args.fragments,
@@ -310,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
         config = config.updated(min_transfer_mbps=slowest)
         if link.shaped:
             check_available()
-        modes = [args.mode] + ([m.value for m in Mode if m != args.mode] if args.compare else [])
+        modes = modes_to_run(args.mode, args.compare, command)
         gpus = visible_gpus() if args.device.startswith("cuda") else 0
         check_gpus(args.device, modes, len(workers), gpus)
     except (OSError, ValueError) as error:
@@ -318,9 +372,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     save_trace(args.out / "trace.json", trace)
+    worker = f"`{shlex.join(command)}`" if command else f"{args.steps} steps of the {args.preset} preset"
     print(
         f"diloco run: {args.islands} islands x {args.ranks_per_island} ranks, {args.shards} syncer shard(s), "
-        f"{args.steps} steps of the {args.preset} preset; H={config.inner_steps} P={config.fragments} "
+        f"{worker}; H={config.inner_steps} P={config.fragments} "
         f"tau={config.overlap_steps} {config.encoding.value}; {len(trace)} injected failures; out: {args.out}"
         + (
             f"; each island behind a link of {link.describe()}, its syncs given the time of their bytes at "
@@ -329,6 +384,8 @@ def run(args: argparse.Namespace) -> int:
             else ""
         )
     )
+    if command and args.compare:
+        print(f"diloco run: {DDP_NEEDS_THE_TRAINER}; comparing with {', '.join(modes[1:])} alone")
     summaries, accounts, models = [], [], []
     for mode in modes:
         plan = RunPlan(
@@ -341,6 +398,7 @@ def run(args: argparse.Namespace) -> int:
             steps=args.steps,
             batch_size=args.batch_size,
             preset=args.preset,
+            command=command,
             data=args.data,
             seed=args.seed,
             eval_every=args.eval_every,
@@ -358,12 +416,21 @@ def run(args: argparse.Namespace) -> int:
             gpus=gpus,
             link=link,
         )
-        summary, acct, result = run_mode(plan, quiet=args.quiet)
+        try:
+            summary, acct, result = run_mode(plan, quiet=args.quiet)
+        except IslandCannotStart as error:
+            print(f"diloco run: {error}", file=sys.stderr)
+            return 1
+        if result.export_error:
+            print(
+                f"diloco run: {mode}: no model to export ({result.export_error}); does the command train through "
+                "Learner.from_env?"
+            )
         summaries.append(summary)
         accounts.append(acct)
         models += [result.model_dir] if result.model_dir else []
     print_summary(summaries)
-    if models and not args.quiet:
+    if models and not args.quiet and not command:
         print_sample(models[0], args.data)
     plot_curves(args.out / "loss.png", accounts, summaries)
     (args.out / "summary.json").write_text(json.dumps([asdict(s) for s in summaries], indent=1))
@@ -388,7 +455,11 @@ def print_sample(model_dir: Path, data: str | None) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "run", help="train on this machine: syncers and islands as local processes", description=__doc__
+        "run",
+        help="train on this machine: syncers and islands as local processes",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [options] [-- COMMAND ARGS...]",
     )
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.DILOCO.value)
     p.add_argument("--compare", action="store_true", help="also run the other modes on the same failure trace")
@@ -400,7 +471,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="ranks per island, the local ranks of its one process as a pod's accelerators are (gloo inside)",
     )
     p.add_argument("--shards", type=int, default=1, help="syncer shards")
-    p.add_argument("--steps", type=int, default=200, help="inner steps per worker")
+    p.add_argument("--steps", type=int, default=200, help="inner steps per worker (the built-in trainer's)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--data", help="token or text file (default: the embedded corpus)")
@@ -494,4 +565,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="give up a mode after this many seconds")
     p.add_argument("--out", type=Path, default=Path("out/run"))
     p.add_argument("--quiet", action="store_true", help="no progress bar, no sample of the final model")
+    p.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="after --: a loop of one's own (through Learner.from_env) as every island's worker, e.g. -- python "
+        "train.py; the built-in trainer's options (--steps, --batch-size, --preset, --data, --max-data-bytes, "
+        "--eval-every, --precision) then do not apply",
+    )
     p.set_defaults(func=run)

@@ -11,7 +11,8 @@ served as the metrics the job's status shows). The rest is an ordinary PyTorch l
 optimizer: gradient accumulation over four micro-batches, a GradScaler (active with fp16 autocast on a GPU;
 a step it skips for an inf or NaN gradient is no inner step) and a warmup schedule it steps itself.
 
-    python examples/custom_loop/train.py --steps 200   # with the DILOCO_* variables a pod gets
+    diloco run -- python examples/custom_loop/train.py --steps 200   # 4 islands on this machine
+    python examples/custom_loop/train.py --steps 200                 # with the DILOCO_* variables a pod gets
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from diloco.worker.learner import Learner
@@ -69,9 +71,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     fp16 = device.type == "cuda"
-    model = CharGRU(len(VOCAB)).to(device)
+    model: nn.Module = CharGRU(len(VOCAB)).to(device)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # An island of several ranks (a pod's accelerators, or several pods): its own torch.distributed world,
+        # from the WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT its launcher sets, gradients averaged by DDP.
+        # Learner.from_env takes this default group to be the island.
+        dist.init_process_group("nccl" if fp16 else "gloo")
+        model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     data = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # every island its own sums
@@ -112,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             scheduler.step()
             if learner.inner_step % args.log_every == 0:
                 print(json.dumps({"step": learner.inner_step, "loss": round(float(step_loss), 4)}), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 

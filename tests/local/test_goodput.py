@@ -11,6 +11,7 @@ from diloco.local.goodput import (
     diloco_useful_seconds,
     eval_curve,
     island_leaders,
+    train_curve,
 )
 from diloco.progress import EvalEvent, MergeEvent, PushEvent, RoundEvent, Source, StartEvent, StepEvent
 
@@ -145,3 +146,16 @@ def test_another_rank_takes_its_credit_from_the_rank_0_that_lived_beside_it():
     events = [*first, *second, pushed(1, 0, 3, sequence=11), shard_merged(0, ("island-0", 0, 11))]
     assert diloco_useful_seconds(events, fragments=1) == pytest.approx(3 + 3)
     assert island_leaders(events) == {2: 1, 4: 3}
+
+
+def test_the_training_curve_is_the_loss_the_workers_reported_in_the_order_their_steps_ended():
+    """The loss a loop of one's own reports is the only one the run sees: cut into runs of steps, each at the
+    tokens trained by its end; a step without a loss (NaN, before the loop reported one) is left out."""
+    losses = [4.0, 3.0, 2.0, 1.0, float("nan")]
+    events = [
+        replace(step(pid=1 + i % 2, n=i, t=float(i), island=f"island-{i % 2}"), loss=loss)
+        for i, loss in enumerate(losses)
+    ]
+    assert train_curve(reversed(events), points=2) == [(20, 3.5), (40, 1.5)]
+    assert train_curve(events, points=10) == [(10, 4.0), (20, 3.0), (30, 2.0), (40, 1.0)], "a point a step at most"
+    assert train_curve([], points=10) == []

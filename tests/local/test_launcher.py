@@ -7,8 +7,17 @@ import time
 
 import pytest
 
+from diloco import pod_env
 from diloco.core.config import TrainingConfig
-from diloco.local.launcher import LocalJob, RunPlan, check_gpus, island_gpus, syncer_threads, terminate_as_exit
+from diloco.local.launcher import (
+    TOKEN,
+    LocalJob,
+    RunPlan,
+    check_gpus,
+    island_gpus,
+    syncer_threads,
+    terminate_as_exit,
+)
 from diloco.local.netns import HUB_ADDRESS, ISLAND_DEVICE, island_address
 from diloco.local.wan import Link
 from diloco.progress import ProgressWriter, Source, StartEvent
@@ -86,8 +95,7 @@ def test_islands_behind_a_link_run_in_their_namespaces_and_reach_the_syncers_thr
     job = LocalJob(plan)
     for island, worker in enumerate(job.workers.values()):
         assert worker.command[:4] == ["ip", "netns", "exec", job.network.namespace(island)]
-        syncers = worker.command[worker.command.index("--syncers") + 1]
-        assert syncers == f"{HUB_ADDRESS}:{job.syncer_ports[0]}"
+        assert worker.env[pod_env.SYNCERS] == f"{HUB_ADDRESS}:{job.syncer_ports[0]}"
     assert HUB_ADDRESS in certificates.names_of(job.pki.server_cert.cert), "the certificate names the hub's address"
 
 
@@ -129,3 +137,38 @@ def test_a_sigterm_to_the_launcher_unwinds_it_so_it_stops_what_it_started():
         time.sleep(5)
     assert leaving.value.code == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_command_runs_as_each_islands_pod_through_the_pod_launcher_with_this_python_first(tmp_path):
+    """The pod launcher runs it as the island's process, or as each of its local ranks; `python` in it is the
+    one with diloco and torch, as in the trainer image."""
+    plan = RunPlan(mode="diloco", config=TrainingConfig(), out=tmp_path, islands=2, command=("python", "train.py"))
+    job = LocalJob(plan)
+    for island, worker in enumerate(job.workers.values()):
+        assert worker.command == [sys.executable, "-m", "diloco.worker.pod_launcher", "python", "train.py"]
+        assert worker.env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
+        assert worker.env[pod_env.ISLAND] == f"island-{island}"
+        assert worker.env[pod_env.PROGRESS_FILE] == str(tmp_path / "progress" / f"island-{island}-rank{{rank}}.jsonl")
+    assert plan.total_steps is None, "a command counts its own steps"
+
+
+def test_the_built_in_trainer_reads_the_pods_variables_and_takes_only_its_own_settings_as_flags(tmp_path):
+    job = LocalJob(RunPlan(mode="diloco", config=TrainingConfig(), out=tmp_path, islands=1, slowdowns=(2.0,)))
+    worker = job.workers["island-0"]
+    flags = {arg for arg in worker.command if arg.startswith("--")}
+    assert flags == {
+        "--model", "--steps", "--batch-size", "--eval-every", "--seed", "--threads", "--device", "--precision",
+        "--max-data-bytes",
+    }  # fmt: skip
+    assert worker.env[pod_env.SLOWDOWN] == "2.0" and worker.env[pod_env.MODE] == "diloco"
+    assert (tmp_path / "tls" / "token").read_text() == TOKEN
+    assert worker.env[pod_env.TOKEN_FILE] == job.syncers[0].env[pod_env.TOKEN_FILE] == str(tmp_path / "tls" / "token")
+
+
+def test_a_command_island_behind_a_link_runs_in_its_namespace_as_the_built_in_trainer_does(tmp_path):
+    plan = RunPlan(mode="diloco", config=TrainingConfig(), out=tmp_path, islands=2, link=Link(mbps=1.0), command=("t",))
+    job = LocalJob(plan)
+    for island, worker in enumerate(job.workers.values()):
+        assert worker.command[:4] == ["ip", "netns", "exec", job.network.namespace(island)]
+        assert worker.command[4:] == [sys.executable, "-m", "diloco.worker.pod_launcher", "t"]
+        assert worker.env[pod_env.SYNCERS] == f"{HUB_ADDRESS}:{job.syncer_ports[0]}"

@@ -1,6 +1,7 @@
 """`diloco run` refuses a job the cluster would refuse, before it starts a process."""
 
 from diloco.cli import main
+from diloco.local.run import modes_to_run
 
 
 def test_a_quorum_above_the_islands_is_refused(tmp_path, capsys):
@@ -48,3 +49,23 @@ def test_an_outer_momentum_the_optimizer_cannot_take_is_refused(tmp_path, capsys
     args = ["run", "--outer-momentum", "1.5", "--quiet", "--out", str(tmp_path / "run")]
     assert main(args) == 2
     assert "momentum" in capsys.readouterr().err
+
+
+def test_ddp_with_a_command_is_refused_saying_why(tmp_path, capsys):
+    args = ["run", "--mode", "ddp", "--quiet", "--out", str(tmp_path / "run"), "--", "python", "train.py"]
+    assert main(args) == 2
+    assert "ddp is not run for a command: data-parallel all-reduces gradients" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_equal_time_with_a_command_is_refused_since_the_command_counts_its_own_steps(tmp_path, capsys):
+    args = ["run", "--equal-time", "--quiet", "--out", str(tmp_path / "run"), "--", "python", "train.py"]
+    assert main(args) == 2
+    assert "--equal-time sets the built-in trainer's steps" in capsys.readouterr().err
+
+
+def test_compare_runs_every_mode_for_the_trainer_and_sync_diloco_beside_a_command():
+    assert modes_to_run("diloco", True, ()) == ["diloco", "sync-diloco", "ddp"]
+    assert modes_to_run("diloco", True, ("python", "train.py")) == ["diloco", "sync-diloco"]
+    assert modes_to_run("sync-diloco", True, ("python", "train.py")) == ["sync-diloco", "diloco"]
+    assert modes_to_run("diloco", False, ("python", "train.py")) == ["diloco"]

@@ -5,6 +5,7 @@ the two ranks share it over gloo)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -156,3 +157,78 @@ def test_no_rank_outlives_the_pods_process_killed_with_sigkill(start_shards, tmp
         wait_until(lambda: not any(alive(pid) for pid in ranks.values()), timeout=30, interval=0.2)
     finally:
         pod.kill()
+
+
+RANK_SCRIPT = """
+import json, os, sys, time
+values = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "DILOCO_ISLAND")}
+with open(os.path.join(sys.argv[1], f"rank{values['RANK']}.json"), "w") as out:
+    json.dump({**values, "pid": os.getpid()}, out)
+while values["RANK"] == "1":  # once rank 0 has written too, after argv[2] seconds
+    if os.path.exists(os.path.join(sys.argv[1], "rank0.json")):
+        time.sleep(float(sys.argv[2])); sys.exit(3)
+    time.sleep(0.05)
+time.sleep(3600)
+"""
+
+
+def start_command_pod(tmp_path: Path, ranks: int, rank_1_lives: float) -> subprocess.Popen:
+    """`python -m diloco.worker.pod_launcher COMMAND` as the operator configures a one-pod island of `ranks`
+    accelerators; the command writes what it was given, and its rank 1 exits 3 after `rank_1_lives` s."""
+    env = {
+        **os.environ,
+        "DILOCO_ACCELERATORS_PER_POD": str(ranks),
+        "WORLD_SIZE": str(ranks),
+        "NODE_RANK": "0",
+        "MASTER_ADDR": "pod-0.island.invalid",
+        "MASTER_PORT": str(free_port()),
+        "DILOCO_ISLAND": "own-loop",
+        **({"RANK": "0"} if ranks == 1 else {}),
+    }
+    command = ["python", "-c", RANK_SCRIPT, str(tmp_path), str(rank_1_lives)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "diloco.worker.pod_launcher", "--", *command],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def given(tmp_path: Path, rank: int) -> dict | None:
+    path = tmp_path / f"rank{rank}.json"
+    return json.loads(path.read_text()) if path.exists() and path.read_text().endswith("}") else None
+
+
+def test_a_command_of_ones_own_runs_as_every_local_rank_and_a_failed_rank_takes_the_pod_down(tmp_path):
+    pod = start_command_pod(tmp_path, ranks=2, rank_1_lives=1.0)
+    try:
+        ranks = wait_until(lambda: (r := [given(tmp_path, k) for k in (0, 1)]) and all(r) and r, timeout=120)
+        code, out = finish(pod)
+    finally:
+        pod.kill()
+    assert [(r["RANK"], r["LOCAL_RANK"], r["WORLD_SIZE"]) for r in ranks] == [("0", "0", "2"), ("1", "1", "2")]
+    assert all(r["DILOCO_ISLAND"] == "own-loop" for r in ranks), "the pod's environment reaches every rank"
+    assert code == 3, out
+    assert not alive(ranks[0]["pid"]), "the launcher stopped the surviving rank"
+
+
+def test_no_rank_of_a_command_outlives_the_pods_process_killed_with_sigkill(tmp_path):
+    pod = start_command_pod(tmp_path, ranks=2, rank_1_lives=3600)
+    try:
+        ranks = wait_until(lambda: (r := [given(tmp_path, k) for k in (0, 1)]) and all(r) and r, timeout=120)
+        pod.kill()
+        pod.wait(30)
+        wait_until(lambda: not any(alive(r["pid"]) for r in ranks), timeout=30, interval=0.2)
+    finally:
+        pod.kill()
+
+
+def test_a_pod_of_one_process_becomes_the_command(tmp_path):
+    pod = start_command_pod(tmp_path, ranks=1, rank_1_lives=0)
+    try:
+        ran = wait_until(lambda: given(tmp_path, 0), timeout=60)
+    finally:
+        pod.kill()
+        pod.wait(30)
+    assert ran["pid"] == pod.pid, "the launcher execs the command in a pod of one process: no agent between"
