@@ -70,7 +70,9 @@ class RunPlan:
     shards: int = 1
     steps: int = 300
     batch_size: int = 16
-    preset: str = "tiny"
+    model: str = "tiny"  # a preset, or a transformers configuration (diloco.worker.language_model.ModelSpec)
+    tokenizer: str | None = None
+    init_from: str | None = None
     data: str | None = None
     seed: int = 0
     eval_every: int = 50
@@ -336,7 +338,7 @@ class LocalJob:
             "--config",
             str(self.config_file),
             "--model",
-            p.preset,
+            p.model,
             "--steps",
             str(p.island_steps(island)),
             "--batch-size",
@@ -363,8 +365,11 @@ class LocalJob:
             "--checkpoint-every",
             str(p.checkpoint_every),
         ]
-        if p.data:
-            command += ["--data", p.data]
+        if not ddp:  # each island reads its own share of the training set; data-parallel's one world shares one
+            command += ["--data-shard", str(island), "--data-shards", str(p.islands)]
+        for flag, value in (("--data", p.data), ("--tokenizer", p.tokenizer), ("--init-from", p.init_from)):
+            if value:
+                command += [flag, value]
         if self.network:
             command = self.network.command(island, command)
         return _Proc(f"worker:{name}", command, env)
@@ -508,19 +513,20 @@ class LocalJob:
                 self._take_down(self._fails_with(name), RESTART_DELAY_SECONDS, now)
 
     def _export_global(self) -> Path:
-        """The syncers' global model written to `<out>/model`, as `diloco export` writes it."""
+        """The syncers' global model written to `<out>/model`, as `diloco export` writes it (Hugging Face's
+        layout, with its tokenizer)."""
         from diloco.export import assemble, model_files
 
         folder = self.plan.out / "model"
         targets = [f"127.0.0.1:{port}" for port in self.syncer_ports]
-        model_files.save(folder, assemble.from_shards(targets, TOKEN, security=self.pki.client), self.plan.config)
+        model = assemble.from_shards(targets, TOKEN, security=self.pki.client)
+        model_files.save(folder, model, self.plan.model, self.plan.config, tokenizer=self.plan.tokenizer)
         return folder
 
     def _evaluate(self, model_dir: Path) -> float:
-        """The held-out loss of an exported model, on the windows every worker evaluates."""
+        """The held-out loss of an exported model as the trainer measures it, on the windows every worker
+        evaluates."""
         from diloco.export import model_files
-        from diloco.worker.data import evaluate, load_tokens, split_holdout
 
-        model = model_files.load(model_dir).built_in().to(self.plan.device)
-        _, heldout = split_holdout(load_tokens(self.plan.data, self.plan.max_data_bytes))
-        return evaluate(model, heldout, model.preset.context, self.plan.batch_size)
+        p = self.plan
+        return model_files.evaluate_export(model_dir, p.data, p.max_data_bytes, p.batch_size, tokenizer=p.tokenizer)
