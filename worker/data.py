@@ -312,14 +312,20 @@ def save_position(path: Path, position: DataPosition, identity: dict[str, int]) 
 
 
 def load_position(path: Path, identity: dict[str, int]) -> DataPosition | None:
-    """The position saved at `path` for the same data, else None (none saved, unreadable, or other data)."""
+    """The position saved at `path` for the same data, else None (none saved, unreadable, or other data).
+    Saved for the same data cut among another number of islands (islands added or removed), it is the start
+    of the next epoch: the shares of this one changed hands, and only a new epoch reads none twice."""
     try:
         saved = json.loads(path.read_text())
-        if saved.get("of") != identity:
-            return None
-        return DataPosition(int(saved["epoch"]), int(saved["window"]))
+        position = DataPosition(int(saved["epoch"]), int(saved["window"]))
+        of = dict(saved["of"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    if of == identity:
+        return position
+    recut = ("shard", "shards")
+    same_data = {k: v for k, v in of.items() if k not in recut} == {k: v for k, v in identity.items() if k not in recut}
+    return DataPosition(position.epoch + 1, 0) if same_data else None
 
 
 EVAL_WINDOWS = 128

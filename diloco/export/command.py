@@ -23,7 +23,8 @@ def export(args: argparse.Namespace) -> int:
             token, security = load_token(args.token_file), load_security(Role.CLIENT, args)
             model = assemble.from_shards(targets, token, security=security)
         training = load_training_config(args.config) if args.config else None
-        config = model_files.save(args.out, model, args.model, training, tokenizer=args.tokenizer)
+        named = args.model or env_default("INIT_FROM")  # a checkpoint folder trained on holds its configuration
+        config = model_files.save(args.out, model, named, training, tokenizer=args.tokenizer)
     except (OSError, ValueError) as error:
         print(f"diloco export: {error}", file=sys.stderr)
         return 2

@@ -184,7 +184,8 @@ def test_a_saved_position_is_taken_up_only_for_the_same_data(tmp_path):
     assert load_position(path, identity) is None
     save_position(path, DataPosition(2, 17), identity)
     assert load_position(path, identity) == DataPosition(2, 17)
-    assert load_position(path, identity | {"shards": 3}) is None, "a position in another cut of the data"
+    assert load_position(path, identity | {"seed": 1}) is None, "a position in other data"
+    assert load_position(path, identity | {"shards": 3}) == DataPosition(3, 0), "recut: the next epoch"
     path.write_text("{not json")
     assert load_position(path, identity) is None
 
