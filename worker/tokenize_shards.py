@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from diloco.worker.documents import TEXT_FIELD, TEXT_SUFFIXES, read_documents, shard_files
-from diloco.worker.tokenizer import encode_documents, load_tokenizer
+from diloco.worker.tokenizer import STDLIB_BPE, encode_documents, load_tokenizer
 
 
 def tokenize(sources: list[Path], tokenizer_file: Path, out: Path, text_field: str = TEXT_FIELD) -> list[Path]:
@@ -52,7 +52,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "tokenize", help="turn text shards (txt, jsonl, parquet) into token files", description=__doc__
     )
     p.add_argument("sources", type=Path, nargs="+", help="text shards, or folders holding them")
-    p.add_argument("--tokenizer", type=Path, required=True, help="a tokenizer.json (or the folder holding one)")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=STDLIB_BPE,
+        help="a tokenizer.json (or the folder holding one); default: the BPE of the medium and larger presets",
+    )
     p.add_argument("--out", type=Path, required=True, help="the folder to write .npy token files into")
     p.add_argument("--text-field", default=TEXT_FIELD, help="the text of .jsonl and .parquet rows")
     p.set_defaults(func=command)
