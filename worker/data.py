@@ -120,7 +120,7 @@ def load_tokens(
                 tokens = np.frombuffer(handle.read(remaining), np.uint8)
             remaining -= tokens.nbytes
         else:
-            documents = _capped(read_documents(path, text_field), remaining)
+            documents = _Capped(read_documents(path, text_field), remaining)
             tokens = encode_documents(tokenizer, documents, desc=f"tokenising {path.name}", quiet=quiet)
             remaining -= documents.used
         parts.append(tokens)
@@ -130,7 +130,7 @@ def load_tokens(
     return _as_tensor(joined)
 
 
-class _capped:
+class _Capped:
     """Documents until `budget` bytes of UTF-8 are used, the last one cut there; `used` counts them."""
 
     def __init__(self, documents: Iterator[str], budget: int) -> None:

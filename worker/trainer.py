@@ -179,7 +179,13 @@ class Trainer:
         self.model = self.lm.module
         self.context = self.lm.context
         tokenizer = tokenizer_for(self.lm.vocab_size, settings.tokenizer)
-        tokens = load_tokens(settings.data, settings.max_data_bytes, tokenizer, text_field=settings.text_field)
+        tokens = load_tokens(  # text is tokenised here, with a progress bar on the island's rank 0 (its log)
+            settings.data,
+            settings.max_data_bytes,
+            tokenizer,
+            text_field=settings.text_field,
+            quiet=not self.ranks.is_leader,
+        )
         if int(tokens.max()) >= self.lm.vocab_size:
             raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary ({self.lm.vocab_size})")
         self.train_tokens, self.heldout = split_holdout(tokens)
