@@ -24,17 +24,15 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 from torch import nn
 
 from diloco.settings import DEFAULT_CORPUS_BYTES
 from diloco.worker.documents import TEXT_FIELD, is_text, read_documents, shard_files
-
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+from diloco.worker.tokenizer import encode_documents
 
 STDLIB_SOURCE = "stdlib"
 
@@ -100,8 +98,6 @@ def load_tokens(
       end-of-text token), or without one read as bytes (vocab 256).
     Returned in the narrowest torch dtype that holds the ids.
     """
-    from diloco.worker.tokenizer import encode_documents
-
     _check_cap(max_bytes)
     if source is None or source == STDLIB_SOURCE:
         if tokenizer is None:
@@ -332,7 +328,8 @@ EVAL_WINDOWS = 128
 """Held-out windows every evaluation averages over, whatever the batch size it runs in, so that runs with
 different batch sizes (a data-parallel baseline at the islands' global batch, say) are measured alike."""
 
-Forward = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+Forward = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
+"""A model's forward pass: (tokens, targets or None) -> (logits, mean next-token cross-entropy or None)."""
 
 
 def evaluate(

@@ -16,7 +16,7 @@ returns logits and the mean next-token cross-entropy.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,11 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diloco.worker.data import Forward
 from diloco.worker.model import GPT, PRESETS, build_model, from_gpt2_names, resolve_preset
 
 CONFIG_FILE = "config.json"
-
-Forward = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass(frozen=True)

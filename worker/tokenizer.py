@@ -3,7 +3,7 @@ with as a `tokenizer.json` any Hugging Face loader reads.
 
 - The byte-level presets (`tiny`, `small`) read bytes: `byte_tokenizer` maps byte b to id b exactly, so the
   trainer keeps reading bytes directly (no tokenizer in the loop) and the export still has a tokenizer.
-- The BPE presets (`medium` and up) read `stdlib-bpe.json`, a byte-level BPE of `STDLIB_BPE_VOCAB` tokens
+- The BPE presets (`medium` and up) read `stdlib-bpe.json`, a byte-level BPE of `diloco.worker.model.BPE_VOCAB` tokens
   trained on the embedded corpus by `python -m diloco.worker.train_tokenizer` (committed beside this file:
   nothing can be downloaded where the trainer runs).
 - A job may name its own `tokenizer.json` (trainer.tokenizer), for a transformers model or a preset.
@@ -23,10 +23,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 
 STDLIB_BPE = Path(__file__).with_name("stdlib-bpe.json")
-STDLIB_BPE_VOCAB = 16384
-"""Tokens of the committed BPE (a multiple of 64, for the matmuls): enough for 8 MiB of Python source, whose
-rarer identifiers a larger vocabulary would only memorise, and a file of well under a megabyte."""
-
 END_OF_TEXT_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 """Names under which a tokenizer.json holds its end-of-text token, the first found wins (GPT-2's, Llama 2's,
 Llama 3's, Gemma's)."""
