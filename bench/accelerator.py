@@ -37,7 +37,7 @@ def measure(preset: str, precision: str, args: argparse.Namespace) -> Measured:
     torch.cuda.reset_peak_memory_stats()
     settings = TrainerSettings(
         mode=Mode.DDP.value,
-        preset=preset,
+        model=preset,
         batch_size=args.batch_size,
         steps=args.steps,
         eval_every=10**9,

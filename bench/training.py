@@ -296,7 +296,7 @@ def main() -> int:
         help="islands emulate devices whose step takes this long (diloco.worker.slowdown), so that sharing this "
         "machine's cores does not set them apart",
     )
-    p.add_argument("--preset", default="tiny", help="model preset (medium: GPT-2 small size, for an accelerator)")
+    p.add_argument("--preset", default="tiny", help="model preset (medium: GPT-2 small's shape, for an accelerator)")
     p.add_argument("--device", default="cpu", help="cuda: the islands share the machine's GPUs as processes")
     p.add_argument("--precision", default="auto", help="auto (bf16 on accelerators), bf16 or fp32")
     p.add_argument("--max-data-bytes", type=int, default=DEFAULT_CORPUS_BYTES, help="of the embedded corpus")

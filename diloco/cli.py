@@ -11,6 +11,7 @@ from collections.abc import Sequence
 SUBCOMMANDS = (
     "diloco.local.run",
     "diloco.export.command",
+    "diloco.worker.tokenize_shards",
     "diloco.shard_status",
     "diloco.sim.simulate",
 )

@@ -82,6 +82,8 @@ class StartEvent(ProgressEvent):
     flops_per_token: float = 0.0
     peak_flops: float | None = None
     warm: bool = False
+    data_epoch: int = 0  # where the island takes up its share of the training set (diloco.worker.data)
+    data_window: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class StepEvent(ProgressEvent):
     tokens_per_second: float = 0.0
     mfu: float | None = None
     overran: bool = False
+    data_from: tuple[int, int] = (0, 0)  # the island's data position (epoch, window) before and after the step
+    data_to: tuple[int, int] = (0, 0)
 
     @property
     def compute_seconds(self) -> float:

@@ -36,6 +36,7 @@ from diloco.api.job import (
     PodTemplateOverride,
     ResourceRequirements,
     Toleration,
+    TrainerSpec,
     VolumeRequest,
     validate_job_name,
 )
@@ -402,6 +403,17 @@ def threads_per_rank(island: IslandSpec) -> int | None:
     return max(1, int(parse_quantity(str(cpu)) // max(1, island.accelerators_per_pod)))
 
 
+def builtin_model_env(trainer: TrainerSpec) -> dict[str, str]:
+    """The model and tokenizer as the built-in worker and `diloco export` read them (DILOCO_MODEL, a preset, a
+    path or the inline configuration; DILOCO_INIT_FROM; DILOCO_TOKENIZER)."""
+    values = {pod_env.MODEL: trainer.model_argument}
+    if trainer.init_from is not None:
+        values[pod_env.INIT_FROM] = trainer.init_from
+    if trainer.tokenizer is not None:
+        values[pod_env.TOKENIZER] = trainer.tokenizer
+    return values
+
+
 def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[dict[str, Any]]:
     """DILOCO_* for `Learner.from_env` and the built-in worker, and torch.distributed's static rendezvous,
     whose master is the island's ordinal-0 pod. The world is every rank of the island: one per accelerator
@@ -425,7 +437,7 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
         world_size=island.replicas * max(1, island.accelerators_per_pod),
         master_addr=n.rank0_address(job.name, job.namespace, island.name),
         master_port=spec.trainer.rendezvous_port,
-        trainer=builtin_trainer_env(spec),
+        trainer=builtin_trainer_env(spec, island),
     )
     ordinal = {"valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{n.POD_INDEX_LABEL}']"}}}
     return [
@@ -435,14 +447,20 @@ def trainer_env(job: n.JobRef, spec: DiLoCoJobSpec, island: IslandSpec) -> list[
     ]
 
 
-def builtin_trainer_env(spec: DiLoCoJobSpec) -> dict[str, str]:
-    """The built-in trainer's settings (`diloco-worker`); none for a command of one's own."""
+def builtin_trainer_env(spec: DiLoCoJobSpec, island: IslandSpec) -> dict[str, str]:
+    """The built-in trainer's settings (`diloco-worker`), none for a command of one's own: the model, the data
+    and the island's own share of it (its place among the job's islands), the precision."""
     trainer = spec.trainer
-    if trainer.preset is None:
+    if not trainer.builtin:
         return {}
-    return {
-        pod_env.MODEL: trainer.preset.value,
+    values = builtin_model_env(trainer) | {
         pod_env.DATA: trainer.data or DEFAULT_DATA,
+        pod_env.DATA_SHARD: str(next(i for i, own in enumerate(spec.islands) if own.name == island.name)),
+        pod_env.DATA_SHARDS: str(len(spec.islands)),
+    }
+    if trainer.text_field is not None:
+        values[pod_env.TEXT_FIELD] = trainer.text_field
+    return values | {
         pod_env.PRECISION: (trainer.precision or Precision.AUTO).value,
         pod_env.ACTIVATION_CHECKPOINTING: "1" if trainer.activation_checkpointing else "0",
     }
@@ -592,10 +610,29 @@ def network_policy(job: n.JobRef, spec: DiLoCoJobSpec, operator: OperatorRef | N
     )
 
 
+def model_volumes(spec: DiLoCoJobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The mounts and volumes of the first island's trainer container that hold files (not emptyDir), read-only:
+    where its config.json, tokenizer and initFrom folder are, which the export reads at the same paths."""
+    template = spec.islands[0].pod_template
+    if template is None or not spec.trainer.builtin:
+        return [], []
+    containers = [c for c in template.spec.containers if c.name == n.TRAINER_CONTAINER]
+    volumes = {v.name: v for v in template.spec.volumes if v.empty_dir is None}
+    mounts = [m for c in containers for m in c.volume_mounts if m.name in volumes]
+    claimed = [
+        volumes[name].model_dump(by_alias=True, exclude_none=True) for name in dict.fromkeys(m.name for m in mounts)
+    ]
+    for volume in claimed:
+        if "persistentVolumeClaim" in volume:
+            volume["persistentVolumeClaim"] = {**volume["persistentVolumeClaim"], "readOnly": True}
+    return [{**m.model_dump(by_alias=True, exclude_none=True), "readOnly": True} for m in mounts], claimed
+
+
 def export_job(job: n.JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
     """The batch Job that writes a succeeded job's model: `diloco export` over the shards' final
     checkpoints (their volumes, mounted read-only once the shards have stopped) into the volume and folder
-    spec.export names, with the job's training config recorded beside it."""
+    spec.export names, with the job's training config recorded beside it, in Hugging Face's layout: it names the
+    model and tokenizer as the islands do, and mounts the volumes the first island's trainer reads them from."""
     if spec.export is None:
         raise ValueError("the job names no export (spec.export)")
     shards = range(spec.syncer.shards)
@@ -608,6 +645,7 @@ def export_job(job: n.JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
         "--config",
         f"{CONFIG_DIR}/{n.CONFIG_KEY}",
     ]
+    trainer_mounts, trainer_volumes = model_volumes(spec)
     container = {
         "name": n.COMPONENT_EXPORT,
         "image": spec.syncer_image,
@@ -623,8 +661,11 @@ def export_job(job: n.JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
             {"name": "export", "mountPath": EXPORT_DIR},
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
+            *trainer_mounts,
         ],
     }
+    if spec.trainer.builtin:  # the model and tokenizer the islands trained, named as they were named
+        container["env"] = _env({**builtin_model_env(spec.trainer), "HF_HUB_OFFLINE": "1"})
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -642,6 +683,7 @@ def export_job(job: n.JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
             {"name": "export", "persistentVolumeClaim": {"claimName": spec.export.claim_name}},
             {"name": "config", "configMap": {"name": n.config_map_name(job.name)}},
             {"name": "tmp", "emptyDir": {}},
+            *trainer_volumes,
         ],
     }
     if spec.syncer.node_selector:

@@ -3,6 +3,7 @@ started on first use, so tiers that do not ask for it never pay for it."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 
@@ -10,6 +11,10 @@ import pytest
 from cluster.cluster import Cluster, MissingBinaries, start_cluster
 from hypothesis import settings
 from support import missing_binary
+
+# Nothing may come from the Hugging Face Hub: models are built from configurations, tokenizers read from files.
+# Processes the tests start inherit it.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 # Hypothesis's CI profile replays the same examples on every run; ours draws new ones each run, from the seed
 # the header prints, so CI keeps searching and whatever it finds replays.

@@ -49,14 +49,16 @@ ONE_OF_EACH = [
     DoneEvent(105.0, Source("ddp", 1, "ddp", 77), step=40, loss=2.0),
 ]
 
-# Lines as the workers wrote them before the records existed: the records read them and write them back
-# byte for byte, so old run folders and new ones are the same format.
+# Lines as the workers write them (the records' format since before the records existed, with the data
+# positions since the islands read their data in order): the records read them and write them back byte for
+# byte.
 HEADER = '"t": 1700000000.5, "island": "island-1", "rank": 0, "mode": "diloco", "pid": 4242'
 WORKER_LINES = [
     f'{{"event": "start", {HEADER}, "step": 0, "world": 2, "versions": [0, 0], "device": "NVIDIA H100 80GB HBM3", '
-    '"precision": "bf16", "flops_per_token": 745000000.0, "peak_flops": 989000000000000.0, "warm": false}\n',
+    '"precision": "bf16", "flops_per_token": 745000000.0, "peak_flops": 989000000000000.0, "warm": false, '
+    '"data_epoch": 0, "data_window": 48}\n',
     f'{{"event": "step", {HEADER}, "step": 1, "loss": 5.5, "tokens": 2048, "seconds": 0.5, "sync_seconds": 0.0, '
-    '"tokens_per_second": 4096.0, "mfu": 0.42, "overran": false}\n',
+    '"tokens_per_second": 4096.0, "mfu": 0.42, "overran": false, "data_from": [0, 48], "data_to": [0, 56]}\n',
     f'{{"event": "eval", {HEADER}, "step": 20, "loss": 2.75}}\n',
     f'{{"event": "round", {HEADER}, "fragment": 0, "began_at": 10, "outcome": "MERGED", "version": 2}}\n',
     f'{{"event": "round", {HEADER}, "fragment": 1, "began_at": 15, "outcome": "FAILED", "version": null}}\n',
@@ -83,6 +85,16 @@ def test_every_kind_of_event_reads_back_as_the_record_that_was_written(event):
 def test_every_kind_has_a_record():
     assert set(EVENT_KINDS) == {"start", "step", "eval", "round", "push", "merge", "checkpoint", "done"}
     assert {e.kind for e in ONE_OF_EACH} == set(EVENT_KINDS)
+
+
+def test_a_line_written_before_data_positions_reads_as_the_start_of_the_data():
+    """Runs from before islands read their data in order: their steps read as data position zero."""
+    old = (
+        f'{{"event": "step", {HEADER}, "step": 1, "loss": 5.5, "tokens": 2048, "seconds": 0.5, '
+        '"sync_seconds": 0.0, "tokens_per_second": 4096.0, "mfu": 0.42, "overran": false}\n'
+    )
+    step = parse_line(old)
+    assert isinstance(step, StepEvent) and step.data_from == step.data_to == (0, 0) and step.loss == 5.5
 
 
 @pytest.mark.parametrize("line", WORKER_LINES, ids=lambda line: parse_line(line).kind)

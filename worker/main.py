@@ -53,8 +53,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="training config JSON file (else DILOCO_CONFIG_FILE, DILOCO_CONFIG, defaults)")
     p.add_argument("--token-file", help="file holding the job token (else DILOCO_TOKEN_FILE or DILOCO_TOKEN)")
     add_tls_arguments(p)
-    p.add_argument("--model", default=env("MODEL", "tiny"), help="model preset: tiny, small, medium, large, xl")
-    p.add_argument("--data", default=env("DATA"), help="token (.bin/.npy) or text file; default: embedded corpus")
+    p.add_argument(
+        "--model",
+        default=env("MODEL", ""),
+        help="a preset (tiny, small, medium, large, xl), a transformers configuration as inline JSON, or a "
+        "config.json; unset: --init-from's configuration, else tiny",
+    )
+    p.add_argument("--init-from", default=env("INIT_FROM"), help="a Hugging Face checkpoint folder to start from")
+    p.add_argument(
+        "--tokenizer", default=env("TOKENIZER"), help="a tokenizer.json (default: the preset's: bytes or its BPE)"
+    )
+    p.add_argument(
+        "--data",
+        default=env("DATA"),
+        help="a file or folder of shards: token files (.bin/.npy) or text (.txt/.jsonl/.parquet); default: the "
+        "embedded corpus",
+    )
+    p.add_argument("--text-field", default=env("TEXT_FIELD", "text"), help="the text of .jsonl and .parquet rows")
+    p.add_argument(
+        "--data-shard",
+        type=int,
+        default=int(env("DATA_SHARD", "0")),
+        help="this island's share of the training set: shard i of --data-shards (the island's place in the job)",
+    )
+    p.add_argument("--data-shards", type=int, default=int(env("DATA_SHARDS", "1")), help="the islands sharing it")
     p.add_argument("--max-data-bytes", type=int, default=int(env("MAX_DATA_BYTES", str(DEFAULT_CORPUS_BYTES))))
     p.add_argument("--batch-size", type=int, default=int(env("BATCH_SIZE", "16")))
     p.add_argument(
@@ -147,8 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank = os.environ.get("RANK", "0")
         settings = TrainerSettings(
             mode=args.mode,
-            preset=args.model,
+            model=args.model,
+            init_from=args.init_from,
+            tokenizer=args.tokenizer,
             data=args.data,
+            text_field=args.text_field,
+            data_shard=args.data_shard,
+            data_shards=args.data_shards,
             max_data_bytes=args.max_data_bytes,
             batch_size=args.batch_size,
             steps=args.steps,

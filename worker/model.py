@@ -45,7 +45,10 @@ class ModelPreset:
             raise ValueError(f"preset {self.name!r}: dropout must be in [0, 1), got {self.dropout}")
 
 
-_GPT2_VOCAB = 50304  # GPT-2's 50257 BPE tokens padded to a multiple of 64 for faster matmuls.
+BPE_VOCAB = 16384
+"""Tokens of the BPE the larger presets read (`diloco.worker.tokenizer`: trained on the embedded corpus, a
+multiple of 64 for the matmuls): enough for 8 MiB of Python source, whose rarer identifiers a larger
+vocabulary would only memorise."""
 
 PRESETS: dict[str, ModelPreset] = {
     preset.name: preset
@@ -54,13 +57,13 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("tiny", vocab_size=256, context=128, d_model=128, n_layers=4, n_heads=4),
         # ~25.6M parameters, byte-level: a single modest GPU.
         ModelPreset("small", vocab_size=256, context=512, d_model=512, n_layers=8, n_heads=8),
-        # ~124M parameters: GPT-2 small over GPT-2 BPE tokens.
-        ModelPreset("medium", vocab_size=_GPT2_VOCAB, context=1024, d_model=768, n_layers=12, n_heads=12),
-        # ~354M parameters: GPT-2 medium over GPT-2 BPE tokens.
-        ModelPreset("large", vocab_size=_GPT2_VOCAB, context=1024, d_model=1024, n_layers=24, n_heads=16),
-        # ~1.01B parameters: the largest that trains on one 80 GB accelerator with fp32 master weights, AdamW
-        # state and the learner's fp32 copies (about 22 GB), with room for bf16 activations.
-        ModelPreset("xl", vocab_size=_GPT2_VOCAB, context=1024, d_model=2048, n_layers=18, n_heads=16),
+        # ~98M parameters: GPT-2 small's shape over the committed BPE.
+        ModelPreset("medium", vocab_size=BPE_VOCAB, context=1024, d_model=768, n_layers=12, n_heads=12),
+        # ~320M parameters: GPT-2 medium's shape over the committed BPE.
+        ModelPreset("large", vocab_size=BPE_VOCAB, context=1024, d_model=1024, n_layers=24, n_heads=16),
+        # ~0.94B parameters: about the largest that trains on one 80 GB accelerator with fp32 master weights,
+        # AdamW state and the learner's fp32 copies (about 21 GB), with room for bf16 activations.
+        ModelPreset("xl", vocab_size=BPE_VOCAB, context=1024, d_model=2048, n_layers=18, n_heads=16),
     )
 }
 
@@ -220,3 +223,88 @@ def build_model(
         model = GPT(resolved, checkpoint_activations)
     _initialise(model, seed)
     return model.to(target)
+
+
+# A preset's GPT is GPT-2's architecture exactly (pre-norm blocks, exact GELU, tied head, learned positions),
+# so an export names its tensors as transformers' GPT2LMHeadModel does, and any GPT-2 loader reads it. GPT-2
+# keeps its linear layers as Conv1D, (in, out): those weights are transposed on the way.
+_GPT2_BLOCK = {
+    "ln1": ("ln_1", False),
+    "attn.qkv": ("attn.c_attn", True),
+    "attn.proj": ("attn.c_proj", True),
+    "ln2": ("ln_2", False),
+    "mlp.fc": ("mlp.c_fc", True),
+    "mlp.proj": ("mlp.c_proj", True),
+}
+_GPT2_TOP = {"tok_emb.weight": "transformer.wte.weight", "pos_emb.weight": "transformer.wpe.weight"}
+
+
+def gpt2_config(preset: ModelPreset) -> dict[str, object]:
+    """The transformers GPT2Config (as a dict) of a preset's architecture."""
+    return {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": preset.vocab_size,
+        "n_positions": preset.context,
+        "n_embd": preset.d_model,
+        "n_layer": preset.n_layers,
+        "n_head": preset.n_heads,
+        "n_inner": preset.mlp_ratio * preset.d_model,
+        "activation_function": "gelu",  # F.gelu, exact (GPT-2's own is the tanh approximation)
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": preset.dropout,
+        "embd_pdrop": preset.dropout,
+        "attn_pdrop": preset.dropout,
+        "tie_word_embeddings": True,
+        "bos_token_id": None,  # GPT-2's 50256 is no token of ours: an export sets its tokenizer's
+        "eos_token_id": None,
+    }
+
+
+def _gpt2_name(name: str) -> tuple[str, bool]:
+    """GPT-2's name for one of a preset's tensors, and whether it is transposed on the way."""
+    if name in _GPT2_TOP:
+        return _GPT2_TOP[name], False
+    if name.startswith("ln_f."):
+        return f"transformer.{name}", False
+    _, layer, rest = name.split(".", 2)
+    module, _, kind = rest.rpartition(".")
+    theirs, conv1d = _GPT2_BLOCK[module]
+    return f"transformer.h.{layer}.{theirs}.{kind}", conv1d and kind == "weight"
+
+
+def _preset_name(theirs: str) -> tuple[str, bool] | None:
+    """The inverse of `_gpt2_name`; None for what a preset has no tensor of (GPT-2's tied head, buffers)."""
+    top = {mapped: name for name, mapped in _GPT2_TOP.items()}
+    if theirs in top:
+        return top[theirs], False
+    if theirs.startswith("transformer.ln_f."):
+        return theirs.removeprefix("transformer."), False
+    parts = theirs.split(".")
+    if parts[:2] != ["transformer", "h"] or len(parts) < 5:
+        return None
+    module, kind = ".".join(parts[3:-1]), parts[-1]
+    block = {mapped: (name, conv1d) for name, (mapped, conv1d) in _GPT2_BLOCK.items()}
+    if module not in block:
+        return None
+    ours, conv1d = block[module]
+    return f"blocks.{parts[2]}.{ours}.{kind}", conv1d and kind == "weight"
+
+
+def to_gpt2_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A preset's tensors as GPT2LMHeadModel names them (its tied head is `wte`)."""
+    renamed = {}
+    for name, tensor in tensors.items():
+        theirs, transposed = _gpt2_name(name)
+        renamed[theirs] = tensor.t().contiguous() if transposed else tensor
+    return renamed
+
+
+def from_gpt2_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT2LMHeadModel's tensors as a preset's GPT names them: the inverse of `to_gpt2_names`."""
+    ours = {}
+    for theirs, tensor in tensors.items():
+        if (mapped := _preset_name(theirs)) is not None:
+            name, transposed = mapped
+            ours[name] = tensor.t().contiguous() if transposed else tensor
+    return ours

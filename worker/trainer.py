@@ -1,4 +1,5 @@
-"""The built-in trainer: a GPT preset on a token stream, as one rank of one island, or as one rank of the
+"""The built-in trainer: a model preset or a Hugging Face architecture (`diloco.worker.language_model`) on a
+token stream read in order (`diloco.worker.data`), as one rank of one island, or as one rank of the
 data-parallel baseline that all-reduces every step across every worker.
 
 It reports what it does as progress events (start, step, eval, round, checkpoint, done: `diloco.progress`)
@@ -35,17 +36,28 @@ from diloco.progress import (
 from diloco.settings import DEFAULT_CORPUS_BYTES
 from diloco.transport.tls import Security
 from diloco.worker.adamw import AdamW
-from diloco.worker.data import EVAL_WINDOWS, BatchSampler, evaluate, load_tokens, split_holdout
+from diloco.worker.data import (
+    EVAL_WINDOWS,
+    DataPosition,
+    IslandReader,
+    evaluate,
+    load_position,
+    load_tokens,
+    position_path,
+    save_position,
+    split_holdout,
+)
 from diloco.worker.island import Island
+from diloco.worker.language_model import LanguageModel, ModelSpec, build
 from diloco.worker.learner import CHECKPOINT_EVERY, SYNCHRONOUS_SYNC_SECONDS, Learner, PushReport, RoundReport
 from diloco.worker.loop_instruments import write_push, write_round
 from diloco.worker.metrics import WorkerSnapshot
-from diloco.worker.model import GPT, build_model, resolve_preset
 from diloco.worker.pod_ranks import local_position, place
 from diloco.worker.precision import autocast, resolve_precision
 from diloco.worker.shutdown import StopRequest
 from diloco.worker.slowdown import jitter_seconds, overran, pause_seconds
 from diloco.worker.throughput import Rate, ThroughputMeter, peak_flops
+from diloco.worker.tokenizer import tokenizer_for
 
 log = logging.getLogger("diloco.worker")
 
@@ -55,8 +67,13 @@ class TrainerSettings:
     """What the built-in trainer does, apart from the DiLoCo knobs (TrainingConfig) and the syncers."""
 
     mode: str = Mode.DILOCO.value
-    preset: str = "tiny"
+    model: str = "tiny"  # a preset, a transformers configuration inline, or a config.json (ModelSpec.parse)
+    init_from: str | None = None  # a Hugging Face checkpoint folder to start from
+    tokenizer: str | None = None  # a tokenizer.json; unset: the preset's (bytes, or the committed BPE)
     data: str | None = None
+    text_field: str = "text"  # of .jsonl and .parquet shards
+    data_shard: int = 0  # this island's share of the training set: shard data_shard of data_shards
+    data_shards: int = 1
     max_data_bytes: int = DEFAULT_CORPUS_BYTES
     batch_size: int = 16
     steps: int | None = None  # None: train until stopped (SIGTERM), as on Kubernetes
@@ -87,6 +104,8 @@ class TrainerSettings:
             or self.checkpoint_every < 1
         ):
             raise ValueError("steps, batch size, eval and checkpoint intervals must be positive")
+        if not 0 <= self.data_shard < self.data_shards:
+            raise ValueError(f"data shard {self.data_shard} is outside [0, {self.data_shards})")
         if self.slowdown < 1.0:
             raise ValueError(f"slowdown is a factor >= 1 (1 = full speed), got {self.slowdown}")
         if self.jitter < 0:
@@ -153,29 +172,51 @@ class Trainer:
         self.group = init_distributed(placement.backend)
         self.ranks = Island(self.group)
         self.precision = resolve_precision(settings.precision, self.device)
-        preset = resolve_preset(settings.preset)
-        self.context = preset.context
-        tokens = load_tokens(settings.data, settings.max_data_bytes)
-        if int(tokens.max()) >= preset.vocab_size:
-            raise ValueError(
-                f"token id {int(tokens.max())} is outside the {preset.name} vocabulary ({preset.vocab_size})"
-            )
-        self.train_tokens, self.heldout = split_holdout(tokens)
-        self.model: GPT = build_model(
-            preset, settings.seed, device=self.device, checkpoint_activations=settings.activation_checkpointing
+        self.lm: LanguageModel = build(
+            ModelSpec.parse(settings.model, settings.init_from),
+            settings.seed,
+            device=self.device,
+            checkpoint_activations=settings.activation_checkpointing,
+            init_from=settings.init_from,
         )
+        self.model = self.lm.module
+        self.context = self.lm.context
+        tokenizer = tokenizer_for(self.lm.vocab_size, settings.tokenizer)
+        tokens = load_tokens(  # text is tokenised here, with a progress bar on the island's rank 0 (its log)
+            settings.data,
+            settings.max_data_bytes,
+            tokenizer,
+            text_field=settings.text_field,
+            quiet=not self.ranks.is_leader,
+        )
+        if int(tokens.max()) >= self.lm.vocab_size:
+            raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary ({self.lm.vocab_size})")
+        self.train_tokens, self.heldout = split_holdout(tokens)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.meter = ThroughputMeter(
-            self.model.flops_per_token(), peak_flops(self.device_name, settings.peak_tflops), self.ranks.size
+            self.lm.flops_per_token, peak_flops(self.device_name, settings.peak_tflops), self.ranks.size
         )
         self.rate = Rate(0.0, 0.0, None)
         self.optimizer = inner_optimizer(self.model, config.inner)
-        # Salted per process start: a restarted rank draws fresh batches instead of replaying its last ones.
-        stream_seed = settings.seed * 1_000_003 + time.time_ns() % 1_000_003
-        self.sampler = BatchSampler(
-            self.train_tokens, self.context, island, self.ranks.rank, self.ranks.size, stream_seed
+        self.data_identity = {
+            "tokens": self.train_tokens.numel(),
+            "context": self.context,
+            "seed": settings.seed,
+            "shard": settings.data_shard,
+            "shards": settings.data_shards,
+        }
+        self.reader = IslandReader(
+            self.train_tokens,
+            self.context,
+            shard=settings.data_shard,
+            shards=settings.data_shards,
+            rank=self.ranks.rank,
+            ranks=self.ranks.size,
+            seed=settings.seed,
         )
         self.jitter_rng = random.Random(f"{settings.seed}/{island}/{self.ranks.rank}")
+        folder = settings.checkpoint_dir
+        self.position_file = position_path(folder, island, self.ranks.rank) if folder is not None else None
         self.progress = ProgressWriter(
             settings.progress_file, Source(island=island, rank=self.ranks.rank, mode=settings.mode, pid=os.getpid())
         )
@@ -277,6 +318,7 @@ class Trainer:
         else:
             warm = self._resume()
             self.ranks.broadcast_tensors(list(self.model.parameters()))
+        self._resume_data()
         versions = self.learner.stats.versions if self.learner is not None else {}
         self.progress.write(
             StartEvent,
@@ -288,6 +330,8 @@ class Trainer:
             flops_per_token=self.meter.flops_per_token,
             peak_flops=self.meter.peak,
             warm=warm,
+            data_epoch=self.reader.position.epoch,
+            data_window=self.reader.position.window,
         )
         self.model.train()
         while s.steps is None or self.step < s.steps:
@@ -297,9 +341,10 @@ class Trainer:
             started = time.perf_counter()
             for group in self.optimizer.param_groups:
                 group["lr"] = learning_rate(self.step, self.config.inner)
-            inputs, targets = self.sampler.next_batch(s.batch_size)
+            read_from = self.reader.position
+            inputs, targets = self.reader.next_batch(s.batch_size)
             with autocast(self.precision, self.device):
-                _, loss = self.model(inputs.to(self.device), targets.to(self.device))
+                _, loss = self.lm.forward(inputs.to(self.device), targets.to(self.device))
             loss.backward()
             self.ranks.average_gradients(self.model.parameters())
             if self.config.inner.grad_clip:
@@ -322,6 +367,8 @@ class Trainer:
                 time.sleep(pause)
             seconds = time.perf_counter() - started
             self.rate = self.meter.record(tokens_per_step, seconds)
+            if self.position_file is not None:
+                save_position(self.position_file, self.reader.position, self.data_identity)
             self.progress.write(
                 StepEvent,
                 step=self.step,
@@ -332,6 +379,8 @@ class Trainer:
                 tokens_per_second=self.rate.tokens_per_second,
                 mfu=self.rate.mfu,
                 overran=overran(elapsed - sync_seconds, s.slowdown, s.reference_step_seconds),
+                data_from=(read_from.epoch, read_from.window),
+                data_to=(self.reader.position.epoch, self.reader.position.window),
             )
             if self.learner is None and self.step % s.checkpoint_every == 0:
                 self._save()
@@ -356,6 +405,17 @@ class Trainer:
         self.progress.write(DoneEvent, step=self.step, loss=self.eval_loss, learner=self._learner_totals())
         return self.eval_loss
 
+    def _resume_data(self) -> None:
+        """Takes up the island's data position where its last process left it: the furthest any of its
+        ranks saved for this data (they read in step, so they differ by a step at most, when a rank was
+        killed between its step and its save), so a replacement reads on from there."""
+        mine = load_position(self.position_file, self.data_identity) if self.position_file is not None else None
+        epochs = self.ranks.gather(-1 if mine is None else mine.epoch)
+        windows = self.ranks.gather(-1 if mine is None else mine.window)
+        saved = [DataPosition(epoch, window) for epoch, window in zip(epochs, windows) if epoch >= 0]
+        if saved:
+            self.reader.position = max(saved)
+
     def _stop_requested(self) -> bool:
         """Whether any rank of the island was asked to stop: all ranks leave the loop at the same step, so
         none is left waiting in a collective for the others (the learner's rule, where there is one)."""
@@ -374,7 +434,8 @@ class Trainer:
         return self.learner.stats.blocked_seconds if self.learner is not None else 0.0
 
     def evaluate(self) -> float:
-        return evaluate(self.model, self.heldout, self.context, self.settings.batch_size, self.settings.eval_windows)
+        s = self.settings
+        return evaluate(self.model, self.heldout, self.context, s.batch_size, s.eval_windows, self.lm.forward)
 
     def close(self) -> None:
         """Says Leave (the learner's close, which then waits for its checkpoint write), then frees the rest."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -71,9 +72,12 @@ JOB_NAME_RULE = {
 
 
 MSG_BUILTIN_OR_COMMAND = (
-    "spec.trainer.model, data, precision and activationCheckpointing configure the built-in trainer and cannot "
-    "be set together with spec.trainer.command"
+    "spec.trainer.model, modelConfig, initFrom, tokenizer, data, textField, precision and activationCheckpointing "
+    "configure the built-in trainer and cannot be set together with spec.trainer.command"
 )
+MSG_MODEL_ONCE = "spec.trainer.model and spec.trainer.modelConfig name the model two ways: set one"
+CONTAINER_PATH = r"^/.*[^/]$"
+"""An absolute path inside the container (the image's files, or a volume the pod template mounts)."""
 MSG_RESERVED_ISLAND = (
     "spec.islands[].name must not have the form syncer-<n>: <job>-syncer-<n> names the syncer shard Services"
 )
@@ -168,10 +172,16 @@ MSG_FRAGMENTS_WITHIN_TENSORS = (
     + "): every fragment holds at least one whole tensor"
 )
 FRAGMENTS_WITHIN_TENSORS_RULE = (
-    "has(self.trainer.command) || self.training.fragments <= {"
+    "has(self.trainer.command) || has(self.trainer.modelConfig) "
+    "|| (has(self.trainer.model) ? self.trainer.model.startsWith('/') : has(self.trainer.initFrom)) "
+    "|| self.training.fragments <= {"
     + ", ".join(f"'{size.value}': {count}" for size, count in PRESET_TENSORS.items())
     + f"}}[has(self.trainer.model) ? self.trainer.model : '{ModelSize.TINY.value}']"
 )
+
+
+MODEL_NAME = f"^({'|'.join(size.value for size in ModelSize)})$|{CONTAINER_PATH}"
+"""A preset's name, or the path of a config.json."""
 
 
 class Toleration(CamelModel):
@@ -316,23 +326,52 @@ class PodTemplateOverride(CamelModel):
 
 
 class TrainerSpec(CamelModel):
-    """What each island pod runs: the built-in `diloco-worker` (a model preset and a data source) or a
-    command of your own that uses `diloco.worker.Learner.from_env`."""
+    """What each island pod runs: the built-in `diloco-worker` (a model and a data source) or a command of your
+    own that uses `diloco.worker.Learner.from_env`."""
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "!has(self.command) || (!has(self.model) && !has(self.data) && !has(self.precision) "
+                    "!has(self.command) || (!has(self.model) && !has(self.modelConfig) && !has(self.initFrom) "
+                    "&& !has(self.tokenizer) && !has(self.data) && !has(self.textField) && !has(self.precision) "
                     "&& !has(self.activationCheckpointing))",
                     MSG_BUILTIN_OR_COMMAND,
-                )
+                ),
+                cel("!(has(self.model) && has(self.modelConfig))", MSG_MODEL_ONCE),
             ]
         }
     )
 
-    model: ModelSize | None = Field(
-        None, description="Built-in trainer: model preset (tiny, small, medium, large, xl); tiny when unset."
+    model: str | None = Field(
+        None,
+        max_length=4096,
+        pattern=MODEL_NAME,
+        description="Built-in trainer: a model preset (tiny, small, medium, large, xl), or the absolute path of "
+        "a Hugging Face config.json (in the image, or on a volume the island's podTemplate mounts) of a "
+        "transformers causal LM, built from the job's seed on every island (no weights are downloaded); tiny "
+        "when unset (or initFrom's configuration).",
+    )
+    inline_model: FreeForm | None = Field(
+        None,
+        alias="modelConfig",
+        description="Built-in trainer: a Hugging Face configuration inline (the contents of a config.json, with "
+        "its model_type: llama, qwen2, gpt_neox, gemma, ...), instead of spec.trainer.model.",
+    )
+    init_from: str | None = Field(
+        None,
+        max_length=4096,
+        pattern=CONTAINER_PATH,
+        description="Built-in trainer: a Hugging Face checkpoint folder (config.json, safetensors) in the "
+        "container to start from (continued pretraining); its configuration is the model's unless "
+        "spec.trainer.model names one it fits.",
+    )
+    tokenizer: str | None = Field(
+        None,
+        max_length=4096,
+        pattern=CONTAINER_PATH,
+        description="Built-in trainer: a tokenizer.json (the tokenizers library's) in the container that "
+        "tokenises text data; unset: the preset's (bytes for tiny and small, a BPE for the others).",
     )
     precision: Precision | None = Field(
         None,
@@ -343,13 +382,18 @@ class TrainerSpec(CamelModel):
     activation_checkpointing: bool | None = Field(
         None,
         description="Built-in trainer: recompute each block's activations in the backward pass, trading about "
-        "a third more compute for memory (for the larger presets); off when unset.",
+        "a third more compute for memory (for the larger models); off when unset.",
     )
     data: str | None = Field(
         None,
         min_length=1,
-        description="Built-in trainer: token source inside the container ('stdlib' for the embedded corpus, a "
-        ".bin/.npy token file, or a text file); stdlib when unset.",
+        description="Built-in trainer: the training set inside the container: 'stdlib' for the embedded corpus, "
+        "a file, or a folder of shards read in path order: token files (.bin, .npy: diloco tokenize) or text "
+        "(.txt, .jsonl, .parquet, tokenised as read). Each island reads its own share in order, its position "
+        "kept with its checkpoint; stdlib when unset.",
+    )
+    text_field: str | None = Field(
+        None, min_length=1, description="Built-in trainer: the text field of .jsonl and .parquet rows; text when unset."
     )
     command: Command | None = Field(
         None,
@@ -364,17 +408,48 @@ class TrainerSpec(CamelModel):
 
     @model_validator(mode="after")
     def _builtin_or_custom(self) -> TrainerSpec:
-        builtin_only = (self.model, self.data, self.precision, self.activation_checkpointing)
+        builtin_only = (
+            self.model,
+            self.inline_model,
+            self.init_from,
+            self.tokenizer,
+            self.data,
+            self.text_field,
+            self.precision,
+            self.activation_checkpointing,
+        )
         if self.command is not None and any(value is not None for value in builtin_only):
             raise ValueError(MSG_BUILTIN_OR_COMMAND)
+        if self.model is not None and self.inline_model is not None:
+            raise ValueError(MSG_MODEL_ONCE)
+        if self.inline_model is not None and not isinstance(self.inline_model.get("model_type"), str):
+            raise ValueError("spec.trainer.modelConfig is a Hugging Face configuration: it needs its model_type")
         return self
 
     @property
+    def builtin(self) -> bool:
+        """Whether the pods run the built-in trainer (no custom command)."""
+        return self.command is None
+
+    @property
     def preset(self) -> ModelSize | None:
-        """The built-in trainer's model preset (tiny when unset); None with a custom command."""
-        if self.command is not None:
+        """The built-in trainer's model preset (tiny when nothing names a model); None with a custom command or
+        a Hugging Face model (a config.json, an inline configuration, or initFrom's)."""
+        if not self.builtin or self.inline_model is not None:
             return None
-        return self.model or ModelSize.TINY
+        if self.model is None:
+            return None if self.init_from is not None else ModelSize.TINY
+        return ModelSize(self.model) if self.model in {size.value for size in ModelSize} else None
+
+    @property
+    def model_argument(self) -> str:
+        """The model as diloco-worker and diloco export take it (--model, DILOCO_MODEL): a preset, a path, or
+        the inline configuration as JSON; empty for initFrom's own."""
+        if self.inline_model is not None:
+            return json.dumps(self.inline_model, sort_keys=True, separators=(",", ":"))
+        if self.model is None and self.init_from is not None:
+            return ""
+        return self.model or ModelSize.TINY.value
 
 
 class IslandSpec(CamelModel):

@@ -1,29 +1,41 @@
-"""An exported model on disk: `model.safetensors` (the tensors, float32) and `config.json` (what they are).
+"""An exported model in Hugging Face's layout, which `AutoModelForCausalLM.from_pretrained(folder)` and
+`AutoTokenizer.from_pretrained(folder)` load with no code of ours (and vLLM serves):
 
-The tensors are written and read with the `safetensors` package, so any loader (Hugging Face's, another
-framework's) reads the file as it is; its metadata names the format and the preset. The config names the
-built-in preset the tensors fit (null for a model of one's own), each parameter's shape and fragment, each
-fragment's outer steps and tokens, and the job's training settings when known.
+- `config.json` and `model.safetensors` (float32; above `MAX_SHARD_SIZE`, shards with
+  `model.safetensors.index.json`), written by transformers' own `save_pretrained`;
+- `generation_config.json`, with the tokenizer's end-of-text token;
+- `tokenizer.json` and `tokenizer_config.json`: the tokenizer the job trained with (the byte-level presets'
+  bytes as a tokenizer, the committed BPE, or the job's own);
+- `diloco.json`: what the job recorded: the model as the job named it (a preset, or a transformers
+  configuration), outer steps and tokens (the slowest fragment's, as the job's status reports them), each
+  parameter's fragment, each fragment's shard, outer steps and tokens, and `training` (spec.training).
+
+A preset's GPT is GPT-2's architecture, so a preset exports as a `GPT2LMHeadModel` (`diloco.worker.model`
+maps the names). A transformers model exports as itself.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from diloco.core.config import TrainingConfig
 from diloco.export.assemble import GlobalModel
-from diloco.worker.model import GPT, PRESETS, build_model
+from diloco.worker.data import evaluate, load_tokens, split_holdout
+from diloco.worker.language_model import LanguageModel, ModelSpec, build, build_hf
+from diloco.worker.model import PRESETS, build_model, gpt2_config, resolve_preset, to_gpt2_names
+from diloco.worker.tokenizer import byte_tokenizer, end_of_text, tokenizer_for
 
-MODEL_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
-FORMAT = "diloco-model/1"
+DILOCO_FILE = "diloco.json"
+FORMAT = "diloco-export/2"
+MAX_SHARD_SIZE = "2GB"
+"""Above this a model is written as safetensors shards with an index, as the Hugging Face Hub keeps them."""
 
 
 def matching_preset(tensors: Mapping[str, torch.Tensor]) -> str | None:
@@ -36,14 +48,70 @@ def matching_preset(tensors: Mapping[str, torch.Tensor]) -> str | None:
     return None
 
 
-def save(folder: Path, model: GlobalModel, training: TrainingConfig | None = None) -> dict[str, Any]:
-    """Writes the model and its config into `folder` (created); returns the config."""
-    preset = matching_preset(model.tensors)
+def model_spec(model: str | None, tensors: Mapping[str, torch.Tensor]) -> ModelSpec:
+    """The model the tensors are of: as named (`--model`, as the trainer takes it), else the preset whose
+    tensors they are; a transformers model must be named, its tensors do not say which it is."""
+    if model:
+        return ModelSpec.parse(model)
+    preset = matching_preset(tensors)
+    if preset is None:
+        raise ValueError(
+            "these tensors are no built-in preset's: name the model's configuration (--model, a config.json) "
+            "to export it in Hugging Face's layout"
+        )
+    return ModelSpec(preset=preset)
+
+
+def _transformers_model(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """A transformers model holding `tensors` (built unallocated, then given them, tied weights tied)."""
+    if spec.preset is not None:
+        config, named = gpt2_config(resolve_preset(spec.preset)), to_gpt2_names(dict(tensors))
+    else:
+        config, named = dict(spec.config or {}), dict(tensors)
+    model = build_hf(config, 0, device="meta")
+    try:
+        unexpected = model.load_state_dict(named, strict=False, assign=True).unexpected_keys
+    except RuntimeError as error:  # a shape that differs
+        raise ValueError(f"the tensors do not fit the {spec.name} model: {error}") from None
+    model.tie_weights()
+    unset = [name for name, p in model.named_parameters() if p.is_meta]
+    if unset or unexpected:
+        raise ValueError(f"the tensors do not fit the {spec.name} model: missing {unset[:5]}, unknown {unexpected[:5]}")
+    return model
+
+
+def save(
+    folder: Path,
+    model: GlobalModel,
+    model_name: str | None = None,
+    training: TrainingConfig | None = None,
+    *,
+    tokenizer: str | None = None,
+    max_shard_size: str | int = MAX_SHARD_SIZE,
+) -> dict[str, Any]:
+    """Writes the model, its tokenizer and the job's record into `folder` (created); returns the record.
+    `model_name` and `tokenizer` are the trainer's `--model` and `--tokenizer` (unset: a preset found by the
+    tensors' shapes, and its own tokenisation)."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    spec = model_spec(model_name, model.tensors)
+    hf = _transformers_model(spec, model.tensors)
+    words = tokenizer_for(hf.config.vocab_size, tokenizer) or byte_tokenizer()
+    eos = end_of_text(words)
+    hf.config.bos_token_id = hf.config.eos_token_id = eos
+    hf.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    folder.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(folder, max_shard_size=max_shard_size)
+    eos_name = words.id_to_token(eos) if eos is not None else None
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, eos_token=eos_name, bos_token=eos_name, pad_token=eos_name
+    ).save_pretrained(folder)
     fragment_of = {name: f.index for f in model.fragments for name in f.names}
-    config: dict[str, Any] = {
+    record: dict[str, Any] = {
         "format": FORMAT,
-        "preset": preset,
-        "architecture": {k: v for k, v in asdict(PRESETS[preset]).items() if k != "name"} if preset else None,
+        "preset": spec.preset,
+        "model": spec.preset or dict(spec.config or {}),
+        "model_type": hf.config.model_type,
         "outer_steps": model.outer_steps,
         "tokens": model.tokens,
         "parameters": [
@@ -55,35 +123,51 @@ def save(folder: Path, model: GlobalModel, training: TrainingConfig | None = Non
         ],
         "training": json.loads(training.to_json()) if training is not None else None,  # as in spec.training
     }
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in model.tensors.items()}
-    save_file(tensors, folder / MODEL_FILE, metadata={"format": FORMAT, "preset": preset or ""})
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
-    return config
+    (folder / DILOCO_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    return record
 
 
 @dataclass(frozen=True)
 class ExportedModel:
-    """An export read back: its tensors and its config."""
+    """An export read back: its folder and the job's record."""
 
-    tensors: dict[str, torch.Tensor]
+    folder: Path
     config: dict[str, Any]
 
-    def built_in(self) -> GPT:
-        """The built-in GPT with these weights; refused for a model of one's own (no preset matched)."""
-        preset = self.config.get("preset")
-        if not preset:
-            raise ValueError(
-                f"this export is not a built-in preset's model: load {MODEL_FILE} into your own model class"
-            )
-        model = build_model(preset, 0)
-        model.load_state_dict(self.tensors, strict=True)
-        return model.eval()
+    @property
+    def spec(self) -> ModelSpec:
+        model = self.config["model"]
+        return ModelSpec(preset=model) if isinstance(model, str) else ModelSpec(config=model)
+
+    @cached_property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The trained parameters, named as the job's fragments name them."""
+        return {name: p.detach() for name, p in self.language_model().module.named_parameters()}
+
+    def language_model(self, device: torch.device | str = "cpu") -> LanguageModel:
+        """The model as the trainer trains and evaluates it (a preset's GPT, or the transformers model),
+        holding the exported weights."""
+        model = build(self.spec, 0, init_from=self.folder)
+        model.module.to(device).eval()
+        return model
 
 
 def load(folder: Path) -> ExportedModel:
     """An export written by `save`."""
-    config = json.loads((folder / CONFIG_FILE).read_text())
+    path = folder / DILOCO_FILE
+    if not path.is_file():
+        raise ValueError(f"{folder} is not a diloco export (no {DILOCO_FILE})")
+    config = json.loads(path.read_text())
     if config.get("format") != FORMAT:
-        raise ValueError(f"{folder / CONFIG_FILE} is not a {FORMAT} export (format {config.get('format')!r})")
-    return ExportedModel(load_file(folder / MODEL_FILE), config)
+        raise ValueError(f"{path} is not a {FORMAT} export (format {config.get('format')!r})")
+    return ExportedModel(folder, config)
+
+
+def evaluate_export(
+    folder: Path, data: str | None, max_bytes: int, batch_size: int, *, tokenizer: str | None = None
+) -> float:
+    """The exported model's held-out loss, as a worker of its job measures it (the same windows, the same
+    tokenisation): the loss `diloco run` reports for the final global model."""
+    model = load(folder).language_model()
+    heldout = split_holdout(load_tokens(data, max_bytes, tokenizer_for(model.vocab_size, tokenizer)))[1]
+    return evaluate(model.module, heldout, model.context, batch_size, forward=model.forward)

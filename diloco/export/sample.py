@@ -1,55 +1,33 @@
-"""Text from a built-in model: the byte-level presets (tiny, small) read and write bytes, so a prompt is
-UTF-8 text and a sample decodes to text; the BPE presets have no tokenizer here and give token ids."""
+"""Text from an exported model, read as anyone would read it: `AutoModelForCausalLM` and `AutoTokenizer`
+from the export folder, and transformers' own `generate` (top-k sampling, or greedy at temperature 0)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-
-from diloco.worker.model import GPT
-
-BYTE_VOCAB = 256
-
-
-def encode(prompt: str, model: GPT) -> list[int]:
-    """The prompt's tokens: its UTF-8 bytes for a byte-level model, else space-separated token ids."""
-    if model.preset.vocab_size == BYTE_VOCAB:
-        return list(prompt.encode())
-    return [int(word) for word in prompt.split()]
-
-
-def decode(tokens: list[int], model: GPT) -> str:
-    """Bytes as text (invalid UTF-8 replaced) for a byte-level model, else the token ids."""
-    if model.preset.vocab_size == BYTE_VOCAB:
-        return bytes(tokens).decode("utf-8", errors="replace")
-    return " ".join(map(str, tokens))
 
 
 @torch.no_grad()
-def generate(
-    model: GPT, prompt: list[int], new_tokens: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0
-) -> list[int]:
-    """`new_tokens` tokens sampled after `prompt` (temperature 0: greedy), seeing at most the context."""
+def continue_text(
+    folder: Path, prompt: str, new_tokens: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0
+) -> str:
+    """The prompt and what the model writes after it (`new_tokens` tokens, stopping early at the end of a
+    text), seeing at most its context; the same for equal `seed`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if new_tokens < 0 or temperature < 0 or top_k < 1:
         raise ValueError("new tokens and temperature must be >= 0, top-k >= 1")
-    generator = torch.Generator().manual_seed(seed)
-    tokens = list(prompt) or [ord("\n") if model.preset.vocab_size == BYTE_VOCAB else 0]
-    start = len(tokens)
-    for _ in range(new_tokens):
-        window = torch.tensor([tokens[-model.preset.context :]])
-        logits, _ = model(window)
-        last = logits[0, -1].float()
-        if temperature == 0:
-            tokens.append(int(last.argmax()))
-            continue
-        values, indices = torch.topk(last / temperature, min(top_k, last.numel()))
-        choice = torch.multinomial(torch.softmax(values, dim=-1), 1, generator=generator)
-        tokens.append(int(indices[choice]))
-    return tokens[start:]
-
-
-def continue_text(
-    model: GPT, prompt: str, new_tokens: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0
-) -> str:
-    """The prompt and what the model writes after it, as text (token ids for the BPE presets)."""
-    tokens = generate(model, encode(prompt, model), new_tokens, temperature=temperature, top_k=top_k, seed=seed)
-    return prompt + decode(tokens, model)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids if prompt else None
+    if ids is None or ids.numel() == 0:  # start from the end-of-text token, or a newline without one
+        start = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer("\n").input_ids[0]
+        ids = torch.tensor([[start]])
+    context = getattr(model.config, "max_position_embeddings", None)  # GPT-2's n_positions answers to it too
+    if context is not None:
+        new_tokens = min(new_tokens, max(0, context - ids.shape[1]))
+    torch.manual_seed(seed)
+    sampling = {"temperature": temperature, "top_k": top_k} if temperature > 0 else {}
+    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=temperature > 0, **sampling)
+    return prompt + tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

@@ -97,7 +97,9 @@ class RunPlan:
     shards: int = 1
     steps: int = 300
     batch_size: int = 16
-    preset: str = "tiny"
+    model: str = "tiny"  # a preset, or a transformers configuration (diloco.worker.language_model.ModelSpec)
+    tokenizer: str | None = None
+    init_from: str | None = None
     data: str | None = None
     seed: int = 0
     eval_every: int = 50
@@ -338,6 +340,11 @@ class LocalJob:
             world_size=(p.islands if ddp else 1) * p.ranks_per_island,
             master_addr=island_address(0) if self.network and ddp else "127.0.0.1",
             master_port=self.island_ports[0] if ddp else self.island_ports[island],
+            # Each island reads its own share of the training set, as the operator tells its pods; data-parallel's
+            # one world reads one.
+            trainer={pod_env.DATA_SHARD: str(island), pod_env.DATA_SHARDS: str(p.islands)}
+            if p.built_in and not ddp
+            else {},
         )
 
     def island_env(self, island: int) -> dict[str, str]:
@@ -429,7 +436,7 @@ class LocalJob:
             "-m",
             "diloco.worker.main",
             "--model",
-            p.preset,
+            p.model,
             "--steps",
             str(p.island_steps(island)),
             "--batch-size",
@@ -447,7 +454,10 @@ class LocalJob:
             "--max-data-bytes",
             str(p.max_data_bytes),
         ]
-        return command + (["--data", p.data] if p.data else [])
+        for flag, value in (("--data", p.data), ("--tokenizer", p.tokenizer), ("--init-from", p.init_from)):
+            if value:
+                command += [flag, value]
+        return command
 
     def _fails_with(self, island: str) -> list[_Proc]:
         """The processes that fail together with a rank of `island`: its pod, or everyone in data-parallel."""
@@ -608,19 +618,20 @@ class LocalJob:
             )
 
     def _export_global(self) -> Path:
-        """The syncers' global model written to `<out>/model`, as `diloco export` writes it."""
+        """The syncers' global model written to `<out>/model`, as `diloco export` writes it (Hugging Face's
+        layout, with its tokenizer)."""
         from diloco.export import assemble, model_files
 
         folder = self.plan.out / "model"
         targets = [f"127.0.0.1:{port}" for port in self.syncer_ports]
-        model_files.save(folder, assemble.from_shards(targets, TOKEN, security=self.pki.client), self.plan.config)
+        model = assemble.from_shards(targets, TOKEN, security=self.pki.client)
+        model_files.save(folder, model, self.plan.model, self.plan.config, tokenizer=self.plan.tokenizer)
         return folder
 
     def _evaluate(self, model_dir: Path) -> float:
-        """The held-out loss of an exported model, on the windows every worker evaluates."""
+        """The held-out loss of an exported model as the trainer measures it, on the windows every worker
+        evaluates."""
         from diloco.export import model_files
-        from diloco.worker.data import evaluate, load_tokens, split_holdout
 
-        model = model_files.load(model_dir).built_in().to(self.plan.device)
-        _, heldout = split_holdout(load_tokens(self.plan.data, self.plan.max_data_bytes))
-        return evaluate(model, heldout, model.preset.context, self.plan.batch_size)
+        p = self.plan
+        return model_files.evaluate_export(model_dir, p.data, p.max_data_bytes, p.batch_size, tokenizer=p.tokenizer)

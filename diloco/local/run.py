@@ -133,12 +133,12 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         slots=workers,
         fragments=plan.config.fragments,
         started_at=result.started_at,
-        tokens_per_eval_step=workers * plan.batch_size * _context(plan.preset) if plan.built_in else 0,
+        tokens_per_eval_step=workers * plan.batch_size * _context(plan.model) if plan.built_in else 0,
     )
     if plan.mode == Mode.DDP:
         finals = [e.loss for e in events if isinstance(e, DoneEvent) and e.source.rank == 0]  # rank 0 evaluates
         final = finals[-1] if finals else math.nan
-        comm = ddp_comm_bytes(_parameters(plan.preset), workers, acct.steps_executed / workers)
+        comm = ddp_comm_bytes(_parameters(plan.model), workers, acct.steps_executed / workers)
     else:
         final = result.global_eval_loss if result.global_eval_loss is not None else math.nan
         comm = result.syncer_bytes
@@ -175,16 +175,24 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def _context(preset: str) -> int:
-    from diloco.worker.model import resolve_preset
+def _context(model: str) -> int:
+    from diloco.worker.language_model import ModelSpec
 
-    return resolve_preset(preset).context
+    return ModelSpec.parse(model).context
 
 
-def _parameters(preset: str) -> int:
-    from diloco.worker.model import build_model
+def _parameters(model: str) -> int:
+    from diloco.worker.language_model import ModelSpec, build
 
-    return build_model(preset, 0, device="meta").num_parameters()
+    return build(ModelSpec.parse(model), 0, device="meta").num_parameters()
+
+
+def _model_name(model: str) -> str:
+    """A run's model as its first line names it."""
+    from diloco.worker.language_model import ModelSpec
+
+    spec = ModelSpec.parse(model)
+    return f"the {spec.preset} preset" if spec.preset else f"a {spec.name} model ({model})"
 
 
 def print_summary(summaries: list[ModeSummary]) -> None:
@@ -337,6 +345,7 @@ def modes_to_run(mode: str, compare: bool, command: tuple[str, ...]) -> list[str
 
 
 def run(args: argparse.Namespace) -> int:
+    args.model = args.model or args.init_from or "tiny"  # a checkpoint folder holds its configuration
     workers = [worker_target(f"island-{i}", r) for i in range(args.islands) for r in range(args.ranks_per_island)]
     try:
         command = run_command(args)
@@ -372,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     save_trace(args.out / "trace.json", trace)
-    worker = f"`{shlex.join(command)}`" if command else f"{args.steps} steps of the {args.preset} preset"
+    worker = f"`{shlex.join(command)}`" if command else f"{args.steps} steps of {_model_name(args.model)}"
     print(
         f"diloco run: {args.islands} islands x {args.ranks_per_island} ranks, {args.shards} syncer shard(s), "
         f"{worker}; H={config.inner_steps} P={config.fragments} "
@@ -397,7 +406,9 @@ def run(args: argparse.Namespace) -> int:
             shards=args.shards,
             steps=args.steps,
             batch_size=args.batch_size,
-            preset=args.preset,
+            model=args.model,
+            tokenizer=args.tokenizer,
+            init_from=args.init_from,
             command=command,
             data=args.data,
             seed=args.seed,
@@ -438,18 +449,16 @@ def run(args: argparse.Namespace) -> int:
     return 0 if not any(s.timed_out for s in summaries) else 1
 
 
-SAMPLE_BYTES = 160
+SAMPLE_TOKENS = 160
 CORPUS_PROMPT = "def "
 """Where a sample of a model trained on the embedded corpus (Python source) starts."""
 
 
 def print_sample(model_dir: Path, data: str | None) -> None:
     """A few lines the final global model writes, so that a run ends showing what was trained."""
-    from diloco.export import model_files
     from diloco.export.sample import continue_text
 
-    model = model_files.load(model_dir).built_in()
-    text = continue_text(model, CORPUS_PROMPT if data is None else "", SAMPLE_BYTES)
+    text = continue_text(model_dir, CORPUS_PROMPT if data is None else "", SAMPLE_TOKENS)
     print(f"\nthe global model writes (diloco sample {model_dir}):\n{text}")
 
 
@@ -473,8 +482,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shards", type=int, default=1, help="syncer shards")
     p.add_argument("--steps", type=int, default=200, help="inner steps per worker (the built-in trainer's)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--data", help="token or text file (default: the embedded corpus)")
+    p.add_argument(
+        "--model",
+        "--preset",
+        help="a preset (tiny, small, medium, large, xl) or a transformers config.json (or inline JSON); "
+        "default: --init-from's configuration, else tiny",
+    )
+    p.add_argument("--tokenizer", help="a tokenizer.json (default: the preset's: bytes, or its BPE)")
+    p.add_argument("--init-from", help="a Hugging Face checkpoint folder to start from (continued pretraining)")
+    p.add_argument(
+        "--data", help="a token or text file, or a folder of shards (.bin/.npy/.txt/.jsonl/.parquet); default: stdlib"
+    )
     p.add_argument(
         "--max-data-bytes", type=int, default=DEFAULT_CORPUS_BYTES, help="read at most this much of the data (bytes)"
     )

@@ -1,5 +1,7 @@
 """The DiLoCoJob spec model: defaults, camelCase, and refusals that name the offending field."""
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -78,7 +80,7 @@ def test_camel_case_manifest_with_every_section():
             ttlSecondsAfterFinished=3600,
         )
     )
-    assert spec.trainer.model is ModelSize.SMALL
+    assert spec.trainer.model == "small" and spec.trainer.preset is ModelSize.SMALL
     assert spec.training.encoding is Encoding.INT8 and spec.training.quorum == 2
     assert [i.name for i in spec.islands] == ["h100", "a100"]
     assert spec.islands[0].resources.limits == {"memory": "512Gi", "cpu": 64}
@@ -139,7 +141,10 @@ def test_field_bounds_are_refused_at_the_field(change, named):
         ({"training": {"fragments": 4}, "syncer": {"shards": 5}}, "spec.syncer.shards (5) must not exceed"),
         ({"training": {"innerSteps": 2, "fragments": 3, "overlapSteps": 0}}, "fragments (P=3) must not exceed"),
         ({"training": {"innerSteps": 8, "fragments": 4, "overlapSteps": 2}}, "overlapSteps (tau=2) must be less"),
-        ({"trainer": {"command": ["python", "train.py"], "model": "tiny"}}, "spec.trainer.model, data, precision"),
+        (
+            {"trainer": {"command": ["python", "train.py"], "model": "tiny"}},
+            "spec.trainer.model, modelConfig, initFrom",
+        ),
         ({"trainer": {"command": ["python"], "precision": "bf16"}}, "cannot be set together with spec.trainer.command"),
         ({"trainer": {"command": ["python"], "activationCheckpointing": False}}, "configure the built-in trainer"),
         ({"trainer": {"command": ["python"], "data": "/x"}}, "cannot be set together with spec.trainer.command"),
@@ -407,3 +412,39 @@ def test_the_default_preset_bounds_fragments_and_a_custom_trainer_is_not_bounded
     assert f"must not exceed the {tensors} tensors of the tiny preset" in refusal(minimal(training=training))
     spec = DiLoCoJobSpec.model_validate(minimal(trainer={"command": ["python", "mine.py"]}, training=training))
     assert spec.training.fragments == tensors + 1
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 2048}
+
+
+def test_a_hugging_face_model_is_named_by_its_config_file_or_inline():
+    by_file = DiLoCoJobSpec.model_validate(minimal(trainer={"model": "/data/llama/config.json"}))
+    assert by_file.trainer.preset is None and by_file.trainer.model_argument == "/data/llama/config.json"
+    inline = DiLoCoJobSpec.model_validate(minimal(trainer={"modelConfig": LLAMA, "tokenizer": "/data/tok.json"}))
+    assert inline.trainer.preset is None and json.loads(inline.trainer.model_argument) == LLAMA
+    resumed = DiLoCoJobSpec.model_validate(minimal(trainer={"initFrom": "/data/checkpoint"}))
+    assert resumed.trainer.preset is None and resumed.trainer.model_argument == "", "initFrom's own configuration"
+    preset = DiLoCoJobSpec.model_validate(minimal(trainer={"model": "medium", "initFrom": "/data/gpt2"}))
+    assert preset.trainer.preset is ModelSize.MEDIUM and preset.trainer.model_argument == "medium"
+    assert DiLoCoJobSpec.model_validate(minimal()).trainer.model_argument == "tiny"
+
+
+def test_a_hugging_face_model_is_not_held_to_a_presets_tensor_count():
+    many = {"training": {"fragments": 60, "innerSteps": 600, "overlapSteps": 2}, "syncer": {"shards": 1}}
+    assert "fragments" in refusal(minimal(**many))
+    DiLoCoJobSpec.model_validate(minimal(trainer={"modelConfig": LLAMA}, **many))
+
+
+@pytest.mark.parametrize(
+    ("trainer", "message"),
+    [
+        ({"model": "huge"}, "String should match pattern"),
+        ({"model": "config.json"}, "String should match pattern"),
+        ({"model": "tiny", "modelConfig": LLAMA}, "name the model two ways"),
+        ({"modelConfig": {"hidden_size": 64}}, "needs its model_type"),
+        ({"tokenizer": "relative/tokenizer.json"}, "String should match pattern"),
+        ({"command": ["python", "t.py"], "tokenizer": "/t.json"}, "cannot be set together with spec.trainer.command"),
+    ],
+)
+def test_a_model_named_wrongly_is_refused(trainer, message):
+    assert message in refusal(minimal(trainer=trainer))

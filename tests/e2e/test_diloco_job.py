@@ -318,7 +318,7 @@ def test_the_finished_job_exports_its_model_to_the_users_volume(target, job):
     exported = load_export(folder)
     assert exported.config["preset"] == "tiny" and exported.config["outer_steps"] >= status(target)["outerStep"]
     assert exported.config["training"]["innerSteps"] == 10
-    exported.built_in()  # loads into the built-in GPT
+    exported.language_model()  # loads into the built-in GPT, as transformers loads it as GPT-2
     sampled = subprocess.run(
         [Path(sys.executable).parent / "diloco", "sample", folder, "--prompt", "def ", "--tokens", "40"],
         capture_output=True,

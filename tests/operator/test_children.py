@@ -443,6 +443,56 @@ def test_builtin_trainer_settings_and_custom_command():
     assert "DILOCO_MODEL" not in env_of(trainer) and "DILOCO_SYNCERS" in env_of(trainer)
 
 
+def test_each_island_reads_its_own_share_of_the_data_and_the_model_its_named():
+    llama = {"model_type": "llama", "hidden_size": 64}
+    spec = make_spec(trainer={"modelConfig": llama, "tokenizer": "/data/tokenizer.json", "textField": "body"})
+    children = render(spec)
+    envs = [
+        env_of(children[("StatefulSet", f"demo-{name}")]["spec"]["template"]["spec"]["containers"][0])
+        for name in ("h100", "a100")
+    ]
+    assert [(e["DILOCO_DATA_SHARD"], e["DILOCO_DATA_SHARDS"]) for e in envs] == [("0", "2"), ("1", "2")]
+    assert all(json.loads(e["DILOCO_MODEL"]) == llama and e["DILOCO_TOKENIZER"] == "/data/tokenizer.json" for e in envs)
+    assert envs[0]["DILOCO_TEXT_FIELD"] == "body" and "DILOCO_INIT_FROM" not in envs[0]
+    resumed = make_spec(trainer={"initFrom": "/data/checkpoint"})
+    env = env_of(render(resumed)[("StatefulSet", "demo-a100")]["spec"]["template"]["spec"]["containers"][0])
+    assert env["DILOCO_MODEL"] == "" and env["DILOCO_INIT_FROM"] == "/data/checkpoint"
+
+
+def test_the_export_job_names_the_model_and_reads_it_where_the_first_islands_trainer_does():
+    data = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "trainer",
+                    "volumeMounts": [
+                        {"name": "corpus", "mountPath": "/data"},
+                        {"name": "scratch", "mountPath": "/scratch"},
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "corpus", "persistentVolumeClaim": {"claimName": "corpus"}},
+                {"name": "scratch", "emptyDir": {}},
+            ],
+        }
+    }
+    spec = make_spec(
+        trainer={"model": "/data/config.json", "tokenizer": "/data/tokenizer.json"},
+        islands=[{"name": "a", "podTemplate": data}, {"name": "b"}],
+        export={"claimName": "models"},
+    )
+    pod = render(spec, scale=Scale(islands={}, syncers=0, export=True))[("Job", "demo-export")]["spec"]["template"][
+        "spec"
+    ]
+    (container,) = pod["containers"]
+    assert env_of(container)["DILOCO_MODEL"] == "/data/config.json"
+    assert env_of(container)["DILOCO_TOKENIZER"] == "/data/tokenizer.json"
+    assert {"name": "corpus", "mountPath": "/data", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "corpus", "persistentVolumeClaim": {"claimName": "corpus", "readOnly": True}} in pod["volumes"]
+    assert "scratch" not in {v["name"] for v in pod["volumes"]}, "an emptyDir holds nothing to read"
+
+
 def test_the_export_job_reads_every_shards_volume_and_writes_to_the_named_claim():
     spec = make_spec(export={"claimName": "models", "path": "runs/demo"})
     assert ("Job", "demo-export") not in render(spec)

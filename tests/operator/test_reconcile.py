@@ -259,8 +259,14 @@ def test_a_removed_island_loses_its_children(setup):
     reconciler.reconcile(JOB, 1, SPEC, None, NOW)
     outcome = reconciler.reconcile(JOB, 2, {**SPEC, "islands": [{"name": "a", "replicas": 2}]}, None, NOW)
     assert set(outcome.deleted) == {"StatefulSet/demo-b", "Service/demo-b"}
-    assert [e.reason for e in outcome.events] == ["Deleted"] and "StatefulSet/demo-b" in outcome.events[0].message
-    assert kube.get("StatefulSet", "ml", "demo-b") is None and kube.get("StatefulSet", "ml", "demo-a")
+    deleted = [e for e in outcome.events if e.reason == "Deleted"]
+    assert len(deleted) == 1 and "StatefulSet/demo-b" in deleted[0].message
+    assert kube.get("StatefulSet", "ml", "demo-b") is None
+    # The island left reads the whole training set now: its share of the data is cut anew, which rolls it.
+    (trainer,) = kube.get("StatefulSet", "ml", "demo-a")["spec"]["template"]["spec"]["containers"]
+    env = {v["name"]: v.get("value") for v in trainer["env"]}
+    assert (env["DILOCO_DATA_SHARD"], env["DILOCO_DATA_SHARDS"]) == ("0", "1")
+    assert [e.reason for e in outcome.events if e.reason != "Deleted"] == ["Updated"]
 
 
 def test_objects_the_job_does_not_own_are_neither_deleted_nor_forced(setup):

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 def test_the_trainer_learns_on_cuda_in_bf16_over_fp32_master_weights(tmp_path):
     settings = TrainerSettings(
-        mode=Mode.DDP.value, preset="small", batch_size=8, steps=60, eval_every=1000, device="cuda"
+        mode=Mode.DDP.value, model="small", batch_size=8, steps=60, eval_every=1000, device="cuda"
     )
     trainer = Trainer(settings, TrainingConfig(), island="gpu", syncers=[], token="", security=PLAINTEXT)
     try:
