@@ -29,7 +29,7 @@ from diloco.core.merge import (
     merge_deltas,
     tokens_are_possible,
 )
-from diloco.core.outer_optimizer import ROUND_EPSILON, init_momentum, outer_momentum, outer_step
+from diloco.core.outer_optimizer import ROUND_EPSILON, init_momentum, outer_momentum, outer_step, round_momentum
 from diloco.core.refusal import Refusal
 
 CHECKPOINT_FORMAT = 2
@@ -120,6 +120,8 @@ class ShardFragment:
     merged_keys: set[PushKey] = field(default_factory=set)
     round_progress: float = 0.0  # the share of the outer round in progress already merged (outer_step)
     round_left: set[str] = field(default_factory=set)  # islands that left while the round was in progress
+    round_fresh: float = 0.0  # the share of the round in progress merged from fresh deltas (staleness 0)
+    freshness: float = 1.0  # the share of the last complete round that was fresh: scales its successor's momentum
     round_opened: float = 0.0  # when the round in progress opened: its first merge's median arrival (0: unknown)
     last_merge_unix: float = 0.0
     last_contributors: int = 0
@@ -492,7 +494,7 @@ class ShardState:
             momentum,
             outer_grad,
             lr=outer.lr,
-            momentum_coef=outer_momentum(self.config),
+            momentum_coef=round_momentum(outer_momentum(self.config), frag.freshness),
             nesterov=outer.nesterov,
             share=share,
             round_progress=frag.round_progress,
@@ -505,8 +507,14 @@ class ShardState:
             frag.values, frag.momentum = values, momentum
             if frag.round_progress == 0 or frag.round_progress + share > 1 + ROUND_EPSILON:
                 frag.round_opened = merged_arrival(pending)  # this merge opened a round (or carried into one)
+            fresh = sum(c.staleness == 0 for c in contributions) / len(contributions)
             if frag.round_progress + share >= 1 - ROUND_EPSILON:  # a round completed: the next is of those live
                 frag.round_left.clear()
+                completing = 1 - frag.round_progress
+                frag.freshness = min(1.0, frag.round_fresh + fresh * completing)
+                frag.round_fresh = fresh * max(0.0, share - completing)
+            else:
+                frag.round_fresh += fresh * share
             frag.round_progress = progress
             frag.version += 1
             frag.merged_keys |= {p.key for p in pending}
@@ -599,6 +607,8 @@ def _saved_fragment(frag: ShardFragment) -> dict[str, Any]:
         "merged_keys": [[k.island, k.incarnation, k.base_version, k.sequence] for k in frag.merged_keys],
         "round_progress": frag.round_progress,
         "round_left": sorted(frag.round_left),
+        "round_fresh": frag.round_fresh,
+        "freshness": frag.freshness,
         "last_merge_unix": frag.last_merge_unix,
         "last_contributors": frag.last_contributors,
         "max_staleness_seen": frag.max_staleness_seen,
@@ -620,6 +630,8 @@ def _restore_fragment(frag: ShardFragment, saved: dict[str, Any], keep_pushes: b
         frag.merged_keys = {PushKey(*k) for k in saved["merged_keys"]}
     frag.round_progress = saved.get("round_progress", 0.0)  # format 1 had no rounds: each merge was its own
     frag.round_left = set(saved.get("round_left", ()))
+    frag.round_fresh = saved.get("round_fresh", 0.0)
+    frag.freshness = saved.get("freshness", 1.0)
     frag.last_merge_unix = saved["last_merge_unix"]
     frag.last_contributors = saved["last_contributors"]
     frag.max_staleness_seen = saved["max_staleness_seen"]

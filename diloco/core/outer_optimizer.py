@@ -42,6 +42,22 @@ def outer_momentum(config: TrainingConfig) -> float:
     return 0.0 if config.encoding is Encoding.SPARSE else config.outer.momentum
 
 
+def round_momentum(momentum: float, freshness: float) -> float:
+    """The momentum coefficient of a round: the job's, times the share of the last round whose deltas were
+    fresh (computed against the version they were merged into).
+
+    Asynchrony begets momentum (Mitliagkas et al., 2016): a delta computed against an older version carries
+    the fragment's motion since then a second time, as momentum would. Islands out of phase, merged one at a
+    time, push deltas up to a round stale, and Nesterov momentum of 0.9 on top of them overshoots. Scaling
+    momentum by the last round's freshness keeps all of it for islands in phase, where it is worth most, and
+    none for islands that never are (`bench/merge_rules.py`, docs/training-benchmarks.md)."""
+    if not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    if not 0 <= freshness <= 1:
+        raise ValueError(f"freshness must be in [0, 1], got {freshness}")
+    return momentum * freshness
+
+
 def init_momentum(params: Sequence[Tensor]) -> list[Tensor]:
     """Zero momentum buffers shaped, typed and placed like `params`."""
     return [torch.zeros_like(p) for p in params]

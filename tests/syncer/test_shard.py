@@ -592,6 +592,28 @@ class TestRoundsOfShares:
         self.assert_same(finishing, together)
         assert finishing.fragments[0].round_left == {"d"}, "a, b and c counted for the round that ended; d left after"
 
+    def test_momentum_follows_the_share_of_the_last_round_that_was_fresh(self):
+        shard = make_shard(quorum=1, grace_seconds=0.0, island_timeout_seconds=1e9)
+        for island in "ab":
+            shard.join(island, 0.0)
+        frag = shard.fragments[0]
+        push(shard, "a", 0.0)
+        push(shard, "b", 0.0)
+        shard.merge(0, 0.0)
+        assert frag.freshness == 1.0, "both deltas were computed against the version they went into"
+        push(shard, "a", 1.0, base=0, seq=1)  # both a round stale: computed against version 0, merged into 1
+        shard.merge(0, 1.0)
+        push(shard, "b", 1.0, base=0, seq=1)
+        shard.merge(0, 1.0)
+        assert frag.freshness == 0.0
+        before, momentum = [v.clone() for v in frag.values], [m.clone() for m in frag.momentum]
+        push(shard, "a", 2.0, seq=2, delta=1.0)  # fresh, but the round it opens carries no momentum
+        shard.merge(0, 2.0)
+        lr = shard.config.outer.lr
+        torch.testing.assert_close(frag.momentum[0], torch.full((2,), 0.5))
+        torch.testing.assert_close(frag.values[0], before[0] - lr * 0.5 * 1.0)
+        assert momentum[0].abs().sum() > 0, "there was momentum to carry"
+
     def test_a_round_opens_when_its_first_merge_got_its_pushes(self):
         shard = make_shard(quorum=1, grace_seconds=60.0)
         for island in "abcd":
