@@ -59,9 +59,12 @@ bench-comm: $(STAMP)  ## communication bytes per token, DiLoCo with int4 and spa
 bench-simulator: $(STAMP)  ## diloco simulate's goodput predictions vs diloco run --compare on one failure trace (~5 min)
 	$(BIN)/python bench/simulate_vs_run.py
 
-.PHONY: bench-loss bench-step-time bench-goodput bench-accelerator bench-wan bench-mixed-hardware
-bench-loss: $(STAMP)  ## held-out loss at equal tokens: decoupled DiLoCo (int4, sparse) vs ddp and sync-diloco, 4 islands
+.PHONY: bench-loss bench-merge-rules bench-step-time bench-goodput bench-accelerator bench-wan bench-mixed-hardware
+bench-loss: $(STAMP)  ## held-out loss at equal tokens over 3 seeds, quiet and jittered: decoupled DiLoCo vs sync-diloco and ddp (~40 min)
 	$(BIN)/python bench/training.py loss
+
+bench-merge-rules: $(STAMP)  ## the outer update rule by experiment: the global model of the same pushes grouped differently in time (~45 min)
+	$(BIN)/python bench/merge_rules.py
 
 bench-step-time: $(STAMP)  ## training-step time with syncing on vs off, alternating repeats (~5 min)
 	$(BIN)/python bench/training.py step-time
