@@ -2,16 +2,20 @@
 their ratio, and writing a PNG under out/bench/. Every mode is launched by `diloco run` itself (the same
 processes, trace and accounting as `diloco run --compare`), so what is measured is what users run.
 
-  loss       held-out loss at equal tokens: decoupled DiLoCo vs `ddp` and `sync-diloco` (4 islands), and
-             decoupled DiLoCo with sparse outer gradients beside it (int4 is the job's default encoding).
-             Targets: ours <= 1.03 x the ddp loss and <= 1.01 x the sync-diloco loss; sparse <= 1.01 x
-             int4's loss, with its bytes per token beside int4's and ddp's.
+  loss       held-out loss of the exported model at equal tokens: decoupled DiLoCo vs `sync-diloco` and `ddp`
+             (4 islands), over seeds, quiet and with one island's steps jittered, beside the islands' own
+             models and the islands per merge; then decoupled DiLoCo with sparse outer gradients beside int4
+             (the job's default encoding). Targets: ours <= 1.01 x sync-diloco (means of the seeds), quiet
+             and jittered; the global model no worse than the islands' own; >= 3.8 of 4 islands per merge,
+             quiet; sparse <= 1.01 x int4's loss, with its bytes per token beside int4's and ddp's.
   step-time  training-step time of decoupled DiLoCo with syncing on vs off (off: H beyond the run, so no
              fragment ever falls due), in alternating repeats so a change of machine load hits both.
              Target: time(off) / time(on) >= 0.95.
   goodput    goodput under one seeded failure trace (kill -9 of workers, restart after a delay) for
-             decoupled DiLoCo vs `sync-diloco` (a K = M barrier) vs `ddp` (restart from checkpoint).
-             Targets: ours >= 0.85 and >= 2 x each synchronous baseline.
+             decoupled DiLoCo vs `sync-diloco` (a K = M barrier) vs `ddp` (restart from checkpoint), and the
+             final loss of decoupled DiLoCo under the kills beside a run without them.
+             Targets: ours >= 0.85 and >= 2 x each synchronous baseline; the loss within 1% of the run
+             without kills.
 
 On an accelerator (`--device cuda --preset medium`, precision auto = bf16) the islands share the GPUs as
 processes. NCCL refuses two ranks on one GPU, so where there are fewer GPUs than islands the `ddp` baseline
@@ -50,7 +54,7 @@ def diloco_run(out: Path, *options: str, timeouts_ok: bool = False) -> list[dict
     return json.loads((out / "summary.json").read_text())
 
 
-def shape(args: argparse.Namespace) -> list[str]:
+def shape(args: argparse.Namespace, seed: int | None = None) -> list[str]:
     return [
         "--islands",
         str(args.islands),
@@ -63,7 +67,7 @@ def shape(args: argparse.Namespace) -> list[str]:
         "--fragments",
         str(args.fragments),
         "--seed",
-        str(args.seed),
+        str(args.seed if seed is None else seed),
         "--preset",
         args.preset,
         "--device",
@@ -85,18 +89,20 @@ def ddp_shares_a_device(args: argparse.Namespace) -> bool:
     return torch.cuda.device_count() < args.islands
 
 
-def compare_at_equal_tokens(args: argparse.Namespace, out: Path, *options: str) -> dict[str, dict]:
+def compare_at_equal_tokens(
+    args: argparse.Namespace, out: Path, *options: str, seed: int | None = None
+) -> dict[str, dict]:
     """Every mode's summary on the same tokens: one `diloco run --compare`, or, where ddp's ranks would share
     a GPU, each DiLoCo mode on its own and ddp as one process at the global batch (see the module's doc)."""
     if not ddp_shares_a_device(args):
-        return {s["mode"]: s for s in diloco_run(out, "--compare", *options, *shape(args))}
-    ddp_shape = shape(args)
+        return {s["mode"]: s for s in diloco_run(out, "--compare", *options, *shape(args, seed))}
+    ddp_shape = shape(args, seed)
     ddp_shape[ddp_shape.index("--islands") + 1] = "1"
     ddp_shape[ddp_shape.index("--batch-size") + 1] = str(args.islands * args.batch_size)
     (ddp,) = diloco_run(out / "ddp", "--mode", "ddp", *options, *ddp_shape)
     summaries = {"ddp": ddp}
     for mode in ("diloco", "sync-diloco"):
-        (summaries[mode],) = diloco_run(out / mode, "--mode", mode, *options, *shape(args))
+        (summaries[mode],) = diloco_run(out / mode, "--mode", mode, *options, *shape(args, seed))
     return summaries
 
 
@@ -127,9 +133,67 @@ def verdict(passed: bool, what: str) -> bool:
     return passed
 
 
+CONDITIONS = ("quiet", "jitter")
+"""Each seed runs quiet, then with one island's steps jittered (--jitter): what the islands learn must not
+depend on how their pushes happen to fall in time."""
+
+
+def jitter_option(args: argparse.Namespace) -> list[str]:
+    """--jitter with the last island's steps jittered by args.jitter, the others steady."""
+    return ["--jitter", ",".join(["0"] * (args.islands - 1) + [str(args.jitter)])]
+
+
+def spread(values: list[float]) -> str:
+    """Mean and range of a few runs."""
+    return f"{statistics.mean(values):.4f} [{min(values):.4f}, {max(values):.4f}]"
+
+
 def bench_loss(args: argparse.Namespace) -> bool:
-    summaries = compare_at_equal_tokens(args, args.out / "loss", "--eval-every", str(args.eval_every))
-    ours, ddp, sync = summaries["diloco"], summaries["ddp"], summaries["sync-diloco"]
+    """Held-out loss of the exported model at equal tokens, over seeds, quiet and with jitter."""
+    runs: dict[str, dict[str, list[dict]]] = {c: {} for c in CONDITIONS}
+    for seed in args.seeds:
+        for condition in CONDITIONS:
+            options = ["--eval-every", str(args.eval_every), *(jitter_option(args) if condition == "jitter" else [])]
+            out = args.out / "loss" / f"{condition}-seed{seed}"
+            summaries = compare_at_equal_tokens(args, out, *options, seed=seed)
+            for mode, summary in summaries.items():
+                runs[condition].setdefault(mode, []).append(summary)
+    tokens = runs["quiet"]["diloco"][0]["tokens_trained"]
+    print(
+        f"\nheld-out loss of the final model after {tokens} tokens per mode ({args.islands} islands, {args.preset} "
+        f"preset on {args.device}, seeds {', '.join(map(str, args.seeds))}; jitter: island {args.islands - 1}'s "
+        f"steps a random 0 to {2 * args.jitter:.0%} longer); mean [min, max]:"
+    )
+    met = []
+    for condition in CONDITIONS:
+        by_mode = runs[condition]
+        loss = {mode: [s["final_loss"] for s in summaries] for mode, summaries in by_mode.items()}
+        ours = by_mode["diloco"]
+        per_merge = [s["islands_per_merge"] for s in ours]
+        local = [s["islands_loss"] for s in ours]
+        gap = [s["final_loss"] - s["islands_loss"] for s in ours]
+        print(f"  {condition}:")
+        for mode in ("diloco", "sync-diloco", "ddp"):
+            print(f"    {mode:>11}: {spread(loss[mode])}")
+        print(
+            f"    diloco islands per merge {spread(per_merge)} of {args.islands}; islands' own models "
+            f"{spread(local)}; global minus islands' own {spread(gap)}"
+        )
+        vs_sync = statistics.mean(loss["diloco"]) / statistics.mean(loss["sync-diloco"])
+        vs_ddp = statistics.mean(loss["diloco"]) / statistics.mean(loss["ddp"])
+        print(f"    ratios of the means: diloco / sync-diloco {vs_sync:.4f}, diloco / ddp {vs_ddp:.4f}")
+        met.append(verdict(vs_sync <= 1.01, f"{condition}: diloco / sync-diloco = {vs_sync:.4f} <= 1.01"))
+        met.append(verdict(max(gap) <= 0, f"{condition}: the global model <= the islands' own in every run"))
+        if condition == "quiet":
+            met.append(verdict(min(per_merge) >= 3.8 * args.islands / 4, "quiet: islands per merge >= 3.8 of 4"))
+    errorbar_chart(args.png_dir / "loss_vs_baselines.png", runs, args)
+    if args.sparse:
+        met.append(sparse_against_int4(args, runs["quiet"]["diloco"][0], runs["quiet"]["ddp"][0]))
+    return all(met)
+
+
+def sparse_against_int4(args: argparse.Namespace, int4: dict, ddp: dict) -> bool:
+    """The sparse encoding beside int4 (quiet, the first seed): loss and bytes per token."""
     (sparse,) = diloco_run(
         args.out / "loss-sparse",
         "--encoding",
@@ -138,44 +202,48 @@ def bench_loss(args: argparse.Namespace) -> bool:
         str(args.top_k_fraction),
         "--eval-every",
         str(args.eval_every),
-        *shape(args),
+        *shape(args, args.seeds[0]),
     )
-    print(
-        f"\nheld-out loss after {ours['tokens_trained']} tokens per mode ({args.islands} islands, {args.preset} "
-        f"preset on {args.device}):"
-    )
-    for s in (ours, sync, ddp):
-        print(
-            f"  {s['mode']:>11}: {s['final_loss']:.4f}  ({s['tokens_trained']} tokens, {s['wall_seconds']:.0f} s, "
-            f"{s['tokens_per_second']:.0f} tokens/s, MFU {format_mfu(s['mfu'])})"
-        )
-    vs_ddp = ours["final_loss"] / ddp["final_loss"]
-    vs_sync = ours["final_loss"] / sync["final_loss"]
-    print(
-        f"eval loss: ours {ours['final_loss']:.4f}, ddp {ddp['final_loss']:.4f}, ratio {vs_ddp:.3f} (target <= 1.03); "
-        f"sync-diloco {sync['final_loss']:.4f}, ratio {vs_sync:.3f}"
-    )
-    bar_chart(
-        args.png_dir / "loss_vs_baselines.png",
-        f"held-out loss at equal tokens, {args.islands} islands",
-        "loss (nats/byte)",
-        {**{s["mode"]: s["final_loss"] for s in (ours, sync, ddp)}, "diloco sparse": sparse["final_loss"]},
-        (1.03 * ddp["final_loss"], "1.03 x ddp"),
-    )
-    vs_int4 = sparse["final_loss"] / ours["final_loss"]
+    vs_int4 = sparse["final_loss"] / int4["final_loss"]
     print(
         f"sparse (top {args.top_k_fraction:.2%} of each block at 2 bits, error feedback): eval loss "
         f"{sparse['final_loss']:.4f}, ratio {vs_int4:.3f} to int4 (target <= 1.01); bytes per token: sparse "
-        f"{sparse['comm_bytes_per_token']:.2f}, int4 {ours['comm_bytes_per_token']:.2f} "
-        f"({ours['comm_bytes_per_token'] / sparse['comm_bytes_per_token']:.1f}x), ddp "
+        f"{sparse['comm_bytes_per_token']:.2f}, int4 {int4['comm_bytes_per_token']:.2f} "
+        f"({int4['comm_bytes_per_token'] / sparse['comm_bytes_per_token']:.1f}x), ddp "
         f"{ddp['comm_bytes_per_token']:.0f} ({ddp['comm_bytes_per_token'] / sparse['comm_bytes_per_token']:.0f}x)"
     )
-    met = [
-        verdict(vs_ddp <= 1.03, f"ours / ddp = {vs_ddp:.3f} <= 1.03"),
-        verdict(vs_sync <= 1.01, f"ours / sync-diloco = {vs_sync:.3f} <= 1.01"),
-        verdict(vs_int4 <= 1.01, f"sparse / int4 = {vs_int4:.3f} <= 1.01"),
-    ]
-    return all(met)
+    return verdict(vs_int4 <= 1.01, f"sparse / int4 = {vs_int4:.3f} <= 1.01")
+
+
+def errorbar_chart(path: Path, runs: dict[str, dict[str, list[dict]]], args: argparse.Namespace) -> None:
+    """Per mode and condition, the mean final loss with the seeds' range as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = ("diloco", "sync-diloco", "ddp")
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    width = 0.38
+    for k, condition in enumerate(CONDITIONS):
+        means, lows, highs = [], [], []
+        for mode in modes:
+            losses = [s["final_loss"] for s in runs[condition][mode]]
+            mean = statistics.mean(losses)
+            means.append(mean)
+            lows.append(mean - min(losses))
+            highs.append(max(losses) - mean)
+        xs = [i + (k - 0.5) * width for i in range(len(modes))]
+        bars = ax.bar(xs, means, width, yerr=[lows, highs], capsize=3, label=condition)
+        ax.bar_label(bars, fmt="%.3f", fontsize=7, padding=6)
+    ax.set_xticks(range(len(modes)), modes)
+    low = min(min(s["final_loss"] for s in summaries) for c in runs.values() for summaries in c.values())
+    ax.set_ylim(low * 0.97, None)
+    ax.set_ylabel("held-out loss of the final model (nats/byte)")
+    ax.set_title(f"equal tokens, {args.islands} islands, seeds {', '.join(map(str, args.seeds))}", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    figures.save(fig, path)
 
 
 def format_mfu(mfu: float | None) -> str:
@@ -245,6 +313,7 @@ def bench_goodput(args: argparse.Namespace) -> bool:
         )
     }
     ours, sync, ddp = summaries["diloco"], summaries["sync-diloco"], summaries["ddp"]
+    (calm,) = diloco_run(args.out / "goodput-no-kills", "--eval-every", str(10**9), *shape(args))
     print(
         f"\ngoodput on one failure trace ({ours['kills']} kills, restart after {args.restart_after:g} s, "
         f"{args.islands} islands):"
@@ -266,8 +335,14 @@ def bench_goodput(args: argparse.Namespace) -> bool:
         {s["mode"]: s["goodput"] for s in (ours, sync, ddp)},
         (0.85, "target 0.85"),
     )
+    kept = ours["final_loss"] / calm["final_loss"]
+    print(
+        f"the final model under kills: {ours['final_loss']:.4f}, without: {calm['final_loss']:.4f}, ratio "
+        f"{kept:.4f} (target <= 1.01)"
+    )
     met = [
         verdict(ours["goodput"] >= 0.85, f"ours {ours['goodput']:.3f} >= 0.85"),
+        verdict(kept <= 1.01, f"final loss under kills / without = {kept:.4f} <= 1.01"),
         verdict(ours["goodput"] >= 2 * sync["goodput"], f"ours >= 2 x sync-diloco ({sync['goodput']:.3f})"),
         verdict(ours["goodput"] >= 2 * ddp["goodput"], f"ours >= 2 x ddp ({ddp['goodput']:.3f})"),
     ]
@@ -289,7 +364,12 @@ def main() -> int:
     p.add_argument(
         "--top-k-fraction", type=float, default=TrainingConfig().top_k_fraction, help="loss: of the sparse run"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="step-time and goodput: the seed")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="loss: the seeds")
+    p.add_argument("--jitter", type=float, default=0.3, help="loss: one island's steps a random 0 to 2 x this longer")
+    p.add_argument(
+        "--sparse", action=argparse.BooleanOptionalAction, default=True, help="loss: the sparse encoding beside int4"
+    )
     p.add_argument(
         "--reference-step-seconds",
         type=float,
