@@ -133,8 +133,8 @@ class WorkerCollector(Collector):
         )
         yield gauge(
             "diloco_worker_phase_offset_seconds",
-            "How late the island's last push came after the median push of the merge that took it (negative: "
-            "early); the island corrects its schedule by it, so it stays near 0 while islands keep in phase",
+            "How late the island's last push came after its round opened on the shard (negative: early); the "
+            "island steers its next push by it, so it stays near 0 while islands keep in phase",
             learner.phase_offset_seconds,
         )
         syncs = CounterMetricFamily(

@@ -34,7 +34,7 @@ class LearnerStats:
     rounds_begun: int = 0
     round_inner_steps: int = 0
     round_steps: int = 0  # inner steps per round the island runs now: H, or fewer when speed-aware and slow
-    phase_offset_seconds: float = 0.0  # how late the island's last measured push came to its merge (rank 0)
+    phase_offset_seconds: float = 0.0  # how late the island's last measured push came to its round (rank 0)
     versions: dict[int, Version] = field(default_factory=dict)
 
 
