@@ -17,7 +17,8 @@ maps the names). A transformers model exports as itself.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -36,6 +37,21 @@ DILOCO_FILE = "diloco.json"
 FORMAT = "diloco-export/2"
 MAX_SHARD_SIZE = "2GB"
 """Above this a model is written as safetensors shards with an index, as the Hugging Face Hub keeps them."""
+
+
+@contextmanager
+def without_progress_bars() -> Iterator[None]:
+    """transformers' own bars (writing shards, loading weights) off: an export is one step of a run that shows
+    its own progress, and a quiet run stays quiet."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def matching_preset(tensors: Mapping[str, torch.Tensor]) -> str | None:
@@ -101,7 +117,8 @@ def save(
     hf.config.bos_token_id = hf.config.eos_token_id = eos
     hf.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     folder.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(folder, max_shard_size=max_shard_size)
+    with without_progress_bars():
+        hf.save_pretrained(folder, max_shard_size=max_shard_size)
     eos_name = words.id_to_token(eos) if eos is not None else None
     PreTrainedTokenizerFast(
         tokenizer_object=words, eos_token=eos_name, bos_token=eos_name, pad_token=eos_name
@@ -147,7 +164,8 @@ class ExportedModel:
     def language_model(self, device: torch.device | str = "cpu") -> LanguageModel:
         """The model as the trainer trains and evaluates it (a preset's GPT, or the transformers model),
         holding the exported weights."""
-        model = build(self.spec, 0, init_from=self.folder)
+        with without_progress_bars():
+            model = build(self.spec, 0, init_from=self.folder)
         model.module.to(device).eval()
         return model
 

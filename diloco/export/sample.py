@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from diloco.export.model_files import without_progress_bars
+
 
 @torch.no_grad()
 def continue_text(
@@ -18,8 +20,9 @@ def continue_text(
 
     if new_tokens < 0 or temperature < 0 or top_k < 1:
         raise ValueError("new tokens and temperature must be >= 0, top-k >= 1")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with without_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = tokenizer(prompt, return_tensors="pt").input_ids if prompt else None
     if ids is None or ids.numel() == 0:  # start from the end-of-text token, or a newline without one
         start = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer("\n").input_ids[0]

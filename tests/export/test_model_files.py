@@ -131,3 +131,11 @@ def test_tensors_of_no_preset_need_their_model_named(tmp_path):
 def test_the_preset_is_the_one_whose_shapes_match():
     assert matching_preset(tiny_global_model().tensors) == "tiny"
     assert matching_preset({"tok_emb.weight": torch.zeros(256, 128)}) is None
+
+
+def test_writing_and_reading_an_export_draw_no_progress_bars_of_transformers(tmp_path, capfd):
+    save(tmp_path, tiny_global_model())
+    load(tmp_path).language_model()
+    captured = capfd.readouterr()
+    assert "Writing model shards" not in captured.err + captured.out
+    assert "Loading weights" not in captured.err + captured.out
