@@ -59,6 +59,7 @@ from cluster.controlplane import group_alive, stop_group
 from cluster.node_ports import EVERY_ADDRESS, Address, ingress_ips, listeners, relay_command
 from cluster.pod_network import KUBERNETES_SERVICE, PodNetwork, http_get
 from cluster.podspec import (
+    Data,
     Unresolvable,
     accelerators,
     container_command,
@@ -597,7 +598,7 @@ class PodRunner:
         volumes materialized."""
         namespace = pod["metadata"]["namespace"]
 
-        def lookup(kind: str, name: str) -> dict[str, str] | None:
+        def lookup(kind: str, name: str) -> Data | None:
             try:
                 if kind == "ConfigMap":
                     return dict(self.core.read_namespaced_config_map(name, namespace).data or {})
@@ -667,7 +668,7 @@ class PodRunner:
             shutil.rmtree(directory, ignore_errors=True)
             for path, content in files.items():
                 (directory / path).parent.mkdir(parents=True, exist_ok=True)
-                (directory / path).write_text(content)
+                (directory / path).write_bytes(content.encode() if isinstance(content, str) else content)
             return directory
         if "emptyDir" in volume:
             directory = container.directory / "volumes" / volume["name"]
