@@ -39,7 +39,7 @@ from diloco.syncer.streams import (
     StreamWatch,
 )
 from diloco.transport import tls, wire
-from diloco.transport.auth import TokenInterceptor
+from diloco.transport.auth import AcceptedTokens, TokenInterceptor
 from diloco.transport.codes import encoding_of, status_code
 from diloco.transport.connections import ConnectionWatch
 from diloco.transport.deadlines import patience_options, quiet_seconds
@@ -98,7 +98,7 @@ class SyncerServer:
         *,
         shard_index: int,
         num_shards: int,
-        token: str,
+        token: str | AcceptedTokens,
         security: Security,
         host: str = "127.0.0.1",
         port: int = 0,
