@@ -124,7 +124,7 @@ def test_chart_for_named_namespaces_grants_only_those():
     assert set(roles) == {"team-a", "team-b"}
     cluster_wide = normalised(rules_of(documents(ROOT / "deploy" / "rbac.yaml"), "ClusterRole"))
     namespaced = normalised(rules_of(chart, "Role")[: len(roles["team-a"]["rules"])])
-    nodes = (("",), ("nodes",), ("get",))
+    nodes = (("",), ("nodes", "namespaces"), ("get",))
     assert normalised(rules_of(chart, "ClusterRole")) == [nodes]
     as_cluster = [r for r in cluster_wide if r != nodes and r[1] != ("clusterkopfpeerings",)]
     assert [r for r in namespaced if r[1] != ("kopfpeerings",)] == as_cluster
