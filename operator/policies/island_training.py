@@ -9,9 +9,10 @@ An island does not train, in this order of telling:
 - PushesRefused: a shard refused its token after its last sync (a token it holds that the shards no longer
   accept), whether its pods are Ready or not;
 - with every pod Ready, SyncerStateLost: a shard lost its state and no merge came back to the island since;
-- with every pod Ready, NotSyncing: no merge came back within `sync_bound` of its last sync or of its pods all
-  becoming Ready: SYNC_BOUND_ROUNDS rounds of its inner steps at its step time, plus the grace window, and
-  never less than MIN_SYNC_BOUND.
+- with every pod Ready, NotSyncing: no merge came back within `sync_bound` of its last sync (as its trainer
+  says; as the shards last reported it live when its trainer does not answer) or of its pods all becoming
+  Ready: SYNC_BOUND_ROUNDS rounds of its inner steps at its step time, plus the grace window, and never less
+  than MIN_SYNC_BOUND.
 An island short of Ready pods is not whole, which the job's conditions say on their own ("k/n pods ready").
 """
 
@@ -93,7 +94,8 @@ def not_training(
         )
     if not is_whole(island) or not pods:
         return None
-    synced = synced or island.last_sync
+    if report is None:  # its trainer does not answer: the shards' last report of it stands in
+        synced = island.last_sync
     if state_lost_at is not None and (synced is None or synced < state_lost_at):
         return NotTraining(Reason.SYNCER_STATE_LOST, f"no merge since a shard lost its state at {_time(state_lost_at)}")
     whole_since = max((p.ready_since for p in pods if p.ready_since is not None), default=None)
