@@ -153,13 +153,15 @@ MSG_OPERATOR_SECRET = (
     "the operator's (a job's token and certificates, the key every token derives from), and a job's pods reach its "
     "own credentials, never another job's"
 )
-OPERATOR_CLAIM_RULE = "^([a-z]([-a-z0-9]*[a-z0-9])?-syncer-[0-9]+|checkpoints-.*-[0-9]+)$"
-"""The names of the PersistentVolumeClaims the operator makes: a shard's `<job>-syncer-<n>` and an island pod's
-`checkpoints-<statefulset>-<n>`."""
+SHARD_CLAIM_SUFFIX, ISLAND_CLAIM_PREFIX = "-syncer-[0-9]+$", "checkpoints-"
+"""The forms of the PersistentVolumeClaims the operator makes: a shard's `<job>-syncer-<n>` and an island pod's
+`checkpoints-<statefulset>-<n>`. Short, as the API server's cost estimate of the rule on every volume of every
+island's pod template wants them."""
+OPERATOR_CLAIM_RULE = f"!self.matches('{SHARD_CLAIM_SUFFIX}') && !self.startsWith('{ISLAND_CLAIM_PREFIX}')"
 MSG_OPERATOR_CLAIM = (
-    "spec.*.podTemplate volumes and spec.export.claimName must not name a PersistentVolumeClaim <job>-syncer-<n> or "
-    "checkpoints-<statefulset>-<n>: those hold a job's shard and island checkpoints, which no other job's pods read "
-    "or write"
+    "spec.*.podTemplate volumes and spec.export.claimName must not name a PersistentVolumeClaim ending in "
+    "-syncer-<n> or starting with checkpoints-: those are a job's shard and island checkpoints (<job>-syncer-<n>, "
+    "checkpoints-<statefulset>-<n>), which no other job's pods read or write"
 )
 
 
@@ -170,7 +172,7 @@ def _not_operators_secret(name: str) -> str:
 
 
 def _not_operators_claim(name: str) -> str:
-    if re.match(OPERATOR_CLAIM_RULE, name):
+    if re.search(SHARD_CLAIM_SUFFIX, name) or name.startswith(ISLAND_CLAIM_PREFIX):
         raise ValueError(f"{MSG_OPERATOR_CLAIM}, got {name!r}")
     return name
 
@@ -194,9 +196,7 @@ ClaimName = Annotated[
         min_length=1,
         max_length=253,
         pattern=DNS_SUBDOMAIN,
-        json_schema_extra={
-            "x-kubernetes-validations": [cel(f"!self.matches('{OPERATOR_CLAIM_RULE}')", MSG_OPERATOR_CLAIM)]
-        },
+        json_schema_extra={"x-kubernetes-validations": [cel(OPERATOR_CLAIM_RULE, MSG_OPERATOR_CLAIM)]},
     ),
     AfterValidator(_not_operators_claim),
 ]
@@ -384,9 +384,12 @@ class VolumeMount(CamelModel):
     sub_path: str | None = Field(None, description="Sub-path of the volume to mount instead of its root.")
 
 
-MAX_OVERRIDE_ITEMS = 64
-"""Items of each list an override holds (containers, env, envFrom, volumes, mounts...): far more than a pod
-needs, and a bound the API server's cost estimate of the CEL rules on them needs."""
+MAX_OVERRIDE_ITEMS = 32
+"""Items of each list an override holds (envFrom, volumes, mounts, a volume's keys, imagePullSecrets): more than
+a pod needs, and a bound the API server's cost estimate of the CEL rules on them needs (it multiplies a rule's
+cost by every list around it: islands, containers, env)."""
+MAX_CONTAINERS, MAX_ENV = 8, 128
+"""Containers an override changes or adds (the operator's and a few sidecars), and variables per container."""
 
 
 class ContainerOverride(CamelModel):
@@ -398,7 +401,7 @@ class ContainerOverride(CamelModel):
     command: Command | None = Field(None, description="Container command.")
     args: list[str] = Field(default_factory=list, description="Container arguments.")
     env: list[EnvVar] = Field(
-        default_factory=list, max_length=4 * MAX_OVERRIDE_ITEMS, description="Variables added or replaced, by name."
+        default_factory=list, max_length=MAX_ENV, description="Variables added or replaced, by name."
     )
     env_from: list[EnvFromSource] = Field(
         default_factory=list,
@@ -525,7 +528,7 @@ class PodSpecOverride(CamelModel):
         description="Secrets with registry credentials for the pods' images.",
     )
     containers: list[ContainerOverride] = Field(
-        default_factory=list, max_length=MAX_OVERRIDE_ITEMS, description="Containers changed or added."
+        default_factory=list, max_length=MAX_CONTAINERS, description="Containers changed or added."
     )
     volumes: list[VolumeOverride] = Field(
         default_factory=list, max_length=MAX_OVERRIDE_ITEMS, description="Volumes added or replaced."

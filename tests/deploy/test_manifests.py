@@ -177,7 +177,9 @@ def test_the_readmes_install_commands_succeed_on_a_fresh_cluster(tmp_path):
     if bin_dir is None:
         missing_binary("no cached kube-apiserver/etcd/kubectl (run tests/cluster/build.sh)")
     for index, files in enumerate(dict.fromkeys(map(tuple, install_commands()))):
-        plane = start_control_plane(bin_dir, tmp_path / f"plane-{index}")
+        workdir = tmp_path / f"plane-{index}"
+        workdir.mkdir()
+        plane = start_control_plane(bin_dir, workdir)
         try:
             plane.kubectl("apply", "--server-side", "-f", str(ROOT / "deploy" / "crd.yaml"))
             plane.kubectl("apply", "--server-side", "-f", str(ROOT / "deploy" / "peering-crds.yaml"))
