@@ -349,13 +349,14 @@ def test_of_two_replicas_only_one_acts_and_the_other_takes_over_when_it_dies(ope
 
 
 def test_an_island_the_scheduler_cannot_place_says_what_the_scheduler_says(operator_cluster, kube, operator):
-    """Sixteen GPUs a pod where the nodes have eight: the scheduler's own words reach the island's status, the
-    job's Ready condition and a Warning Event, not only "0/1 pods ready"."""
+    """Sixteen GPUs a pod where the nodes have eight: the scheduler's own words reach the island's status (its
+    start: an island's message is short), the job's Ready condition and a Warning Event (whole), not only "0/1
+    pods ready"."""
     ns = namespace(operator_cluster, "unplaceable")
     islands = [{"name": "huge", "acceleratorsPerPod": 16, "nodeSelector": {"nvidia.com/gpu.product": A100}}]
     operator_cluster.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("huge", islands))
     island = wait_until(lambda: (s := status(kube, ns, "huge").get("islands")) and s[0].get("reason") and s[0])
-    assert island["reason"] == "Unschedulable" and "Insufficient nvidia.com/gpu" in island["message"]
+    assert island["reason"] == "Unschedulable" and island["message"].startswith("pod huge-huge-0: 0/")
     ready = next(c for c in status(kube, ns, "huge")["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False" and ready["reason"] == "Unschedulable"
     assert "island huge: Unschedulable: pod huge-huge-0: 0/" in ready["message"]
