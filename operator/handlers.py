@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from diloco.api.job import API_GROUP, API_VERSION, PLURAL
 from diloco.operator.events import Event, reconcile_failed
+from diloco.operator.kube import ApiError
 from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.naming import JobRef
 from diloco.operator.reconcile import Reconciler
@@ -102,6 +103,11 @@ def _handler(
         finally:
             lock.release()
 
+    def _failed(job: JobRef, error: Exception, now: datetime.datetime) -> None:
+        metrics.reconciles.labels(trigger, "error").inc()
+        metrics.errors.labels("reconcile").inc()
+        reconciler.events.post(job, reconcile_failed(error), now)
+
     def _reconcile(
         meta: kopf.Meta,
         spec: kopf.Spec,
@@ -121,10 +127,14 @@ def _handler(
             metrics.reconciles.labels(trigger, "invalid").inc()
             reconciler.events.post(job, Event("Warning", "InvalidSpec", str(error)), now)
             raise kopf.PermanentError(f"the spec is invalid: {error}") from error
+        except ApiError as error:
+            if not error.namespace_terminating:
+                _failed(job, error, now)
+                raise
+            metrics.reconciles.labels(trigger, "skipped").inc()
+            return
         except Exception as error:
-            metrics.reconciles.labels(trigger, "error").inc()
-            metrics.errors.labels("reconcile").inc()
-            reconciler.events.post(job, reconcile_failed(error), now)
+            _failed(job, error, now)
             raise
         finally:
             metrics.seconds.observe(time.perf_counter() - started)

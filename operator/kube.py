@@ -49,6 +49,12 @@ class ApiError(Exception):
         self.status = status
         self.message = message
 
+    @property
+    def namespace_terminating(self) -> bool:
+        """The namespace is being deleted: the API server refuses anything new in it (a pass that looked before
+        the deletion began finds out this way)."""
+        return self.status == 403 and "because it is being terminated" in self.message
+
 
 def pooled(configuration: client.Configuration, connections: int) -> client.ApiClient:
     """A client keeping up to `connections` connections, one per call in flight: a call finding the pool full

@@ -368,7 +368,10 @@ class Reconciler:
         applied: list[str] = []
         created: list[str] = []
         for wave in waves:
-            for (obj, _), error in zip(wave, self._each(lambda item: self.kube.apply(item[0], force=item[1]), wave)):
+            errors = self._each(lambda item: self.kube.apply(item[0], force=item[1]), wave)
+            if any(error is not None and error.namespace_terminating for error in errors):
+                return LEFT_ALONE  # the namespace began going after this pass looked: as if it had seen it
+            for (obj, _), error in zip(wave, errors):
                 if error is None:
                     applied.append("/".join(child_key(obj)))
                     if child_key(obj) not in existing:

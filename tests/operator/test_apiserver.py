@@ -600,6 +600,45 @@ def test_passes_that_fail_alike_are_one_aggregated_event_and_kopf_posts_none(con
         failing.stop()
 
 
+def test_a_pass_over_a_job_whose_namespace_is_being_deleted_charges_nothing_and_posts_nothing(control_plane, kube):
+    """This control plane runs no namespace controller: a deleted namespace stays Terminating with what is in it,
+    and the test removes the job's pods as that controller would. The pass that follows charges no failure and
+    posts no Event (the API server refuses new ones there), where one in a live namespace would."""
+    ns = namespace(control_plane, "dying")
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("gone", islands=[{"name": "a"}]))
+    job = kube.get("DiLoCoJob", ns, "gone")
+    ref = JobRef(name="gone", namespace=ns, uid=job["metadata"]["uid"])
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "gone-a-0",
+            "labels": {"diloco.dev/job": "gone", "diloco.dev/island": "a", "apps.kubernetes.io/pod-index": "0"},
+        },
+        "spec": {"containers": [{"name": "trainer", "image": "diloco-trainer:dev"}]},
+    }
+    control_plane.kubectl("-n", ns, "create", "serviceaccount", "default")  # no controller-manager makes it here
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=yaml.safe_dump(pod))
+    reconciler = Reconciler(
+        kube,
+        None,
+        poll_shards=lambda targets, ready, tokens, security, timeout: [
+            ShardObservation(shard=s, ready=False) for s in range(len(targets))
+        ],
+        scrape_trainers=lambda urls, timeout: {},
+        token_key=bytes(32),
+    )
+    now = datetime.datetime.now(datetime.UTC)
+    first = reconciler.reconcile(ref, 1, job["spec"], None, now)
+    assert [r["uid"] for r in first.status["islands"][0]["pods"]], "the pod is on record"
+    control_plane.kubectl("delete", "namespace", ns, "--wait=false")
+    wait_until(lambda: kube.get("Namespace", None, ns)["status"].get("phase") == "Terminating")
+    control_plane.kubectl("-n", ns, "delete", "pod", "gone-a-0", "--grace-period=0", "--force")
+    later = reconciler.reconcile(ref, 1, job["spec"], first.status, now + datetime.timedelta(seconds=10))
+    assert later.events == (), "no IslandFailed for the pod the namespace controller removed, and no Event at all"
+    assert later.status is None and later.applied == ()
+
+
 @pytest.fixture(scope="module")
 def operator(control_plane, tmp_path_factory):
     running = OperatorProcess(install(control_plane), tmp_path_factory.mktemp("operator") / "operator.log", RESYNC)
@@ -773,42 +812,3 @@ def test_jobs_whose_child_names_would_collide_each_keep_their_own(control_plane,
         assert all(obj["metadata"]["ownerReferences"][0]["uid"] == uid for obj in found.values())
     assert not set(children(kube, ns, "a")) & set(children(kube, ns, "a-b"))
     assert "ApplyFailed" not in control_plane.kubectl("-n", ns, "get", "events").stdout
-
-
-def test_a_pass_over_a_job_whose_namespace_is_being_deleted_charges_nothing_and_posts_nothing(control_plane, kube):
-    """This control plane runs no namespace controller: a deleted namespace stays Terminating with what is in it,
-    and the test removes the job's pods as that controller would. The pass that follows charges no failure and
-    posts no Event (the API server refuses new ones there), where one in a live namespace would."""
-    ns = namespace(control_plane, "dying")
-    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("gone", islands=[{"name": "a"}]))
-    job = kube.get("DiLoCoJob", ns, "gone")
-    ref = JobRef(name="gone", namespace=ns, uid=job["metadata"]["uid"])
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": "gone-a-0",
-            "labels": {"diloco.dev/job": "gone", "diloco.dev/island": "a", "apps.kubernetes.io/pod-index": "0"},
-        },
-        "spec": {"containers": [{"name": "trainer", "image": "diloco-trainer:dev"}]},
-    }
-    control_plane.kubectl("-n", ns, "create", "serviceaccount", "default")  # no controller-manager makes it here
-    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=yaml.safe_dump(pod))
-    reconciler = Reconciler(
-        kube,
-        None,
-        poll_shards=lambda targets, ready, tokens, security, timeout: [
-            ShardObservation(shard=s, ready=False) for s in range(len(targets))
-        ],
-        scrape_trainers=lambda urls, timeout: {},
-        token_key=bytes(32),
-    )
-    now = datetime.datetime.now(datetime.UTC)
-    first = reconciler.reconcile(ref, 1, job["spec"], None, now)
-    assert [r["uid"] for r in first.status["islands"][0]["pods"]], "the pod is on record"
-    control_plane.kubectl("delete", "namespace", ns, "--wait=false")
-    wait_until(lambda: kube.get("Namespace", None, ns)["status"].get("phase") == "Terminating")
-    control_plane.kubectl("-n", ns, "delete", "pod", "gone-a-0", "--grace-period=0", "--force")
-    later = reconciler.reconcile(ref, 1, job["spec"], first.status, now + datetime.timedelta(seconds=10))
-    assert later.events == (), "no IslandFailed for the pod the namespace controller removed, and no Event at all"
-    assert later.status is None and later.applied == ()

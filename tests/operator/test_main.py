@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from diloco.api.job import DiLoCoJobSpec
 from diloco.operator import handlers, reconcile
 from diloco.operator.events import Event
-from diloco.operator.kube import Kube, pooled
+from diloco.operator.kube import ApiError, Kube, pooled
 from diloco.operator.main import parse_args, watched_namespaces
 from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.reconcile import PassOutcome
@@ -163,6 +163,20 @@ def test_other_failures_are_counted_posted_through_the_recorder_and_left_to_kopf
             "message": "a reconcile pass failed and will be retried: RuntimeError: API down",
         }
     ]
+
+
+def test_a_pass_refused_because_the_namespace_is_going_posts_nothing_and_is_not_retried():
+    """Its namespace began going after the pass looked: the API server refuses anything new there, and there is
+    nothing to say about a job on its way out."""
+    going = ApiError(
+        403, 'events "demo.x" is forbidden: unable to create new content in namespace ml because it is being terminated'
+    )
+    metrics = OperatorMetrics()
+    reconciler = FakeReconciler(error=going)
+    kwargs = call(handlers._handler(reconciler, metrics, "timer"))
+    assert reconciler.events.posted == [] and kwargs["patch"] == {}
+    assert sample(metrics, "diloco_operator_reconciles_total", trigger="timer", result="skipped") == 1
+    assert sample(metrics, "diloco_operator_errors_total", kind="reconcile") == 0
 
 
 def test_kopf_settings():

@@ -570,3 +570,18 @@ def test_a_pass_in_a_namespace_being_deleted_does_nothing(setup):
     kube.add({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}, "status": {"phase": "Active"}})
     charged = reconciler.reconcile(JOB, 1, SPEC, first.status, later)
     assert "IslandFailed" in [e.reason for e in charged.events], "the same loss in a live namespace is a failure"
+
+
+def test_a_pass_whose_namespace_begins_going_midway_stops_and_says_nothing(setup):
+    """The namespace was live when the pass looked and is being deleted when it applies: the API server refuses
+    anything new there, and the pass ends as one that had seen it from the start."""
+    kube, reconciler, _ = setup
+
+    def refused(obj, force):
+        raise ApiError(
+            403,
+            f"{obj['kind']} is forbidden: unable to create new content in namespace ml because it is being terminated",
+        )
+
+    kube.apply = refused
+    assert reconciler.reconcile(JOB, 1, SPEC, None, NOW) == LEFT_ALONE
