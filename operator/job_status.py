@@ -35,7 +35,7 @@ from diloco.operator.policies.model_export import export_due, export_status
 from diloco.operator.policies.phase import next_phase, readiness
 from diloco.operator.policies.rolling_update import finish_rolls, islands_free_to_update
 from diloco.operator.policies.stop_condition import slowest_fragment, stop_reached
-from diloco.operator.policies.syncer_state import carried, loss_event, loss_message, regressions
+from diloco.operator.policies.syncer_state import Regression, carried, loss_event, loss_message, regressions
 from diloco.operator.policies.ttl_after_finished import deletion_due
 from diloco.operator.remote_islands import remote_islands
 
@@ -250,6 +250,18 @@ def _syncer_status(
     )
 
 
+def _progress(
+    spec: DiLoCoJobSpec, previous: DiLoCoJobStatus, fragments: Sequence[FragmentProgress]
+) -> tuple[list[Regression], tuple[int, int], tuple[int, int] | None]:
+    """The fragments that went back on this pass (`syncer_state`), the outer steps and tokens carried since
+    the job began, and its progress with them (None until every fragment has reported)."""
+    lost = regressions(previous.fragments, fragments)
+    reached = slowest_fragment(fragments, spec.training.fragments)
+    before = slowest_fragment(previous.fragments, spec.training.fragments) if lost else None
+    steps, tokens = carried((previous.carried_outer_steps, previous.carried_tokens), before, reached)
+    return lost, (steps, tokens), None if reached is None else (reached[0] + steps, reached[1] + tokens)
+
+
 def decide(
     spec: DiLoCoJobSpec,
     generation: int | None,
@@ -263,12 +275,7 @@ def decide(
     accounts = _account_islands(spec, previous, observed, now)
     islands, rolled = finish_rolls(_with_syncs_and_losses([a.status for a in accounts], observed, now))
     fragments = merge_fragments(previous.fragments, observed.shards, spec.syncer.shards)
-    lost = regressions(previous.fragments, fragments)
-    before = slowest_fragment(previous.fragments, spec.training.fragments)
-    progress = slowest_fragment(fragments, spec.training.fragments)
-    carried_steps, carried_tokens = carried(
-        (previous.carried_outer_steps, previous.carried_tokens), before if lost else None, progress
-    )
+    lost, (carried_steps, carried_tokens), progress = _progress(spec, previous, fragments)
     last_state_loss = now if lost else previous.syncer.last_state_loss
     islands, why, stopped = _judge_training(spec, islands, previous.islands, observed, last_state_loss, now)
     syncer = _syncer_status(spec, observed, last_state_loss)
@@ -280,8 +287,6 @@ def decide(
         refused=any(s.refuses for s in observed.shards),
         not_training={name: found.message for name, found in why.items()},
     )
-    if progress is not None:
-        progress = (progress[0] + carried_steps, progress[1] + carried_tokens)
     change = next_phase(
         previous,
         ready,
