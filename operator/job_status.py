@@ -70,8 +70,8 @@ class ShardObservation:
     fragments: tuple[FragmentReport, ...] | None = None
     live_islands: frozenset[str] = frozenset()
     error: str | None = None
-    token: int | None = None
-    """Which of the tokens the operator called with the shard took (0: the first; None: no reply)."""
+    accepts: frozenset[str] = frozenset()
+    """Fingerprints of the tokens the shard accepts now, as its Status reply said (`tokens.fingerprint`)."""
 
     @property
     def refuses(self) -> bool:

@@ -46,15 +46,15 @@ def rpc_error(error: grpc.RpcError) -> str:
     return f"{code.name if code else 'UNKNOWN'}: {details[:MAX_ERROR_CHARS]}"
 
 
-def _status(stub: pb_grpc.SyncerStub, tokens: Sequence[str], timeout: float) -> tuple[pb.StatusReply, int]:
-    """The shard's Status reply, with the index of the first of `tokens` it took; the last refusal raised."""
-    for index, token in enumerate(tokens[:-1]):
+def _status(stub: pb_grpc.SyncerStub, tokens: Sequence[str], timeout: float) -> pb.StatusReply:
+    """The shard's Status reply to the first of `tokens` it takes; the last refusal raised."""
+    for token in tokens[:-1]:
         try:
-            return stub.Status(pb.StatusRequest(), timeout=timeout, metadata=bearer_metadata(token)), index
+            return stub.Status(pb.StatusRequest(), timeout=timeout, metadata=bearer_metadata(token))
         except grpc.RpcError as error:
             if not (isinstance(error, grpc.Call) and error.code() == grpc.StatusCode.UNAUTHENTICATED):
                 raise
-    return stub.Status(pb.StatusRequest(), timeout=timeout, metadata=bearer_metadata(tokens[-1])), len(tokens) - 1
+    return stub.Status(pb.StatusRequest(), timeout=timeout, metadata=bearer_metadata(tokens[-1]))
 
 
 def shard_status(
@@ -62,15 +62,15 @@ def shard_status(
 ) -> ShardObservation:
     """One shard's Status reply, or an observation without one when the call fails (a refused handshake
     included: UNAVAILABLE, as for a shard that is down). `tokens` are tried in order while the shard refuses
-    one (UNAUTHENTICATED): during a rotation, the new token first, then the one the islands present; the
-    observation says which it took (`token`)."""
+    one (UNAUTHENTICATED): the one the islands present first, which every shard accepts, so that a rotation
+    costs no refused call; the reply says which tokens the shard accepts (`accepts`)."""
     if not tokens:
         raise ValueError("a shard is called with at least one token")
     if not ready:
         return ShardObservation(shard=shard, ready=False)
     with tls.channel(target, security) as channel:
         try:
-            reply, index = _status(pb_grpc.SyncerStub(channel), tokens, timeout)
+            reply = _status(pb_grpc.SyncerStub(channel), tokens, timeout)
         except grpc.RpcError as error:
             return ShardObservation(shard=shard, ready=True, error=rpc_error(error))
     fragments = tuple(
@@ -84,7 +84,11 @@ def shard_status(
         if f.seeded
     )
     return ShardObservation(
-        shard=shard, ready=True, fragments=fragments, live_islands=frozenset(reply.live_islands), token=index
+        shard=shard,
+        ready=True,
+        fragments=fragments,
+        live_islands=frozenset(reply.live_islands),
+        accepts=frozenset(reply.accepted_tokens),
     )
 
 

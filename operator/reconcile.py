@@ -34,7 +34,7 @@ from diloco.operator.policies.island_training import TrainerReport
 from diloco.operator.policies.rolling_update import shards_held_back
 from diloco.operator.policies.token_rotation import rotation_step
 from diloco.operator.probes import shard_statuses, trainer_reports
-from diloco.operator.tokens import JobTokens, ca_key, job_token
+from diloco.operator.tokens import JobTokens, ca_key, fingerprint, job_token
 from diloco.transport.tls import Security
 
 log = logging.getLogger("diloco.operator")
@@ -209,7 +209,7 @@ class Reconciler:
         probe: Security | str,
     ) -> Observation:
         """What exists and what the job's processes say; `tokens`: those to call the shards with, in order (the
-        job's token, then, during a rotation, the one the islands still present)."""
+        one the islands present, then, during a rotation, the job's new one)."""
         pods: dict[str, list[PodObservation]] = {island.name: [] for island in spec.islands}
         for raw in raw_pods:
             pod = observe_pod(raw)
@@ -327,13 +327,13 @@ class Reconciler:
             probe, wanted = f"spec.remoteSyncers.tokenSecret: no Secret with a '{n.TOKEN_KEY}' key", ""
         presented = live_tokens.presented if live_tokens is not None else wanted
         observed = self._observe(
-            job, spec, previous, existing, raw_pods, list(dict.fromkeys([wanted, presented])), probe
+            job, spec, previous, existing, raw_pods, list(dict.fromkeys([presented, wanted])), probe
         )
         decision = decide(spec, generation, previous, observed, now, job=job.name)
         events = list(decision.events)
         if spec.remote_syncers is None:
             held = {pod.token_hash for found in observed.pods.values() for pod in found if pod.token_hash}
-            accepting = all(s.token == 0 for s in observed.shards)
+            accepting = all(fingerprint(wanted) in s.accepts for s in observed.shards)
             tokens, rotating = rotation_step(wanted, live_tokens, held, accepting)
             events += rotating
         else:

@@ -19,6 +19,7 @@ from typing import Any
 
 from diloco.operator import naming as n
 from diloco.transport import certificates
+from diloco.transport.auth import token_fingerprint
 
 KEY_BYTES = 32
 """256 bits: the key and the tokens are as strong as HMAC-SHA256 allows."""
@@ -72,7 +73,6 @@ def rotation_of(metadata: Mapping[str, Any]) -> str:
     return str((metadata.get("annotations") or {}).get(n.ANNOTATION_ROTATE_TOKEN, ""))
 
 
-def fingerprint(token: str) -> str:
-    """Names a token in pod templates, so a new token rolls every pod holding it, without revealing it (a
-    truncated digest of 256 random-looking bits)."""
-    return hashlib.sha256(b"diloco token fingerprint\0" + token.encode()).hexdigest()[:16]
+fingerprint = token_fingerprint
+"""Names a token in island pod templates, so a new one rolls the islands, and in a shard's Status, so the
+operator knows a shard took it (`diloco.transport.auth.token_fingerprint`)."""

@@ -2,6 +2,7 @@
 with the new one first) and a trainer's Prometheus endpoint, both on loopback."""
 
 import socket
+from functools import partial
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from diloco.operator.probes import (
     trainer_report,
     trainer_reports,
 )
+from diloco.operator.tokens import fingerprint
 from diloco.syncer.server import SyncerServer
 from diloco.transport.client import SyncerClient
 
@@ -34,7 +36,7 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def shard():
+def shard_server():
     config = TrainingConfig(fragments=2, inner_steps=10, overlap_steps=1, block_size=32)
     server = SyncerServer(
         config,
@@ -51,13 +53,19 @@ def shard():
     ) as client:
         client.join(2)
         client.seed(0, [("w", torch.zeros(4, 4))])
-    yield f"127.0.0.1:{server.port}"
+    yield server
     server.stop(grace=0)
+
+
+@pytest.fixture
+def shard(shard_server):
+    return f"127.0.0.1:{shard_server.port}"
 
 
 def test_shard_status_reports_seeded_fragments_and_live_islands(shard):
     observed = shard_status(0, True, shard, [TOKEN], TEST_PKI.client, timeout=5)
-    assert observed.ready and observed.fragments is not None and observed.token == 0
+    assert observed.ready and observed.fragments is not None
+    assert observed.accepts == frozenset({fingerprint(TOKEN)}), "the tokens it accepts, by fingerprint"
     assert [(f.fragment, f.version, f.tokens) for f in observed.fragments] == [(0, 0, 0)]
     assert observed.live_islands == frozenset({"island-a"})
 
@@ -67,13 +75,17 @@ def test_a_refused_or_absent_shard_is_unreachable_not_an_error(shard):
     assert shard_status(1, True, f"127.0.0.1:{free_port()}", [TOKEN], TEST_PKI.client, timeout=0.5).fragments is None
 
 
-def test_during_a_rotation_the_new_token_is_tried_first_and_the_one_the_shard_took_is_said(shard):
-    """A shard that does not accept the new token yet answers the old one, and the operator knows it must wait
-    before the islands present the new one."""
-    waiting = shard_status(0, True, shard, ["new-token", TOKEN], TEST_PKI.client, timeout=5)
-    assert waiting.fragments is not None and waiting.token == 1 and waiting.error is None
-    taking = shard_status(0, True, shard, [TOKEN, "new-token"], TEST_PKI.client, timeout=5)
-    assert taking.token == 0
+def test_the_tokens_are_tried_in_order_and_the_shard_says_which_it_accepts_without_a_refused_call(shard_server, shard):
+    """The operator calls with the token the islands present first, which the shard accepts, and learns from the
+    reply whether it takes the rotation's new one yet: no call of its is refused, as no island's may be."""
+    server, target = shard_server, shard
+    refused = partial(server.metrics.registry.get_sample_value, "diloco_syncer_rejected_pushes_total")
+    before = refused({"reason": "unauthenticated"}) or 0.0
+    waiting = shard_status(0, True, target, [TOKEN, "new-token"], TEST_PKI.client, timeout=5)
+    assert waiting.fragments is not None and waiting.accepts == frozenset({fingerprint(TOKEN)})
+    assert (refused({"reason": "unauthenticated"}) or 0.0) == before
+    late = shard_status(0, True, target, ["lost-token", TOKEN], TEST_PKI.client, timeout=5)
+    assert late.fragments is not None and late.error is None, "a refused token is followed by the next"
 
 
 def test_a_shard_not_ready_is_not_called():

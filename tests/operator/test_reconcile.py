@@ -19,7 +19,7 @@ from diloco.operator.job_tls import secret_bytes
 from diloco.operator.kube import ApiError
 from diloco.operator.probes import shard_statuses
 from diloco.operator.reconcile import LEFT_ALONE, Reconciler, status_patch
-from diloco.operator.tokens import JobTokens
+from diloco.operator.tokens import JobTokens, fingerprint
 from diloco.syncer.server import SyncerServer
 from diloco.transport import certificates
 from diloco.transport.client import SyncerClient
@@ -80,7 +80,10 @@ def probes(calls):
         calls.append((list(targets), list(ready), list(tokens), security))
         return [
             ShardObservation(
-                shard=i, ready=r, fragments=(FragmentReport(i, 4, 100, 0.0),) if r else None, token=0 if r else None
+                shard=i,
+                ready=r,
+                fragments=(FragmentReport(i, 4, 100, 0.0),) if r else None,
+                accepts=frozenset(map(fingerprint, tokens)) if r else frozenset(),
             )
             for i, r in enumerate(ready)
         ]

@@ -13,7 +13,7 @@ from support import TEST_PKI
 from syncer_harness import config_for, wait_until
 
 from diloco.syncer.server import SyncerServer
-from diloco.transport.auth import AcceptedTokens
+from diloco.transport.auth import AcceptedTokens, token_fingerprint
 from diloco.transport.client import SyncerClient
 
 
@@ -93,6 +93,8 @@ def test_a_shard_takes_the_new_token_beside_the_old_then_drops_the_old_without_a
         publish(tmp_path, "old\nnew\n")
         wait_until(lambda: answers(server.port, "new"), timeout=10)
         assert answers(server.port, "old"), "both while the islands roll"
+        with SyncerClient(f"127.0.0.1:{server.port}", "old", security=TEST_PKI.client, timeout=5) as client:
+            assert list(client.status().accepted_tokens) == [token_fingerprint("old"), token_fingerprint("new")]
         publish(tmp_path, "new\n")
         wait_until(lambda: not answers(server.port, "old"), timeout=10)
         assert answers(server.port, "new")
