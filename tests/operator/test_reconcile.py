@@ -158,6 +158,31 @@ def test_a_second_pass_changes_nothing_and_keeps_the_token_and_certificates(setu
     assert kube.get("Secret", "ml", "diloco-demo-tls")["data"] == certificates
 
 
+def test_an_upgrade_deletes_the_jobs_secrets_under_their_earlier_names_which_any_override_could_name(setup):
+    """An operator before the diloco-* names made `<job>-token` (the same derived token) and `<job>-tls` (with
+    the CA's key): left behind, another job's override could mount them, so the first pass deletes them."""
+    kube, reconciler, _ = setup
+    labels = n.common_labels("demo", None, "token")
+    for name in ("demo-token", "demo-tls"):
+        kube.add(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {
+                    "name": name,
+                    "namespace": "ml",
+                    "labels": labels,
+                    "ownerReferences": [JOB.owner_reference()],
+                },
+                "data": {"token": base64.b64encode(b"t").decode(), "ca.key": base64.b64encode(b"k").decode()},
+            }
+        )
+    outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    assert {"Secret/demo-token", "Secret/demo-tls"} <= set(outcome.deleted)
+    assert kube.get("Secret", "ml", "demo-token") is None and kube.get("Secret", "ml", "demo-tls") is None
+    assert presented(kube) and kube.get("Secret", "ml", "diloco-demo-tls") is not None
+
+
 def test_mutual_tls_has_the_operator_probe_with_the_islands_client_certificate(setup):
     kube, reconciler, calls = setup
     reconciler.reconcile(JOB, 1, {**SPEC, "tls": {"mutual": True}}, None, NOW)
