@@ -1026,7 +1026,8 @@ class RemoteSyncers(CamelModel):
         description="host:port of each shard, in shard order (shard n owns fragments p with p mod shards = n).",
     )
     token_secret: SecretName = Field(
-        description="A Secret whose 'token' key is the bearer token of the syncers' job (its <job>-token Secret)."
+        description="A Secret whose 'token' key is the bearer token of the syncers' job (a copy of its "
+        "diloco-<job>-token)."
     )
     ca_secret: SecretName = Field(description="A Secret whose ca.crt is the CA that signed the shards' certificate.")
     client_secret: SecretName | None = Field(
