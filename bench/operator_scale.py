@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import tempfile
 import time
@@ -48,6 +49,7 @@ from diloco.operator import naming  # noqa: E402
 from diloco.operator.children import Scale, render_children  # noqa: E402
 from diloco.operator.job_tls import job_tls  # noqa: E402
 from diloco.operator.kube import Kube  # noqa: E402
+from diloco.operator.tokens import JobTokens, ca_key  # noqa: E402
 
 OUT = ROOT / "out" / "bench"
 PODS_PER_NODE = 110
@@ -224,10 +226,10 @@ class Bench:
         objects = render_children(
             job,
             spec,
-            "token",
+            JobTokens.only("token"),
             Scale(islands={i.name: i.replicas for i in spec.islands}, syncers=1),
             None,
-            tls=job_tls(job, spec, None, {}, datetime.datetime.now(datetime.UTC)),
+            tls=job_tls(job, spec, None, {}, datetime.datetime.now(datetime.UTC), ca_key=ca_key(os.urandom(32), job)),
         )
         for obj in objects:
             obj["metadata"].pop("ownerReferences", None)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from diloco.core.config import TrainingConfig
 from diloco.transport import tls
+from diloco.transport.auth import AcceptedTokens
 
 DEFAULT_CORPUS_BYTES = 8 * 1024 * 1024
 """How much of a data source a trainer reads unless told (the embedded corpus is cut there): a few minutes of
@@ -37,6 +38,16 @@ def load_token(path: str | None) -> str:
     if not token:
         raise ValueError("no job token: pass --token-file or set DILOCO_TOKEN / DILOCO_TOKEN_FILE")
     return token
+
+
+def load_accepted_tokens(path: str | None) -> AcceptedTokens:
+    """The tokens a server accepts: those in a file, one per line, re-read whenever it changes (a mounted Secret
+    updated in place during a token rotation), or DILOCO_TOKEN alone."""
+    path = path or env_default("TOKEN_FILE")
+    try:
+        return AcceptedTokens(path=Path(path)) if path else AcceptedTokens((env_default("TOKEN") or "",))
+    except ValueError:
+        raise ValueError("no job token: pass --token-file or set DILOCO_TOKEN / DILOCO_TOKEN_FILE") from None
 
 
 def env_flag(name: str) -> bool:

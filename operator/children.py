@@ -1,10 +1,12 @@
 """Every child object of a DiLoCoJob, rendered as plain dicts from the spec: no API calls, no clock.
 
-Per job: a ConfigMap (training config JSON), a Secret (the gRPC bearer token, derived by the caller, see
-`tokens.py`, and passed in; its fingerprint annotates every pod template, so a new token restarts every
-syncer and island together), the TLS Secret the operator makes when the job names none (`job_tls.py`, whose
-certificates' fingerprint rolls the pods the same way), and a NetworkPolicy that admits only the job's own
-pods (and the operator) to the syncers, or anyone once they are exposed outside the cluster.
+Per job: a ConfigMap (training config JSON), a Secret (the gRPC bearer token the islands present and the tokens
+the shards accept, decided by the caller, see `tokens.py` and `policies/token_rotation.py`, and passed in; the
+presented token's fingerprint annotates the island templates, so a new one rolls the islands, while the shards
+read the accepted tokens again whenever the Secret changes, without a restart), the TLS Secret the operator makes
+when the job names none (`job_tls.py`, whose certificates' fingerprint rolls the pods that mount them), and a
+NetworkPolicy that admits only the job's own pods (and the operator) to the syncers, or anyone once they are
+exposed outside the cluster.
 Per syncer shard: a Service, a Deployment (one pod, Recreate, so two incarnations never share a
 checkpoint), a PersistentVolumeClaim, and a GRPCRoute when the job exposes its shards through a Gateway
 (`exposure.py`). Per island: a headless Service and a StatefulSet whose pods take their torch.distributed
@@ -45,7 +47,7 @@ from diloco.operator import naming as n
 from diloco.operator.exposure import grpc_route, service_type, shard_targets
 from diloco.operator.job_tls import JobTls
 from diloco.operator.overrides import merge
-from diloco.operator.tokens import fingerprint
+from diloco.operator.tokens import ACCEPTED_KEY, JobTokens, fingerprint
 
 CONFIG_DIR = "/etc/diloco"
 TOKEN_DIR = "/var/run/secrets/diloco"
@@ -171,8 +173,10 @@ def _shared_mounts() -> list[dict[str, Any]]:
     ]
 
 
-def _shared_env() -> dict[str, str]:
-    return {pod_env.CONFIG_FILE: CONFIG_FILE, pod_env.TOKEN_FILE: TOKEN_FILE}
+def _shared_env(token_key: str = n.TOKEN_KEY) -> dict[str, str]:
+    """Where the config and the token are: the token the islands present, or (`ACCEPTED_KEY`) the shards'
+    file of every token they accept."""
+    return {pod_env.CONFIG_FILE: CONFIG_FILE, pod_env.TOKEN_FILE: f"{TOKEN_DIR}/{token_key}"}
 
 
 def config_hash(spec: DiLoCoJobSpec, *, syncer: bool) -> str:
@@ -181,14 +185,14 @@ def config_hash(spec: DiLoCoJobSpec, *, syncer: bool) -> str:
     return digest(spec.training.syncer_json() if syncer else spec.training.to_json())
 
 
-def template_annotations(spec: DiLoCoJobSpec, token: str, tls_fingerprint: str, *, syncer: bool) -> dict[str, str]:
-    """What rolls a pod when it changes: the training config, the token every syncer and island holds, and
-    the certificates its pods mount (`JobTls.fingerprint`)."""
-    return {
-        n.ANNOTATION_CONFIG_HASH: config_hash(spec, syncer=syncer),
-        n.ANNOTATION_TOKEN_HASH: fingerprint(token),
-        n.ANNOTATION_TLS_HASH: tls_fingerprint,
-    }
+def template_annotations(
+    spec: DiLoCoJobSpec, token: str | None, tls_fingerprint: str, *, syncer: bool
+) -> dict[str, str]:
+    """What rolls a pod when it changes: the training config, the token an island presents (a syncer's pods,
+    which re-read the tokens they accept, are not rolled by a new one: `token` None), and the certificates its
+    pods mount (`JobTls.fingerprint`)."""
+    held = {} if token is None else {n.ANNOTATION_TOKEN_HASH: fingerprint(token)}
+    return {n.ANNOTATION_CONFIG_HASH: config_hash(spec, syncer=syncer), **held, n.ANNOTATION_TLS_HASH: tls_fingerprint}
 
 
 def config_map(job: n.JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
@@ -202,14 +206,15 @@ def config_map(job: n.JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
     )
 
 
-def token_secret(job: n.JobRef, token: str) -> dict[str, Any]:
+def token_secret(job: n.JobRef, tokens: JobTokens) -> dict[str, Any]:
+    """The token the islands present (`token`) and, one per line, those the shards accept (`accepted`)."""
     return _stamped(
         {
             "apiVersion": "v1",
             "kind": "Secret",
             "metadata": _metadata(job, n.token_secret_name(job.name), n.common_labels(job.name, None, "token")),
             "type": "Opaque",
-            "data": {n.TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+            "data": {key: base64.b64encode(value.encode()).decode() for key, value in tokens.secret_data().items()},
         }
     )
 
@@ -279,13 +284,11 @@ def _grpc_probe(port: int, period: int, failures: int) -> dict[str, Any]:
     return {"grpc": {"port": port}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 2}
 
 
-def syncer_deployment(
-    job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: int, token: str, tls: JobTls
-) -> dict[str, Any]:
+def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: int, tls: JobTls) -> dict[str, Any]:
     syncer = spec.syncer
     labels = n.shard_labels(job.name, shard)
     env = {
-        **_shared_env(),
+        **_shared_env(ACCEPTED_KEY),
         **tls.env(syncer=True),
         "DILOCO_HEALTH_PORT": str(syncer.health_port),
         "DILOCO_SHARD_INDEX": str(shard),
@@ -343,7 +346,7 @@ def syncer_deployment(
     template = {
         "metadata": {
             "labels": labels,
-            "annotations": template_annotations(spec, token, tls.fingerprint(job, syncer=True), syncer=True),
+            "annotations": template_annotations(spec, None, tls.fingerprint(job, syncer=True), syncer=True),
         },
         "spec": pod_spec,
     }
@@ -705,30 +708,30 @@ def export_job(job: n.JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
 
 
 def render_children(
-    job: n.JobRef, spec: DiLoCoJobSpec, token: str, scale: Scale, operator: OperatorRef | None, *, tls: JobTls
+    job: n.JobRef, spec: DiLoCoJobSpec, tokens: JobTokens, scale: Scale, operator: OperatorRef | None, *, tls: JobTls
 ) -> list[dict[str, Any]]:
     """Every child, in the order they are best created: config and credentials, then syncers, then islands;
     last the model's export once the job has succeeded and its shards have stopped. A job training against
     another cluster's shards (spec.remoteSyncers) has no syncers here, and its islands mount the token Secret
-    it names (`token`, theirs, only fingerprints it)."""
+    it names (`tokens`, theirs, only fingerprints it)."""
     validate_job_name(job.name)
     children = [config_map(job, spec)]
     if spec.remote_syncers is None:
-        children += [token_secret(job, token), network_policy(job, spec, operator)]
+        children += [token_secret(job, tokens), network_policy(job, spec, operator)]
     if tls.made is not None:
         children.append(tls_secret(job, tls.made))
     for shard in range(spec.syncer.shards if spec.remote_syncers is None else 0):
         children += [
             syncer_claim(job, spec, shard),
             syncer_service(job, spec, shard),
-            syncer_deployment(job, spec, shard, scale.syncers, token, tls),
+            syncer_deployment(job, spec, shard, scale.syncers, tls),
         ]
         if spec.syncer.expose.type is Exposure.GRPC_ROUTE:
             children.append(_stamped(grpc_route(job, spec, shard)))
     for island in spec.islands:
         children += [
             island_service(job, spec, island),
-            island_statefulset(job, spec, island, scale.islands.get(island.name, 0), token, tls),
+            island_statefulset(job, spec, island, scale.islands.get(island.name, 0), tokens.presented, tls),
         ]
     if scale.export:
         children.append(export_job(job, spec))

@@ -28,6 +28,8 @@ class EventRecorder:
         try:
             self._post(job, event, now)
         except ApiError as error:
+            if error.namespace_terminating:  # nobody will read it: the namespace and the job are going
+                return
             log.warning("event not posted", extra={"job": job.name, "reason": event.reason, "error": str(error)})
 
     def _post(self, job: JobRef, event: Event, now: datetime.datetime) -> None:

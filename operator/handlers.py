@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from diloco.api.job import API_GROUP, API_VERSION, PLURAL
 from diloco.operator.events import Event, reconcile_failed
+from diloco.operator.kube import ApiError
 from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.naming import JobRef
 from diloco.operator.reconcile import Reconciler
@@ -28,6 +29,18 @@ RESOURCE = (API_GROUP, API_VERSION, PLURAL)
 FINALIZER = f"{API_GROUP}/finalizer"
 
 
+PASSES_AT_ONCE = 8
+"""Reconcile passes kopf runs at once (its threads for sync handlers), each over one job; the API client's pool
+holds connections for every call they make at once (`connections_needed`)."""
+
+
+def connections_needed(parallel_calls: int) -> int:
+    """API connections the operator may use at once: each of PASSES_AT_ONCE passes makes up to `parallel_calls`
+    calls in parallel, and one more of its own (an Event, a get). A pool smaller than this discards the
+    connections it has no room for, with a urllib3 warning each ("connection pool is full")."""
+    return PASSES_AT_ONCE * (parallel_calls + 1)
+
+
 PEERING_LIFETIME = 60
 """Seconds a replica's peering record lives without a keep-alive: how long the others wait before taking
 over from a replica that died without saying goodbye (SIGKILL, a lost node)."""
@@ -35,7 +48,8 @@ over from a replica that died without saying goodbye (SIGKILL, a lost node)."""
 
 def configure(settings: kopf.OperatorSettings, peering_lifetime: int = PEERING_LIFETIME, **_: Any) -> None:
     """Kopf's bookkeeping under the project's own annotation prefix, no CRD or namespace scanning (so the
-    RBAC needs no access to either), and the peering record's lifetime. Kopf posts no Events of its own: it
+    RBAC needs no access to either), the peering record's lifetime, and how many passes run at once (the API
+    client's pool is sized for them: `connections_needed`). Kopf posts no Events of its own: it
     would post one new object per failed pass; the handler posts the failure through the operator's
     recorder instead, aggregated as every other Event (`events.reconcile_failed`)."""
     settings.peering.lifetime = peering_lifetime
@@ -46,6 +60,7 @@ def configure(settings: kopf.OperatorSettings, peering_lifetime: int = PEERING_L
     )
     settings.scanning.disabled = True
     settings.posting.enabled = False
+    settings.execution.max_workers = PASSES_AT_ONCE
 
 
 class PassLocks:
@@ -88,6 +103,11 @@ def _handler(
         finally:
             lock.release()
 
+    def _failed(job: JobRef, error: Exception, now: datetime.datetime) -> None:
+        metrics.reconciles.labels(trigger, "error").inc()
+        metrics.errors.labels("reconcile").inc()
+        reconciler.events.post(job, reconcile_failed(error), now)
+
     def _reconcile(
         meta: kopf.Meta,
         spec: kopf.Spec,
@@ -107,10 +127,14 @@ def _handler(
             metrics.reconciles.labels(trigger, "invalid").inc()
             reconciler.events.post(job, Event("Warning", "InvalidSpec", str(error)), now)
             raise kopf.PermanentError(f"the spec is invalid: {error}") from error
+        except ApiError as error:
+            if not error.namespace_terminating:
+                _failed(job, error, now)
+                raise
+            metrics.reconciles.labels(trigger, "skipped").inc()
+            return
         except Exception as error:
-            metrics.reconciles.labels(trigger, "error").inc()
-            metrics.errors.labels("reconcile").inc()
-            reconciler.events.post(job, reconcile_failed(error), now)
+            _failed(job, error, now)
             raise
         finally:
             metrics.seconds.observe(time.perf_counter() - started)
@@ -128,7 +152,7 @@ def _handler(
                 event.message,
                 extra={"job": f"{namespace}/{name}", "reason": event.reason},
             )
-        if not outcome.job_deleted:
+        if outcome.status is not None and not outcome.job_deleted:
             patch["status"] = outcome.status
 
     return reconcile_job

@@ -65,6 +65,12 @@ class PodObservation:
     """UID of the StatefulSet that controls the pod (None: none does)."""
     lost_with_node: bool = False
     """Its containers' last end was their loss with their node (LOST_WITH_NODE)."""
+    unschedulable: str | None = None
+    """The scheduler's message while it cannot place the pod (PodScheduled False, reason Unschedulable)."""
+    ready_since: datetime.datetime | None = None
+    """When the pod last became Ready (its Ready condition's lastTransitionTime), while it is."""
+    token_hash: str | None = None
+    """The fingerprint of the token the pod was started with (its template's `diloco.dev/token-hash`)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,22 @@ HEALTHY = NodeState(exists=True)
 
 def _condition(conditions: Sequence[Mapping[str, Any]] | None, kind: str) -> bool:
     return any(c.get("type") == kind and c.get("status") == "True" for c in conditions or ())
+
+
+def _unschedulable(conditions: Sequence[Mapping[str, Any]] | None) -> str | None:
+    """The scheduler's message on a pod it cannot place, None for any other pod."""
+    for c in conditions or ():
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return str(c.get("message") or "Unschedulable")
+    return None
+
+
+def _ready_since(conditions: Sequence[Mapping[str, Any]] | None) -> datetime.datetime | None:
+    """When a Ready pod became so; None for a pod that is not Ready or whose condition has no time."""
+    for c in conditions or ():
+        if c.get("type") == "Ready" and c.get("status") == "True" and c.get("lastTransitionTime"):
+            return datetime.datetime.fromisoformat(str(c["lastTransitionTime"]).replace("Z", "+00:00"))
+    return None
 
 
 def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
@@ -124,6 +146,9 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
             None,
         ),
         lost_with_node=_lost_with_node(status.get("containerStatuses") or ()),
+        unschedulable=_unschedulable(conditions),
+        ready_since=_ready_since(conditions) if not terminating else None,
+        token_hash=(meta.get("annotations") or {}).get(n.ANNOTATION_TOKEN_HASH),
     )
 
 

@@ -15,21 +15,35 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus, FragmentProgress, IslandStatus, Phase, SyncerStatus
+from diloco.api.job import (
+    MAX_ISLAND_MESSAGE,
+    DiLoCoJobSpec,
+    DiLoCoJobStatus,
+    FragmentProgress,
+    IslandStatus,
+    Phase,
+    SyncerStatus,
+    cut,
+)
 from diloco.operator.children import Scale
 from diloco.operator.events import Event
 from diloco.operator.island_accounting import IslandAccount, NodeState, PodObservation, account_island, outdated
 from diloco.operator.policies.failure_policy import restart_budget_exhausted
+from diloco.operator.policies.island_training import NotTraining, TrainerReport, not_training
 from diloco.operator.policies.job_conditions import update_conditions
 from diloco.operator.policies.model_export import export_due, export_status
 from diloco.operator.policies.phase import next_phase, readiness
 from diloco.operator.policies.rolling_update import finish_rolls, islands_free_to_update
 from diloco.operator.policies.stop_condition import slowest_fragment, stop_reached
+from diloco.operator.policies.syncer_state import Regression, carried, loss_event, loss_message, regressions
 from diloco.operator.policies.ttl_after_finished import deletion_due
 from diloco.operator.remote_islands import remote_islands
 
 MAX_GOODPUT_GAP = datetime.timedelta(minutes=2)
 """A longer gap between two observations is the operator being away: it is counted neither way."""
+GOODPUT_DIGITS, LOSS_DIGITS = 3, 4
+"""Decimals status.goodput and status.loss keep: `kubectl get dilocojobs` prints them as the status holds
+them, and more say nothing (the pod-seconds goodput comes from are kept whole)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,8 @@ class ShardObservation:
     fragments: tuple[FragmentReport, ...] | None = None
     live_islands: frozenset[str] = frozenset()
     error: str | None = None
+    accepts: frozenset[str] = frozenset()
+    """Fingerprints of the tokens the shard accepts now, as its Status reply said (`tokens.fingerprint`)."""
 
     @property
     def refuses(self) -> bool:
@@ -82,7 +98,8 @@ class Observation:
     nodes: Mapping[str, NodeState] = field(default_factory=dict)
     update_revisions: Mapping[str, str] = field(default_factory=dict)
     shards: Sequence[ShardObservation] = ()
-    losses: Mapping[str, float] = field(default_factory=dict)
+    trainers: Mapping[str, TrainerReport] = field(default_factory=dict)
+    """What each island's rank-0 trainer serves on its metrics port, by island (those that answered)."""
     workloads: Mapping[str, str] = field(default_factory=dict)
     """The UID of each island's StatefulSet, by island; an island missing has none."""
     shard_pods: int = 0
@@ -139,9 +156,10 @@ def accumulate_pod_seconds(previous: DiLoCoJobStatus, now: datetime.datetime) ->
 
 
 def mean_loss(islands: Sequence[IslandStatus]) -> float | None:
-    """The mean of the islands' last reported training losses; None before any island reported one."""
+    """The mean of the islands' last reported training losses, to LOSS_DIGITS decimals; None before any island
+    reported one."""
     losses = [i.loss for i in islands if i.loss is not None]
-    return sum(losses) / len(losses) if losses else None
+    return round(sum(losses) / len(losses), LOSS_DIGITS) if losses else None
 
 
 def _account_islands(
@@ -181,24 +199,67 @@ def _with_syncs_and_losses(
 ) -> list[IslandStatus]:
     """The islands with their last sync (now, for those a shard reports live) and last reported loss."""
     live = frozenset[str]().union(*(s.live_islands for s in observed.shards))
+    losses = {name: report.loss for name, report in observed.trainers.items() if report.loss is not None}
     return [
-        i.model_copy(
-            update={
-                "last_sync": now if i.name in live else i.last_sync,
-                "loss": observed.losses.get(i.name, i.loss),
-            }
-        )
+        i.model_copy(update={"last_sync": now if i.name in live else i.last_sync, "loss": losses.get(i.name, i.loss)})
         for i in islands
     ]
 
 
-def _syncer_status(spec: DiLoCoJobSpec, observed: Observation) -> SyncerStatus:
+def _judge_training(
+    spec: DiLoCoJobSpec,
+    islands: Sequence[IslandStatus],
+    previous: Sequence[IslandStatus],
+    observed: Observation,
+    state_lost_at: datetime.datetime | None,
+    now: datetime.datetime,
+) -> tuple[list[IslandStatus], dict[str, NotTraining], list[Event]]:
+    """Each island with why it does not train (`island_training`), that in full by island, and a Warning Event
+    for each island that stops training or stops for another reason."""
+    before = {i.name: i.reason for i in previous}
+    judged: list[IslandStatus] = []
+    why: dict[str, NotTraining] = {}
+    events: list[Event] = []
+    for island in islands:
+        found = not_training(
+            island,
+            observed.pods.get(island.name, ()),
+            observed.trainers.get(island.name),
+            spec.training,
+            state_lost_at,
+            now,
+        )
+        if found is not None:
+            why[island.name] = found
+            if before.get(island.name) != found.reason:
+                events.append(Event("Warning", found.reason, f"island {island.name}: {found.message}"))
+        said = {"reason": found.reason, "message": cut(found.message, MAX_ISLAND_MESSAGE)} if found else {}
+        judged.append(island.model_copy(update={"reason": None, "message": None, **said}))
+    return judged, why, events
+
+
+def _syncer_status(
+    spec: DiLoCoJobSpec, observed: Observation, last_state_loss: datetime.datetime | None
+) -> SyncerStatus:
     return SyncerStatus(
         shards=spec.syncer.shards,
         ready=sum(1 for s in observed.shards if s.serving),
         reachable=sum(1 for s in observed.shards if s.fragments is not None),
+        last_state_loss=last_state_loss,
         endpoints=list(observed.endpoints),
     )
+
+
+def _progress(
+    spec: DiLoCoJobSpec, previous: DiLoCoJobStatus, fragments: Sequence[FragmentProgress]
+) -> tuple[list[Regression], tuple[int, int], tuple[int, int] | None]:
+    """The fragments that went back on this pass (`syncer_state`), the outer steps and tokens carried since
+    the job began, and its progress with them (None until every fragment has reported)."""
+    lost = regressions(previous.fragments, fragments)
+    reached = slowest_fragment(fragments, spec.training.fragments)
+    before = slowest_fragment(previous.fragments, spec.training.fragments) if lost else None
+    steps, tokens = carried((previous.carried_outer_steps, previous.carried_tokens), before, reached)
+    return lost, (steps, tokens), None if reached is None else (reached[0] + steps, reached[1] + tokens)
 
 
 def decide(
@@ -214,13 +275,17 @@ def decide(
     accounts = _account_islands(spec, previous, observed, now)
     islands, rolled = finish_rolls(_with_syncs_and_losses([a.status for a in accounts], observed, now))
     fragments = merge_fragments(previous.fragments, observed.shards, spec.syncer.shards)
-    syncer = _syncer_status(spec, observed)
+    lost, (carried_steps, carried_tokens), progress = _progress(spec, previous, fragments)
+    last_state_loss = now if lost else previous.syncer.last_state_loss
+    islands, why, stopped = _judge_training(spec, islands, previous.islands, observed, last_state_loss, now)
+    syncer = _syncer_status(spec, observed, last_state_loss)
     ready = readiness(
         islands,
         [s.shard for s in observed.shards if not s.ready],
         syncer.ready == spec.syncer.shards,
         [p for s in observed.shards if (p := s.problem)],
         refused=any(s.refuses for s in observed.shards),
+        not_training={name: found.message for name, found in why.items()},
     )
     change = next_phase(
         previous,
@@ -230,11 +295,11 @@ def decide(
             spec.failure_policy.restart_budget,
             {a.status.name: a.failure for a in accounts if a.failure is not None},
         ),
-        success=stop_reached(spec.stop_condition, fragments, spec.training.fragments),
+        success=stop_reached(spec.stop_condition, progress),
         suspend=spec.suspend,
         now=now,
     )
-    outer_step, tokens = slowest_fragment(fragments, spec.training.fragments) or (0, 0)
+    outer_step, tokens = progress or (carried_steps, carried_tokens)
     ready_seconds, desired_seconds = accumulate_pod_seconds(previous, now)
     status = DiLoCoJobStatus(
         phase=change.phase,
@@ -248,6 +313,7 @@ def decide(
             ready.degraded_reason,
             ready.unanswered,
             change.outcome,
+            loss_message(lost, carried_steps) if lost else None,
         ),
         islands_ready=ready.islands_ready,
         islands=islands,
@@ -258,8 +324,10 @@ def decide(
         fragments=fragments,
         outer_step=outer_step,
         tokens=tokens,
+        carried_outer_steps=carried_steps,
+        carried_tokens=carried_tokens,
         loss=mean_loss(islands),
-        goodput=ready_seconds / desired_seconds if desired_seconds else previous.goodput,
+        goodput=round(ready_seconds / desired_seconds, GOODPUT_DIGITS) if desired_seconds else previous.goodput,
         ready_pod_seconds=ready_seconds,
         desired_pod_seconds=desired_seconds,
         last_observed=now,
@@ -281,5 +349,12 @@ def decide(
         ),
     )
     deletion = deletion_due(status, spec.ttl_seconds_after_finished, now)
-    events = (*(e for a in accounts for e in a.events), *rolled, *change.events, *([deletion] if deletion else []))
+    events = (
+        *(e for a in accounts for e in a.events),
+        *rolled,
+        *([loss_event(lost, carried_steps)] if lost else []),
+        *stopped,
+        *change.events,
+        *([deletion] if deletion else []),
+    )
     return Decision(status=status, scale=scale, events=events, delete=deletion is not None)

@@ -3,10 +3,12 @@ point the processes at them, the certificates the operator makes when the job na
 operator itself calls the shards.
 
 With `spec.tls.serverSecret` and `caSecret` (and `clientSecret` for mutual TLS) the job brings its own PKI
-and the operator only mounts it. Otherwise the operator keeps Secret `<job>-tls`: a CA of this job alone, a
-server certificate for the syncer Services' names and a client certificate, made once and kept (they are not
-derivable like the token, so the live Secret is the record), re-issued only when the shards' names change or
-a certificate nears its end. A fingerprint of what the pods hold annotates their templates, so a new
+and the operator only mounts it. Otherwise the operator keeps Secret `diloco-<job>-tls`: the certificate of a CA
+of this job alone, a server certificate for the syncer Services' names and a client certificate, made once and
+kept (certificates are not derivable like the token, so the live Secret is the record), re-issued only when the
+shards' names change or a certificate nears its end. The CA's private key is in no Secret: it is derived from the
+operator's key, like the token (`tokens.ca_key`), so no pod of any job can mount it, and the operator makes it
+again whenever it issues a certificate. A fingerprint of what the pods hold annotates their templates, so a new
 certificate rolls every syncer and island together, as a new token does.
 
 The server certificate names the Services and, for shards exposed outside the cluster (spec.syncer.expose),
@@ -34,9 +36,9 @@ from diloco.transport.tls import PLAINTEXT, Security, Tls
 
 TLS_DIR = "/var/run/secrets/diloco-tls"
 CA_FILE, CERT_FILE, KEY_FILE = "ca.crt", "tls.crt", "tls.key"
-CA_KEY, CLIENT_CERT, CLIENT_KEY = "ca.key", "client.crt", "client.key"
-"""Keys of the operator-made Secret beside ca.crt, tls.crt and tls.key (the server's): the CA's key, kept so
-that certificates can be re-issued without changing the CA, and the islands' client certificate."""
+CLIENT_CERT, CLIENT_KEY = "client.crt", "client.key"
+"""Keys of the operator-made Secret beside ca.crt, tls.crt and tls.key (the server's): the islands' client
+certificate."""
 CA_VALID_FOR = datetime.timedelta(days=10 * 365)
 RENEW_BEFORE = datetime.timedelta(days=30)
 """A certificate this close to its end is replaced on the next pass, long before anyone is refused."""
@@ -72,16 +74,17 @@ def _usable(data: Mapping[str, bytes], cert_key: str, key_key: str, now: datetim
 
 
 def operator_made_data(
-    job: n.JobRef, live: Mapping[str, bytes], names: list[str], now: datetime.datetime
+    job: n.JobRef, live: Mapping[str, bytes], names: list[str], now: datetime.datetime, ca_key: bytes
 ) -> dict[str, bytes]:
-    """The contents of Secret `<job>-tls`: what `live` holds where it is still good (the CA valid for more
-    than RENEW_BEFORE; certificates signed by it, not near their end, the server's for exactly `names`),
-    newly made where not. A new CA re-issues both certificates."""
-    data = dict(live)
-    if not (CA_FILE in data and CA_KEY in data and _lasts(data[CA_FILE], now)):
-        ca = certificates.new_ca(f"diloco CA of {job.namespace}/{job.name}", now, valid_for=CA_VALID_FOR)
-        data = {CA_FILE: ca.cert, CA_KEY: ca.key}
-    ca = certificates.Issued(data[CA_FILE], data[CA_KEY])
+    """The contents of Secret `diloco-<job>-tls`: what `live` holds where it is still good (the CA certificate
+    for `ca_key`, the job's derived CA key, valid for more than RENEW_BEFORE; certificates signed by it, not near
+    their end, the server's for exactly `names`), newly made where not. A new CA re-issues both certificates.
+    Whatever else `live` holds is dropped (the CA key that versions before this one kept there among it)."""
+    data = {key: value for key, value in live.items() if key in (CA_FILE, CERT_FILE, KEY_FILE, CLIENT_CERT, CLIENT_KEY)}
+    if not (CA_FILE in data and certificates.holds_key(data[CA_FILE], ca_key) and _lasts(data[CA_FILE], now)):
+        ca = certificates.new_ca(f"diloco CA of {job.namespace}/{job.name}", now, valid_for=CA_VALID_FOR, key=ca_key)
+        data = {CA_FILE: ca.cert}
+    ca = certificates.Issued(data[CA_FILE], ca_key)
     server_good = _usable(data, CERT_FILE, KEY_FILE, now) and certificates.names_of(data[CERT_FILE]) == set(names)
     if not server_good:
         issued = certificates.issue(ca, names[0], now, names=names, server=True)
@@ -182,16 +185,19 @@ def job_tls(
     named: Mapping[str, Mapping[str, Any] | None],
     now: datetime.datetime,
     external: Sequence[str] = (),
+    *,
+    ca_key: bytes,
 ) -> JobTls:
     """The job's TLS this pass, from the live operator-made Secret (`live_made`) or the Secrets the job names
     (`named`, by name: None for one that does not exist); `external`: the hosts its exposed shards are
-    reached at, which the operator-made server certificate names too."""
+    reached at, which the operator-made server certificate names too; `ca_key`: the job's CA key
+    (`tokens.ca_key`), used only when the operator makes the job's certificates."""
     tls = spec.tls
     if tls.insecure_plaintext:
         return JobTls(spec, None, {}, PLAINTEXT)
     if tls.operator_made and spec.remote_syncers is None:
         names = server_names(job, spec.syncer.shards, external)
-        made = operator_made_data(job, secret_bytes(live_made), names, now)
+        made = operator_made_data(job, secret_bytes(live_made), names, now, ca_key)
         client = (made[CLIENT_CERT], made[CLIENT_KEY]) if tls.mutual else (None, None)
         probe = Tls(ca=made[CA_FILE], cert=client[0], key=client[1], mutual=tls.mutual)
         return JobTls(spec, made, {n.tls_secret_name(job.name): made}, probe)

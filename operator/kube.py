@@ -30,6 +30,7 @@ RESOURCES: dict[str, tuple[str, str, bool]] = {
     "Pod": ("v1", "pods", True),
     "Event": ("v1", "events", True),
     "Node": ("v1", "nodes", False),
+    "Namespace": ("v1", "namespaces", False),
     "Deployment": ("apps/v1", "deployments", True),
     "StatefulSet": ("apps/v1", "statefulsets", True),
     "Job": ("batch/v1", "jobs", True),
@@ -48,17 +49,27 @@ class ApiError(Exception):
         self.status = status
         self.message = message
 
+    @property
+    def namespace_terminating(self) -> bool:
+        """The namespace is being deleted: the API server refuses anything new in it (a pass that looked before
+        the deletion began finds out this way)."""
+        return self.status == 403 and "because it is being terminated" in self.message
 
-def load_config(connections: int = 8) -> client.ApiClient:
-    """In a pod, its service account; elsewhere, the current kubeconfig context; a pool of `connections`
-    connections, one per call in flight."""
+
+def pooled(configuration: client.Configuration, connections: int) -> client.ApiClient:
+    """A client keeping up to `connections` connections, one per call in flight: a call finding the pool full
+    would open one more, and discard it after, with a urllib3 warning."""
+    configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize or 1, connections)
+    return client.ApiClient(configuration)
+
+
+def load_config(connections: int) -> client.ApiClient:
+    """In a pod, its service account; elsewhere, the current kubeconfig context; a pool of `connections`."""
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    configuration = client.Configuration.get_default_copy()
-    configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize or 1, connections)
-    return client.ApiClient(configuration)
+    return pooled(client.Configuration.get_default_copy(), connections)
 
 
 def _path(kind: str, namespace: str | None, name: str | None = None) -> str:

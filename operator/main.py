@@ -17,7 +17,7 @@ import kopf
 
 from diloco.logs import setup_logging
 from diloco.operator.children import OperatorRef
-from diloco.operator.handlers import PEERING_LIFETIME, register
+from diloco.operator.handlers import PEERING_LIFETIME, connections_needed, register
 from diloco.operator.kube import Kube, load_config, load_token_key
 from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.reconcile import PARALLEL_CALLS, Reconciler
@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port)
-    kube = Kube(load_config(PARALLEL_CALLS), observe=metrics.api_request)
+    kube = Kube(load_config(connections_needed(PARALLEL_CALLS)), observe=metrics.api_request)
     reconciler = Reconciler(
         kube,
         OperatorRef(namespace=pod_namespace) if pod_namespace else None,

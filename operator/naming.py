@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from diloco.api.job import API_GROUP, API_VERSION, ISLAND_NAME_MAX, JOB_NAME_MAX, KIND
+from diloco.api.job import API_GROUP, API_VERSION, ISLAND_NAME_MAX, JOB_NAME_MAX, KIND, OPERATOR_SECRET_PREFIX
 
 MANAGER = "diloco-operator"
 """Server-side-apply field manager, and the `app.kubernetes.io/managed-by` label value."""
@@ -21,7 +21,7 @@ ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
 ANNOTATION_TOKEN_HASH = f"{API_GROUP}/token-hash"
 ANNOTATION_ROTATE_TOKEN = f"{API_GROUP}/rotate-token"
 ANNOTATION_TLS_HASH = f"{API_GROUP}/tls-hash"
-TOKEN_KEY_SECRET = "diloco-operator-token-key"
+TOKEN_KEY_SECRET = f"{OPERATOR_SECRET_PREFIX}operator-token-key"
 """The Secret, in the operator's namespace, holding the key every job's token derives from."""
 
 COMPONENT_SYNCER = "syncer"
@@ -63,12 +63,14 @@ def config_map_name(job: str) -> str:
 
 
 def token_secret_name(job: str) -> str:
-    return f"{job}-token"
+    """The Secret of the job's token. Every Secret the operator makes is named `diloco-*`, a prefix no field of
+    a job may name (`diloco.api.job.SecretName`): one job's pods never mount another's credentials."""
+    return f"{OPERATOR_SECRET_PREFIX}{job}-token"
 
 
 def tls_secret_name(job: str) -> str:
-    """The Secret of the CA and certificates the operator makes for a job that names none."""
-    return f"{job}-tls"
+    """The Secret of the certificates the operator makes for a job that names none (its CA's key is in none)."""
+    return f"{OPERATOR_SECRET_PREFIX}{job}-tls"
 
 
 def network_policy_name(job: str) -> str:

@@ -8,13 +8,15 @@ applied only when it is missing, was rendered differently, or was changed by som
 
 from __future__ import annotations
 
-import base64
 import datetime
 import logging
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
+
+from pydantic import BaseModel
 
 from diloco.api.conditions import Reason
 from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus
@@ -28,9 +30,11 @@ from diloco.operator.island_accounting import PodObservation, nodes_to_check, ob
 from diloco.operator.job_status import Observation, ShardObservation, decide
 from diloco.operator.job_tls import JobTls, job_tls
 from diloco.operator.kube import ApiError, Kube
+from diloco.operator.policies.island_training import TrainerReport
 from diloco.operator.policies.rolling_update import shards_held_back
-from diloco.operator.probes import shard_statuses, trainer_losses
-from diloco.operator.tokens import job_token
+from diloco.operator.policies.token_rotation import rotation_step
+from diloco.operator.probes import shard_statuses, trainer_reports
+from diloco.operator.tokens import JobTokens, ca_key, fingerprint, job_token
 from diloco.transport.tls import Security
 
 log = logging.getLogger("diloco.operator")
@@ -51,27 +55,56 @@ CHILD_KINDS = (
 )
 """A cluster without the Gateway API lists no GRPCRoute (`Kube.list` answers a missing kind with none)."""
 
-ShardPoller = Callable[[Sequence[str], Sequence[bool], str, Security, float], list[ShardObservation]]
-LossScraper = Callable[[Mapping[str, str], float], dict[str, float]]
+ShardPoller = Callable[[Sequence[str], Sequence[bool], Sequence[str], Security, float], list[ShardObservation]]
+TrainerScraper = Callable[[Mapping[str, str], float], dict[str, TrainerReport]]
 
 
 @dataclass(frozen=True)
 class PassOutcome:
-    """What a pass did: the status to write, events to post, objects applied and deleted."""
+    """What a pass did: the status to write (None: leave it as it is), events to post, objects applied and
+    deleted."""
 
-    status: dict[str, Any]
+    status: dict[str, Any] | None
     events: tuple[Event, ...]
     applied: tuple[str, ...]
     deleted: tuple[str, ...]
     job_deleted: bool
 
 
-def status_patch(status: DiLoCoJobStatus) -> dict[str, Any]:
-    """The status as a JSON merge patch: every top-level field present, `null` clearing unset ones."""
-    body = status.model_dump(mode="json", by_alias=True, exclude_none=True)
-    for name, info in DiLoCoJobStatus.model_fields.items():
-        body.setdefault(info.alias or name, None)
+LEFT_ALONE = PassOutcome(status=None, events=(), applied=(), deleted=(), job_deleted=False)
+"""A pass that did nothing: the job's namespace is being deleted."""
+
+
+def terminating(namespace: Mapping[str, Any] | None) -> bool:
+    """Whether a Namespace is being deleted: the namespace controller is removing everything in it, the job's
+    pods among them, and the API server refuses anything new there (an Event: 403)."""
+    meta, status = (namespace or {}).get("metadata") or {}, (namespace or {}).get("status") or {}
+    return bool(meta.get("deletionTimestamp")) or status.get("phase") == "Terminating"
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (`Model` or `Model | None`), None for any other field."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _with_nulls(body: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    """`body` with `null` for every field of `model` it lacks, in nested objects too (lists are replaced
+    whole by a merge patch, so their items need none)."""
+    for name, info in model.model_fields.items():
+        value = body.setdefault(info.alias or name, None)
+        nested = _nested_model(info.annotation)
+        if isinstance(value, dict) and nested is not None:
+            _with_nulls(value, nested)
     return body
+
+
+def status_patch(status: DiLoCoJobStatus) -> dict[str, Any]:
+    """The status as a JSON merge patch: every field present, at every level, `null` clearing those unset
+    (a merge patch keeps a nested field it does not name: status.export.message once the export succeeded)."""
+    return _with_nulls(status.model_dump(mode="json", by_alias=True, exclude_none=True), DiLoCoJobStatus)
 
 
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -85,11 +118,6 @@ def foreign_controller(obj: Mapping[str, Any], uid: str) -> str | None:
         if ref.get("controller") and ref.get("uid") != uid:
             return f"{ref.get('kind')}/{ref.get('name')}"
     return None
-
-
-def read_token(secret: Mapping[str, Any] | None) -> str | None:
-    data = (secret or {}).get("data") or {}
-    return base64.b64decode(data[n.TOKEN_KEY]).decode() if n.TOKEN_KEY in data else None
 
 
 def summarize(keys: Sequence[str], limit: int = 8) -> str:
@@ -119,7 +147,7 @@ class Reconciler:
         operator: OperatorRef | None,
         probe_timeout: float = 2.0,
         poll_shards: ShardPoller = shard_statuses,
-        scrape_losses: LossScraper = trainer_losses,
+        scrape_trainers: TrainerScraper = trainer_reports,
         parallel_calls: int = PARALLEL_CALLS,
         *,
         token_key: bytes,
@@ -132,7 +160,7 @@ class Reconciler:
         self.operator = operator
         self.probe_timeout = probe_timeout
         self.poll_shards = poll_shards
-        self.scrape_losses = scrape_losses
+        self.scrape_trainers = scrape_trainers
 
     def _each(self, call: Callable[[Any], object], items: Sequence[Any]) -> list[ApiError | None]:
         """`call` on every item, up to `parallel_calls` at once: each is one API round trip, so a pass over
@@ -177,9 +205,11 @@ class Reconciler:
         previous: DiLoCoJobStatus,
         existing: Mapping[tuple[str, str], Mapping[str, Any]],
         raw_pods: Sequence[Mapping[str, Any]],
-        token: str,
+        tokens: Sequence[str],
         probe: Security | str,
     ) -> Observation:
+        """What exists and what the job's processes say; `tokens`: those to call the shards with, in order (the
+        one the islands present, then, during a rotation, the job's new one)."""
         pods: dict[str, list[PodObservation]] = {island.name: [] for island in spec.islands}
         for raw in raw_pods:
             pod = observe_pod(raw)
@@ -218,17 +248,19 @@ class Reconciler:
         if isinstance(probe, str):  # the job's TLS Secrets are not there: nothing to call the shards with
             shards = [ShardObservation(shard=s, ready=r, error=f"UNAVAILABLE: {probe}") for s, r in enumerate(ready)]
         else:
-            shards = self.poll_shards(shard_targets(job, spec), ready, token, probe, self.probe_timeout)
+            shards = self.poll_shards(shard_targets(job, spec), ready, tokens, probe, self.probe_timeout)
         if spec.remote_syncers is not None:
             shards = [replace(s, ready=s.fragments is not None) for s in shards]
 
+        # Rank 0 of each island with a running pod, ready or not: a trainer whose calls are refused never gets
+        # ready, and says so.
         urls = {
             name: _metrics_url(pod.ip, spec.trainer.metrics_port)
             for name, found in pods.items()
             for pod in found
-            if pod.ordinal == 0 and pod.ready and pod.ip
+            if pod.ordinal == 0 and pod.phase == "Running" and not pod.terminating and pod.ip
         }
-        losses = self.scrape_losses(urls, self.probe_timeout)
+        trainers = self.scrape_trainers(urls, self.probe_timeout)
         shard_pods = sum(
             1 for raw in raw_pods if raw["metadata"].get("labels", {}).get(n.LABEL_COMPONENT) == n.COMPONENT_SYNCER
         )
@@ -237,7 +269,7 @@ class Reconciler:
             nodes=nodes,
             update_revisions=revisions,
             shards=shards,
-            losses=losses,
+            trainers=trainers,
             workloads=workloads,
             shard_pods=shard_pods,
             export_job=existing.get(("Job", n.export_job_name(job.name))),
@@ -256,14 +288,21 @@ class Reconciler:
         live = existing.get(("Secret", n.tls_secret_name(job.name)))
         named = {name: self.kube.get("Secret", job.namespace, name) for name in spec.tls_secrets}
         external = external_hosts(job.name, spec, _shard_services(job, spec, existing))
-        return job_tls(job, spec, live if live is not None and owned_by(live, job.uid) else None, named, now, external)
+        live = live if live is not None and owned_by(live, job.uid) else None
+        return job_tls(job, spec, live, named, now, external, ca_key=ca_key(self.token_key, job))
 
-    def _token(self, job: n.JobRef, spec: DiLoCoJobSpec) -> str | None:
-        """The job's token: derived, or, against another cluster's shards, read from the Secret it names
-        (None while that Secret or its key is missing)."""
-        if spec.remote_syncers is None:
-            return job_token(self.token_key, job, job.token_rotation)
-        return read_token(self.kube.get("Secret", job.namespace, spec.remote_syncers.token_secret))
+    def _tokens(
+        self, job: n.JobRef, spec: DiLoCoJobSpec, existing: Mapping[tuple[str, str], Mapping[str, Any]]
+    ) -> tuple[str | None, JobTokens | None]:
+        """The job's token now (derived, or, against another cluster's shards, the token of the Secret it names:
+        None while that Secret or its key is missing), and its token Secret as it lives (None: none of this
+        job's, or a job against another cluster's shards)."""
+        if spec.remote_syncers is not None:
+            named = JobTokens.from_secret(self.kube.get("Secret", job.namespace, spec.remote_syncers.token_secret))
+            return (named.presented if named else None), None
+        live = existing.get(("Secret", n.token_secret_name(job.name)))
+        owned = JobTokens.from_secret(live) if live is not None and owned_by(live, job.uid) else None
+        return job_token(self.token_key, job, job.token_rotation), owned
 
     def reconcile(
         self,
@@ -273,26 +312,34 @@ class Reconciler:
         raw_status: Mapping[str, Any] | None,
         now: datetime.datetime,
     ) -> PassOutcome:
-        """Raises pydantic's ValidationError for a spec the models refuse (the caller reports it)."""
+        """Raises pydantic's ValidationError for a spec the models refuse (the caller reports it). Does nothing
+        while the job's namespace is being deleted: the pods the namespace controller removes are no failures,
+        and neither a status nor an Event would say anything true (`terminating`)."""
         spec = DiLoCoJobSpec.model_validate(dict(raw_spec))
+        if terminating(self.kube.get("Namespace", None, job.namespace)):
+            return LEFT_ALONE
         previous = DiLoCoJobStatus.model_validate(dict(raw_status or {}))
         existing, raw_pods = self._list(job)
-        token = self._token(job, spec)
+        wanted, live_tokens = self._tokens(job, spec, existing)
         tls = self._tls(job, spec, existing, now)
         probe: Security | str = tls.probe
-        if token is None:  # the islands wait for the Secret too (the kubelet holds back pods that mount it)
-            probe, token = f"spec.remoteSyncers.tokenSecret: no Secret with a '{n.TOKEN_KEY}' key", ""
-        decision = decide(
-            spec,
-            generation,
-            previous,
-            self._observe(job, spec, previous, existing, raw_pods, token, probe),
-            now,
-            job=job.name,
+        if wanted is None:  # the islands wait for the Secret too (the kubelet holds back pods that mount it)
+            probe, wanted = f"spec.remoteSyncers.tokenSecret: no Secret with a '{n.TOKEN_KEY}' key", ""
+        presented = live_tokens.presented if live_tokens is not None else wanted
+        observed = self._observe(
+            job, spec, previous, existing, raw_pods, list(dict.fromkeys([presented, wanted])), probe
         )
+        decision = decide(spec, generation, previous, observed, now, job=job.name)
         events = list(decision.events)
+        if spec.remote_syncers is None:
+            held = {pod.token_hash for found in observed.pods.values() for pod in found if pod.token_hash}
+            accepting = all(fingerprint(wanted) in s.accepts for s in observed.shards)
+            tokens, rotating = rotation_step(wanted, live_tokens, held, accepting)
+            events += rotating
+        else:
+            tokens = JobTokens.only(wanted)
 
-        desired = render_children(job, spec, token, decision.scale, self.operator, tls=tls)
+        desired = render_children(job, spec, tokens, decision.scale, self.operator, tls=tls)
         others = self._unlisted(job, [child_key(obj) for obj in desired if child_key(obj) not in existing])
         held = shards_held_back(
             [obj for obj in desired if obj["kind"] == "Deployment"],
@@ -321,7 +368,10 @@ class Reconciler:
         applied: list[str] = []
         created: list[str] = []
         for wave in waves:
-            for (obj, _), error in zip(wave, self._each(lambda item: self.kube.apply(item[0], force=item[1]), wave)):
+            errors = self._each(lambda item: self.kube.apply(item[0], force=item[1]), wave)
+            if any(error is not None and error.namespace_terminating for error in errors):
+                return LEFT_ALONE  # the namespace began going after this pass looked: as if it had seen it
+            for (obj, _), error in zip(wave, errors):
                 if error is None:
                     applied.append("/".join(child_key(obj)))
                     if child_key(obj) not in existing:

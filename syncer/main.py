@@ -15,7 +15,13 @@ with collection_paused():  # torch and its kin: seconds of a restart on a busy m
     from diloco.lifetime import follow_launcher
     from diloco.logs import setup_logging
     from diloco.progress import ProgressWriter, Source
-    from diloco.settings import add_tls_arguments, env_default, load_security, load_token, load_training_config
+    from diloco.settings import (
+        add_tls_arguments,
+        env_default,
+        load_accepted_tokens,
+        load_security,
+        load_training_config,
+    )
     from diloco.syncer.metrics import SyncerMetrics
     from diloco.syncer.server import SyncerServer
     from diloco.transport.tls import Role
@@ -28,7 +34,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-index", type=int, default=int(env_default("SHARD_INDEX", "0")))
     p.add_argument("--num-shards", type=int, default=int(env_default("NUM_SHARDS", "1")))
     p.add_argument("--config", help="training config JSON file (else DILOCO_CONFIG_FILE, DILOCO_CONFIG, defaults)")
-    p.add_argument("--token-file", help="file holding the job token (else DILOCO_TOKEN_FILE or DILOCO_TOKEN)")
+    p.add_argument(
+        "--token-file",
+        help="file of the tokens accepted, one per line, re-read when it changes (else DILOCO_TOKEN_FILE or "
+        "DILOCO_TOKEN)",
+    )
     p.add_argument(
         "--checkpoint-dir",
         default=env_default("CHECKPOINT_DIR"),
@@ -69,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging(args.log_level)
     try:
-        config, token = load_training_config(args.config), load_token(args.token_file)
+        config, tokens = load_training_config(args.config), load_accepted_tokens(args.token_file)
         security = load_security(Role.SERVER, args)
     except (ValueError, OSError) as error:
         raise SystemExit(f"diloco-syncer: {error}") from None
@@ -78,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         config,
         shard_index=args.shard_index,
         num_shards=args.num_shards,
-        token=token,
+        token=tokens,
         security=security,
         host=args.host,
         port=args.port,

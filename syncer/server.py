@@ -39,7 +39,7 @@ from diloco.syncer.streams import (
     StreamWatch,
 )
 from diloco.transport import tls, wire
-from diloco.transport.auth import TokenInterceptor
+from diloco.transport.auth import AcceptedTokens, TokenInterceptor, token_fingerprint
 from diloco.transport.codes import encoding_of, status_code
 from diloco.transport.connections import ConnectionWatch
 from diloco.transport.deadlines import patience_options, quiet_seconds
@@ -98,7 +98,7 @@ class SyncerServer:
         *,
         shard_index: int,
         num_shards: int,
-        token: str,
+        token: str | AcceptedTokens,
         security: Security,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -146,7 +146,10 @@ class SyncerServer:
         self._control = futures.ThreadPoolExecutor(max_workers=CONTROL_WORKERS, thread_name_prefix="syncer-control")
         self.data_threads = DataThreads(max_workers, max_queued_calls)
         servicer = _Servicer(self)
-        interceptors: list[grpc.ServerInterceptor] = [TokenInterceptor(token, on_refused=self._count_unauthenticated)]
+        self.tokens = AcceptedTokens.of(token)
+        interceptors: list[grpc.ServerInterceptor] = [
+            TokenInterceptor(self.tokens, on_refused=self._count_unauthenticated)
+        ]
         self._connections: ConnectionWatch | None = None
         if isinstance(security, Tls):
             self._connections = ConnectionWatch(
@@ -456,6 +459,7 @@ class SyncerServer:
                 live_islands=st.live_islands(self.clock()),
                 left_islands=sorted(st.left),
                 rejected_pushes=_saturated(st.rejected_pushes, U64),
+                accepted_tokens=[token_fingerprint(t) for t in self.tokens.current()],
                 fragments=[
                     pb.FragmentStatus(
                         fragment_id=f.index,

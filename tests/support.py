@@ -66,11 +66,14 @@ def largest_status() -> dict[str, object]:
     """The largest status a job can have within the CRD's bounds, as the operator writes it (camelCase JSON):
     MAX_ISLANDS islands of ISLAND_NAME_MAX characters re-forming, MAX_JOB_PODS pod records with the longest
     node names and largest counts, as many remote islands of the longest island ids, MAX_SHARDS endpoints of
-    the longest form, MAX_FRAGMENTS fragments and five conditions with the longest message."""
+    the longest form, MAX_FRAGMENTS fragments and every condition with the longest message; each island with the
+    longest reason and message it may give, and every count carried."""
+    from diloco.api.conditions import ISLAND_REASONS, ConditionType
     from diloco.api.job import (
         ENDPOINT_MAX,
         ISLAND_NAME_MAX,
         MAX_CONDITION_MESSAGE,
+        MAX_ISLAND_MESSAGE,
         MAX_ISLANDS,
         MAX_JOB_PODS,
         MAX_SHARDS,
@@ -100,6 +103,8 @@ def largest_status() -> dict[str, object]:
             last_sync=t,
             loss=1.2345678901234567,
             reform=Reform(reason="Preemption", since=t, hold_until=t),
+            reason=max(ISLAND_REASONS, key=len),
+            message="m" * MAX_ISLAND_MESSAGE,
             pods=[
                 PodRecord(
                     ordinal=MAX_JOB_PODS - 1,
@@ -127,7 +132,7 @@ def largest_status() -> dict[str, object]:
                 last_transition_time=t,
                 observed_generation=big,
             )
-            for kind in ("Ready", "Degraded", "Suspended", "Complete", "Failed")
+            for kind in ConditionType.ALL
         ],
         islands_ready=f"{MAX_ISLANDS}/{MAX_ISLANDS}",
         islands=islands,
@@ -135,7 +140,11 @@ def largest_status() -> dict[str, object]:
             RemoteIsland(name=f"r{n:0{ISLAND_ID_MAX_CHARS - 1}d}", last_sync=t) for n in range(MAX_ISLANDS)
         ],
         syncer=SyncerStatus(
-            shards=MAX_SHARDS, ready=MAX_SHARDS, reachable=MAX_SHARDS, endpoints=["e" * ENDPOINT_MAX] * MAX_SHARDS
+            shards=MAX_SHARDS,
+            ready=MAX_SHARDS,
+            reachable=MAX_SHARDS,
+            last_state_loss=t,
+            endpoints=["e" * ENDPOINT_MAX] * MAX_SHARDS,
         ),
         fragments=[
             FragmentProgress(fragment=MAX_FRAGMENTS - 1, shard=63, version=big, tokens=big, last_merge=t)
@@ -143,6 +152,8 @@ def largest_status() -> dict[str, object]:
         ],
         outer_step=big,
         tokens=big,
+        carried_outer_steps=big,
+        carried_tokens=big,
         loss=1.2345678901234567,
         goodput=0.9876543210987654,
         ready_pod_seconds=1.2345678901234567e15,

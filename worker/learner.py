@@ -637,6 +637,7 @@ class Learner:
             tokens=stats.tokens,
             loss=self._loss,
             last_sync_unix=self._last_sync_unix,
+            step_seconds=self._step_seconds,
             last_step_monotonic=self._last_step_monotonic,
             learner=stats,
         )

@@ -43,6 +43,7 @@ class WorkerSnapshot:
     loss: float = math.nan  # latest training loss
     eval_loss: float = math.nan  # latest held-out loss
     last_sync_unix: float = 0.0  # when a sync last brought global values (0: never)
+    step_seconds: float = 0.0  # the island's seconds per inner step, smoothed (0: not measured yet)
     last_step_monotonic: float | None = None  # time.monotonic() when this process last finished a step
     tokens_per_second: float = 0.0  # this rank (one accelerator), over its last steps
     island_tokens_per_second: float = 0.0
@@ -112,6 +113,12 @@ class WorkerCollector(Collector):
             "Unix time a sync last brought global values (0: none yet)",
             s.last_sync_unix,
         )
+        if s.step_seconds:
+            yield gauge(
+                "diloco_worker_step_seconds",
+                "Seconds per inner step of this rank's island, smoothed (what its pushes tell the shards)",
+                s.step_seconds,
+            )
         learner = s.learner
         if learner is None:
             return
@@ -136,6 +143,16 @@ class WorkerCollector(Collector):
             "How late the island's last push came after its round opened on the shard (negative: early); the "
             "island steers its next push by it, so it stays near 0 while islands keep in phase",
             learner.phase_offset_seconds,
+        )
+        yield counter(
+            "diloco_worker_refused_syncs",
+            "Fragment rounds a shard refused for the island's token (UNAUTHENTICATED), counted among the failed",
+            learner.syncs_refused,
+        )
+        yield gauge(
+            "diloco_worker_last_refusal_timestamp_seconds",
+            "Unix time a shard last refused the island's token (0: never); after the last sync, pushes are refused",
+            learner.last_refusal_unix,
         )
         syncs = CounterMetricFamily(
             "diloco_worker_syncs", "Fragment rounds by how they ended", labels=[*labels, "outcome"]

@@ -27,6 +27,7 @@ class LearnerStats:
     syncs_resynced: int = 0
     syncs_abandoned: int = 0
     syncs_failed: int = 0
+    syncs_refused: int = 0  # of the failed: a shard refused the island's token (UNAUTHENTICATED)
     bytes_pushed: int = 0
     bytes_pulled: int = 0
     blocked_seconds: float = 0.0
@@ -36,10 +37,13 @@ class LearnerStats:
     round_steps: int = 0  # inner steps per round the island runs now: H, or fewer when speed-aware and slow
     phase_offset_seconds: float = 0.0  # how late the island's last measured push came to its round (rank 0)
     versions: dict[int, Version] = field(default_factory=dict)
+    last_refusal_unix: float = 0.0  # when a shard last refused the island's token (0: never)
 
 
 _COUNTERS = frozenset(
-    f.name for f in fields(LearnerStats) if f.name not in ("versions", "round_steps", "phase_offset_seconds")
+    f.name
+    for f in fields(LearnerStats)
+    if f.name not in ("versions", "round_steps", "phase_offset_seconds", "last_refusal_unix")
 )
 
 
@@ -65,6 +69,12 @@ class StatsRecorder:
     def set_phase_offset(self, seconds: float) -> None:
         with self._lock:
             self._stats.phase_offset_seconds = seconds
+
+    def refused(self, at_unix: float) -> None:
+        """A shard refused a round for the island's token, at `at_unix`: counted, and the time kept."""
+        with self._lock:
+            self._stats.syncs_refused += 1
+            self._stats.last_refusal_unix = at_unix
 
     def set_version(self, fragment: int, version: Version) -> None:
         with self._lock:

@@ -272,6 +272,9 @@ class FragmentSync:
         return SyncResult(outcome, pulled.version, values, round_opened=pulled.round_opened)
 
     def _failed(self, call: str, error: grpc.RpcError) -> SyncResult:
+        if refusal_of(error.code()) is Refusal.UNAUTHENTICATED:
+            # The island's token is not one the shard accepts: the operator reads this to say so.
+            self._stats.refused(time.time())
         level = logging.DEBUG if self._stopping.is_set() else logging.WARNING
         log.log(
             level,

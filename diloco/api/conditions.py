@@ -12,10 +12,10 @@ from typing import Final
 
 
 class ConditionType:
-    """The five conditions every job carries, one per outcome a user waits for."""
+    """The conditions every job carries: one per outcome a user waits for, and one that records a loss."""
 
     READY: Final = "Ready"
-    """Every island and syncer shard is ready: the job trains at full strength."""
+    """Every syncer shard is ready and every island trains: its pods are ready and its pushes are merged."""
     DEGRADED: Final = "Degraded"
     """Training goes on without some island pods or a syncer shard."""
     SUSPENDED: Final = "Suspended"
@@ -24,8 +24,11 @@ class ConditionType:
     """The stop condition was reached: the job succeeded."""
     FAILED: Final = "Failed"
     """An island exceeded the restart budget: the job failed."""
+    SYNCER_STATE_LOST: Final = "SyncerStateLost"
+    """A syncer shard came back without the state it had (a fragment's version went back): it stays true for the
+    rest of the job's life, as a record; the outer steps and tokens lost keep counting toward the stop condition."""
 
-    ALL: Final = (READY, DEGRADED, SUSPENDED, COMPLETE, FAILED)
+    ALL: Final = (READY, DEGRADED, SUSPENDED, COMPLETE, FAILED, SYNCER_STATE_LOST)
 
 
 class Reason:
@@ -37,6 +40,20 @@ class Reason:
     """Event: the job went to phase Degraded."""
     PARTIALLY_READY: Final = "PartiallyReady"
     """Condition Degraded: some island pods or syncer shards are not ready."""
+    UNSCHEDULABLE: Final = "Unschedulable"
+    """An island's reason, the conditions' and an Event's: the scheduler cannot place an island pod (its message
+    says why)."""
+    PUSHES_REFUSED: Final = "PushesRefused"
+    """An island's reason, the conditions' and an Event's: the syncer shards refuse the island's token."""
+    NOT_SYNCING: Final = "NotSyncing"
+    """An island's reason, the conditions' and an Event's: no merge came back to a ready island within the bound
+    its H and step time give."""
+    SYNCER_STATE_LOST: Final = "SyncerStateLost"
+    """An island's reason (it has not synced since a shard lost its state), and the Event of the loss."""
+    VERSION_REGRESSED: Final = "VersionRegressed"
+    """Condition SyncerStateLost: a fragment's version went back."""
+    STATE_KEPT: Final = "StateKept"
+    """Condition SyncerStateLost: no shard has lost its state."""
     SYNCER_REFUSED: Final = "SyncerRefused"
     """Condition Degraded: a syncer shard refuses the job's token (its message names the shard and error)."""
     SUSPENDED: Final = "Suspended"
@@ -65,6 +82,14 @@ class Reason:
     """Event: a child's name is held by an object another owner controls; the operator leaves it alone."""
     RECONCILE_FAILED: Final = "ReconcileFailed"
     """Event: a reconcile pass raised (its message names the error); kopf runs it again after a backoff."""
+    TOKEN_ROTATING: Final = "TokenRotating"
+    """Event: a token rotation took a step (the shards accept the new token; the islands roll onto it)."""
+    TOKEN_ROTATED: Final = "TokenRotated"
+    """Event: every island holds the new token, and the shards no longer accept the old one."""
+
+
+ISLAND_REASONS: Final = (Reason.UNSCHEDULABLE, Reason.PUSHES_REFUSED, Reason.NOT_SYNCING, Reason.SYNCER_STATE_LOST)
+"""The reasons an island does not train (status.islands[].reason), most telling first."""
 
 
 class Message:
@@ -73,3 +98,4 @@ class Message:
     ALL_READY: Final = "every island and syncer shard is ready"
     SUSPENDED: Final = "spec.suspend is true: islands scaled to zero"
     RESUMED: Final = "spec.suspend is false: islands scaled up"
+    STATE_KEPT: Final = "no syncer shard has lost its state"

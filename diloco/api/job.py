@@ -17,7 +17,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic.config import JsonDict, JsonValue
 
 from diloco.core.config import CamelModel, Precision, TrainingConfig
@@ -145,6 +145,63 @@ Command = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=
 FreeForm = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
 """An object passed through to Kubernetes as written (validated by the API server when it is applied)."""
 
+OPERATOR_SECRET_PREFIX = "diloco-"
+"""Every Secret the operator makes starts so: each job's token and certificates (`diloco-<job>-token`,
+`diloco-<job>-tls`) and the key in its own namespace that every token derives from."""
+MSG_OPERATOR_SECRET = (
+    f"spec.*.podTemplate, spec.tls and spec.remoteSyncers must not name a Secret {OPERATOR_SECRET_PREFIX}*: those are "
+    "the operator's (a job's token and certificates, the key every token derives from), and a job's pods reach its "
+    "own credentials, never another job's"
+)
+SHARD_CLAIM_SUFFIX, ISLAND_CLAIM_PREFIX = "-syncer-[0-9]+$", "checkpoints-"
+"""The forms of the PersistentVolumeClaims the operator makes: a shard's `<job>-syncer-<n>` and an island pod's
+`checkpoints-<statefulset>-<n>`. Short, as the API server's cost estimate of the rule on every volume of every
+island's pod template wants them."""
+OPERATOR_CLAIM_RULE = f"!self.matches('{SHARD_CLAIM_SUFFIX}') && !self.startsWith('{ISLAND_CLAIM_PREFIX}')"
+MSG_OPERATOR_CLAIM = (
+    "spec.*.podTemplate volumes and spec.export.claimName must not name a PersistentVolumeClaim ending in "
+    "-syncer-<n> or starting with checkpoints-: those are a job's shard and island checkpoints (<job>-syncer-<n>, "
+    "checkpoints-<statefulset>-<n>), which no other job's pods read or write"
+)
+
+
+def _not_operators_secret(name: str) -> str:
+    if name.startswith(OPERATOR_SECRET_PREFIX):
+        raise ValueError(f"{MSG_OPERATOR_SECRET}, got {name!r}")
+    return name
+
+
+def _not_operators_claim(name: str) -> str:
+    if re.search(SHARD_CLAIM_SUFFIX, name) or name.startswith(ISLAND_CLAIM_PREFIX):
+        raise ValueError(f"{MSG_OPERATOR_CLAIM}, got {name!r}")
+    return name
+
+
+SecretName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=253,
+        json_schema_extra={
+            "x-kubernetes-validations": [cel(f"!self.startsWith('{OPERATOR_SECRET_PREFIX}')", MSG_OPERATOR_SECRET)]
+        },
+    ),
+    AfterValidator(_not_operators_secret),
+]
+"""A Secret of the job's namespace that a job names: any but the operator's (MSG_OPERATOR_SECRET)."""
+
+ClaimName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        json_schema_extra={"x-kubernetes-validations": [cel(OPERATOR_CLAIM_RULE, MSG_OPERATOR_CLAIM)]},
+    ),
+    AfterValidator(_not_operators_claim),
+]
+"""A PersistentVolumeClaim of the job's namespace that a job names: any but the operator's (MSG_OPERATOR_CLAIM)."""
+
 
 class ModelSize(str, enum.Enum):
     """Presets of the built-in GPT-style trainer (see `diloco.worker.model.PRESETS`)."""
@@ -205,14 +262,117 @@ class ResourceRequirements(CamelModel):
     limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources, e.g. memory: 64Gi.")
 
 
+def _exactly_one(sources: tuple[str, ...], message: str) -> JsonDict:
+    """The CEL rule of an object that sets exactly one of `sources` (camelCase names)."""
+    return cel(" + ".join(f"(has(self.{source}) ? 1 : 0)" for source in sources) + " == 1", message)
+
+
+def _count_set(model: CamelModel, fields: tuple[str, ...]) -> int:
+    return sum(getattr(model, name) is not None for name in fields)
+
+
+class SecretKeySelector(CamelModel):
+    """One key of a Secret of the job's namespace (not one of the operator's)."""
+
+    name: SecretName = Field(description="Secret name.")
+    key: str = Field(min_length=1, description="Key in the Secret.")
+    optional: bool | None = Field(None, description="Start without the variable when the Secret or key is missing.")
+
+
+class ConfigMapKeySelector(CamelModel):
+    """One key of a ConfigMap of the job's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="ConfigMap name.")
+    key: str = Field(min_length=1, description="Key in the ConfigMap.")
+    optional: bool | None = Field(None, description="Start without the variable when the map or key is missing.")
+
+
+class FieldSelector(CamelModel):
+    """A field of the pod (downward API), such as metadata.name or status.podIP."""
+
+    field_path: str = Field(min_length=1, description="Path of the field, e.g. metadata.name.")
+    api_version: str | None = Field(None, description="Version of the schema the path is written in (v1).")
+
+
+class ResourceFieldSelector(CamelModel):
+    """A container's resource request or limit (downward API)."""
+
+    resource: str = Field(min_length=1, description="e.g. limits.cpu, requests.memory.")
+    container_name: str | None = Field(None, description="Container whose resources; this one when unset.")
+    divisor: Quantity | None = Field(None, description="Unit the value is expressed in (1 when unset).")
+
+
+ENV_SOURCES = ("secretKeyRef", "configMapKeyRef", "fieldRef", "resourceFieldRef")
+MSG_ONE_ENV_SOURCE = (
+    f"spec.*.podTemplate.spec.containers[].env[].valueFrom must set exactly one of {', '.join(ENV_SOURCES)}"
+)
+
+
+class EnvVarSource(CamelModel):
+    """Where a variable's value comes from, as in a pod spec."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [_exactly_one(ENV_SOURCES, MSG_ONE_ENV_SOURCE)]}
+    )
+
+    secret_key_ref: SecretKeySelector | None = Field(None, description="A key of a Secret of the namespace.")
+    config_map_key_ref: ConfigMapKeySelector | None = Field(None, description="A key of a ConfigMap.")
+    field_ref: FieldSelector | None = Field(None, description="A field of the pod.")
+    resource_field_ref: ResourceFieldSelector | None = Field(None, description="A request or limit of a container.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVarSource:
+        if _count_set(self, ("secret_key_ref", "config_map_key_ref", "field_ref", "resource_field_ref")) != 1:
+            raise ValueError(MSG_ONE_ENV_SOURCE)
+        return self
+
+
 class EnvVar(CamelModel):
     """An environment variable of a container, as in a pod spec."""
 
     name: str = Field(min_length=1, description="Variable name.")
     value: str | None = Field(None, description="Literal value.")
-    value_from: FreeForm | None = Field(
+    value_from: EnvVarSource | None = Field(
         None, description="A secretKeyRef, configMapKeyRef, fieldRef or resourceFieldRef, as in a pod spec."
     )
+
+
+class SecretEnvSource(CamelModel):
+    """A Secret of the job's namespace (not one of the operator's) whose keys become variables."""
+
+    name: SecretName = Field(description="Secret name.")
+    optional: bool | None = Field(None, description="Start without them when the Secret is missing.")
+
+
+class ConfigMapEnvSource(CamelModel):
+    """A ConfigMap of the job's namespace whose keys become variables."""
+
+    name: str = Field(min_length=1, max_length=253, description="ConfigMap name.")
+    optional: bool | None = Field(None, description="Start without them when the ConfigMap is missing.")
+
+
+ENV_FROM_SOURCES = ("secretRef", "configMapRef")
+MSG_ONE_ENV_FROM_SOURCE = (
+    "spec.*.podTemplate.spec.containers[].envFrom[] must set exactly one of secretRef, configMapRef"
+)
+
+
+class EnvFromSource(CamelModel):
+    """A ConfigMap's or Secret's keys as variables, as in a pod spec."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [_exactly_one(ENV_FROM_SOURCES, MSG_ONE_ENV_FROM_SOURCE)]}
+    )
+
+    prefix: str | None = Field(None, description="Prepended to every key's variable name.")
+    secret_ref: SecretEnvSource | None = Field(None, description="A Secret of the namespace.")
+    config_map_ref: ConfigMapEnvSource | None = Field(None, description="A ConfigMap of the namespace.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvFromSource:
+        if _count_set(self, ("secret_ref", "config_map_ref")) != 1:
+            raise ValueError(MSG_ONE_ENV_FROM_SOURCE)
+        return self
 
 
 class VolumeMount(CamelModel):
@@ -224,6 +384,14 @@ class VolumeMount(CamelModel):
     sub_path: str | None = Field(None, description="Sub-path of the volume to mount instead of its root.")
 
 
+MAX_OVERRIDE_ITEMS = 32
+"""Items of each list an override holds (envFrom, volumes, mounts, a volume's keys, imagePullSecrets): more than
+a pod needs, and a bound the API server's cost estimate of the CEL rules on them needs (it multiplies a rule's
+cost by every list around it: islands, containers, env)."""
+MAX_CONTAINERS, MAX_ENV = 8, 128
+"""Containers an override changes or adds (the operator's and a few sidecars), and variables per container."""
+
+
 class ContainerOverride(CamelModel):
     """Changes to a container of the pod, found by name; another name adds a container (a sidecar), which
     runs under the same security settings as the operator's containers."""
@@ -232,12 +400,80 @@ class ContainerOverride(CamelModel):
     image: str | None = Field(None, min_length=1, description="Container image.")
     command: Command | None = Field(None, description="Container command.")
     args: list[str] = Field(default_factory=list, description="Container arguments.")
-    env: list[EnvVar] = Field(default_factory=list, description="Variables added or replaced, by name.")
-    env_from: list[FreeForm] = Field(
-        default_factory=list, description="ConfigMaps and Secrets whose keys become variables, as in a pod spec."
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=MAX_ENV, description="Variables added or replaced, by name."
+    )
+    env_from: list[EnvFromSource] = Field(
+        default_factory=list,
+        max_length=MAX_OVERRIDE_ITEMS,
+        description="ConfigMaps and Secrets whose keys become variables, as in a pod spec.",
     )
     resources: ResourceRequirements | None = Field(None, description="Requests and limits.")
-    volume_mounts: list[VolumeMount] = Field(default_factory=list, description="Mounts added or replaced, by name.")
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list, max_length=MAX_OVERRIDE_ITEMS, description="Mounts added or replaced, by name."
+    )
+
+
+class KeyToPath(CamelModel):
+    """A key of a ConfigMap or Secret written to a file of the given path."""
+
+    key: str = Field(min_length=1, description="Key.")
+    path: str = Field(min_length=1, pattern=RELATIVE_PATH, description="File, relative to the volume.")
+    mode: int | None = Field(None, ge=0, le=0o777, description="Permission bits of the file.")
+
+
+class SecretVolumeSource(CamelModel):
+    """A Secret of the job's namespace (not one of the operator's) as files."""
+
+    secret_name: SecretName = Field(description="Secret name.")
+    items: list[KeyToPath] = Field(
+        default_factory=list, max_length=MAX_OVERRIDE_ITEMS, description="Keys to write (every key when empty)."
+    )
+    default_mode: int | None = Field(None, ge=0, le=0o777, description="Permission bits of the files.")
+    optional: bool | None = Field(None, description="Start without it when the Secret is missing.")
+
+
+class ConfigMapVolumeSource(CamelModel):
+    """A ConfigMap of the job's namespace as files."""
+
+    name: str = Field(min_length=1, max_length=253, description="ConfigMap name.")
+    items: list[KeyToPath] = Field(
+        default_factory=list, max_length=MAX_OVERRIDE_ITEMS, description="Keys to write (every key when empty)."
+    )
+    default_mode: int | None = Field(None, ge=0, le=0o777, description="Permission bits of the files.")
+    optional: bool | None = Field(None, description="Start without it when the ConfigMap is missing.")
+
+
+class EmptyDirVolumeSource(CamelModel):
+    """Scratch space that lives as long as the pod."""
+
+    medium: Literal["", "Memory"] | None = Field(None, description="'Memory' for a tmpfs; the node's disk when unset.")
+    size_limit: Quantity | None = Field(None, description="Most the volume may hold.")
+
+
+class ClaimVolumeSource(CamelModel):
+    """A PersistentVolumeClaim of the job's namespace (not one of the operator's)."""
+
+    claim_name: ClaimName = Field(description="Claim name.")
+    read_only: bool | None = Field(None, description="Mount read-only.")
+
+
+class SecretReference(CamelModel):
+    """A Secret of the job's namespace (not one of the operator's), by name."""
+
+    name: SecretName = Field(description="Secret name.")
+
+
+class CsiVolumeSource(CamelModel):
+    """An inline ephemeral volume of a CSI driver (a bucket, a dataset cache)."""
+
+    driver: str = Field(min_length=1, max_length=253, description="Name of the CSI driver.")
+    read_only: bool | None = Field(None, description="Mount read-only.")
+    fs_type: str | None = Field(None, description="Filesystem type, if the driver asks for one.")
+    volume_attributes: dict[str, str] = Field(default_factory=dict, description="The driver's own settings.")
+    node_publish_secret_ref: SecretReference | None = Field(
+        None, description="A Secret of the namespace the driver receives (not one of the operator's)."
+    )
 
 
 SAFE_VOLUME_SOURCES = ("emptyDir", "configMap", "secret", "persistentVolumeClaim", "csi")
@@ -250,39 +486,26 @@ MSG_ONE_VOLUME_SOURCE = (
 
 class VolumeOverride(CamelModel):
     """A volume added to (or replacing, by name, one of) the pod's volumes, of a kind that stays inside the
-    pod: no hostPath, no projected service-account token."""
+    pod: no hostPath, no projected service-account token, and none of the operator's Secrets or claims."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    " + ".join(f"(has(self.{source}) ? 1 : 0)" for source in SAFE_VOLUME_SOURCES) + " == 1",
-                    MSG_ONE_VOLUME_SOURCE,
-                )
-            ]
-        }
+        json_schema_extra={"x-kubernetes-validations": [_exactly_one(SAFE_VOLUME_SOURCES, MSG_ONE_VOLUME_SOURCE)]}
     )
 
     name: str = Field(min_length=1, description="Volume name, referred to by volumeMounts.")
-    empty_dir: FreeForm | None = Field(None, description="Scratch space (medium, sizeLimit), as in a pod spec.")
-    config_map: FreeForm | None = Field(None, description="A ConfigMap's keys as files, as in a pod spec.")
-    secret: FreeForm | None = Field(None, description="A Secret's keys as files, as in a pod spec.")
-    persistent_volume_claim: FreeForm | None = Field(
+    empty_dir: EmptyDirVolumeSource | None = Field(None, description="Scratch space (medium, sizeLimit).")
+    config_map: ConfigMapVolumeSource | None = Field(None, description="A ConfigMap's keys as files.")
+    secret: SecretVolumeSource | None = Field(None, description="A Secret's keys as files.")
+    persistent_volume_claim: ClaimVolumeSource | None = Field(
         None, description="A PersistentVolumeClaim of the job's namespace (claimName, readOnly)."
     )
-    csi: FreeForm | None = Field(None, description="An inline ephemeral CSI volume, as in a pod spec.")
+    csi: CsiVolumeSource | None = Field(None, description="An inline ephemeral CSI volume.")
 
     @model_validator(mode="after")
     def _one_source(self) -> VolumeOverride:
-        if sum(getattr(self, name) is not None for name in type(self).model_fields if name != "name") != 1:
+        if _count_set(self, ("empty_dir", "config_map", "secret", "persistent_volume_claim", "csi")) != 1:
             raise ValueError(MSG_ONE_VOLUME_SOURCE)
         return self
-
-
-class LocalObjectReference(CamelModel):
-    """An object of the job's namespace, by name."""
-
-    name: str = Field(min_length=1, description="Object name.")
 
 
 class PodSpecOverride(CamelModel):
@@ -299,18 +522,62 @@ class PodSpecOverride(CamelModel):
     termination_grace_period_seconds: int | None = Field(
         None, ge=0, description="Seconds a pod has to exit after SIGTERM."
     )
-    image_pull_secrets: list[LocalObjectReference] = Field(
-        default_factory=list, description="Secrets with registry credentials for the pods' images."
+    image_pull_secrets: list[SecretReference] = Field(
+        default_factory=list,
+        max_length=MAX_OVERRIDE_ITEMS,
+        description="Secrets with registry credentials for the pods' images.",
     )
-    containers: list[ContainerOverride] = Field(default_factory=list, description="Containers changed or added.")
-    volumes: list[VolumeOverride] = Field(default_factory=list, description="Volumes added or replaced.")
+    containers: list[ContainerOverride] = Field(
+        default_factory=list, max_length=MAX_CONTAINERS, description="Containers changed or added."
+    )
+    volumes: list[VolumeOverride] = Field(
+        default_factory=list, max_length=MAX_OVERRIDE_ITEMS, description="Volumes added or replaced."
+    )
+
+
+OPERATOR_KEY_PREFIX = f"{API_GROUP}/"
+OPERATOR_LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/managed-by",
+    "app.kubernetes.io/component",
+)
+"""The standard labels the operator sets on a job's pods, beside its own `diloco.dev/` keys."""
+MSG_OPERATOR_KEYS = (
+    f"spec.*.podTemplate.metadata labels and annotations must not set the operator's keys ({OPERATOR_KEY_PREFIX}*, "
+    f"{', '.join(OPERATOR_LABELS)}): they select the job's pods for its StatefulSets, Services and NetworkPolicy, and "
+    "their fingerprints of the token, certificates and config roll them"
+)
+MAX_POD_METADATA = 64
+"""Labels, and annotations, an override may add: a bound the API server's cost estimate of their rule needs."""
+OPERATOR_KEYS_RULE = (
+    f"self.all(k, !k.startsWith('{OPERATOR_KEY_PREFIX}') && !(k in [{', '.join(repr(k) for k in OPERATOR_LABELS)}]))"
+)
+
+
+def _without_operator_keys(values: dict[str, str]) -> dict[str, str]:
+    taken = sorted(k for k in values if k.startswith(OPERATOR_KEY_PREFIX) or k in OPERATOR_LABELS)
+    if taken:
+        raise ValueError(f"{MSG_OPERATOR_KEYS}, got {', '.join(taken)}")
+    return values
+
+
+PodMetadata = Annotated[
+    dict[str, str],
+    Field(
+        default_factory=dict,
+        max_length=MAX_POD_METADATA,
+        json_schema_extra={"x-kubernetes-validations": [cel(OPERATOR_KEYS_RULE, MSG_OPERATOR_KEYS)]},
+    ),
+    AfterValidator(_without_operator_keys),
+]
 
 
 class PodMetadataOverride(CamelModel):
-    """Labels and annotations added to the pods."""
+    """Labels and annotations added to the pods; the operator's own keys are not among those they may set."""
 
-    labels: dict[str, str] = Field(default_factory=dict, description="Labels added to the pods.")
-    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations added to the pods.")
+    labels: PodMetadata = Field(description="Labels added to the pods.")
+    annotations: PodMetadata = Field(description="Annotations added to the pods.")
 
 
 class PodTemplateOverride(CamelModel):
@@ -675,9 +942,6 @@ class SyncerSpec(CamelModel):
         return self
 
 
-SecretName = Annotated[str, Field(min_length=1, max_length=253)]
-
-
 class TlsSpec(CamelModel):
     """How the job's gRPC channels (islands and the operator to the syncers) are secured: TLS always, with the
     job's own Secrets or, when none is named, a CA the operator makes for the job; mutual TLS on request;
@@ -762,7 +1026,8 @@ class RemoteSyncers(CamelModel):
         description="host:port of each shard, in shard order (shard n owns fragments p with p mod shards = n).",
     )
     token_secret: SecretName = Field(
-        description="A Secret whose 'token' key is the bearer token of the syncers' job (its <job>-token Secret)."
+        description="A Secret whose 'token' key is the bearer token of the syncers' job (a copy of its "
+        "diloco-<job>-token)."
     )
     ca_secret: SecretName = Field(description="A Secret whose ca.crt is the CA that signed the shards' certificate.")
     client_secret: SecretName | None = Field(
@@ -814,11 +1079,9 @@ class ModelExport(CamelModel):
     """Where a job that succeeds leaves its trained model: `diloco export`'s files (model.safetensors and
     config.json), assembled from the shards' final checkpoints once they have stopped."""
 
-    claim_name: str = Field(
-        min_length=1,
-        max_length=253,
-        pattern=DNS_SUBDOMAIN,
-        description="A PersistentVolumeClaim of the job's namespace, which the export pod mounts and writes to.",
+    claim_name: ClaimName = Field(
+        description="A PersistentVolumeClaim of the job's namespace (not one of the operator's), which the export "
+        "pod mounts and writes to."
     )
     path: str | None = Field(
         None,
@@ -981,6 +1244,11 @@ class DiLoCoJobSpec(CamelModel):
         return self.syncer.image or self.image
 
 
+def cut(text: str, limit: int) -> str:
+    """`text` within `limit` characters, its end replaced by an ellipsis when it was longer."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 class Phase(str, enum.Enum):
     """Pending: not trained yet. Running: every island and shard ready. Degraded: training goes on without
     some island pods or a shard. Suspended, Succeeded and Failed as named; the last two are final."""
@@ -1000,7 +1268,7 @@ class Phase(str, enum.Enum):
 class Condition(CamelModel):
     """A status condition, as `metav1.Condition`."""
 
-    type: str = Field(description="Ready, Degraded, Suspended, Complete or Failed.")
+    type: str = Field(description="Ready, Degraded, Suspended, Complete, Failed or SyncerStateLost.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase reason for the last transition.")
     message: str = Field("", description="Human-readable detail.")
@@ -1011,9 +1279,7 @@ class Condition(CamelModel):
     @classmethod
     def _bounded(cls, message: str) -> str:
         """Cut to MAX_CONDITION_MESSAGE characters, so that the status stays within its budget."""
-        if len(message) <= MAX_CONDITION_MESSAGE:
-            return message
-        return message[: MAX_CONDITION_MESSAGE - 1] + "…"
+        return cut(message, MAX_CONDITION_MESSAGE)
 
 
 class PodRecord(CamelModel):
@@ -1037,6 +1303,11 @@ class Reform(CamelModel):
     hold_until: datetime.datetime = Field(description="Earliest time the pods come back.")
 
 
+IslandReason = Literal["Unschedulable", "PushesRefused", "NotSyncing", "SyncerStateLost"]
+"""Why an island does not train (`diloco.api.conditions.Reason` names each)."""
+MAX_ISLAND_MESSAGE = 64
+
+
 class IslandStatus(CamelModel):
     """One island as last observed."""
 
@@ -1054,6 +1325,23 @@ class IslandStatus(CamelModel):
         "shard reports it live again (a rolling update waits for that).",
     )
     pods: list[PodRecord] = Field(default_factory=list, description="Accounting record of the island's pods.")
+    reason: IslandReason | None = Field(
+        None,
+        description="Why the island does not train, when it does not: Unschedulable (a pod the scheduler cannot "
+        "place), PushesRefused (the syncer shards refuse its token), NotSyncing (no merge brought back within the "
+        "bound its H and step time give), SyncerStateLost (a shard lost its state and the island has not synced "
+        "with it since).",
+    )
+    message: str | None = Field(
+        None,
+        description=f"The reason in words, cut to {MAX_ISLAND_MESSAGE} characters (the job's conditions say it whole).",
+    )
+
+    @field_validator("message")
+    @classmethod
+    def _bounded(cls, message: str | None) -> str | None:
+        """Cut to MAX_ISLAND_MESSAGE characters: with hundreds of islands, the status stays within its budget."""
+        return None if message is None else cut(message, MAX_ISLAND_MESSAGE)
 
 
 class SyncerStatus(CamelModel):
@@ -1062,6 +1350,11 @@ class SyncerStatus(CamelModel):
     shards: int = Field(0, ge=0, description="Shards the job has.")
     ready: int = Field(0, ge=0, description="Shards whose Deployment reports a ready pod.")
     reachable: int = Field(0, ge=0, description="Shards that answered the last Status call.")
+    last_state_loss: datetime.datetime | None = Field(
+        None,
+        description="When the operator last saw a shard come back without the state it had (a fragment's version "
+        "went back): the islands that have not synced since do not train (condition SyncerStateLost).",
+    )
     endpoints: list[Annotated[str, Field(max_length=ENDPOINT_MAX)]] = Field(
         default_factory=list,
         max_length=MAX_SHARDS,
@@ -1110,7 +1403,7 @@ class DiLoCoJobStatus(CamelModel):
     phase: Phase = Field(Phase.PENDING, description="Pending, Running, Degraded, Suspended, Succeeded or Failed.")
     observed_generation: int | None = Field(None, description="metadata.generation of the last reconcile.")
     conditions: list[Condition] = Field(
-        default_factory=list, description="Ready, Degraded, Suspended, Complete, Failed."
+        default_factory=list, description="Ready, Degraded, Suspended, Complete, Failed, SyncerStateLost."
     )
     islands_ready: str = Field("0/0", description="Islands with every pod ready / islands that should run.")
     islands: list[IslandStatus] = Field(default_factory=list, description="Per-island counts.")
@@ -1121,8 +1414,22 @@ class DiLoCoJobStatus(CamelModel):
     )
     syncer: SyncerStatus = Field(default_factory=SyncerStatus, description="Syncer readiness.")
     fragments: list[FragmentProgress] = Field(default_factory=list, description="Per-fragment progress.")
-    outer_step: int = Field(0, ge=0, description="Outer steps every fragment has reached (the minimum).")
-    tokens: int = Field(0, ge=0, description="Tokens every fragment's merges account for (the minimum).")
+    outer_step: int = Field(
+        0,
+        ge=0,
+        description="Outer steps every fragment has reached (the minimum), with those a shard lost "
+        "(carriedOuterSteps).",
+    )
+    tokens: int = Field(
+        0, ge=0, description="Tokens every fragment's merges account for (the minimum), with those a shard lost."
+    )
+    carried_outer_steps: int = Field(
+        0,
+        ge=0,
+        description="Outer steps the job had reached before a shard lost its state, still counted toward "
+        "spec.stopCondition: the islands seed a shard that lost its state with the model they hold.",
+    )
+    carried_tokens: int = Field(0, ge=0, description="Tokens counted the same way.")
     loss: float | None = Field(None, description="Mean of the islands' last reported training losses.")
     goodput: float | None = Field(
         None, ge=0, le=1, description="Ready island pod-seconds / desired island pod-seconds while training."

@@ -8,6 +8,7 @@ trusting it trusts nobody else. Pure functions of their arguments and the clock 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,8 +33,38 @@ class Issued:
     key: bytes
 
 
+P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+SEED_BYTES = 32
+
+
 def _key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
+
+
+def derived_key(seed: bytes) -> bytes:
+    """A P-256 private key (PEM) that is a function of `seed`, a secret of at least SEED_BYTES bytes: a key
+    that need not be stored anywhere, since whoever holds the seed makes it again. The scalar is the seed's
+    SHA-512 reduced into [1, n-1], so its bias is below 2**-250."""
+    if len(seed) < SEED_BYTES:
+        raise ValueError(f"a key seed needs at least {SEED_BYTES} bytes of secret, got {len(seed)}")
+    scalar = int.from_bytes(hashlib.sha512(seed).digest(), "big") % (P256_ORDER - 1) + 1
+    return _pem_key(ec.derive_private_key(scalar, ec.SECP256R1()))
+
+
+def _load_key(pem: bytes) -> ec.EllipticCurvePrivateKey:
+    key = serialization.load_pem_private_key(pem, password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError("the key is not an elliptic-curve key this module made")
+    return key
+
+
+def holds_key(cert: bytes, key: bytes) -> bool:
+    """Whether the certificate `cert` is for the private key `key` (its public half is the certificate's)."""
+    try:
+        public = x509.load_pem_x509_certificate(cert).public_key()
+        return public == _load_key(key).public_key()
+    except (ValueError, TypeError):
+        return False
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -46,14 +77,17 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def new_ca(common_name: str, now: datetime.datetime, valid_for: datetime.timedelta = VALID_FOR) -> Issued:
-    """A self-signed CA that may sign end-entity certificates only (path length 0)."""
-    key = _key()
+def new_ca(
+    common_name: str, now: datetime.datetime, valid_for: datetime.timedelta = VALID_FOR, key: bytes | None = None
+) -> Issued:
+    """A self-signed CA that may sign end-entity certificates only (path length 0), for `key` (PEM; a new one
+    when None)."""
+    private = _key() if key is None else _load_key(key)
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name(common_name))
         .issuer_name(_name(common_name))
-        .public_key(key.public_key())
+        .public_key(private.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - CLOCK_SKEW)
         .not_valid_after(now + valid_for)
@@ -72,10 +106,10 @@ def new_ca(common_name: str, now: datetime.datetime, valid_for: datetime.timedel
             ),
             critical=True,
         )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(private.public_key()), critical=False)
+        .sign(private, hashes.SHA256())
     )
-    return Issued(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+    return Issued(cert.public_bytes(serialization.Encoding.PEM), _pem_key(private))
 
 
 def _alt_name(name: str) -> x509.GeneralName:
@@ -99,9 +133,7 @@ def issue(
     if server and not names:
         raise ValueError("a server certificate needs the names its clients reach it at")
     ca_cert = x509.load_pem_x509_certificate(ca.cert)
-    ca_key = serialization.load_pem_private_key(ca.key, password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise ValueError("the CA key is not an elliptic-curve key this module made")
+    ca_key = _load_key(ca.key)
     key = _key()
     usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
     builder = (

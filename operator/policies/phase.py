@@ -1,17 +1,18 @@
 """The job's phase and the Events that announce its changes.
 
 Failed (the restart budget) wins over Succeeded (the stop condition), which wins over Suspended; otherwise the
-job is Running with every island and syncer shard ready, Degraded once it has trained and some are not, and
-Pending before. A finished job (Succeeded or Failed) stays finished.
+job is Running with every syncer shard ready and every island training (its pods ready and its syncs merged:
+`island_training`), Degraded once it has trained and some are not, and Pending before. A finished job
+(Succeeded or Failed) stays finished.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from diloco.api.conditions import ConditionType, Message, Reason
+from diloco.api.conditions import ISLAND_REASONS, ConditionType, Message, Reason
 from diloco.api.job import DiLoCoJobStatus, IslandStatus, Phase
 from diloco.operator.events import Event
 
@@ -28,13 +29,14 @@ class Readiness:
     running_islands: int
     """Islands that should have pods now."""
     whole_islands: int
-    """Islands with every pod they should have ready, and not re-forming."""
+    """Islands with every pod they should have ready, not re-forming, and training."""
     syncers_ready: bool
     """Every syncer shard has a ready pod."""
     detail: str
     """The islands short of pods and the shards not ready or not answering, for the conditions' messages."""
     degraded_reason: str = Reason.PARTIALLY_READY
-    """The Degraded condition's reason: SyncerRefused when a shard refuses the job's token."""
+    """The Degraded condition's reason, and the Ready condition's while it does not hold: why an island does not
+    train (`ISLAND_REASONS`), SyncerRefused when a shard refuses the operator's token, else PartiallyReady."""
     unanswered: str = ""
     """The shards whose Status call failed, with the error: said even while the job is Running."""
 
@@ -58,15 +60,27 @@ def is_whole(island: IslandStatus) -> bool:
     return bool(island.desired) and island.ready >= island.desired and not island.reform
 
 
+def trains(island: IslandStatus) -> bool:
+    """The island is whole and trains: nothing keeps its training from the job (`island.reason`)."""
+    return is_whole(island) and island.reason is None
+
+
 def degraded_detail(
-    islands: Sequence[IslandStatus], unready_shards: Sequence[int], shard_problems: Sequence[str] = ()
+    islands: Sequence[IslandStatus],
+    unready_shards: Sequence[int],
+    shard_problems: Sequence[str] = (),
+    not_training: Mapping[str, str] | None = None,
 ) -> str:
-    """The islands short of pods or re-forming, the shards not ready and those whose Status call failed (with
-    its error), the first few named."""
+    """The islands that do not train (`not_training`: island -> why, in words) or are short of pods or
+    re-forming, the shards not ready and those whose Status call failed (with its error), the first few named."""
+    why = not_training or {}
     parts = [
-        f"island {i.name}: {i.ready}/{i.desired} pods ready" + (f" (re-forming: {i.reform.reason})" if i.reform else "")
+        f"island {i.name}: "
+        + (f"{i.reason}: {why.get(i.name) or i.message}; " if i.reason else "")
+        + f"{i.ready}/{i.desired} pods ready"
+        + (f" (re-forming: {i.reform.reason})" if i.reform else "")
         for i in islands
-        if i.ready < i.desired or i.reform
+        if i.ready < i.desired or i.reform or i.reason
     ]
     parts += [f"syncer shard {shard} not ready" for shard in unready_shards]
     parts += shard_problems
@@ -81,16 +95,21 @@ def readiness(
     syncers_ready: bool,
     shard_problems: Sequence[str] = (),
     refused: bool = False,
+    not_training: Mapping[str, str] | None = None,
 ) -> Readiness:
     """The job's readiness from its islands' statuses and its syncer shards; `refused`: a shard refuses the
-    job's token."""
+    operator's token; `not_training`: why each island with a `reason` does not train, in full."""
+    island_reasons = [i.reason for i in islands if i.reason]
+    reason = Reason.SYNCER_REFUSED if refused else Reason.PARTIALLY_READY
+    if island_reasons:
+        reason = min(island_reasons, key=ISLAND_REASONS.index)
     return Readiness(
         islands=len(islands),
         running_islands=sum(1 for i in islands if i.desired),
-        whole_islands=sum(1 for i in islands if is_whole(i)),
+        whole_islands=sum(1 for i in islands if trains(i)),
         syncers_ready=syncers_ready,
-        detail=degraded_detail(islands, unready_shards, shard_problems),
-        degraded_reason=Reason.SYNCER_REFUSED if refused else Reason.PARTIALLY_READY,
+        detail=degraded_detail(islands, unready_shards, shard_problems, not_training),
+        degraded_reason=reason,
         unanswered="; ".join(shard_problems[:MAX_DETAIL_PARTS]),
     )
 

@@ -1,5 +1,6 @@
 """spec.stopCondition: when the job has trained enough and succeeds. The slowest fragment is where the model
-is, so progress is the minimum over the fragments, and only once every fragment has reported."""
+is, so progress is the minimum over the fragments, and only once every fragment has reported; with it, the
+outer steps and tokens a shard lost with its state, which the job carries (`syncer_state`)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ def slowest_fragment(fragments: Sequence[FragmentProgress], num_fragments: int) 
     return min(f.version for f in fragments), min(f.tokens for f in fragments)
 
 
-def stop_reached(stop: StopCondition, fragments: Sequence[FragmentProgress], num_fragments: int) -> str | None:
-    """Why the job is done (a message), or None. Every fragment must have reached the bound."""
-    progress = slowest_fragment(fragments, num_fragments)
+def stop_reached(stop: StopCondition, progress: tuple[int, int] | None) -> str | None:
+    """Why the job is done (a message), or None, from its progress (outer steps and tokens every fragment has
+    reached, with those carried; None until every fragment has reported)."""
     if progress is None:
         return None
     step, tokens = progress

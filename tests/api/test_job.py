@@ -367,6 +367,100 @@ def test_an_override_beyond_the_allowlist_is_refused_at_the_field(template, name
     assert any(line.startswith(prefix + named + ":") or line.startswith(prefix + named + ".") for line in lines), lines
 
 
+# --- a job's pods reach nothing that is not theirs --------------------------------------------------------------
+
+OTHER_JOBS = "diloco-other-tls"  # another job's certificates, as the operator names them
+OPERATORS = "diloco-operator-token-key"  # the key every job's token derives from
+REACHING_PAST_THE_JOB = [
+    ({"spec": {"volumes": [{"name": "v", "secret": {"secretName": OTHER_JOBS}}]}}, "volumes.0.secret.secretName"),
+    (
+        {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": OPERATORS, "key": "token"}}}],
+                    }
+                ]
+            }
+        },
+        "containers.0.env.0.valueFrom.secretKeyRef.name",
+    ),
+    (
+        {"spec": {"containers": [{"name": "trainer", "envFrom": [{"secretRef": {"name": "diloco-other-token"}}]}]}},
+        "containers.0.envFrom.0.secretRef.name",
+    ),
+    (
+        {"spec": {"volumes": [{"name": "v", "csi": {"driver": "d", "nodePublishSecretRef": {"name": OPERATORS}}}]}},
+        "volumes.0.csi.nodePublishSecretRef.name",
+    ),
+    ({"spec": {"imagePullSecrets": [{"name": OTHER_JOBS}]}}, "imagePullSecrets.0.name"),
+    (
+        {"spec": {"volumes": [{"name": "v", "persistentVolumeClaim": {"claimName": "other-syncer-0"}}]}},
+        "volumes.0.persistentVolumeClaim.claimName",
+    ),
+    (
+        {"spec": {"volumes": [{"name": "v", "persistentVolumeClaim": {"claimName": "checkpoints-other-a-0"}}]}},
+        "volumes.0.persistentVolumeClaim.claimName",
+    ),
+    (
+        {"spec": {"volumes": [{"name": "v", "projected": {"sources": [{"secret": {"name": "x"}}]}}]}},
+        "volumes.0.projected",
+    ),
+]
+
+
+@pytest.mark.parametrize("where", ["islands", "syncer"])
+@pytest.mark.parametrize(("template", "named"), REACHING_PAST_THE_JOB)
+def test_an_override_naming_the_operators_or_another_jobs_secrets_or_claims_is_refused_at_the_field(
+    template, named, where
+):
+    prefix = ("islands.0." if where == "islands" else "syncer.") + "podTemplate.spec."
+    lines = refusal(with_override(template, where)).splitlines()
+    assert any(line.startswith(prefix + named) for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"tls": {"serverSecret": OTHER_JOBS, "caSecret": OTHER_JOBS}}, "tls.serverSecret"),
+        (
+            {"remoteSyncers": {"endpoints": ["a:1"], "tokenSecret": "diloco-other-token", "caSecret": "c"}},
+            "remoteSyncers.tokenSecret",
+        ),
+        ({"export": {"claimName": "other-syncer-0"}}, "export.claimName"),
+    ],
+)
+def test_the_jobs_own_secret_and_claim_fields_refuse_the_operators_too(change, named):
+    assert any(line.startswith(named) for line in refusal(minimal(**change)).splitlines())
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        {"diloco.dev/island": "other"},
+        {"diloco.dev/job": "other"},
+        {"diloco.dev/shard": "0", "app.kubernetes.io/component": "syncer"},
+        {"app.kubernetes.io/name": "diloco-operator"},
+        {"app.kubernetes.io/instance": "x"},
+        {"app.kubernetes.io/managed-by": "me"},
+    ],
+)
+@pytest.mark.parametrize("field", ["labels", "annotations"])
+def test_an_override_cannot_set_the_operators_own_labels_or_annotations(labels, field):
+    lines = refusal(with_override({"metadata": {field: labels}})).splitlines()
+    assert any(line.startswith(f"islands.0.podTemplate.metadata.{field}") for line in lines), lines
+    assert "diloco.dev/*" in "\n".join(lines)
+
+
+def test_an_override_cannot_pin_the_token_fingerprint_and_other_keys_of_its_own_stay_allowed():
+    pinned = with_override({"metadata": {"annotations": {"diloco.dev/token-hash": "0123456789abcdef"}}})
+    assert "islands.0.podTemplate.metadata.annotations" in refusal(pinned)
+    own = {"app.kubernetes.io/part-of": "llm", "team.example.com/owner": "me", "diloco.dev.example/x": "y"}
+    spec = DiLoCoJobSpec.model_validate(with_override({"metadata": {"labels": own, "annotations": own}}))
+    assert spec.islands[0].pod_template.metadata.labels == own
+
+
 # --- manifests that could never run -----------------------------------------------------------------------------
 
 

@@ -3,8 +3,9 @@ bound to a node with a container whose image is one of IMAGES (by repository nam
 that container's command and args run as a local process from this checkout's virtualenv, as the image
 would run them. What the pod spec says is honoured (podspec.py): the environment (env, ConfigMap and Secret
 references, downward API, envFrom), ConfigMap, Secret, emptyDir and PersistentVolumeClaim volumes (files
-under the runner's directory, container paths rewritten to them), the pod's hostname and an /etc/hosts in
-which the job's Service names and the pods of headless Services resolve to their pod IPs. Each pod has a
+under the runner's directory, container paths rewritten to them; a ConfigMap's or Secret's files are updated
+in place while the container runs, every VOLUME_REFRESH seconds, as a kubelet does), the pod's hostname and an
+/etc/hosts in which the job's Service names and the pods of headless Services resolve to their pod IPs. Each pod has a
 network namespace of its own with its pod IP on `eth0` (pod_network.py), where other pods' IPs are reachable
 and the API server is the `kubernetes` Service's ClusterIP; each process runs there, in mount and UTS
 namespaces of its own for its hostname and /etc/hosts (`unshare`). NodePort and LoadBalancer Services are
@@ -59,6 +60,8 @@ from cluster.controlplane import group_alive, stop_group
 from cluster.node_ports import EVERY_ADDRESS, Address, ingress_ips, listeners, relay_command
 from cluster.pod_network import KUBERNETES_SERVICE, PodNetwork, http_get
 from cluster.podspec import (
+    Data,
+    Lookup,
     Unresolvable,
     accelerators,
     container_command,
@@ -83,6 +86,9 @@ IMAGES = {
 image.repository); the Dockerfile's ENTRYPOINT and CMD stand in for the image's."""
 MAX_GRACE = 10.0
 MAX_ACCELERATORS = 2
+VOLUME_REFRESH = 2.0
+"""Seconds between two updates of a running container's ConfigMap and Secret files (a kubelet's take a minute
+or so: its sync period and cache)."""
 FINALIZER = "test.diloco.dev/pod-runner"
 """Held on every pod the runner has started a process for, and released once a deleted pod's processes have
 exited, so that the pod outlives its processes' SIGTERM handling as it does under a kubelet."""
@@ -175,6 +181,8 @@ class Container:
     probing: Future[tuple[bool, str]] | None = None
     unhealthy: dict[str, tuple[str, int]] = field(default_factory=dict)
     """Event name and count of each distinct failed-probe message posted for this container."""
+    refresh_at: float = 0.0
+    """When its ConfigMap and Secret files are next brought up to date."""
 
     @property
     def log_path(self) -> Path:
@@ -444,6 +452,7 @@ class PodRunner:
         process = container.process
         if process is not None and process.poll() is None:
             self._probe(container, pod, spec)
+            self._refresh_volumes(container, pod, spec)
             return
         if process is not None and container.last_exit is None:
             self._exited(container, pod, process.returncode)
@@ -590,14 +599,10 @@ class PodRunner:
         waiting = "CrashLoopBackOff" if hold else "ContainerCreating"
         self._patch(pod, container, {"waiting": {"reason": waiting}}, ready=False)
 
-    def _prepare(
-        self, container: Container, pod: Mapping[str, Any], spec: Mapping[str, Any]
-    ) -> tuple[list[str], dict[str, str], Path]:
-        """Command (wrapped by in_pod), environment and working directory of the next incarnation;
-        volumes materialized."""
-        namespace = pod["metadata"]["namespace"]
+    def _lookup(self, namespace: str) -> Lookup:
+        """What a pod of `namespace` reads of its ConfigMaps and Secrets."""
 
-        def lookup(kind: str, name: str) -> dict[str, str] | None:
+        def lookup(kind: str, name: str) -> Data | None:
             try:
                 if kind == "ConfigMap":
                     return dict(self.core.read_namespaced_config_map(name, namespace).data or {})
@@ -608,6 +613,42 @@ class PodRunner:
                 if error.status == 404:
                     return None
                 raise
+
+        return lookup
+
+    def _refresh_volumes(self, container: Container, pod: Mapping[str, Any], spec: Mapping[str, Any]) -> None:
+        """Brings the running container's ConfigMap and Secret files up to date, each file replaced whole (a
+        reader sees the old contents or the new, as behind a kubelet's symlink swap); a ConfigMap or Secret
+        that is gone leaves its files as they were."""
+        if time.monotonic() < container.refresh_at:
+            return
+        container.refresh_at = time.monotonic() + VOLUME_REFRESH
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes") or ()}
+        lookup = self._lookup(pod["metadata"]["namespace"])
+        for mount in spec.get("volumeMounts") or ():
+            volume = volumes.get(mount["name"]) or {}
+            if not ("configMap" in volume or "secret" in volume):
+                continue
+            try:
+                files = projected_files(volume, pod, lookup, lambda source: "")
+            except Unresolvable:
+                continue
+            directory = container.directory / "volumes" / volume["name"]
+            for path, content in (files or {}).items():
+                data = content.encode() if isinstance(content, str) else content
+                target = directory / path
+                if target.exists() and target.read_bytes() == data:
+                    continue
+                staged = target.with_name(f".{target.name}.new")
+                staged.write_bytes(data)
+                os.replace(staged, target)
+
+    def _prepare(
+        self, container: Container, pod: Mapping[str, Any], spec: Mapping[str, Any]
+    ) -> tuple[list[str], dict[str, str], Path]:
+        """Command (wrapped by in_pod), environment and working directory of the next incarnation;
+        volumes materialized."""
+        lookup = self._lookup(pod["metadata"]["namespace"])
 
         volumes = {v["name"]: v for v in pod["spec"].get("volumes") or ()}
         mounts: dict[str, str] = {}
@@ -667,7 +708,7 @@ class PodRunner:
             shutil.rmtree(directory, ignore_errors=True)
             for path, content in files.items():
                 (directory / path).parent.mkdir(parents=True, exist_ok=True)
-                (directory / path).write_text(content)
+                (directory / path).write_bytes(content.encode() if isinstance(content, str) else content)
             return directory
         if "emptyDir" in volume:
             directory = container.directory / "volumes" / volume["name"]

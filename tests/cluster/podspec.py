@@ -9,25 +9,36 @@ as it does for every Service this project makes. pod_runner.py does the I/O; pod
 from __future__ import annotations
 
 import base64
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 CLUSTER_DOMAIN = "cluster.local"
 
-Lookup = Callable[[str, str], Mapping[str, str] | None]
-"""(kind "ConfigMap" or "Secret", name) -> the object's data in the pod's namespace (Secret values decoded),
-or None when it does not exist."""
+Data = Mapping[str, str | bytes]
+"""A ConfigMap's or Secret's data: a ConfigMap's values are text, a Secret's the bytes it holds (a key file, a
+keystore: not necessarily text)."""
+Lookup = Callable[[str, str], Data | None]
+"""(kind "ConfigMap" or "Secret", name) -> the object's data in the pod's namespace (Secret values decoded
+from base64), or None when it does not exist."""
 
 
 class Unresolvable(Exception):
     """The container cannot be configured yet (the kubelet's CreateContainerConfigError)."""
 
 
-def secret_data(secret: Mapping[str, Any]) -> dict[str, str]:
-    """A Secret's data (base64 in the API) and stringData, decoded."""
-    data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
-    return data | dict(secret.get("stringData") or {})
+def secret_data(secret: Mapping[str, Any]) -> dict[str, bytes]:
+    """A Secret's data (base64 in the API) and stringData, as bytes: a Secret may hold any bytes, and a kubelet
+    writes them to files as they are."""
+    data = {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
+    return data | {k: v.encode() for k, v in (secret.get("stringData") or {}).items()}
+
+
+def text(value: str | bytes) -> str:
+    """A value as an environment variable holds it: bytes that are not UTF-8 kept as they are (Python's
+    surrogateescape, which turns them back into the same bytes when the process starts)."""
+    return value if isinstance(value, str) else os.fsdecode(value)
 
 
 _FIELD_LABEL = re.compile(r"metadata\.(labels|annotations)\['(.+)'\]$")
@@ -69,14 +80,22 @@ def expand(value: str, env: Mapping[str, str]) -> str:
     return _REFERENCE.sub(one, value)
 
 
-def _ref(lookup: Lookup, kind: str, ref: Mapping[str, Any], key: str | None) -> str | dict[str, str] | None:
+def _data(lookup: Lookup, kind: str, ref: Mapping[str, Any]) -> Data | None:
+    """The referenced object's data; None for a missing optional one."""
     data = lookup(kind, ref["name"])
-    if data is None or (key is not None and key not in data):
-        if ref.get("optional"):
-            return None
-        missing = f"{kind} {ref['name']}" + (f" key {key}" if key is not None and data is not None else "")
-        raise Unresolvable(f"{missing} not found")
-    return data if key is None else data[key]
+    if data is None and not ref.get("optional"):
+        raise Unresolvable(f"{kind} {ref['name']} not found")
+    return data
+
+
+def _value(lookup: Lookup, kind: str, ref: Mapping[str, Any], key: str) -> str | bytes | None:
+    """One key of the referenced object; None for a missing optional one."""
+    data = _data(lookup, kind, ref)
+    if data is not None and key in data:
+        return data[key]
+    if ref.get("optional"):
+        return None
+    raise Unresolvable(f"{kind} {ref['name']} key {key} not found")
 
 
 def resolve_env(pod: Mapping[str, Any], container: Mapping[str, Any], lookup: Lookup) -> dict[str, str]:
@@ -87,27 +106,27 @@ def resolve_env(pod: Mapping[str, Any], container: Mapping[str, Any], lookup: Lo
         prefix = source.get("prefix", "")
         for kind, field in (("ConfigMap", "configMapRef"), ("Secret", "secretRef")):
             if field in source:
-                env |= {prefix + k: v for k, v in (_ref(lookup, kind, source[field], None) or {}).items()}
+                env |= {prefix + k: text(v) for k, v in (_data(lookup, kind, source[field]) or {}).items()}
     for item in container.get("env") or ():
         if "valueFrom" not in item:
             env[item["name"]] = expand(item.get("value", ""), env)
             continue
         source = item["valueFrom"]
         if "fieldRef" in source:
-            value: str | None = field_value(pod, source["fieldRef"]["fieldPath"])
+            value: str | bytes | None = field_value(pod, source["fieldRef"]["fieldPath"])
         elif "configMapKeyRef" in source:
-            value = _ref(lookup, "ConfigMap", source["configMapKeyRef"], source["configMapKeyRef"]["key"])
+            value = _value(lookup, "ConfigMap", source["configMapKeyRef"], source["configMapKeyRef"]["key"])
         elif "secretKeyRef" in source:
-            value = _ref(lookup, "Secret", source["secretKeyRef"], source["secretKeyRef"]["key"])
+            value = _value(lookup, "Secret", source["secretKeyRef"], source["secretKeyRef"]["key"])
         else:
             raise Unresolvable(f"env {item['name']}: {sorted(source)} is not supported by the pod runner")
         if value is not None:
-            env[item["name"]] = value
+            env[item["name"]] = text(value)
     return env
 
 
-def _object_files(lookup: Lookup, kind: str, source: Mapping[str, Any], name: str) -> dict[str, str]:
-    data = _ref(lookup, kind, {"name": name, "optional": source.get("optional")}, None) or {}
+def _object_files(lookup: Lookup, kind: str, source: Mapping[str, Any], name: str) -> dict[str, str | bytes]:
+    data = _data(lookup, kind, {"name": name, "optional": source.get("optional")}) or {}
     items = source.get("items")
     if not items:
         return dict(data)
@@ -116,7 +135,7 @@ def _object_files(lookup: Lookup, kind: str, source: Mapping[str, Any], name: st
 
 def projected_files(
     volume: Mapping[str, Any], pod: Mapping[str, Any], lookup: Lookup, token: Callable[[Mapping[str, Any]], str]
-) -> dict[str, str] | None:
+) -> dict[str, str | bytes] | None:
     """relative path -> content of a ConfigMap, Secret or projected volume (None for other kinds of volume);
     `token` makes a service-account token for a projected serviceAccountToken source (as the admission
     plugin adds to every pod that mounts its service account's credentials)."""
@@ -126,7 +145,7 @@ def projected_files(
         return _object_files(lookup, "Secret", volume["secret"], volume["secret"]["secretName"])
     if "projected" not in volume:
         return None
-    files: dict[str, str] = {}
+    files: dict[str, str | bytes] = {}
     for source in volume["projected"].get("sources") or ():
         if "serviceAccountToken" in source:
             files[source["serviceAccountToken"]["path"]] = token(source["serviceAccountToken"])

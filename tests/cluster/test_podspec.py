@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 
 import pytest
 
@@ -149,5 +150,25 @@ def test_images_match_by_repository_name_and_accelerator_pods_are_recognised():
     assert accelerators({"spec": {"containers": [two, two]}}) == 4, "per container, request and limit once"
 
 
-def test_secret_data_is_decoded():
-    assert secret_data({"data": {"token": base64.b64encode(b"abc").decode()}}) == {"token": "abc"}
+def test_secret_data_is_decoded_to_the_bytes_it_holds():
+    assert secret_data({"data": {"token": base64.b64encode(b"abc").decode()}}) == {"token": b"abc"}
+    assert secret_data({"stringData": {"user": "me"}}) == {"user": b"me"}
+
+
+def test_a_binary_secret_becomes_files_of_its_bytes_and_variables_that_start_as_them():
+    """A keystore or a DER key is no text: its files hold the Secret's bytes, and a variable taken from it
+    reaches the process as the same bytes (as a kubelet passes them)."""
+    binary = bytes(range(256))
+    data = secret_data({"data": {"keystore": base64.b64encode(binary).decode()}})
+
+    def binary_lookup(kind, name):
+        return data if (kind, name) == ("Secret", "store") else None
+
+    files = projected_files({"name": "s", "secret": {"secretName": "store"}}, POD, binary_lookup, str)
+    assert files == {"keystore": binary}
+    env = resolve_env(
+        POD,
+        {"env": [{"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "store", "key": "keystore"}}}]},
+        binary_lookup,
+    )
+    assert os.fsencode(env["KEY"]) == binary

@@ -6,7 +6,9 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
+from cluster.controlplane import binaries_dir, start_control_plane
 from kubernetes.client import models as k8s
 from support import missing_binary
 
@@ -124,7 +126,7 @@ def test_chart_for_named_namespaces_grants_only_those():
     assert set(roles) == {"team-a", "team-b"}
     cluster_wide = normalised(rules_of(documents(ROOT / "deploy" / "rbac.yaml"), "ClusterRole"))
     namespaced = normalised(rules_of(chart, "Role")[: len(roles["team-a"]["rules"])])
-    nodes = (("",), ("nodes",), ("get",))
+    nodes = (("",), ("nodes", "namespaces"), ("get",))
     assert normalised(rules_of(chart, "ClusterRole")) == [nodes]
     as_cluster = [r for r in cluster_wide if r != nodes and r[1] != ("clusterkopfpeerings",)]
     assert [r for r in namespaced if r[1] != ("kopfpeerings",)] == as_cluster
@@ -139,3 +141,52 @@ def test_chart_ships_the_rendered_crds_and_says_how_to_upgrade_them():
     assert (CHART / "crds" / "dilocojobs.diloco.dev.yaml").read_text() == (ROOT / "deploy" / "crd.yaml").read_text()
     assert "kubectl apply --server-side -f deploy/crd.yaml" in (CHART / "README.md").read_text()
     assert "deploy/crd.yaml" in (CHART / "templates" / "NOTES.txt").read_text()
+
+
+def install_commands() -> list[list[str]]:
+    """The `-f` files of every `kubectl apply` the install instructions give, each command's in its order."""
+    commands = []
+    for doc in (ROOT / "README.md", ROOT / "deploy" / "README.md", ROOT / "deploy" / "operator.yaml"):
+        for line in doc.read_text().splitlines():
+            words = line.split("#", 2)[0 if not line.lstrip().startswith("#") else 1].split()
+            if words[:2] == ["kubectl", "apply"] and "deploy/rbac.yaml" in words:
+                commands.append([words[i + 1] for i, word in enumerate(words) if word == "-f"])
+    return commands
+
+
+def test_the_install_commands_create_each_namespace_before_what_lives_in_it():
+    """kubectl applies its files in order, and an object in a namespace that does not exist yet is refused: on a
+    fresh cluster, the operator's ServiceAccount needs its Namespace applied before it."""
+    commands = install_commands()
+    assert len(commands) == 3, commands
+    for files in commands:
+        created: set[str] = set()
+        for name in files:
+            for doc in documents(ROOT / name):
+                if doc["kind"] == "Namespace":
+                    created.add(doc["metadata"]["name"])
+                namespace = doc["metadata"].get("namespace")
+                assert namespace is None or namespace in created, f"{' '.join(files)}: {doc['kind']} before {namespace}"
+
+
+@pytest.mark.process
+def test_the_readmes_install_commands_succeed_on_a_fresh_cluster(tmp_path):
+    """Each `kubectl apply` of the install instructions, run as written on an API server that has never seen the
+    project, after the CRDs they follow."""
+    bin_dir = binaries_dir()
+    if bin_dir is None:
+        missing_binary("no cached kube-apiserver/etcd/kubectl (run tests/cluster/build.sh)")
+    for index, files in enumerate(dict.fromkeys(map(tuple, install_commands()))):
+        workdir = tmp_path / f"plane-{index}"
+        workdir.mkdir()
+        plane = start_control_plane(bin_dir, workdir)
+        try:
+            plane.kubectl("apply", "--server-side", "-f", str(ROOT / "deploy" / "crd.yaml"))
+            plane.kubectl("apply", "--server-side", "-f", str(ROOT / "deploy" / "peering-crds.yaml"))
+            plane.kubectl(
+                "wait", "--for", "condition=established", "--timeout", "60s", "crd/clusterkopfpeerings.kopf.dev"
+            )
+            result = plane.kubectl("apply", *(a for name in files for a in ("-f", str(ROOT / name))), check=False)
+            assert result.returncode == 0, f"kubectl apply -f {' -f '.join(files)}: {result.stderr}"
+        finally:
+            plane.stop()

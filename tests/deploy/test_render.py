@@ -35,6 +35,7 @@ ALLOWED_KEYS = {
     "pattern",
     "minItems",
     "maxItems",
+    "maxProperties",
     "multipleOf",
     "items",
     "properties",

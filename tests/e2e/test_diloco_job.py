@@ -141,8 +141,8 @@ def test_the_job_creates_its_children_and_becomes_running(target, job):
     found = wait_until(lambda: len(c := children(target)) == 11 and c)
     assert set(found) == {
         ("ConfigMap", "tiny-config"),
-        ("Secret", "tiny-token"),
-        ("Secret", "tiny-tls"),
+        ("Secret", "diloco-tiny-token"),
+        ("Secret", "diloco-tiny-tls"),
         ("NetworkPolicy", "tiny-syncers"),
         ("PersistentVolumeClaim", "tiny-syncer-0"),
         ("Service", "tiny-syncer-0"),

@@ -41,8 +41,8 @@ def test_a_shard_behind_a_load_balancer_is_reached_at_its_address_over_tls(targe
     host, port = endpoints[0].rsplit(":", 1)
     assert ipaddress.ip_address(host) in LOAD_BALANCER_POOL and port == "50051"
     token, ca = tmp_path / "token", tmp_path / "ca.crt"
-    token.write_text(secret_value(target, f"{JOB}-token", "token", NAMESPACE))
-    ca.write_text(secret_value(target, f"{JOB}-tls", "ca.crt", NAMESPACE))
+    token.write_text(secret_value(target, f"diloco-{JOB}-token", "token", NAMESPACE))
+    ca.write_text(secret_value(target, f"diloco-{JOB}-tls", "ca.crt", NAMESPACE))
     diloco = str(Path(sys.executable).parent / "diloco")
     ask = [diloco, "status", endpoints[0], "--token-file", str(token), "--tls-ca-file", str(ca)]
 

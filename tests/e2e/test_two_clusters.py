@@ -125,7 +125,7 @@ def copy_secrets(near, far) -> dict:
     """What a user copies from A to B (docs/multi-cluster.md): the job's token, and the CA certificate alone
     (never its key) of the Secret that holds the shards' TLS; returns spec.remoteSyncers for B's job."""
     far.kubectl("create", "namespace", NAMESPACE)
-    copies = ((f"{JOB}-token", "token", "syncers-token"), (f"{JOB}-tls", "ca.crt", "syncers-ca"))
+    copies = ((f"diloco-{JOB}-token", "token", "syncers-token"), (f"diloco-{JOB}-tls", "ca.crt", "syncers-ca"))
     for secret, key, copy in copies:
         value = secret_value(near, secret, key)
         far.kubectl("-n", NAMESPACE, "create", "secret", "generic", copy, f"--from-literal={key}={value}")

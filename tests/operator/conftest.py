@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
 from cluster.cluster import Cluster, MissingBinaries, start_cluster
 from cluster.controlplane import ControlPlane, binaries_dir, start_control_plane
-from support import missing_binary
+from support import missing_binary, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +21,10 @@ def install_crds(plane: ControlPlane) -> None:
         "-f",
         str(ROOT / "deploy" / "peering-crds.yaml"),
     )
-    plane.kubectl(
+    # `kubectl wait` refuses a CRD that has no conditions yet, as the API server writes them only once it has
+    # compiled the schema's rules: asked again until they are there.
+    waited = partial(
+        plane.kubectl,
         "wait",
         "--for",
         "condition=established",
@@ -28,7 +32,9 @@ def install_crds(plane: ControlPlane) -> None:
         "60s",
         "crd/dilocojobs.diloco.dev",
         "crd/clusterkopfpeerings.kopf.dev",
+        check=False,
     )
+    wait_until(lambda: waited().returncode == 0, timeout=60.0, interval=0.5)
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,9 @@ def pod(
     exit=None,
     owner=None,
     lost=False,
+    unschedulable=None,
+    ready_since=None,
+    token_hash=None,
 ):
     return PodObservation(
         name=f"job-{island}-{ordinal}",
@@ -45,4 +48,7 @@ def pod(
         last_exit=exit,
         owner=owner,
         lost_with_node=lost,
+        unschedulable=unschedulable,
+        ready_since=ready_since,
+        token_hash=token_hash,
     )

@@ -17,11 +17,23 @@ import yaml
 from kubernetes import config as kube_config
 from operator_harness import NAMESPACE, OperatorProcess, install
 
-from diloco.api.job import ISLAND_NAME_MAX, MAX_ISLANDS, MAX_JOB_PODS
+from diloco.api.job import (
+    ISLAND_NAME_MAX,
+    MAX_ISLANDS,
+    MAX_JOB_PODS,
+    DiLoCoJobStatus,
+    ExportPhase,
+    ExportStatus,
+    Phase,
+)
 from diloco.operator.event_recorder import EventRecorder
 from diloco.operator.events import Event
+from diloco.operator.job_status import ShardObservation
 from diloco.operator.kube import ApiError, Kube
 from diloco.operator.naming import JobRef
+from diloco.operator.policies.model_export import WAITING_FOR_SHARDS
+from diloco.operator.reconcile import Reconciler, status_patch
+from diloco.operator.tokens import JobTokens
 
 # The API server answers slower than loopback gRPC: poll for a minute, twice a second.
 wait_until = partial(support.wait_until, timeout=60.0, interval=0.5)
@@ -203,6 +215,169 @@ def trainer_override(**fields):
 def test_unsafe_or_unrunnable_manifests_are_refused_naming_the_field(control_plane, name, change, message):
     result = control_plane.kubectl("-n", "default", "apply", "-f", "-", stdin=job_manifest(name, **change), check=False)
     assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def island_override(template):
+    return {"islands": [{"name": "a", "podTemplate": template}]}
+
+
+def trainer_env(*env, **fields):
+    return island_override({"spec": {"containers": [{"name": "trainer", "env": list(env), **fields}]}})
+
+
+OTHER_JOBS_TLS = "diloco-victim-tls"
+OPERATORS_KEY = "diloco-operator-token-key"
+SECRET_REFUSED = "must not name a Secret diloco-*"
+KEY_REF = {"name": OPERATORS_KEY}
+VICTIMS_CLAIM = {"claimName": "victim-syncer-0"}
+OPERATORS_LABEL = {"app.kubernetes.io/name": "diloco-operator"}
+REACHING_PAST_THE_JOB = [
+    (
+        "secret-volume",
+        island_override({"spec": {"volumes": [{"name": "v", "secret": {"secretName": OTHER_JOBS_TLS}}]}}),
+        "spec.islands[0].podTemplate.spec.volumes[0].secret.secretName",
+        SECRET_REFUSED,
+    ),
+    (
+        "secret-key-ref",
+        trainer_env({"name": "K", "valueFrom": {"secretKeyRef": {"name": OPERATORS_KEY, "key": "token"}}}),
+        "spec.islands[0].podTemplate.spec.containers[0].env[0].valueFrom.secretKeyRef.name",
+        SECRET_REFUSED,
+    ),
+    (
+        "env-from",
+        trainer_env(envFrom=[{"secretRef": {"name": "diloco-victim-token"}}]),
+        "spec.islands[0].podTemplate.spec.containers[0].envFrom[0].secretRef.name",
+        SECRET_REFUSED,
+    ),
+    (
+        "csi-secret",
+        island_override(
+            {
+                "spec": {
+                    "volumes": [{"name": "v", "csi": {"driver": "d", "nodePublishSecretRef": {"name": OPERATORS_KEY}}}]
+                }
+            }
+        ),
+        "spec.islands[0].podTemplate.spec.volumes[0].csi.nodePublishSecretRef.name",
+        SECRET_REFUSED,
+    ),
+    (
+        "pull-secret",
+        island_override({"spec": {"imagePullSecrets": [{"name": OTHER_JOBS_TLS}]}}),
+        "spec.islands[0].podTemplate.spec.imagePullSecrets[0].name",
+        SECRET_REFUSED,
+    ),
+    (
+        "projected",
+        island_override({"spec": {"volumes": [{"name": "v", "projected": {"sources": [{"secret": {"name": "x"}}]}}]}}),
+        'unknown field "spec.islands[0].podTemplate.spec.volumes[0].projected"',
+        "",
+    ),
+    (
+        "tls-secret",
+        {"tls": {"serverSecret": OTHER_JOBS_TLS, "caSecret": OTHER_JOBS_TLS}},
+        "spec.tls.serverSecret",
+        SECRET_REFUSED,
+    ),
+    (
+        "claim",
+        island_override(
+            {"spec": {"volumes": [{"name": "v", "persistentVolumeClaim": {"claimName": "victim-syncer-0"}}]}}
+        ),
+        "spec.islands[0].podTemplate.spec.volumes[0].persistentVolumeClaim.claimName",
+        "must not name a PersistentVolumeClaim",
+    ),
+    (
+        "island-label",
+        island_override({"metadata": {"labels": {"diloco.dev/island": "b"}}}),
+        "spec.islands[0].podTemplate.metadata.labels",
+        "must not set the operator's keys",
+    ),
+    (
+        "job-label",
+        island_override({"metadata": {"labels": {"diloco.dev/job": "victim"}}}),
+        "spec.islands[0].podTemplate.metadata.labels",
+        "must not set the operator's keys",
+    ),
+    (
+        "shard-labels",
+        island_override({"metadata": {"labels": {"diloco.dev/shard": "0", "app.kubernetes.io/component": "syncer"}}}),
+        "spec.islands[0].podTemplate.metadata.labels",
+        "must not set the operator's keys",
+    ),
+    (
+        "operator-label",
+        {
+            "syncer": {
+                "shards": 2,
+                "podTemplate": {"metadata": {"labels": {"app.kubernetes.io/name": "diloco-operator"}}},
+            }
+        },
+        "spec.syncer.podTemplate.metadata.labels",
+        "must not set the operator's keys",
+    ),
+    (
+        "token-hash",
+        island_override({"metadata": {"annotations": {"diloco.dev/token-hash": "0123456789abcdef"}}}),
+        "spec.islands[0].podTemplate.metadata.annotations",
+        "must not set the operator's keys",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "field", "message"),
+    REACHING_PAST_THE_JOB,
+    ids=[case[0] for case in REACHING_PAST_THE_JOB],
+)
+def test_an_override_reaching_past_its_job_is_refused_at_kubectl_apply_naming_the_field(
+    control_plane, name, change, field, message
+):
+    """Each way a job was seen reaching the operator's or another job's Secrets, claims or labels."""
+    result = control_plane.kubectl("-n", "default", "apply", "-f", "-", stdin=job_manifest(name, **change), check=False)
+    assert result.returncode != 0 and field in result.stderr and message in result.stderr, result.stderr
+
+
+def test_an_override_naming_the_jobs_own_secrets_and_labels_of_its_own_is_accepted(control_plane, kube):
+    hf_key = {"name": "hf-token", "key": "t"}  # the user's own Secret, with a name ending in -token all the same
+    own = island_override(
+        {
+            "metadata": {"labels": {"team": "llm", "app.kubernetes.io/part-of": "research"}},
+            "spec": {
+                "volumes": [{"name": "hf", "secret": {"secretName": "hf-token"}}],
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "env": [{"name": "HF", "valueFrom": {"secretKeyRef": hf_key}}],
+                    }
+                ],
+            },
+        }
+    )
+    control_plane.kubectl("-n", "default", "apply", "-f", "-", stdin=job_manifest("own", **own))
+    stored = kube.get("DiLoCoJob", "default", "own")["spec"]["islands"][0]["podTemplate"]
+    assert stored["spec"]["volumes"] == [{"name": "hf", "secret": {"secretName": "hf-token"}}]
+    control_plane.kubectl("-n", "default", "delete", "dj", "own", "--wait=true", timeout=60)
+
+
+def test_a_status_patch_clears_a_nested_field_the_status_no_longer_has(control_plane, kube):
+    """The operator's status patch names what a field lost with null, so a merge patch clears it: an export
+    that succeeded no longer says it waits for the shards."""
+    control_plane.kubectl("-n", "default", "apply", "-f", "-", stdin=job_manifest("exported"))
+    waiting = DiLoCoJobStatus(
+        phase=Phase.SUCCEEDED,
+        export=ExportStatus(phase=ExportPhase.PENDING, location="m:/exported", message=WAITING_FOR_SHARDS),
+    )
+    done = waiting.model_copy(update={"export": ExportStatus(phase=ExportPhase.SUCCEEDED, location="m:/exported")})
+    for status in (waiting, done):
+        body = json.dumps({"status": status_patch(status)})
+        control_plane.kubectl(
+            "-n", "default", "patch", "dj", "exported", "--subresource=status", "--type=merge", "-p", body
+        )
+    export = kube.get("DiLoCoJob", "default", "exported")["status"]["export"]
+    assert export == {"phase": "Succeeded", "location": "m:/exported"}
+    control_plane.kubectl("-n", "default", "delete", "dj", "exported", "--wait=true", timeout=60)
 
 
 def test_an_unsafe_override_sent_without_field_validation_is_dropped_or_refused(control_plane, kube):
@@ -425,6 +600,45 @@ def test_passes_that_fail_alike_are_one_aggregated_event_and_kopf_posts_none(con
         failing.stop()
 
 
+def test_a_pass_over_a_job_whose_namespace_is_being_deleted_charges_nothing_and_posts_nothing(control_plane, kube):
+    """This control plane runs no namespace controller: a deleted namespace stays Terminating with what is in it,
+    and the test removes the job's pods as that controller would. The pass that follows charges no failure and
+    posts no Event (the API server refuses new ones there), where one in a live namespace would."""
+    ns = namespace(control_plane, "dying")
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("gone", islands=[{"name": "a"}]))
+    job = kube.get("DiLoCoJob", ns, "gone")
+    ref = JobRef(name="gone", namespace=ns, uid=job["metadata"]["uid"])
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "gone-a-0",
+            "labels": {"diloco.dev/job": "gone", "diloco.dev/island": "a", "apps.kubernetes.io/pod-index": "0"},
+        },
+        "spec": {"containers": [{"name": "trainer", "image": "diloco-trainer:dev"}]},
+    }
+    control_plane.kubectl("-n", ns, "create", "serviceaccount", "default")  # no controller-manager makes it here
+    control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=yaml.safe_dump(pod))
+    reconciler = Reconciler(
+        kube,
+        None,
+        poll_shards=lambda targets, ready, tokens, security, timeout: [
+            ShardObservation(shard=s, ready=False) for s in range(len(targets))
+        ],
+        scrape_trainers=lambda urls, timeout: {},
+        token_key=bytes(32),
+    )
+    now = datetime.datetime.now(datetime.UTC)
+    first = reconciler.reconcile(ref, 1, job["spec"], None, now)
+    assert [r["uid"] for r in first.status["islands"][0]["pods"]], "the pod is on record"
+    control_plane.kubectl("delete", "namespace", ns, "--wait=false")
+    wait_until(lambda: kube.get("Namespace", None, ns)["status"].get("phase") == "Terminating")
+    control_plane.kubectl("-n", ns, "delete", "pod", "gone-a-0", "--grace-period=0", "--force")
+    later = reconciler.reconcile(ref, 1, job["spec"], first.status, now + datetime.timedelta(seconds=10))
+    assert later.events == (), "no IslandFailed for the pod the namespace controller removed, and no Event at all"
+    assert later.status is None and later.applied == ()
+
+
 @pytest.fixture(scope="module")
 def operator(control_plane, tmp_path_factory):
     running = OperatorProcess(install(control_plane), tmp_path_factory.mktemp("operator") / "operator.log", RESYNC)
@@ -461,7 +675,14 @@ def test_the_operator_creates_every_child_and_keeps_status(control_plane, kube, 
         )
     )
     assert status["phase"] == "Pending" and status["islandsReady"] == "0/2" and status["observedGeneration"] == 1
-    assert {c["type"] for c in status["conditions"]} == {"Ready", "Degraded", "Suspended", "Complete", "Failed"}
+    assert {c["type"] for c in status["conditions"]} == {
+        "Ready",
+        "Degraded",
+        "Suspended",
+        "Complete",
+        "Failed",
+        "SyncerStateLost",
+    }
     assert "diloco.dev/finalizer" in job["metadata"]["finalizers"]
     control_plane.kubectl("-n", ns, "delete", "dj", "demo", "--timeout=60s")
 
@@ -543,11 +764,8 @@ def test_a_restarted_operator_changes_nothing(control_plane, kube, operator):
     assert operator.metric("diloco_operator_deleted_objects_total") == 0
 
 
-def token_of(kube, ns, job):
-    import base64
-
-    secret = kube.get("Secret", ns, f"{job}-token")
-    return secret and base64.b64decode(secret["data"]["token"]).decode()
+def tokens_of(kube, ns, job):
+    return JobTokens.from_secret(kube.get("Secret", ns, f"diloco-{job}-token"))
 
 
 def token_hashes(kube, ns, names):
@@ -557,22 +775,26 @@ def token_hashes(kube, ns, names):
     }
 
 
-def test_a_deleted_token_secret_comes_back_with_the_same_token_and_a_rotation_rolls_every_holder(
+def test_a_deleted_token_secret_comes_back_with_the_same_token_and_a_rotation_waits_on_the_shards(
     control_plane, kube, operator
 ):
+    """No pod runs here, so no shard answers: a rotation gives the shards the new token beside the old and goes
+    no further, the islands presenting the old one (tests/e2e/test_token_rotation.py follows a whole one)."""
     ns = namespace(control_plane, "e2e-token")
     control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("keep"))
     wait_until(lambda: len(children(kube, ns, "keep")) == CHILDREN)
-    token = token_of(kube, ns, "keep")
-    holders = (("Deployment", "keep-syncer-0"), ("Deployment", "keep-syncer-1"), ("StatefulSet", "keep-a"))
+    token = tokens_of(kube, ns, "keep").presented
+    holders = (("StatefulSet", "keep-a"), ("StatefulSet", "keep-b"))
     hashes = token_hashes(kube, ns, holders)
-    control_plane.kubectl("-n", ns, "delete", "secret", "keep-token")
-    assert wait_until(lambda: token_of(kube, ns, "keep")) == token
+    control_plane.kubectl("-n", ns, "delete", "secret", "diloco-keep-token")
+    assert wait_until(lambda: tokens_of(kube, ns, "keep")) == JobTokens.only(token)
     assert token_hashes(kube, ns, holders) == hashes and len(set(hashes.values())) == 1
+    syncer = kube.get("Deployment", ns, "keep-syncer-0")["spec"]["template"]["metadata"]["annotations"]
+    assert "diloco.dev/token-hash" not in syncer, "shards re-read the tokens they accept: a new one rolls none"
     control_plane.kubectl("-n", ns, "annotate", "dj", "keep", "diloco.dev/rotate-token=1")
-    rotated = wait_until(lambda: (t := token_of(kube, ns, "keep")) != token and t)
-    wait_until(lambda: len(set(token_hashes(kube, ns, holders).values()) - set(hashes.values())) == 1)
-    assert rotated and token_of(kube, ns, "keep") == rotated
+    rotating = wait_until(lambda: (t := tokens_of(kube, ns, "keep")) and len(t.accepted) == 2 and t)
+    assert rotating.presented == token and rotating.accepted[0] == token
+    assert token_hashes(kube, ns, holders) == hashes, "no island rolls before every shard takes the new token"
 
 
 def test_jobs_whose_child_names_would_collide_each_keep_their_own(control_plane, kube, operator):

@@ -22,13 +22,14 @@ from diloco.operator.children import (
 )
 from diloco.operator.job_tls import job_tls, operator_made_data, server_names
 from diloco.operator.overrides import merge
-from diloco.operator.tokens import fingerprint
+from diloco.operator.tokens import JobTokens, ca_key, fingerprint
 from diloco.settings import load_security
 from diloco.transport.tls import Role, TlsError
 
 JOB = n.JobRef(name="demo", namespace="ml", uid="0b7c6c1e-uid")
 NOW = datetime.datetime(2026, 11, 24, tzinfo=datetime.UTC)
-LIVE_TLS = tls_secret(JOB, operator_made_data(JOB, {}, server_names(JOB, 2), NOW))
+CA_KEY = ca_key(b"k" * 32, JOB)
+LIVE_TLS = tls_secret(JOB, operator_made_data(JOB, {}, server_names(JOB, 2), NOW, CA_KEY))
 """The job's operator-made TLS Secret as it lives, so renderings of a two-shard job reuse its certificates."""
 MODELS = {
     "ConfigMap": k8s.V1ConfigMap,
@@ -77,11 +78,12 @@ def make_spec(**overrides) -> DiLoCoJobSpec:
     return DiLoCoJobSpec.model_validate(data)
 
 
-def render(spec=None, scale=None, token="s3cret", operator=OperatorRef("diloco-system"), named=None):
+def render(spec=None, scale=None, token="s3cret", operator=OperatorRef("diloco-system"), named=None, tokens=None):
     spec = spec or make_spec()
     scale = scale or Scale(islands={i.name: i.replicas for i in spec.islands}, syncers=1)
-    tls = job_tls(JOB, spec, LIVE_TLS, named or {}, NOW)
-    return {child_key(obj): obj for obj in render_children(JOB, spec, token, scale, operator, tls=tls)}
+    tls = job_tls(JOB, spec, LIVE_TLS, named or {}, NOW, ca_key=CA_KEY)
+    tokens = tokens or JobTokens.only(token)
+    return {child_key(obj): obj for obj in render_children(JOB, spec, tokens, scale, operator, tls=tls)}
 
 
 def env_of(container) -> dict:
@@ -91,8 +93,8 @@ def env_of(container) -> dict:
 def test_every_child_is_named_deterministically():
     assert set(render()) == {
         ("ConfigMap", "demo-config"),
-        ("Secret", "demo-token"),
-        ("Secret", "demo-tls"),
+        ("Secret", "diloco-demo-token"),
+        ("Secret", "diloco-demo-tls"),
         ("NetworkPolicy", "demo-syncers"),
         ("PersistentVolumeClaim", "demo-syncer-0"),
         ("Service", "demo-syncer-0"),
@@ -178,10 +180,15 @@ def test_shard_pods_roll_only_for_the_knobs_shards_act_on():
     assert shard_hash(quorum=2) != base and shard_hash(outer={"lr": 0.5}) != base
 
 
-def test_secret_carries_the_given_token():
-    secret = render(token="tok-123")[("Secret", "demo-token")]
+def test_secret_carries_the_token_presented_and_those_accepted():
+    secret = render(token="tok-123")[("Secret", "diloco-demo-token")]
     assert secret["type"] == "Opaque"
     assert base64.b64decode(secret["data"][n.TOKEN_KEY]).decode() == "tok-123"
+    assert base64.b64decode(secret["data"]["accepted"]).decode() == "tok-123\n"
+    rotating = render(tokens=JobTokens("old", ("old", "new")))[("Secret", "diloco-demo-token")]
+    assert base64.b64decode(rotating["data"][n.TOKEN_KEY]).decode() == "old"
+    assert base64.b64decode(rotating["data"]["accepted"]).decode() == "old\nnew\n"
+    assert JobTokens.from_secret(rotating) == JobTokens("old", ("old", "new"))
 
 
 def test_syncer_deployment():
@@ -199,7 +206,7 @@ def test_syncer_deployment():
     assert env["DILOCO_SYNCER_PORT"] == "50051" and env["DILOCO_METRICS_PORT"] == "9090"
     assert env["DILOCO_CHECKPOINT_DIR"] == "/var/lib/diloco" and env["DILOCO_CHECKPOINT_INTERVAL"] == "30"
     assert env["DILOCO_CONFIG_FILE"] == "/etc/diloco/training.json"
-    assert env["DILOCO_TOKEN_FILE"] == "/var/run/secrets/diloco/token"
+    assert env["DILOCO_TOKEN_FILE"] == "/var/run/secrets/diloco/accepted", "every token the shard accepts"
     assert env["DILOCO_HEALTH_PORT"] == "50052"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # the kubelet's probes speak no TLS
         assert container[probe]["grpc"] == {"port": 50052}, probe
@@ -388,7 +395,12 @@ def test_pod_templates_carry_a_fingerprint_of_the_certificates_so_new_ones_roll_
     remade = {
         child_key(obj): obj
         for obj in render_children(
-            JOB, spec, "s3cret", scale, OperatorRef("diloco-system"), tls=job_tls(JOB, spec, None, {}, NOW)
+            JOB,
+            spec,
+            JobTokens.only("s3cret"),
+            scale,
+            OperatorRef("diloco-system"),
+            tls=job_tls(JOB, spec, None, {}, NOW, ca_key=CA_KEY),
         )
     }
     for key in (("Deployment", "demo-syncer-0"), ("StatefulSet", "demo-h100")):
@@ -624,7 +636,8 @@ def test_scale_decides_island_replicas():
 def test_a_job_name_too_long_for_its_children_is_refused():
     with pytest.raises(ValueError, match="metadata.name"):
         job = n.JobRef("x" * 31, "ml", "uid")
-        render_children(job, make_spec(), "t", Scale({}, 1), None, tls=job_tls(job, make_spec(), None, {}, NOW))
+        tls = job_tls(job, make_spec(), None, {}, NOW, ca_key=CA_KEY)
+        render_children(job, make_spec(), JobTokens.only("t"), Scale({}, 1), None, tls=tls)
 
 
 def test_children_serialise_to_json():
@@ -632,13 +645,21 @@ def test_children_serialise_to_json():
         assert json.loads(json.dumps(obj)) == obj
 
 
-def test_pod_templates_carry_a_fingerprint_of_the_token_so_a_new_token_rolls_every_holder():
+def test_island_templates_carry_a_fingerprint_of_the_token_they_present_so_a_new_one_rolls_them():
     before, after = render(token="first-token"), render(token="second-token")
-    for key in (("Deployment", "demo-syncer-0"), ("StatefulSet", "demo-h100")):
-        old = before[key]["spec"]["template"]["metadata"]["annotations"]["diloco.dev/token-hash"]
-        new = after[key]["spec"]["template"]["metadata"]["annotations"]["diloco.dev/token-hash"]
-        assert old != new and "token" not in old
+    old = before[("StatefulSet", "demo-h100")]["spec"]["template"]["metadata"]["annotations"]["diloco.dev/token-hash"]
+    new = after[("StatefulSet", "demo-h100")]["spec"]["template"]["metadata"]["annotations"]["diloco.dev/token-hash"]
+    assert old != new and "token" not in old
     assert render(token="first-token") == before
+    accepting = render(tokens=JobTokens("first-token", ("first-token", "second-token")))
+    assert accepting[("StatefulSet", "demo-h100")] == before[("StatefulSet", "demo-h100")], "nothing rolls yet"
+
+
+def test_a_new_token_restarts_no_shard_they_read_the_tokens_they_accept_again():
+    before, after = render(token="first-token"), render(token="second-token")
+    template = before[("Deployment", "demo-syncer-0")]["spec"]["template"]
+    assert "diloco.dev/token-hash" not in template["metadata"]["annotations"]
+    assert after[("Deployment", "demo-syncer-0")] == before[("Deployment", "demo-syncer-0")]
 
 
 @pytest.mark.parametrize(
@@ -650,8 +671,8 @@ def test_child_names_of_two_jobs_never_collide(first, second):
         spec = make_spec(islands=[{"name": island, "replicas": 1}], syncer={"shards": 1})
         ref = n.JobRef(name=job, namespace="ml", uid=job)
         scale = Scale(islands={island: 1}, syncers=1)
-        tls = job_tls(ref, spec, None, {}, NOW)
-        return {child_key(obj) for obj in render_children(ref, spec, "t", scale, None, tls=tls)}
+        tls = job_tls(ref, spec, None, {}, NOW, ca_key=CA_KEY)
+        return {child_key(obj) for obj in render_children(ref, spec, JobTokens.only("t"), scale, None, tls=tls)}
 
     assert not names(*first) & names(*second)
 

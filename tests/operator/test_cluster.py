@@ -346,3 +346,21 @@ def test_of_two_replicas_only_one_acts_and_the_other_takes_over_when_it_dies(ope
     wait_until(lambda: kube.get("StatefulSet", ns, "shared-b") is not None, timeout=PEERING_LIFETIME + 60)
     wait_until(lambda: low.metric("diloco_operator_applied_objects_total") > 0)
     wait_until(lambda: status(kube, ns, "shared").get("islandsReady") == "2/2")
+
+
+def test_an_island_the_scheduler_cannot_place_says_what_the_scheduler_says(operator_cluster, kube, operator):
+    """Sixteen GPUs a pod where the nodes have eight: the scheduler's own words reach the island's status (its
+    start: an island's message is short), the job's Ready condition and a Warning Event (whole), not only "0/1
+    pods ready"."""
+    ns = namespace(operator_cluster, "unplaceable")
+    islands = [{"name": "huge", "acceleratorsPerPod": 16, "nodeSelector": {"nvidia.com/gpu.product": A100}}]
+    operator_cluster.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("huge", islands))
+    island = wait_until(lambda: (s := status(kube, ns, "huge").get("islands")) and s[0].get("reason") and s[0])
+    assert island["reason"] == "Unschedulable" and island["message"].startswith("pod huge-huge-0: 0/")
+    ready = next(c for c in status(kube, ns, "huge")["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "Unschedulable"
+    assert "island huge: Unschedulable: pod huge-huge-0: 0/" in ready["message"]
+    assert "Insufficient nvidia.com/gpu" in ready["message"] and status(kube, ns, "huge")["phase"] == "Pending"
+    (event,) = events(operator_cluster, ns, "Unschedulable")
+    assert event["type"] == "Warning" and event["involvedObject"]["kind"] == "DiLoCoJob"
+    operator_cluster.kubectl("-n", ns, "delete", "dj", "huge", "--wait=true", timeout=120)

@@ -6,6 +6,7 @@ from status_builders import at, pod
 
 from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus, IslandStatus, Phase
 from diloco.operator.job_status import FragmentReport, Observation, ShardObservation, decide
+from diloco.operator.policies.island_training import TrainerReport
 
 # --- phases, conditions and decisions ------------------------------------------------------------
 
@@ -227,7 +228,8 @@ def test_goodput_is_ready_over_desired_pod_seconds_while_training():
     decisions = run(spec, [healthy(), half, healthy()])
     assert decisions[0].status.goodput is None
     assert decisions[1].status.goodput == pytest.approx(1.0)
-    assert decisions[2].status.goodput == pytest.approx((30 + 10) / 60)
+    assert decisions[2].status.goodput == 0.667, "(30 + 10) / 60, as kubectl get prints it"
+    assert decisions[2].status.ready_pod_seconds == 40 and decisions[2].status.desired_pod_seconds == 60
     away = decide(spec, 1, decisions[2].status, healthy(), at(20 + 600), job="job")
     assert away.status.desired_pod_seconds == decisions[2].status.desired_pod_seconds
 
@@ -235,10 +237,14 @@ def test_goodput_is_ready_over_desired_pod_seconds_while_training():
 def test_losses_and_last_sync_per_island():
     spec = job_spec()
     seen = Observation(
-        pods=healthy().pods, shards=shards((0, 1, 1), (1, 1, 1), live=("a",)), losses={"a": 2.0, "b": 3.0}
+        pods=healthy().pods,
+        shards=shards((0, 1, 1), (1, 1, 1), live=("a",)),
+        trainers={"a": TrainerReport(loss=2.0), "b": TrainerReport(loss=3.0)},
     )
-    first, second = run(spec, [seen, Observation(pods=healthy().pods, losses={"a": 1.0})])
+    first, second = run(spec, [seen, Observation(pods=healthy().pods, trainers={"a": TrainerReport(loss=1.0)})])
     assert first.status.loss == pytest.approx(2.5)
+    long = Observation(pods=healthy().pods, trainers={"a": TrainerReport(loss=2.123456789)})
+    assert run(spec, [long])[0].status.loss == 2.1235, "as kubectl get prints it"
     assert [i.last_sync for i in first.status.islands] == [at(0), None]
     assert [i.loss for i in second.status.islands] == [1.0, 3.0]
     assert second.status.islands[0].last_sync == at(0)
@@ -358,3 +364,68 @@ def test_suspending_mid_roll_forgets_the_roll():
     assert back.status.islands[0].rolled_at is not None
     suspended = decide(job_spec(suspend=True), 3, back.status, rolling({}), at(30), job="job")
     assert all(i.rolled_at is None and i.reform is None for i in suspended.status.islands)
+
+
+# --- Ready means the islands train ---------------------------------------------------------------
+
+
+def test_an_island_whose_pushes_are_refused_is_not_ready_though_its_pods_are_and_the_job_says_which_and_why():
+    spec = job_spec()
+    refused = TrainerReport(last_sync_unix=at(5).timestamp(), last_refusal_unix=at(15).timestamp())
+    first, second, third = run(spec, [healthy(), healthy(trainers={"b": refused}), healthy(trainers={"b": refused})])
+    assert first.status.phase is Phase.RUNNING
+    status = second.status
+    island_b = status.islands[1]
+    assert (island_b.ready, island_b.reason) == (1, "PushesRefused") and "UNAUTHENTICATED" in island_b.message
+    assert status.phase is Phase.DEGRADED and status.islands_ready == "1/2"
+    ready, degraded = condition(status, "Ready"), condition(status, "Degraded")
+    assert (ready.status, ready.reason) == ("False", "PushesRefused")
+    assert (degraded.status, degraded.reason) == ("True", "PushesRefused")
+    assert "island b: PushesRefused: the syncer shards refuse its token" in degraded.message
+    warnings = [(e.reason, e.message) for e in second.events if e.type == "Warning"]
+    assert warnings[0][0] == "PushesRefused" and warnings[0][1].startswith("island b: the syncer shards refuse")
+    assert "PushesRefused" not in [e.reason for e in third.events], "said once, when it starts"
+
+
+def test_an_unschedulable_island_says_what_the_scheduler_says_in_its_status_and_the_jobs_conditions():
+    spec = job_spec(islands=[{"name": "a", "replicas": 1, "acceleratorsPerPod": 16}])
+    message = "0/5 nodes are available: 5 Insufficient nvidia.com/gpu."
+    stuck = Observation(
+        pods={"a": [pod(0, phase="Pending", ready=False, node=None, unschedulable=message)]},
+        shards=shards((0, 0, 0), (1, 0, 0)),
+    )
+    (decision,) = run(spec, [stuck])
+    status = decision.status
+    assert status.phase is Phase.PENDING
+    assert (status.islands[0].reason, status.islands[0].message) == (
+        "Unschedulable",
+        f"pod job-a-0: {message}"[:63] + "…",
+    )
+    ready = condition(status, "Ready")
+    assert ready.reason == "Unschedulable" and f"island a: Unschedulable: pod job-a-0: {message}" in ready.message
+    assert [(e.type, e.reason) for e in decision.events] == [("Warning", "Unschedulable")]
+
+
+# --- a shard that lost its state ---------------------------------------------------------------------
+
+
+def test_a_shard_that_lost_its_state_is_loud_and_the_stop_condition_goes_on_from_where_it_was():
+    spec = job_spec(stopCondition={"outerSteps": 30})
+    pods = healthy().pods
+    trained = Observation(pods=pods, shards=shards((0, 25, 2500), (1, 26, 2600)))
+    lost = Observation(pods=pods, shards=shards((0, 0, 0), (1, 1, 100)))
+    after = Observation(pods=pods, shards=shards((0, 4, 400), (1, 5, 500)))
+    done = Observation(pods=pods, shards=shards((0, 5, 500), (1, 6, 600)))
+    kept, lost_pass, later, finished = run(spec, [trained, lost, after, done])
+    assert kept.status.outer_step == 25 and condition(kept.status, "SyncerStateLost").status == "False"
+    status = lost_pass.status
+    assert (status.carried_outer_steps, status.carried_tokens) == (25, 2500)
+    assert (status.outer_step, status.tokens) == (25, 2500), "progress does not go back"
+    state = condition(status, "SyncerStateLost")
+    assert (state.status, state.reason) == ("True", "VersionRegressed")
+    assert "syncer shard 0 came back without its state: fragments 0 (25 -> 0), 1 (26 -> 1)" in state.message
+    assert status.syncer.last_state_loss == at(10)
+    assert "SyncerStateLost" in [e.reason for e in lost_pass.events if e.type == "Warning"]
+    assert later.status.outer_step == 29 and later.status.phase is Phase.RUNNING
+    assert condition(later.status, "SyncerStateLost") == state.model_copy(update={"observed_generation": 1})
+    assert finished.status.phase is Phase.SUCCEEDED and finished.status.outer_step == 30

@@ -2,15 +2,22 @@
 metrics, and which namespaces are watched."""
 
 import argparse
+import json
+import logging
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import kopf
 import pytest
+from kubernetes import client
 from pydantic import ValidationError
 
 from diloco.api.job import DiLoCoJobSpec
-from diloco.operator import handlers
+from diloco.operator import handlers, reconcile
 from diloco.operator.events import Event
+from diloco.operator.kube import ApiError, Kube, pooled
 from diloco.operator.main import parse_args, watched_namespaces
 from diloco.operator.metrics import OperatorMetrics
 from diloco.operator.reconcile import PassOutcome
@@ -158,6 +165,20 @@ def test_other_failures_are_counted_posted_through_the_recorder_and_left_to_kopf
     ]
 
 
+def test_a_pass_refused_because_the_namespace_is_going_posts_nothing_and_is_not_retried():
+    """Its namespace began going after the pass looked: the API server refuses anything new there, and there is
+    nothing to say about a job on its way out."""
+    going = ApiError(
+        403, 'events "demo.x" is forbidden: unable to create new content in namespace ml because it is being terminated'
+    )
+    metrics = OperatorMetrics()
+    reconciler = FakeReconciler(error=going)
+    kwargs = call(handlers._handler(reconciler, metrics, "timer"))
+    assert reconciler.events.posted == [] and kwargs["patch"] == {}
+    assert sample(metrics, "diloco_operator_reconciles_total", trigger="timer", result="skipped") == 1
+    assert sample(metrics, "diloco_operator_errors_total", kind="reconcile") == 0
+
+
 def test_kopf_settings():
     settings = kopf.OperatorSettings()
     handlers.configure(settings)
@@ -166,6 +187,52 @@ def test_kopf_settings():
     assert not settings.posting.enabled  # a failed pass is posted by the handler, aggregated
     handlers.configure(settings, peering_lifetime=7)
     assert settings.peering.lifetime == 7
+    assert settings.execution.max_workers == handlers.PASSES_AT_ONCE
+
+
+class SlowApi(BaseHTTPRequestHandler):
+    """An API server that answers every GET with an empty object after a while, so calls overlap."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        time.sleep(0.2)
+        body = json.dumps({"kind": "ConfigMap", "metadata": {"name": "x"}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_):
+        pass
+
+
+def pool_warnings(connections, caplog):
+    """urllib3's warnings while as many calls as the operator's passes make at once go through a pool of
+    `connections`, against a real HTTP server."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowApi)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        configuration = client.Configuration(host=f"http://127.0.0.1:{server.server_port}")
+        kube = Kube(pooled(configuration, connections))
+        calls = handlers.connections_needed(reconcile.PARALLEL_CALLS)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="urllib3"), ThreadPoolExecutor(calls) as threads:
+            for _ in range(2):  # a second round finds the connections the first kept, or not
+                list(threads.map(lambda _: kube.get("ConfigMap", "ns", "x"), range(calls)))
+        return [r.getMessage() for r in caplog.records if "pool is full" in r.getMessage()]
+    finally:
+        server.shutdown()
+        thread.join(5)
+
+
+def test_the_api_clients_pool_holds_every_call_the_operators_passes_make_at_once(caplog):
+    """With many jobs, kopf runs PASSES_AT_ONCE passes, each making its calls in parallel: a pool sized for one
+    pass's calls discarded connections with a warning each, over a hundred a minute with 15 jobs."""
+    assert pool_warnings(reconcile.PARALLEL_CALLS, caplog), "the pool one pass needs is too small for all"
+    assert pool_warnings(handlers.connections_needed(reconcile.PARALLEL_CALLS), caplog) == []
 
 
 @pytest.mark.parametrize(

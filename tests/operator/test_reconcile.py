@@ -11,14 +11,15 @@ from cluster.controlplane import free_port
 from pydantic import ValidationError
 from support import TEST_PKI
 
-from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus
+from diloco.api.job import DiLoCoJobSpec, DiLoCoJobStatus, ExportPhase, ExportStatus
 from diloco.operator import naming as n
 from diloco.operator.children import OperatorRef
 from diloco.operator.job_status import FragmentReport, ShardObservation
 from diloco.operator.job_tls import secret_bytes
 from diloco.operator.kube import ApiError
 from diloco.operator.probes import shard_statuses
-from diloco.operator.reconcile import Reconciler, read_token, status_patch
+from diloco.operator.reconcile import LEFT_ALONE, Reconciler, status_patch
+from diloco.operator.tokens import JobTokens, fingerprint
 from diloco.syncer.server import SyncerServer
 from diloco.transport import certificates
 from diloco.transport.client import SyncerClient
@@ -75,21 +76,32 @@ class FakeKube:
 
 
 def probes(calls):
-    def poll(targets, ready, token, security, timeout):
-        calls.append((list(targets), list(ready), token, security))
+    def poll(targets, ready, tokens, security, timeout):
+        calls.append((list(targets), list(ready), list(tokens), security))
         return [
-            ShardObservation(shard=i, ready=r, fragments=(FragmentReport(i, 4, 100, 0.0),) if r else None)
+            ShardObservation(
+                shard=i,
+                ready=r,
+                fragments=(FragmentReport(i, 4, 100, 0.0),) if r else None,
+                accepts=frozenset(map(fingerprint, tokens)) if r else frozenset(),
+            )
             for i, r in enumerate(ready)
         ]
 
     return poll
 
 
+def presented(kube, job="demo"):
+    """The token the job's islands present, as its token Secret holds it."""
+    tokens = JobTokens.from_secret(kube.get("Secret", "ml", n.token_secret_name(job)))
+    return tokens.presented if tokens else None
+
+
 @pytest.fixture
 def setup():
     kube, calls = FakeKube(), []
     reconciler = Reconciler(
-        kube, OperatorRef("ops"), poll_shards=probes(calls), scrape_losses=lambda urls, t: {}, token_key=bytes(32)
+        kube, OperatorRef("ops"), poll_shards=probes(calls), scrape_trainers=lambda urls, t: {}, token_key=bytes(32)
     )
     return kube, reconciler, calls
 
@@ -118,11 +130,11 @@ def test_first_pass_creates_every_child_and_a_token(setup):
     outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
     assert len(outcome.applied) == 4 + 3 * 2 + 2 * 2  # config, token, TLS, policy; per shard; per island
     assert all(force is False for *_, force in kube.writes)
-    token = read_token(kube.get("Secret", "ml", "demo-token"))
+    token = presented(kube)
     assert token and len(token) >= 32
-    made = secret_bytes(kube.get("Secret", "ml", "demo-tls"))
+    made = secret_bytes(kube.get("Secret", "ml", "diloco-demo-tls"))
     assert calls == [
-        (["demo-syncer-0.ml.svc:50051", "demo-syncer-1.ml.svc:50051"], [False, False], token, Tls(ca=made["ca.crt"]))
+        (["demo-syncer-0.ml.svc:50051", "demo-syncer-1.ml.svc:50051"], [False, False], [token], Tls(ca=made["ca.crt"]))
     ]
     assert outcome.status["phase"] == "Pending" and outcome.status["islandsReady"] == "0/2"
     assert kube.get("StatefulSet", "ml", "demo-a")["spec"]["replicas"] == 2
@@ -137,19 +149,44 @@ def test_first_pass_creates_every_child_and_a_token(setup):
 def test_a_second_pass_changes_nothing_and_keeps_the_token_and_certificates(setup):
     kube, reconciler, _ = setup
     reconciler.reconcile(JOB, 1, SPEC, None, NOW)
-    token = read_token(kube.get("Secret", "ml", "demo-token"))
-    certificates = kube.get("Secret", "ml", "demo-tls")["data"]
+    token = presented(kube)
+    certificates = kube.get("Secret", "ml", "diloco-demo-tls")["data"]
     kube.writes.clear()
     outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
     assert outcome.applied == () and outcome.deleted == () and kube.writes == []
-    assert read_token(kube.get("Secret", "ml", "demo-token")) == token
-    assert kube.get("Secret", "ml", "demo-tls")["data"] == certificates
+    assert presented(kube) == token
+    assert kube.get("Secret", "ml", "diloco-demo-tls")["data"] == certificates
+
+
+def test_an_upgrade_deletes_the_jobs_secrets_under_their_earlier_names_which_any_override_could_name(setup):
+    """An operator before the diloco-* names made `<job>-token` (the same derived token) and `<job>-tls` (with
+    the CA's key): left behind, another job's override could mount them, so the first pass deletes them."""
+    kube, reconciler, _ = setup
+    labels = n.common_labels("demo", None, "token")
+    for name in ("demo-token", "demo-tls"):
+        kube.add(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {
+                    "name": name,
+                    "namespace": "ml",
+                    "labels": labels,
+                    "ownerReferences": [JOB.owner_reference()],
+                },
+                "data": {"token": base64.b64encode(b"t").decode(), "ca.key": base64.b64encode(b"k").decode()},
+            }
+        )
+    outcome = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    assert {"Secret/demo-token", "Secret/demo-tls"} <= set(outcome.deleted)
+    assert kube.get("Secret", "ml", "demo-token") is None and kube.get("Secret", "ml", "demo-tls") is None
+    assert presented(kube) and kube.get("Secret", "ml", "diloco-demo-tls") is not None
 
 
 def test_mutual_tls_has_the_operator_probe_with_the_islands_client_certificate(setup):
     kube, reconciler, calls = setup
     reconciler.reconcile(JOB, 1, {**SPEC, "tls": {"mutual": True}}, None, NOW)
-    made = secret_bytes(kube.get("Secret", "ml", "demo-tls"))
+    made = secret_bytes(kube.get("Secret", "ml", "diloco-demo-tls"))
     assert calls[-1][3] == Tls(ca=made["ca.crt"], cert=made["client.crt"], key=made["client.key"], mutual=True)
 
 
@@ -166,7 +203,7 @@ def test_named_tls_secrets_are_read_and_a_missing_one_leaves_the_shards_unreacha
             }
         )
     reconciler.reconcile(JOB, 1, named, None, NOW)
-    assert kube.get("Secret", "ml", "demo-tls") is None, "the job brings its own certificates"
+    assert kube.get("Secret", "ml", "diloco-demo-tls") is None, "the job brings its own certificates"
     assert calls[-1][3] == Tls(ca=TEST_PKI.ca.cert)
 
     kube.delete("Secret", "ml", "our-ca")
@@ -175,7 +212,7 @@ def test_named_tls_secrets_are_read_and_a_missing_one_leaves_the_shards_unreacha
     calls.clear()
     outcome = reconciler.reconcile(JOB, 1, named, None, NOW)
     assert calls == [], "nothing to call the shards with"
-    assert outcome.status["syncer"] == {"shards": 2, "ready": 2, "reachable": 0, "endpoints": []}
+    assert outcome.status["syncer"] == {"shards": 2, "ready": 2, "reachable": 0, "lastStateLoss": None, "endpoints": []}
     assert any("Secret our-ca not found" in c.get("message", "") for c in outcome.status["conditions"])
 
 
@@ -327,7 +364,8 @@ def test_observed_pods_and_syncers_reach_the_status(setup):
     assert calls[-1][1] == [True, True]
     status = outcome.status
     assert status["phase"] == "Running" and status["islandsReady"] == "2/2"
-    assert status["outerStep"] == 4 and status["syncer"] == {"shards": 2, "ready": 2, "reachable": 2, "endpoints": []}
+    assert status["outerStep"] == 4
+    assert status["syncer"] == {"shards": 2, "ready": 2, "reachable": 2, "lastStateLoss": None, "endpoints": []}
     assert [i["ready"] for i in status["islands"]] == [2, 1]
 
 
@@ -341,7 +379,7 @@ def test_a_vanished_pod_is_judged_by_looking_its_node_up(setup):
     lookups = []
     kube.get = lambda kind, ns, name: lookups.append((kind, name))
     third = reconciler.reconcile(JOB, 1, SPEC, second.status, NOW + datetime.timedelta(seconds=10))
-    assert lookups == [("Node", "node-a1")]
+    assert lookups == [("Namespace", "ml"), ("Node", "node-a1")]
     island = third.status["islands"][0]
     assert island["preemptions"] == 1 and island["restarts"] == 0
     assert kube.objects[("StatefulSet", "ml", "demo-a")]["spec"]["replicas"] == 0
@@ -368,6 +406,19 @@ def test_status_patch_clears_unset_fields():
     assert set(patch) == {f.alias for f in DiLoCoJobStatus.model_fields.values()}
 
 
+def test_status_patch_clears_unset_fields_of_nested_objects_too():
+    """An export that succeeded has no message: the patch says so, or the one of while it waited would stay."""
+    done = DiLoCoJobStatus(export=ExportStatus(phase=ExportPhase.SUCCEEDED, location="models:/demo"))
+    patch = status_patch(done)
+    assert patch["export"] == {
+        "phase": "Succeeded",
+        "location": "models:/demo",
+        "message": None,
+        "completionTime": None,
+    }
+    assert patch["syncer"]["lastStateLoss"] is None and patch["syncer"]["endpoints"] == []
+
+
 def secret(name, **data):
     return {
         "apiVersion": "v1",
@@ -389,9 +440,9 @@ def test_exposed_shards_report_their_endpoints_and_their_certificate_names_them(
         }
     outcome = reconciler.reconcile(JOB, 1, exposed, outcome.status, NOW)
     assert outcome.status["syncer"]["endpoints"] == ["127.0.0.5:50051", "127.0.0.6:50051"]
-    names = certificates.names_of(secret_bytes(kube.get("Secret", "ml", "demo-tls"))["tls.crt"])
+    names = certificates.names_of(secret_bytes(kube.get("Secret", "ml", "diloco-demo-tls"))["tls.crt"])
     assert {"127.0.0.5", "127.0.0.6", "demo-syncer-0.ml.svc"} <= names
-    assert "Secret/demo-tls" in outcome.applied and "Deployment/demo-syncer-0" in outcome.applied, "pods roll"
+    assert "Secret/diloco-demo-tls" in outcome.applied and "Deployment/demo-syncer-0" in outcome.applied, "pods roll"
 
 
 REMOTE = {"endpoints": ["127.0.0.5:31000", "127.0.0.5:31001"], "tokenSecret": "far-token", "caSecret": "far-ca"}
@@ -409,10 +460,10 @@ def test_a_job_against_remote_shards_runs_only_islands_and_reads_its_progress_fr
         "StatefulSet/demo-a",
         "StatefulSet/demo-b",
     ]
-    assert kube.get("Secret", "ml", "demo-token") is None, "the islands mount the Secret the job names"
-    assert calls == [(REMOTE["endpoints"], [True, True], "their-token", Tls(ca=TEST_PKI.ca.cert))]
+    assert kube.get("Secret", "ml", "diloco-demo-token") is None, "the islands mount the Secret the job names"
+    assert calls == [(REMOTE["endpoints"], [True, True], ["their-token"], Tls(ca=TEST_PKI.ca.cert))]
     syncer = outcome.status["syncer"]
-    assert syncer == {"shards": 2, "ready": 2, "reachable": 2, "endpoints": REMOTE["endpoints"]}
+    assert syncer == {"shards": 2, "ready": 2, "reachable": 2, "lastStateLoss": None, "endpoints": REMOTE["endpoints"]}
     assert outcome.status["outerStep"] == 4
 
 
@@ -424,7 +475,7 @@ def test_remote_shards_that_do_not_answer_are_not_ready(setup):
     def unreachable(targets, ready, token, security, timeout):
         return [ShardObservation(shard=i, ready=True, error="UNAVAILABLE: down") for i in range(len(targets))]
 
-    reconciler = Reconciler(kube, None, poll_shards=unreachable, scrape_losses=lambda u, t: {}, token_key=bytes(32))
+    reconciler = Reconciler(kube, None, poll_shards=unreachable, scrape_trainers=lambda u, t: {}, token_key=bytes(32))
     outcome = reconciler.reconcile(JOB, 1, {**SPEC, "remoteSyncers": REMOTE}, None, NOW)
     assert outcome.status["syncer"]["ready"] == 0 and outcome.status["syncer"]["reachable"] == 0
 
@@ -446,7 +497,7 @@ def test_islands_the_shards_report_live_that_the_spec_lacks_appear_as_remote_isl
             for i, r in enumerate(ready)
         ]
 
-    reconciler = Reconciler(kube, None, poll_shards=live, scrape_losses=lambda u, t: {}, token_key=bytes(32))
+    reconciler = Reconciler(kube, None, poll_shards=live, scrape_trainers=lambda u, t: {}, token_key=bytes(32))
     reconciler.reconcile(JOB, 1, SPEC, None, NOW)
     for shard in (0, 1):
         kube.objects[("Deployment", "ml", f"demo-syncer-{shard}")]["status"] = {"readyReplicas": 1}
@@ -471,7 +522,7 @@ def test_islands_of_another_cluster_train_against_exposed_shards_over_tls_and_ea
         kube_a,
         None,
         poll_shards=lambda targets, *rest: shard_statuses([cluster_dns[t] for t in targets], *rest),
-        scrape_losses=lambda urls, t: {},
+        scrape_trainers=lambda urls, t: {},
         token_key=bytes(32),
     )
     status_a = operator_a.reconcile(JOB, 1, spec_a, None, NOW).status
@@ -479,8 +530,8 @@ def test_islands_of_another_cluster_train_against_exposed_shards_over_tls_and_ea
     status_a = operator_a.reconcile(JOB, 1, spec_a, status_a, NOW).status
     assert status_a["syncer"]["endpoints"] == [f"127.0.0.5:{port}"]
 
-    token = read_token(kube_a.get("Secret", "ml", "demo-token"))
-    made = secret_bytes(kube_a.get("Secret", "ml", "demo-tls"))
+    token = presented(kube_a)
+    made = secret_bytes(kube_a.get("Secret", "ml", "diloco-demo-tls"))
     config = DiLoCoJobSpec.model_validate(spec_a).training
     shard = SyncerServer(
         config,
@@ -507,9 +558,15 @@ def test_islands_of_another_cluster_train_against_exposed_shards_over_tls_and_ea
         remote = {"endpoints": status_a["syncer"]["endpoints"], "tokenSecret": "far-token", "caSecret": "far-ca"}
         spec_b = {**SPEC, "islands": [{"name": "far"}], "syncer": {"shards": 1}, "remoteSyncers": remote}
         job_b = n.JobRef(name="demo", namespace="ml", uid="another-cluster's-uid")
-        operator_b = Reconciler(kube_b, None, scrape_losses=lambda urls, t: {}, token_key=bytes([1] * 32))
+        operator_b = Reconciler(kube_b, None, scrape_trainers=lambda urls, t: {}, token_key=bytes([1] * 32))
         status_b = operator_b.reconcile(job_b, 1, spec_b, None, NOW).status
-        assert status_b["syncer"] == {"shards": 1, "ready": 1, "reachable": 1, "endpoints": remote["endpoints"]}
+        assert status_b["syncer"] == {
+            "shards": 1,
+            "ready": 1,
+            "reachable": 1,
+            "lastStateLoss": None,
+            "endpoints": remote["endpoints"],
+        }
         assert [f["fragment"] for f in status_b["fragments"]] == [0]
         assert status_b["islands"][0]["name"] == "far" and status_b["islands"][0]["lastSync"] == "2026-01-01T00:00:00Z"
         assert [r["name"] for r in status_b["remoteIslands"]] == ["a"], "cluster A's island, seen from B"
@@ -521,3 +578,38 @@ def test_islands_of_another_cluster_train_against_exposed_shards_over_tls_and_ea
         assert [r["name"] for r in status_a["remoteIslands"]] == ["far"]
     finally:
         shard.stop(grace=0)
+
+
+def test_a_pass_in_a_namespace_being_deleted_does_nothing(setup):
+    """The namespace controller removes the job's pods: none is charged as a failure, no Event is posted where
+    the API server refuses new ones, no child is applied again, and the status is left as it was."""
+    kube, reconciler, _ = setup
+    kube.add(
+        {"kind": "Node", "metadata": {"name": "n1"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    )
+    kube.add(island_pod("a", 0, "pod-a0"))
+    first = reconciler.reconcile(JOB, 1, SPEC, None, NOW)
+    kube.add({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}, "status": {"phase": "Terminating"}})
+    kube.objects.pop(("Pod", "ml", "demo-a-0"))
+    writes = len(kube.writes)
+    later = NOW + datetime.timedelta(seconds=10)
+    assert reconciler.reconcile(JOB, 1, SPEC, first.status, later) == LEFT_ALONE
+    assert len(kube.writes) == writes
+    kube.add({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}, "status": {"phase": "Active"}})
+    charged = reconciler.reconcile(JOB, 1, SPEC, first.status, later)
+    assert "IslandFailed" in [e.reason for e in charged.events], "the same loss in a live namespace is a failure"
+
+
+def test_a_pass_whose_namespace_begins_going_midway_stops_and_says_nothing(setup):
+    """The namespace was live when the pass looked and is being deleted when it applies: the API server refuses
+    anything new there, and the pass ends as one that had seen it from the start."""
+    kube, reconciler, _ = setup
+
+    def refused(obj, force):
+        raise ApiError(
+            403,
+            f"{obj['kind']} is forbidden: unable to create new content in namespace ml because it is being terminated",
+        )
+
+    kube.apply = refused
+    assert reconciler.reconcile(JOB, 1, SPEC, None, NOW) == LEFT_ALONE

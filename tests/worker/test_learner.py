@@ -11,12 +11,16 @@ import grpc
 import pytest
 import torch
 from learner_harness import BATCH, TOKEN, flat_params, make_config, tiny_model
-from support import tls_env
+from prometheus_client import CollectorRegistry
+from support import TEST_PKI, tls_env
 
 from diloco.core.encoding import Encoding, encoded_nbytes
+from diloco.syncer.server import SyncerServer
 from diloco.worker.learner import Learner
+from diloco.worker.metrics import WorkerCollector
 
 pytestmark = pytest.mark.process
+LABELS = {"island": "island-a", "rank": "0", "mode": "diloco"}
 
 
 def pulled_params(shards, learner) -> dict[str, torch.Tensor]:
@@ -445,3 +449,37 @@ def test_a_wrong_token_fails_start(start_shards, island):
     with pytest.raises(grpc.RpcError) as refused:
         intruder.learner.start()
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_rounds_the_shards_refuse_for_the_islands_token_are_counted_and_dated_for_the_operator(start_shards, island):
+    """After a rotation the island was left out of, its pushes are refused while its ranks step on: the trainer
+    says so on its metrics port (the time of the last refusal after that of the last sync), which is how the
+    operator tells such an island from one that trains."""
+    shards = start_shards(make_config())
+    one = island(shards, seed=1, name="island-a", retry_for=0.3)
+    one.train(3)  # the round of step 2 merged and came back at step 3
+    synced = one.learner.snapshot().last_sync_unix
+    assert synced > 0 and one.learner.stats.syncs_refused == 0
+    port = shards.ports[0]
+    shards.stop(0)
+    rotated = SyncerServer(
+        shards.config,
+        shard_index=0,
+        num_shards=1,
+        token="rotated-token",
+        security=TEST_PKI.server,
+        port=port,
+        checkpoint_dir=shards.checkpoint_dir,
+    )
+    rotated.start()
+    shards.servers[0] = rotated
+
+    one.train(4)
+
+    stats = one.learner.stats
+    assert stats.syncs_refused == stats.syncs_failed == 2, stats
+    assert stats.last_refusal_unix > one.learner.snapshot().last_sync_unix == synced
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(one.learner.snapshot))
+    assert registry.get_sample_value("diloco_worker_refused_syncs_total", LABELS) == 2
+    assert registry.get_sample_value("diloco_worker_last_refusal_timestamp_seconds", LABELS) == stats.last_refusal_unix

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 from diloco.local.launcher import free_port
-from diloco.operator.probes import trainer_loss
+from diloco.operator.probes import trainer_report
 from diloco.worker.shutdown import StopRequest
 
 pytestmark = pytest.mark.process
@@ -89,7 +89,8 @@ def test_a_learner_serves_the_workers_metrics_and_is_ready_once_joined_and_train
     assert samples["diloco_worker_step"] == 4 and samples["diloco_worker_tokens_total"] == 4 * BATCH
     assert samples["diloco_worker_pushes_total"] >= 1 and samples["diloco_worker_last_sync_timestamp_seconds"] > 0
     made.learner.report(loss=0.5)
-    assert trainer_loss(f"http://127.0.0.1:{port}/metrics", 2.0) == 0.5, "what the operator puts in the status"
+    report = trainer_report(f"http://127.0.0.1:{port}/metrics", 2.0)
+    assert report is not None and report.loss == 0.5, "what the operator puts in the status"
     made.learner.close()
     with pytest.raises(urllib.error.URLError):
         readyz(port)

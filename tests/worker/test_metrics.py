@@ -15,7 +15,7 @@ from support import wait_until
 from worker_process import start_worker
 
 from diloco.local.launcher import free_port
-from diloco.operator.probes import trainer_loss
+from diloco.operator.probes import trainer_report
 from diloco.worker.metrics import READY_STALENESS_SECONDS, WorkerSnapshot, serve_metrics
 
 pytestmark = pytest.mark.process
@@ -96,7 +96,8 @@ def test_the_operator_reads_the_loss_a_worker_serves(start_shards, tmp_path):
         stderr=subprocess.DEVNULL,
     )
     try:
-        loss = wait_until(lambda: trainer_loss(f"http://127.0.0.1:{port}/metrics", 2.0) or None, timeout=120)
+        url = f"http://127.0.0.1:{port}/metrics"
+        loss = wait_until(lambda: (report := trainer_report(url, 2.0)) and report.loss, timeout=120)
     finally:
         worker.send_signal(signal.SIGKILL)
         worker.wait(30)

@@ -1,5 +1,6 @@
-"""The five conditions follow the phase: one holds per phase but Pending, the others give the phase as their
-reason, and a condition's transition time moves only when it starts or stops holding."""
+"""Five conditions follow the phase: one holds per phase but Pending, the others give the phase as their reason
+(Ready, while it does not hold, why where the job knows it). SyncerStateLost records a shard's loss of its
+state for good. A condition's transition time moves only when it starts or stops holding."""
 
 import pytest
 from status_builders import at
@@ -61,8 +62,38 @@ def test_updating_sets_every_condition_for_the_generation():
         ("Suspended", "False"),
         ("Complete", "False"),
         ("Failed", "False"),
+        ("SyncerStateLost", "False"),
     ]
     assert {c.observed_generation for c in first} == {3}
     later = update_conditions(first, Phase.DEGRADED, "island a: 0/1 pods ready", at(10), 4)
     moved = {c.type: c.last_transition_time for c in later}
-    assert moved == {"Ready": at(10), "Degraded": at(10), "Suspended": at(0), "Complete": at(0), "Failed": at(0)}
+    assert moved == {
+        "Ready": at(10),
+        "Degraded": at(10),
+        "Suspended": at(0),
+        "Complete": at(0),
+        "Failed": at(0),
+        "SyncerStateLost": at(0),
+    }
+
+
+def test_ready_gives_why_an_island_does_not_train_as_its_reason_while_it_does_not_hold():
+    states = {s.type: s for s in condition_states(Phase.DEGRADED, "island a: PushesRefused: ...", "PushesRefused")}
+    assert (states["Ready"].holds, states["Ready"].reason) == (False, "PushesRefused")
+    assert (states["Degraded"].holds, states["Degraded"].reason) == (True, "PushesRefused")
+    pending = {s.type: s for s in condition_states(Phase.PENDING, "island a: Unschedulable: ...", "Unschedulable")}
+    assert pending["Ready"].reason == "Unschedulable" and pending["Degraded"].reason == "Pending"
+    suspended = {s.type: s for s in condition_states(Phase.SUSPENDED, "", "NotSyncing")}
+    assert suspended["Ready"].reason == "Suspended"
+
+
+def test_a_lost_shard_state_is_a_condition_that_stays_true_with_what_was_lost():
+    kept = update_conditions([], Phase.RUNNING, "", at(0), 1)
+    assert next(c for c in kept if c.type == "SyncerStateLost").reason == "StateKept"
+    lost = update_conditions(kept, Phase.RUNNING, "", at(10), 1, state_lost="shard 0 came back without its state")
+    condition = next(c for c in lost if c.type == "SyncerStateLost")
+    assert (condition.status, condition.reason, condition.last_transition_time) == ("True", "VersionRegressed", at(10))
+    later = update_conditions(lost, Phase.RUNNING, "", at(500), 2)
+    assert next(c for c in later if c.type == "SyncerStateLost") == condition.model_copy(
+        update={"observed_generation": 2}
+    )

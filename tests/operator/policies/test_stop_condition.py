@@ -11,19 +11,20 @@ TWO = [
 
 
 def test_stop_reached():
-    assert stop_reached(StopCondition(outer_steps=4), TWO, 2)
-    assert stop_reached(StopCondition(outer_steps=5), TWO, 2) is None
-    assert "800 tokens" in stop_reached(StopCondition(tokens=800), TWO, 2)
-    assert stop_reached(StopCondition(tokens=801), TWO, 2) is None
-    assert stop_reached(StopCondition(outer_steps=1), TWO[:1], 2) is None
-    assert stop_reached(StopCondition(), TWO, 2) is None
+    progress = slowest_fragment(TWO, 2)
+    assert stop_reached(StopCondition(outer_steps=4), progress)
+    assert stop_reached(StopCondition(outer_steps=5), progress) is None
+    assert "800 tokens" in stop_reached(StopCondition(tokens=800), progress)
+    assert stop_reached(StopCondition(tokens=801), progress) is None
+    assert stop_reached(StopCondition(outer_steps=1), slowest_fragment(TWO[:1], 2)) is None
+    assert stop_reached(StopCondition(), progress) is None
 
 
 def test_the_stop_message_names_the_bound_reached():
-    assert stop_reached(StopCondition(outer_steps=4), TWO, 2) == (
+    assert stop_reached(StopCondition(outer_steps=4), (4, 800)) == (
         "every fragment reached 4 outer steps (stopCondition.outerSteps 4)"
     )
-    assert stop_reached(StopCondition(tokens=500), TWO, 2) == (
+    assert stop_reached(StopCondition(tokens=500), (4, 800)) == (
         "every fragment merged 800 tokens (stopCondition.tokens 500)"
     )
 

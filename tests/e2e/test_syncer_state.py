@@ -1,0 +1,74 @@
+"""A shard that loses its state is loud, and the job does not count again from zero. Deleting a shard's claim and
+then its pod, as a careless cleanup would, gives the shard an empty volume: it starts again from what the island
+seeds it with, its fragments' versions back at 0. The job says so (a Warning Event, condition SyncerStateLost),
+carries the outer steps it had reached, and trains on."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import pytest
+import support
+import yaml
+from test_diloco_job import job_manifest
+
+pytestmark = [pytest.mark.process, pytest.mark.e2e]
+
+NAMESPACE = "e2e-lost"
+JOB = "lost"
+CLAIM = f"{JOB}-syncer-0"
+wait_until = partial(support.wait_until, timeout=240.0, interval=1.0)
+
+
+def manifest(image_tag: str) -> str:
+    """test_diloco_job's job with its on-demand island alone and no export."""
+    job = yaml.safe_load(job_manifest(image_tag))
+    job["metadata"] = {"name": JOB}
+    job["spec"]["islands"] = job["spec"]["islands"][:1]
+    del job["spec"]["export"]
+    return yaml.safe_dump(job)
+
+
+def get(target, kind, name):
+    result = target.kubectl("-n", NAMESPACE, "get", kind, name, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def status(target):
+    return (get(target, "dilocojob", JOB) or {}).get("status") or {}
+
+
+def condition(target, kind):
+    return next((c for c in status(target).get("conditions", ()) if c["type"] == kind), {})
+
+
+def test_a_shard_whose_volume_is_lost_is_loud_and_the_job_goes_on_from_where_it_was(target, operator):
+    target.kubectl("create", "namespace", NAMESPACE)
+    try:
+        target.kubectl("-n", NAMESPACE, "apply", "-f", "-", stdin=manifest(target.image_tag))
+        before = wait_until(lambda: (s := status(target)).get("outerStep", 0) >= 4 and s)
+        assert condition(target, "SyncerStateLost")["status"] == "False"
+        claim = get(target, "pvc", CLAIM)["metadata"]["uid"]
+        shard = json.loads(
+            target.kubectl(
+                "-n", NAMESPACE, "get", "pods", "-l", f"diloco.dev/job={JOB},diloco.dev/shard=0", "-o", "json"
+            ).stdout
+        )["items"][0]["metadata"]["name"]
+
+        target.kubectl("-n", NAMESPACE, "delete", "pvc", CLAIM, "--wait=false")
+        target.kubectl("-n", NAMESPACE, "delete", "pod", shard, "--wait=false")
+
+        lost = wait_until(lambda: (c := condition(target, "SyncerStateLost")).get("status") == "True" and c)
+        assert lost["reason"] == "VersionRegressed" and "syncer shard 0 came back without its state" in lost["message"]
+        listing = json.loads(target.kubectl("-n", NAMESPACE, "get", "events", "-o", "json").stdout)["items"]
+        warned = [e for e in listing if e["reason"] == "SyncerStateLost"]
+        assert warned and warned[0]["type"] == "Warning" and "fragments" in warned[0]["message"]
+        now = status(target)
+        # What the shard counted before is carried, however far its new state had got when the operator looked.
+        assert now["carriedOuterSteps"] > 0 and now["outerStep"] >= before["outerStep"], "not counted from zero"
+        assert get(target, "pvc", CLAIM)["metadata"]["uid"] != claim, "an empty claim was made in its place"
+        wait_until(lambda: status(target)["outerStep"] > now["outerStep"])
+        assert condition(target, "SyncerStateLost")["status"] == "True", "it stays a record"
+    finally:
+        target.kubectl("delete", "namespace", NAMESPACE, "--wait=true", timeout=180)
