@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 run: $(STAMP)  ## the embedded default: a syncer and 4 islands on loopback train the tiny GPT (a few minutes)
 	$(BIN)/diloco run
 
-test: $(STAMP)  ## every test tier that runs on this machine
-	$(BIN)/python -m pytest
+test: $(STAMP)  ## every tier CI runs: tests/prepare.sh first readies what they need, or says why a tier cannot run
+	DILOCO_CLUSTER_BIN=$$(bash tests/prepare.sh | tail -1) $(BIN)/python -m pytest
 
 lint: $(STAMP)  ## static checks: ruff (lint and format), mypy strict on core/transport/api, the import layers
 	$(BIN)/ruff check .

@@ -63,7 +63,6 @@ def test_a_short_run_lowers_the_loss_and_faults_do_not_derail_it(tmp_path, capsy
     assert load_trace(out / "trace.json") == trace, "the trace the run replayed is kept beside its results"
     printed = capsys.readouterr().out
     assert "diloco allocated time not in the model: first start 0." in printed, "the run says where goodput went"
-    assert faulty["losses"]["restarting"] > 0, "two replacements started after their kills"
 
 
 def pid_at_step(out, island, at_step, rank=0):
@@ -117,6 +116,9 @@ def test_a_restarted_island_rejoins_with_the_current_fragments(tmp_path):
     out = out / "diloco"
     restarted = [e for e in island_events(out, "island-1", StartEvent) if e.source.pid != pid]
     assert len(restarted) == 1 and summary["restarts"] == 1
+    # Killed after its step 15, so its replacement's start is restarting time, not first start, however loaded
+    # the machine (a kill by the clock may land before a loaded worker's first step, which is first start).
+    assert summary["losses"]["restarting"] > 0, "the replacement started after the kill"
     rejoined = restarted[0]
     adopted = {}
     for e in island_events(out, "island-0", RoundEvent):
