@@ -16,6 +16,7 @@ import kopf
 from pydantic import ValidationError
 
 from diloco.api.job import API_GROUP, API_VERSION, PLURAL
+from diloco.operator import job_metrics
 from diloco.operator.events import Event, reconcile_failed
 from diloco.operator.kube import ApiError
 from diloco.operator.metrics import OperatorMetrics
@@ -93,6 +94,7 @@ def _handler(
             # The job is going: the garbage collector removes its children (foreground deletion: before the
             # job itself), and a pass now would apply them again and post Events into a dying namespace.
             locks.forget(uid)
+            metrics.jobs.forget(kwargs["namespace"], kwargs["name"])
             return
         lock = locks.of(uid)
         if not lock.acquire(blocking=trigger != "timer"):
@@ -154,6 +156,9 @@ def _handler(
             )
         if outcome.status is not None and not outcome.job_deleted:
             patch["status"] = outcome.status
+            metrics.jobs.observe(namespace, name, outcome.status)
+        else:
+            metrics.jobs.forget(namespace, name)
 
     return reconcile_job
 
@@ -179,3 +184,4 @@ def register(
     kopf.timer(*RESOURCE, id="reconcile-on-timer", interval=interval, registry=registry)(
         _handler(reconciler, metrics, "timer", locks)
     )
+    job_metrics.register(registry, metrics.jobs, RESOURCE)

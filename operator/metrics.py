@@ -1,8 +1,10 @@
-"""Prometheus metrics of the operator itself, on a registry of its own."""
+"""Prometheus metrics of the operator itself and of the jobs it reconciles (job_metrics), on a registry of its own."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from diloco.operator.job_metrics import JobMetrics
 
 
 class OperatorMetrics:
@@ -32,6 +34,7 @@ class OperatorMetrics:
             ["verb", "kind", "code"],
             registry=r,
         )
+        self.jobs = JobMetrics(r)
 
     def api_request(self, verb: str, kind: str, status: int) -> None:
         """A `kube.RequestObserver` counting every call into `api_requests`."""
