@@ -190,3 +190,14 @@ def test_the_readmes_install_commands_succeed_on_a_fresh_cluster(tmp_path):
             assert result.returncode == 0, f"kubectl apply -f {' -f '.join(files)}: {result.stderr}"
         finally:
             plane.stop()
+
+
+def test_the_dashboard_and_rules_are_opt_in_and_ship_the_rendered_files():
+    kinds = {d["kind"] for d in render_chart()}
+    assert "PrometheusRule" not in kinds and "ConfigMap" not in kinds
+    docs = render_chart("metrics.dashboard.enabled=true", "metrics.prometheusRule.enabled=true")
+    (dashboard,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1", "the dashboard sidecar's label"
+    assert dashboard["data"]["diloco.json"] == (CHART / "dashboards" / "diloco.json").read_text().rstrip("\n")
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    assert rule["spec"] == yaml.safe_load((CHART / "rules" / "diloco.yaml").read_text())
