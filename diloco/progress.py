@@ -267,11 +267,19 @@ class ProgressWriter:
     """Appends a worker's events to its progress file, one flushed line each (nothing when there is no file).
 
     The writer stamps each event with the time and the worker it comes from: `write(StepEvent, step=...)`
-    takes an event class and the kind's own fields."""
+    takes an event class and the kind's own fields. `sink`, when given, is handed each event too (the
+    island's TensorBoard curves), with or without a file."""
 
-    def __init__(self, path: Path | None, source: Source, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        path: Path | None,
+        source: Source,
+        clock: Callable[[], float] = time.time,
+        sink: Callable[[ProgressEvent], None] | None = None,
+    ) -> None:
         self.source = source
         self._clock = clock
+        self._sink = sink
         self._file: IO[str] | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -280,8 +288,13 @@ class ProgressWriter:
     def write(
         self, kind: Callable[Concatenate[float, Source, _P], ProgressEvent], /, *args: _P.args, **own: _P.kwargs
     ) -> None:
+        if self._file is None and self._sink is None:
+            return
+        event = kind(self._clock(), self.source, *args, **own)
         if self._file is not None:
-            self._file.write(to_line(kind(self._clock(), self.source, *args, **own)))
+            self._file.write(to_line(event))
+        if self._sink is not None:
+            self._sink(event)
 
     def close(self) -> None:
         if self._file is not None:

@@ -163,6 +163,13 @@ def test_the_writer_stamps_each_event_with_the_time_and_the_worker_and_flushes_i
     assert read_events(path.parent)[-1] == EvalEvent(11.0, SOURCE, step=5, loss=3.0)
 
 
+def test_a_sink_gets_each_event_with_or_without_a_file(tmp_path):
+    seen = []
+    with ProgressWriter(None, SOURCE, clock=lambda: 1.0, sink=seen.append) as writer:
+        writer.write(EvalEvent, step=5, loss=3.0)
+    assert seen == [EvalEvent(1.0, SOURCE, step=5, loss=3.0)] and list(tmp_path.iterdir()) == []
+
+
 def test_a_relaunched_worker_appends_to_its_slots_file(tmp_path):
     path = tmp_path / "island-1-rank0.jsonl"
     with ProgressWriter(path, SOURCE, clock=lambda: 1.0) as first:

@@ -146,6 +146,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "ddp mode the whole training state",
     )
     p.add_argument(
+        "--tensorboard-dir",
+        default=env("TENSORBOARD_DIR"),
+        help="rank 0 writes the island's TensorBoard curves (loss, held-out loss, learning rate, tokens/s) under "
+        "<dir>/<island>/: a volume the job's podTemplate mounts",
+    )
+    p.add_argument(
         "--checkpoint-every", type=int, default=int(env("CHECKPOINT_EVERY", str(CHECKPOINT_EVERY))), help="inner steps"
     )
     p.add_argument(
@@ -191,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             peak_tflops=args.peak_tflops,
             progress_file=Path(args.progress_file.format(rank=rank)) if args.progress_file else None,
             checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+            tensorboard_dir=Path(args.tensorboard_dir) if args.tensorboard_dir else None,
             checkpoint_every=args.checkpoint_every,
         )
         config = load_training_config(args.config)

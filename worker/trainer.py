@@ -36,6 +36,7 @@ from diloco.progress import (
 from diloco.settings import DEFAULT_CORPUS_BYTES
 from diloco.transport.tls import Security
 from diloco.worker.adamw import AdamW
+from diloco.worker.curves import TrainingCurves
 from diloco.worker.data import (
     EVAL_WINDOWS,
     DataPosition,
@@ -90,6 +91,7 @@ class TrainerSettings:
     peak_tflops: float | None = None  # the accelerator's dense bf16 peak, for MFU where the table lacks it
     progress_file: Path | None = None
     checkpoint_dir: Path | None = None
+    tensorboard_dir: Path | None = None  # rank 0 writes the island's TensorBoard curves under <dir>/<island>/
     checkpoint_every: int = CHECKPOINT_EVERY
     flush_seconds: float = 60.0
 
@@ -217,8 +219,15 @@ class Trainer:
         self.jitter_rng = random.Random(f"{settings.seed}/{island}/{self.ranks.rank}")
         folder = settings.checkpoint_dir
         self.position_file = position_path(folder, island, self.ranks.rank) if folder is not None else None
+        self.curves = (
+            TrainingCurves(settings.tensorboard_dir, lambda step: learning_rate(step, config.inner), job=False)
+            if settings.tensorboard_dir is not None and self.ranks.is_leader
+            else None
+        )
         self.progress = ProgressWriter(
-            settings.progress_file, Source(island=island, rank=self.ranks.rank, mode=settings.mode, pid=os.getpid())
+            settings.progress_file,
+            Source(island=island, rank=self.ranks.rank, mode=settings.mode, pid=os.getpid()),
+            sink=(lambda event: self.curves.write((event,))) if self.curves is not None else None,
         )
         self.learner: Learner | None = None
         if settings.mode != "ddp":
@@ -442,6 +451,8 @@ class Trainer:
         if self.learner is not None:
             self.learner.close()
         self.progress.close()
+        if self.curves is not None:
+            self.curves.close()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()
         self.group = None  # with the islands' references gone, the group's threads end now (Island.release)

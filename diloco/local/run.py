@@ -16,6 +16,7 @@ import math
 import shlex
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from diloco.local.netns import check_available
 from diloco.local.wan import Link
 from diloco.progress import DoneEvent, EvalEvent, ProgressEvent, ProgressFollower, StepEvent, read_events
 from diloco.settings import DEFAULT_CORPUS_BYTES
+from diloco.worker.curves import TrainingCurves
 
 
 @dataclass(frozen=True)
@@ -87,14 +89,17 @@ def ddp_comm_bytes(parameters: int, workers: int, steps_executed_per_worker: flo
 class _ProgressReader:
     """Follows the progress files for the bar: the latest step of each worker slot, and the latest loss."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, curves: TrainingCurves) -> None:
         self.events = ProgressFollower(folder)
+        self.curves = curves
         self.steps: dict[tuple[str, int], int] = {}
         self.eval_loss = math.nan
         self.train_loss = math.nan  # what a loop of one's own reports: it has no held-out evaluation
 
     def poll(self) -> int:
-        for event in self.events.poll():
+        events = self.events.poll()
+        self.curves.write(events)
+        for event in events:
             if isinstance(event, StepEvent):
                 self.steps[event.source.slot] = event.step
                 self.train_loss = event.loss
@@ -116,7 +121,8 @@ def mode_config(mode: str, config: TrainingConfig, islands: int) -> TrainingConf
 
 def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, JobResult]:
     job = LocalJob(plan)
-    reader = _ProgressReader(plan.out / "progress")
+    curves = TrainingCurves(plan.out / "tensorboard", _learning_rate(plan) if plan.built_in else None)
+    reader = _ProgressReader(plan.out / "progress", curves)
     with tqdm(total=plan.total_steps, desc=f"{plan.mode:>11}", unit="step", disable=quiet, mininterval=1.0) as bar:
 
         def tick() -> None:
@@ -125,6 +131,9 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
             bar.set_postfix(loss=f"{reader.loss:.3f}", refresh=False)
 
         result = job.run(on_tick=tick)
+        reader.poll()  # the events since the last tick, for the curves
+    curves.write_final(result.global_eval_loss)
+    curves.close()
     events = read_events(plan.out / "progress") + read_events(plan.out / "merges")
     workers = plan.islands * plan.ranks_per_island
     acct = account(
@@ -173,6 +182,13 @@ def visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+def _learning_rate(plan: RunPlan) -> Callable[[int], float]:
+    """The built-in trainer's inner learning rate at a step (its schedule, computed from the configuration)."""
+    from diloco.worker.trainer import learning_rate
+
+    return lambda step: learning_rate(step, plan.config.inner)
 
 
 def _context(model: str) -> int:

@@ -49,6 +49,8 @@ def test_a_short_run_lowers_the_loss_and_faults_do_not_derail_it(tmp_path, capsy
     assert clean["kills"] == 0 and clean["restarts"] == 0
     assert 0.3 < clean["goodput"] <= 1.0
     assert (out / "loss.png").stat().st_size > 0
+    runs = {p.name for p in (out / "diloco" / "tensorboard").iterdir()}
+    assert runs == {"island-0", "island-1", "global"}, "TensorBoard curves of each island and of the job"
     model = load(out / "diloco" / "model")  # the final global model, exported; the summary's loss is its loss
     assert model.config["preset"] == "tiny" and model.config["outer_steps"] >= 1
     print_sample(out / "diloco" / "model", None)  # what a run without --quiet ends with

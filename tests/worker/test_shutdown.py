@@ -8,6 +8,7 @@ import time
 import pytest
 from learner_harness import make_config
 from support import wait_until
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_pod_launcher import finish, start_pod
 from worker_process import start_worker
 
@@ -49,7 +50,7 @@ def test_sigterm_mid_round_pushes_the_last_steps_and_leaves_at_once(start_shards
         "island-3",
         "--progress-file",
         str(progress / "worker.jsonl"),
-        env={"DILOCO_TERMINATION_GRACE_SECONDS": "60"},
+        env={"DILOCO_TERMINATION_GRACE_SECONDS": "60", "DILOCO_TENSORBOARD_DIR": str(tmp_path / "tensorboard")},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -66,6 +67,10 @@ def test_sigterm_mid_round_pushes_the_last_steps_and_leaves_at_once(start_shards
     assert worker.returncode == 0, stderr
     trained = sum(e.tokens for e in read_events(progress) if isinstance(e, StepEvent))
     assert trained > 0
+    curves = EventAccumulator(str(tmp_path / "tensorboard" / "island-3"))
+    curves.Reload()
+    steps = [e.step for e in read_events(progress) if isinstance(e, StepEvent)]
+    assert [e.step for e in curves.Scalars("loss")] == steps, "the island's curves, on its volume, to its last step"
     assert shards.status(0) == {0: (True, 1, trained), 1: (True, 1, trained)}
     with shards.client(0) as client:
         reply = client.status()
