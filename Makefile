@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m compileall -q diloco operator syncer worker
 	touch $(STAMP)
 
-run: $(STAMP)  ## the embedded default: a syncer and 4 islands on loopback train the tiny GPT (a few minutes)
+run: $(STAMP)  ## the embedded default: a syncer and 4 islands on loopback train the tiny GPT (about 3 min)
 	$(BIN)/diloco run
 
 test: $(STAMP)  ## every tier CI runs: tests/prepare.sh first readies what they need, or says why a tier cannot run

@@ -86,7 +86,7 @@ def ddp_comm_bytes(parameters: int, workers: int, steps_executed_per_worker: flo
     return per_step * steps_executed_per_worker * workers
 
 
-class _ProgressReader:
+class ProgressReader:
     """Follows the progress files for the bar: the latest step of each worker slot, and the latest loss."""
 
     def __init__(self, folder: Path, curves: TrainingCurves) -> None:
@@ -111,6 +111,12 @@ class _ProgressReader:
     def loss(self) -> float:
         return self.eval_loss if math.isfinite(self.eval_loss) else self.train_loss
 
+    @property
+    def postfix(self) -> dict[str, str]:
+        """What the bar shows beside the steps: the latest held-out loss, the training loss until the first
+        evaluation, and nothing before the first step (rather than `loss=nan` while the workers start)."""
+        return {"loss": f"{self.loss:.3f}"} if math.isfinite(self.loss) else {}
+
 
 def mode_config(mode: str, config: TrainingConfig, islands: int) -> TrainingConfig:
     """The configuration a mode trains with. `sync-diloco` is a barrier across all islands at every outer
@@ -122,13 +128,14 @@ def mode_config(mode: str, config: TrainingConfig, islands: int) -> TrainingConf
 def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, JobResult]:
     job = LocalJob(plan)
     curves = TrainingCurves(plan.out / "tensorboard", _learning_rate(plan) if plan.built_in else None)
-    reader = _ProgressReader(plan.out / "progress", curves)
+    reader = ProgressReader(plan.out / "progress", curves)
     with tqdm(total=plan.total_steps, desc=f"{plan.mode:>11}", unit="step", disable=quiet, mininterval=1.0) as bar:
 
         def tick() -> None:
             done = reader.poll()
+            # The postfix first: the update below redraws the bar when it is due, with the postfix it has then.
+            bar.set_postfix(reader.postfix, refresh=False)
             bar.update(max(0, done - bar.n))
-            bar.set_postfix(loss=f"{reader.loss:.3f}", refresh=False)
 
         result = job.run(on_tick=tick)
         reader.poll()  # the events since the last tick, for the curves
