@@ -146,12 +146,15 @@ PANELS = (
         ),
     ),
     Panel(
-        "Checkpoints",
-        "Checkpoints the shards wrote in the last 15 minutes (0: none, however old the last), and failed writes",
-        (
-            (f"sum by (pod) (increase(diloco_syncer_checkpoint_seconds_count{{{SHARDS}}}[15m]))", "{{pod}}"),
-            (f"sum(increase(diloco_syncer_checkpoint_failures_total{{{SHARDS}}}[15m]))", "failures"),
-        ),
+        "Checkpoint age",
+        "Seconds since each shard last wrote a checkpoint (one with nothing new to save writes none)",
+        ((f"time() - (diloco_syncer_last_checkpoint_timestamp_seconds{{{SHARDS}}} > 0)", "{{pod}}"),),
+        unit="s",
+    ),
+    Panel(
+        "Checkpoint failures",
+        "Checkpoint writes that failed in the last 15 minutes (retried)",
+        ((f"sum(increase(diloco_syncer_checkpoint_failures_total{{{SHARDS}}}[15m]))", "failures"),),
     ),
 )
 

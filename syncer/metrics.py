@@ -65,6 +65,11 @@ class SyncerMetrics:
             "diloco_syncer_checkpoint_seconds", "Time to write a checkpoint", registry=r
         )
         self.checkpoint_bytes = Gauge("diloco_syncer_checkpoint_bytes", "Size of the last checkpoint", registry=r)
+        self.checkpoint_time = Gauge(
+            "diloco_syncer_last_checkpoint_timestamp_seconds",
+            "Unix time the last checkpoint was written (0: none yet); a shard with nothing new writes none",
+            registry=r,
+        )
         self.checkpoint_failures = Counter(
             "diloco_syncer_checkpoint_failures", "Checkpoints that could not be written (retried)", registry=r
         )

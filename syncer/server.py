@@ -341,6 +341,7 @@ class SyncerServer:
             raise
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - started)
         self.metrics.checkpoint_bytes.set(size)
+        self.metrics.checkpoint_time.set_to_current_time()
         log.debug("checkpoint written", extra={"path": str(self._checkpoint_path), "bytes": size, "clean": clean})
 
     # Calls: each takes the lock for as long as it needs it; the servicer below turns them into gRPC
