@@ -189,6 +189,13 @@ ALERTS = (
         "Job {{ $labels.namespace }}/{{ $labels.job }}'s goodput is {{ $value | humanizePercentage }}, below 70%",
     ),
     Alert(
+        "DiLoCoCertificateExpiring",
+        "diloco_syncer_tls_certificate_expiry_timestamp_seconds > 0 "
+        "and diloco_syncer_tls_certificate_expiry_timestamp_seconds - time() < 7 * 86400",
+        "1h",
+        "Shard {{ $labels.namespace }}/{{ $labels.pod }} serves a certificate that expires within 7 days",
+    ),
+    Alert(
         "DiLoCoShardRefusingPushes",
         "diloco:syncer_rejected_pushes:rate5m > 0",
         "10m",
@@ -244,8 +251,8 @@ def dashboard() -> dict[str, Any]:
 
 
 def rules() -> dict[str, Any]:
-    """The PrometheusRule's spec: recording rules, and alerts for a job stuck Degraded, goodput low and a shard
-    refusing pushes."""
+    """The PrometheusRule's spec: recording rules, and alerts for a job stuck Degraded, goodput low, a shard
+    refusing pushes and a certificate close to expiry."""
     return {
         "groups": [
             {"name": "diloco.records", "rules": [{"record": name, "expr": expr} for name, expr in RECORDS]},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cryptography import x509
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
@@ -65,6 +66,11 @@ class SyncerMetrics:
             "diloco_syncer_checkpoint_seconds", "Time to write a checkpoint", registry=r
         )
         self.checkpoint_bytes = Gauge("diloco_syncer_checkpoint_bytes", "Size of the last checkpoint", registry=r)
+        self.certificate_expiry = Gauge(
+            "diloco_syncer_tls_certificate_expiry_timestamp_seconds",
+            "Unix time the certificate the shard serves expires (read at start, as it is served until a restart)",
+            registry=r,
+        )
         self.checkpoint_time = Gauge(
             "diloco_syncer_last_checkpoint_timestamp_seconds",
             "Unix time the last checkpoint was written (0: none yet); a shard with nothing new writes none",
@@ -73,6 +79,10 @@ class SyncerMetrics:
         self.checkpoint_failures = Counter(
             "diloco_syncer_checkpoint_failures", "Checkpoints that could not be written (retried)", registry=r
         )
+
+    def serving_certificate(self, pem: bytes) -> None:
+        """The shard serves this certificate (PEM, its own first): its expiry, for an alert well before it."""
+        self.certificate_expiry.set(x509.load_pem_x509_certificate(pem).not_valid_after_utc.timestamp())
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Exposes /metrics on its own port, apart from gRPC."""

@@ -152,6 +152,8 @@ class SyncerServer:
         ]
         self._connections: ConnectionWatch | None = None
         if isinstance(security, Tls):
+            if security.cert is not None:
+                self.metrics.serving_certificate(security.cert)
             self._connections = ConnectionWatch(
                 self.metrics.tls_handshakes.inc, self.metrics.tls_connections_with_calls.inc
             )

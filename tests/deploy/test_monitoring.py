@@ -80,4 +80,9 @@ def test_the_dashboard_shows_what_an_operator_watches():
     titles = {panel["title"] for panel in monitoring.dashboard()["panels"]}
     assert {"Job phase", "Islands", "Goodput", "Refusals by reason", "TLS handshakes"} <= titles
     alerts = {rule.name for rule in monitoring.ALERTS}
-    assert alerts == {"DiLoCoJobDegraded", "DiLoCoJobGoodputLow", "DiLoCoShardRefusingPushes"}
+    assert alerts == {
+        "DiLoCoJobDegraded",
+        "DiLoCoJobGoodputLow",
+        "DiLoCoShardRefusingPushes",
+        "DiLoCoCertificateExpiring",
+    }

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import TEST_PKI
 from syncer_harness import TOKEN, config_for, make_client
@@ -132,6 +133,14 @@ def test_the_jobs_clients_are_served_and_still_need_the_token(start_server, mutu
     assert "tokenless" not in server.state.live_islands(server.clock())
     assert token_refusals(server) == 1
     assert (handshakes(server), with_calls(server), without_calls(server)) == (2, 2, 0)
+
+
+def test_a_shard_exports_when_the_certificate_it_serves_expires(start_server):
+    server = start_server(config_for(), seed=False)
+    expires = x509.load_pem_x509_certificate(TEST_PKI.server_cert.cert).not_valid_after_utc.timestamp()
+    assert sample(server, "diloco_syncer_tls_certificate_expiry_timestamp_seconds") == expires
+    plaintext = start_server(config_for(), seed=False, security=tls.PLAINTEXT)
+    assert sample(plaintext, "diloco_syncer_tls_certificate_expiry_timestamp_seconds") == 0, "none served"
 
 
 def test_a_plaintext_shard_serves_only_when_asked_for_by_name(start_server):
