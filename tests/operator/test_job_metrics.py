@@ -4,10 +4,11 @@ gone with the job."""
 import kopf
 from prometheus_client import CollectorRegistry, generate_latest
 
+from diloco.api.job import DiLoCoJobStatus, Phase
 from diloco.operator import handlers
 from diloco.operator.job_metrics import JobMetrics
 from diloco.operator.metrics import OperatorMetrics
-from diloco.operator.reconcile import PassOutcome
+from diloco.operator.reconcile import PassOutcome, status_patch
 
 SINCE = "2026-01-01T12:00:00Z"
 STATUS = {
@@ -122,3 +123,9 @@ class FakeReconciler:
 
     def reconcile(self, job, generation, spec, status, now):
         return self.outcome
+
+
+def test_a_status_as_a_pass_patches_it_nulls_included_reads_back():
+    registry, _ = observed(status_patch(DiLoCoJobStatus(phase=Phase.RUNNING, outer_step=3)))
+    assert value(registry, "diloco_job_phase", namespace="ml", job="demo", phase="Running") == 1
+    assert value(registry, "diloco_job_outer_step", namespace="ml", job="demo") == 3
