@@ -157,7 +157,7 @@ def _handler(
         if outcome.status is not None and not outcome.job_deleted:
             patch["status"] = outcome.status
             metrics.jobs.observe(namespace, name, outcome.status)
-        else:
+        elif outcome.job_deleted:
             metrics.jobs.forget(namespace, name)
 
     return reconcile_job

@@ -8,7 +8,7 @@ from diloco.api.job import DiLoCoJobStatus, Phase
 from diloco.operator import handlers
 from diloco.operator.job_metrics import JobMetrics
 from diloco.operator.metrics import OperatorMetrics
-from diloco.operator.reconcile import PassOutcome, status_patch
+from diloco.operator.reconcile import LEFT_ALONE, PassOutcome, status_patch
 
 SINCE = "2026-01-01T12:00:00Z"
 STATUS = {
@@ -129,3 +129,11 @@ def test_a_status_as_a_pass_patches_it_nulls_included_reads_back():
     registry, _ = observed(status_patch(DiLoCoJobStatus(phase=Phase.RUNNING, outer_step=3)))
     assert value(registry, "diloco_job_phase", namespace="ml", job="demo", phase="Running") == 1
     assert value(registry, "diloco_job_outer_step", namespace="ml", job="demo") == 3
+
+
+def test_a_pass_that_leaves_the_status_alone_leaves_the_series_too():
+    metrics = OperatorMetrics()
+    metrics.jobs.observe("ml", "demo", STATUS)
+    reconcile = handlers._handler(FakeReconciler(LEFT_ALONE), metrics, "timer")
+    reconcile(meta={"generation": 1}, spec={}, status={}, name="demo", namespace="ml", uid="u", patch={})
+    assert value(metrics.registry, "diloco_job_outer_step", namespace="ml", job="demo") == 7
