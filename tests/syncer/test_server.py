@@ -483,5 +483,7 @@ def test_a_checkpoint_that_cannot_be_written_is_counted_and_tried_again(start_se
     wait_until(lambda: server.metrics.registry.get_sample_value(failures) == 1)
     wait_until(lambda: checkpoint.checkpoint_path(tmp_path / "ckpt", 0, 1).exists())
     assert server.metrics.registry.get_sample_value(failures) == 1
-    written_at = server.metrics.registry.get_sample_value("diloco_syncer_last_checkpoint_timestamp_seconds")
+    # Set once the write has returned, just after the file appears: waited for, not read at once.
+    last = "diloco_syncer_last_checkpoint_timestamp_seconds"
+    written_at = wait_until(lambda: server.metrics.registry.get_sample_value(last))
     assert 0 < time.time() - written_at < 60, "the dashboard's checkpoint age is measured from it"
