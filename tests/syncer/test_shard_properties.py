@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from diloco.core.config import TrainingConfig
 from diloco.syncer.server import SyncerServer
 from diloco.syncer.shard import PushKey, Refused, ShardState, TensorSpec
+from diloco.transport.auth import AcceptedTokens
 from diloco.transport.v1 import syncer_pb2 as pb
 
 pytestmark = pytest.mark.fuzz
@@ -180,7 +181,9 @@ class ShardCalls(RuleBasedStateMachine):
 
     @invariant()
     def status_and_checkpoint_build(self):
-        server = SimpleNamespace(_cond=threading.Condition(), state=self.shard, clock=lambda: self.now)
+        server = SimpleNamespace(
+            _cond=threading.Condition(), state=self.shard, clock=lambda: self.now, tokens=AcceptedTokens.of("t")
+        )
         reply = SyncerServer.status(server)  # the Status RPC's own code, on this state
         assert len(reply.SerializeToString()) < STATUS_LIMIT
         assert self.shard.to_state_dict(clean=False)["incarnation"] == INCARNATION
