@@ -28,7 +28,12 @@ def export(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:
         print(f"diloco export: {error}", file=sys.stderr)
         return 2
-    kind = f"the {config['preset']} preset" if config["preset"] else f"a {config['model_type']} model"
+    if config["preset"]:
+        kind = f"the {config['preset']} preset"
+    elif config["model_type"]:
+        kind = f"a {config['model_type']} model"
+    else:  # no configuration named, none found: the tensors as the loop named them
+        kind = "a model of one's own (--model names a transformers configuration for Hugging Face's layout)"
     print(
         f"exported {len(model.tensors)} tensors of {kind}, {len(model.fragments)} fragments at outer step "
         f"{model.outer_steps} ({model.tokens} tokens), to {args.out}"

@@ -11,7 +11,9 @@
   parameter's fragment, each fragment's shard, outer steps and tokens, and `training` (spec.training).
 
 A preset's GPT is GPT-2's architecture, so a preset exports as a `GPT2LMHeadModel` (`diloco.worker.model`
-maps the names). A transformers model exports as itself.
+maps the names). A transformers model exports as itself. A model of one's own (a custom loop's, no preset's
+and not named) exports as its tensors under its own names in `model.safetensors`, with `diloco.json`, for
+the loop's code to load.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from diloco.worker.tokenizer import byte_tokenizer, end_of_text, tokenizer_for
 DILOCO_FILE = "diloco.json"
 FORMAT = "diloco-export/2"
 MAX_SHARD_SIZE = "2GB"
+OWN_MODEL_FILE = "model.safetensors"
 """Above this a model is written as safetensors shards with an index, as the Hugging Face Hub keeps them."""
 
 
@@ -64,18 +67,14 @@ def matching_preset(tensors: Mapping[str, torch.Tensor]) -> str | None:
     return None
 
 
-def model_spec(model: str | None, tensors: Mapping[str, torch.Tensor]) -> ModelSpec:
+def model_spec(model: str | None, tensors: Mapping[str, torch.Tensor]) -> ModelSpec | None:
     """The model the tensors are of: as named (`--model`, as the trainer takes it), else the preset whose
-    tensors they are; a transformers model must be named, its tensors do not say which it is."""
+    tensors they are; None for a model of one's own (a custom loop's), which no configuration describes. A
+    transformers model must be named: its tensors do not say which it is."""
     if model:
         return ModelSpec.parse(model)
     preset = matching_preset(tensors)
-    if preset is None:
-        raise ValueError(
-            "these tensors are no built-in preset's: name the model's configuration (--model, a config.json) "
-            "to export it in Hugging Face's layout"
-        )
-    return ModelSpec(preset=preset)
+    return ModelSpec(preset=preset) if preset is not None else None
 
 
 def _transformers_model(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
@@ -111,24 +110,41 @@ def save(
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     spec = model_spec(model_name, model.tensors)
+    folder.mkdir(parents=True, exist_ok=True)
+    if spec is None:
+        return _save_own_model(folder, model, training)
     hf = _transformers_model(spec, model.tensors)
     words = tokenizer_for(hf.config.vocab_size, tokenizer) or byte_tokenizer()
     eos = end_of_text(words)
     hf.config.bos_token_id = hf.config.eos_token_id = eos
     hf.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
-    folder.mkdir(parents=True, exist_ok=True)
     with without_progress_bars():
         hf.save_pretrained(folder, max_shard_size=max_shard_size)
     eos_name = words.id_to_token(eos) if eos is not None else None
     PreTrainedTokenizerFast(
         tokenizer_object=words, eos_token=eos_name, bos_token=eos_name, pad_token=eos_name
     ).save_pretrained(folder)
+    return _write_record(folder, model, spec, hf.config.model_type, training)
+
+
+def _save_own_model(folder: Path, model: GlobalModel, training: TrainingConfig | None) -> dict[str, Any]:
+    """A model of one's own: its tensors under the names its loop gave them, in `model.safetensors`, for the
+    loop's own code to load; no configuration or tokenizer, which only the loop knows."""
+    from safetensors.torch import save_file
+
+    save_file({name: t.contiguous() for name, t in model.tensors.items()}, folder / OWN_MODEL_FILE)
+    return _write_record(folder, model, None, None, training)
+
+
+def _write_record(
+    folder: Path, model: GlobalModel, spec: ModelSpec | None, model_type: str | None, training: TrainingConfig | None
+) -> dict[str, Any]:
     fragment_of = {name: f.index for f in model.fragments for name in f.names}
     record: dict[str, Any] = {
         "format": FORMAT,
-        "preset": spec.preset,
-        "model": spec.preset or dict(spec.config or {}),
-        "model_type": hf.config.model_type,
+        "preset": spec.preset if spec is not None else None,
+        "model": None if spec is None else spec.preset or dict(spec.config or {}),
+        "model_type": model_type,
         "outer_steps": model.outer_steps,
         "tokens": model.tokens,
         "parameters": [
@@ -152,18 +168,27 @@ class ExportedModel:
     config: dict[str, Any]
 
     @property
-    def spec(self) -> ModelSpec:
+    def spec(self) -> ModelSpec | None:
+        """The model's description; None for a model of one's own."""
         model = self.config["model"]
+        if model is None:
+            return None
         return ModelSpec(preset=model) if isinstance(model, str) else ModelSpec(config=model)
 
     @cached_property
     def tensors(self) -> dict[str, torch.Tensor]:
         """The trained parameters, named as the job's fragments name them."""
+        if self.spec is None:
+            from safetensors.torch import load_file
+
+            return load_file(self.folder / OWN_MODEL_FILE)
         return {name: p.detach() for name, p in self.language_model().module.named_parameters()}
 
     def language_model(self, device: torch.device | str = "cpu") -> LanguageModel:
         """The model as the trainer trains and evaluates it (a preset's GPT, or the transformers model),
         holding the exported weights."""
+        if self.spec is None:
+            raise ValueError(f"{self.folder} holds a model of one's own: load its tensors into the loop's model")
         with without_progress_bars():
             model = build(self.spec, 0, init_from=self.folder)
         model.module.to(device).eval()

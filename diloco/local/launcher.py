@@ -625,7 +625,10 @@ class LocalJob:
         folder = self.plan.out / "model"
         targets = [f"127.0.0.1:{port}" for port in self.syncer_ports]
         model = assemble.from_shards(targets, TOKEN, security=self.pki.client)
-        model_files.save(folder, model, self.plan.model, self.plan.config, tokenizer=self.plan.tokenizer)
+        if self.plan.built_in:
+            model_files.save(folder, model, self.plan.model, self.plan.config, tokenizer=self.plan.tokenizer)
+        else:  # a command's model is its own: no preset or tokenizer of the run's describes it
+            model_files.save(folder, model, None, self.plan.config)
         return folder
 
     def _evaluate(self, model_dir: Path) -> float:

@@ -121,9 +121,20 @@ def test_a_large_model_is_written_in_shards_with_an_index(tmp_path):
     assert all(torch.equal(theirs.state_dict()[name], value) for name, value in model.tensors.items())
 
 
-def test_tensors_of_no_preset_need_their_model_named(tmp_path):
-    with pytest.raises(ValueError, match="--model"):
-        save(tmp_path, llama_global_model())
+def test_tensors_of_no_preset_and_no_model_named_export_as_a_model_of_ones_own(tmp_path):
+    model = llama_global_model()
+    record = save(tmp_path / "own", model)
+    assert record["preset"] is None and record["model"] is None and record["model_type"] is None
+    assert not (tmp_path / "own" / "config.json").exists(), "no configuration describes it"
+    exported = load(tmp_path / "own")
+    assert exported.spec is None
+    assert exported.tensors.keys() == model.tensors.keys()
+    assert all(torch.equal(exported.tensors[name], value) for name, value in model.tensors.items())
+    with pytest.raises(ValueError, match="of one's own"):
+        exported.language_model()
+
+
+def test_tensors_that_do_not_fit_the_model_named_are_refused(tmp_path):
     with pytest.raises(ValueError, match="do not fit"):
         save(tmp_path, llama_global_model(), json.dumps(LLAMA | {"hidden_size": 64}))
 
