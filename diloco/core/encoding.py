@@ -160,16 +160,16 @@ def encode(tensor: torch.Tensor, encoding: Encoding, block_size: int, top_k: int
 
 
 def _int4_values(packed: torch.Tensor) -> torch.Tensor:
-    """Unpack two's-complement nibbles (low nibble first) into int8, sign-extended by arithmetic shifts in
-    16-bit lanes (a byte's two nibbles become one lane's two bytes, in order)."""
+    """Unpack two's-complement nibbles (low nibble first) into int8, in 16-bit lanes: a byte's two nibbles are
+    spread to the two bytes of its lane, then each is sign-extended as (v ^ 8) - 8."""
     lanes = packed.to(torch.int16)
-    low = lanes << 12  # in place from here on: fresh temporaries cost more than the arithmetic
-    low >>= 12
-    low &= 0x00FF
-    lanes <<= 8
-    lanes >>= 4
-    lanes &= -0x0100
-    return lanes.bitwise_or_(low).view(torch.int8)
+    spread = lanes << 4  # in place from here on: fresh temporaries cost more than the arithmetic
+    spread |= lanes
+    spread &= 0x0F0F
+    spread ^= 0x0808
+    values = spread.view(torch.int8)
+    values -= 8
+    return values
 
 
 @dataclass(frozen=True)
