@@ -598,6 +598,7 @@ class ShardState:
         state: dict[str, Any],
         new_incarnation: int,
         max_pending_bytes: int = MAX_PENDING_BYTES,
+        chunk: int = CHUNK,
     ) -> ShardState:
         """Resumes a shard. After an unclean stop the versions it served may be ahead of the checkpoint, so
         it takes a new incarnation: islands holding such versions are told to pull again. When each island
@@ -613,7 +614,7 @@ class ShardState:
             )
         clean = bool(state["clean"])
         incarnation = state["incarnation"] if clean else new_incarnation
-        shard = cls(config, shard_index, num_shards, incarnation, max_pending_bytes)
+        shard = cls(config, shard_index, num_shards, incarnation, max_pending_bytes, chunk)
         shard.islands = dict(state["islands"])
         shard.left = set(state.get("left", ()))  # checkpoints from before Leave existed have none
         for p, fragment in state["fragments"].items():
