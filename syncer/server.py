@@ -95,6 +95,15 @@ class ServedPull:
 
 
 @dataclass(frozen=True)
+class _Snapshot:
+    """A copy of a fragment's values at a version, never changed."""
+
+    incarnation: int
+    version: int
+    values: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
 class _DeltaReply:
     """A difference as every island holding its base gets it, and what each then holds."""
 
@@ -156,6 +165,7 @@ class SyncerServer:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._replies: dict[tuple[int, Encoding], tuple[int, list[bytes], int]] = {}
+        self._snapshots: dict[int, _Snapshot] = {}
         self._full_references: dict[int, Reference] = {}
         self._references = References(max_reference_bytes)
         self._delta_replies: SharedReplies[_DeltaReply] = SharedReplies()
@@ -454,7 +464,7 @@ class SyncerServer:
             if (request.have.incarnation, request.have.version) == (self.state.incarnation, frag.version):
                 return None
             if delta_encoding is not None and (held := self._held_reference(request)) is not None:
-                newest, round_opened = self._full_reference(request.fragment_id), frag.round_opened
+                newest, round_opened = self._snapshot(request.fragment_id), frag.round_opened
             else:
                 _, messages, nbytes = self._pull_reply(request.fragment_id, encoding)
                 if delta_encoding is not None and request.island_id and encoding is Encoding.FP32:
@@ -523,14 +533,24 @@ class SyncerServer:
             self._replies[(index, encoding)] = cached
         return cached
 
-    def _full_reference(self, index: int) -> Reference:
-        """The fragment's current float32 values as a reference, one copy per version shared by every island
-        that pulls them in full."""
+    def _snapshot(self, index: int) -> _Snapshot:
+        """The fragment's current float32 values, copied once per version: what differences are made from
+        outside the lock while merges step the fragment in place, and what full pulls leave islands holding."""
         frag = self.state.seeded_fragment(index)
+        snapshot = self._snapshots.get(index)
+        if snapshot is None or (snapshot.incarnation, snapshot.version) != (self.state.incarnation, frag.version):
+            snapshot = _Snapshot(self.state.incarnation, frag.version, tuple(v.clone() for v in frag.values))
+            self._snapshots[index] = snapshot
+        return snapshot
+
+    def _full_reference(self, index: int) -> Reference:
+        """The fragment's current values as a reference, with their digest, one per version shared by every
+        island that pulls them in full (hashed only when one does: a difference needs no digest of them)."""
+        snapshot = self._snapshot(index)
         ref = self._full_references.get(index)
-        if ref is None or (ref.incarnation, ref.version) != (self.state.incarnation, frag.version):
-            values = tuple(v.clone() for v in frag.values)
-            ref = Reference(self.state.incarnation, frag.version, values, values_digest(values, self._hashing.map))
+        if ref is None or ref.values is not snapshot.values:
+            digest = values_digest(snapshot.values, self._hashing.map)
+            ref = Reference(snapshot.incarnation, snapshot.version, snapshot.values, digest)
             self._full_references[index] = ref
         return ref
 
@@ -552,7 +572,7 @@ class SyncerServer:
         )
 
     def _delta_reply(
-        self, request: pb.PullRequest, held: Reference, newest: Reference, round_opened: float, encoding: Encoding
+        self, request: pb.PullRequest, held: Reference, newest: _Snapshot, round_opened: float, encoding: Encoding
     ) -> ServedPull:
         """The difference from `held` to `newest` in `encoding`, made once for every island that holds `held`
         (`SharedReplies`); records what the island will hold once it applies it. Called without the lock: it
@@ -573,7 +593,7 @@ class SyncerServer:
         self,
         index: int,
         held: Reference,
-        newest: Reference,
+        newest: _Snapshot,
         round_opened: float,
         encoding: Encoding,
         base: pb.FragmentVersion,

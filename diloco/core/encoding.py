@@ -76,9 +76,9 @@ def _blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def _absmax(blocks: torch.Tensor) -> torch.Tensor:
-    """Per-row max |x| without materialising |x| (one fused pass; NaN propagates)."""
-    lo, hi = torch.aminmax(blocks, dim=1)
-    return torch.maximum(hi, -lo)
+    """Per-row max |x| without materialising |x| (NaN propagates). amax and amin apart: torch's aminmax along a
+    dimension of short rows is several times slower than both."""
+    return torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
 
 
 def _flat32(tensor: torch.Tensor) -> torch.Tensor:
