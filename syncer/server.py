@@ -416,12 +416,13 @@ class SyncerServer:
         tokens: int,
         inner_steps: int,
         slack_seconds: float | None = None,
+        declared_bytes: int | None = None,
     ) -> tuple[PushResult | None, int]:
         """Checks a push header before its data is read: a duplicate's result (None to read on) and the most
         bytes the data may take. A duplicate is answered, so it refreshes the island; a push to read on does
-        when it is taken."""
+        when it is taken. `declared_bytes`: what the header says the data takes, which the shard will hold."""
         with self._cond:
-            early = self.state.check_push(key, fragment, specs, tokens, inner_steps, slack_seconds)
+            early = self.state.check_push(key, fragment, specs, tokens, inner_steps, slack_seconds, declared_bytes)
             if early is not None:
                 self.state.touch(key.island, self.clock())
             return early, self.state.fragments[fragment].nbytes
@@ -810,9 +811,10 @@ class _Servicer:
                 key = PushKey(h.island_id, h.base.incarnation, h.base.version, h.sequence)
                 specs = _specs(h.tensors)
                 slack = h.slack_seconds if h.HasField("slack_seconds") else None
-                early, limit = s.admit_push(key, h.fragment_id, specs, h.tokens, h.inner_steps, slack)
+                declared = _declared_bytes(h.tensors)
+                early, limit = s.admit_push(key, h.fragment_id, specs, h.tokens, h.inner_steps, slack, declared)
                 if early is None:
-                    watched.expect(min(_declared_bytes(h.tensors), limit))
+                    watched.expect(min(declared, limit))
                     _, tensors = wire.read_push_stream(itertools.chain([h], parts), max_total_bytes=limit)
             if early is None:
                 delta = [t for _, t in tensors]

@@ -48,7 +48,8 @@ READABLE_FORMATS = frozenset({1, CHECKPOINT_FORMAT})
 MAX_KNOWN_ISLANDS = 4096
 """Islands a shard remembers, joined or left: 8 times the most a DiLoCoJob admits; keeps Status small."""
 MAX_PENDING_BYTES = 16 * 1024**3
-"""Pending deltas a shard holds in memory: 8 islands' deltas of the whole `large` preset (1.4 GB) and room."""
+"""Pending deltas a shard holds in memory, as it holds them (as sent: int4 0.53 bytes a parameter): 8 islands'
+float32 deltas of the whole `large` preset (1.4 GB) and room, or 16 islands' int4 pushes of a 2 B model."""
 IN_PLACE_BOUND = 2.0**126
 """A merge whose values and momentum are proven to stay below this magnitude (a quarter of float32's largest)
 steps in place; one that cannot be proven so steps on copies, so that a result that is not finite changes
@@ -285,8 +286,10 @@ class ShardState:
         tokens: int,
         inner_steps: int,
         slack_seconds: float | None = None,
+        nbytes: int | None = None,
     ) -> PushResult | None:
-        """Validates a push header before its data is read: a duplicate's result, None to go on, or Refused."""
+        """Validates a push header before its data is read: a duplicate's result, None to go on, or Refused.
+        `nbytes`: the bytes its delta will be held in (as the header declares them; None: float32 values)."""
         self.check_island(key.island)
         if slack_seconds is not None and not (math.isfinite(slack_seconds) and slack_seconds >= 0):
             raise Refused(
@@ -297,7 +300,7 @@ class ShardState:
             return PushResult(duplicate=True, version=frag.version, staleness=0)
         self._check_specs(frag, specs)
         self._check_room(frag, key.island)
-        self._check_pending_bytes(frag, key.island)
+        self._check_pending_bytes(frag, key.island, frag.nbytes if nbytes is None else nbytes)
         if not tokens_are_possible(tokens, inner_steps):
             raise Refused(
                 Refusal.INVALID,
@@ -328,7 +331,7 @@ class ShardState:
         `step_seconds` is the island's measured seconds per inner step, `slack_seconds` how long after the
         push it mixes the merge in (0 and None: not measured).
         """
-        duplicate = self.check_push(key, fragment, specs, tokens, inner_steps, slack_seconds)
+        duplicate = self.check_push(key, fragment, specs, tokens, inner_steps, slack_seconds, _held_bytes(delta))
         if duplicate is not None:
             return duplicate
         frag = self.fragments[fragment]
@@ -378,19 +381,19 @@ class ShardState:
         )
 
     def pending_bytes(self) -> int:
-        """The bytes of every pending delta the shard holds: each is float32 values of its fragment."""
-        return sum(len(f.pending) * f.nbytes for f in self.fragments.values())
+        """The bytes of every pending delta the shard holds, as it holds them: encoded as sent, or float32."""
+        return sum(_held_bytes(p.delta) for f in self.fragments.values() for p in f.pending.values())
 
-    def _check_pending_bytes(self, frag: ShardFragment, island: str) -> None:
-        """Refuses a new pending delta that would take the shard beyond `max_pending_bytes`; one replacing the
-        island's own pending delta takes no more."""
-        if island in frag.pending or self.pending_bytes() + frag.nbytes <= self.max_pending_bytes:
+    def _check_pending_bytes(self, frag: ShardFragment, island: str, nbytes: int) -> None:
+        """Refuses a new pending delta of `nbytes` that would take the shard beyond `max_pending_bytes`; one
+        replacing the island's own pending delta is always taken."""
+        if island in frag.pending or self.pending_bytes() + nbytes <= self.max_pending_bytes:
             return
         raise Refused(
             Refusal.TOO_LARGE,
             "pending_bytes",
             f"fragment {frag.index}: the shard's pending deltas take {self.pending_bytes()} bytes, and "
-            f"{frag.nbytes} more would pass its bound of {self.max_pending_bytes}; push again after a merge",
+            f"{nbytes} more would pass its bound of {self.max_pending_bytes}; push again after a merge",
         )
 
     def _check_specs(self, frag: ShardFragment, specs: Sequence[TensorSpec]) -> None:
@@ -620,6 +623,11 @@ class ShardState:
         for p, fragment in state["fragments"].items():
             _restore_fragment(shard.fragment(p), fragment, keep_pushes=clean)
         return shard
+
+
+def _held_bytes(delta: Sequence[Delta]) -> int:
+    """The bytes a pending delta is held in: as sent when encoded, float32 values otherwise."""
+    return sum(d.nbytes if isinstance(d, Encoded) else 4 * d.numel() for d in delta)
 
 
 def _magnitudes(frag: ShardFragment) -> tuple[float, float]:

@@ -816,3 +816,19 @@ class TestMergeAtSize:
         resumed = ShardState.from_state_dict(shard.config, 0, 1, shard.to_state_dict(clean=True), INCARNATION)
         kept = resumed.fragments[0].pending["a"].delta
         assert all(torch.equal(k, decoded(e)) for k, e in zip(kept, sent))
+
+    def test_pending_pushes_count_as_the_bytes_they_are_held_in(self):
+        """Pushes kept as sent take what they were sent in, so a bound that holds two float32 deltas holds
+        several int4 ones; a header declaring more than the room left is refused before its data is read."""
+        int4 = self.encoded([torch.ones(2), torch.ones(1)])
+        held = sum(e.nbytes for e in int4)  # a scale and a byte per tensor: 10 bytes against 12 in float32
+        shard = make_shard(max_pending_bytes=3 * held, quorum=4, grace_seconds=60.0)
+        for island in "abcd":
+            shard.join(island, 0.0)
+        for island in "abc":
+            shard.submit(PushKey(island, INCARNATION, 0, 0), 0, SPECS, int4, 100, 10, 0.0)
+        assert shard.pending_bytes() == 3 * held
+        with pytest.raises(Refused, match="pending deltas take"):
+            shard.check_push(PushKey("d", INCARNATION, 0, 0), 0, SPECS, 100, 10, nbytes=held)
+        shard.merge(0, 0.0)
+        assert shard.check_push(PushKey("d", INCARNATION, 0, 0), 0, SPECS, 100, 10, nbytes=held) is None
