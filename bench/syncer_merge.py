@@ -28,7 +28,8 @@ Targets (issue 31): merge of 4 int4 pushes within 3x of its copy, a served pull 
 
 Usage: python bench/syncer_merge.py [--sizes 16e6,62e6] [--islands 4,16] [--encodings int4,sparse]
        [--threads 1] [--repeats 2] [--max-gib 7] [--plot PNG] [--quick]
-The default takes about 12 minutes on 2 busy cores; 500 M fragments (--sizes 62e6,500e6) longer and 7 GiB.
+The default takes about 12 minutes on 2 busy cores; at 500 M (--sizes 500e6) a configuration takes about 3
+and a peak of 9.5 GiB (--max-gib counts tensors only).
 """
 
 from __future__ import annotations
@@ -585,7 +586,7 @@ def main() -> int:
     parser.add_argument(
         "--sizes",
         default="16e6,62e6",
-        help="fragment sizes in parameters, comma-separated (500e6 takes 7 GiB)",
+        help="fragment sizes in parameters, comma-separated (500e6: a peak of about 9.5 GiB)",
     )
     parser.add_argument("--islands", default="4,16")
     parser.add_argument("--encodings", default="int4,sparse")
