@@ -53,6 +53,10 @@ protos: $(STAMP)  ## regenerate the gRPC stubs from protos/
 bench-syncer: $(STAMP)  ## merge-and-serve throughput of one shard vs raw loopback
 	$(BIN)/python bench/syncer_throughput.py
 
+.PHONY: bench-syncer-merge
+bench-syncer-merge: $(STAMP)  ## a shard's merges and compressed pulls (16 M, 62 M fragments) vs today's path and a plain copy (~12 min on 2 busy cores)
+	$(BIN)/python bench/syncer_merge.py
+
 bench-comm: $(STAMP)  ## communication bytes per token, DiLoCo with int4 and sparse at the default H vs ddp, same machine
 	$(BIN)/python bench/comm_bytes.py
 

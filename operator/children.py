@@ -284,6 +284,17 @@ def _grpc_probe(port: int, period: int, failures: int) -> dict[str, Any]:
     return {"grpc": {"port": port}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 2}
 
 
+def shard_threads(spec: DiLoCoJobSpec) -> int | None:
+    """The cores a syncer shard works on: its CPU request (the cores it is sure of; beyond them its threads
+    would wait on each other), else its limit, in whole cores and at least one. A shard decodes, merges and
+    encodes whole fragments on these; torch would otherwise start a thread per core of the node. None: no CPU
+    named, and the shard takes every CPU it may run on."""
+    cpu = spec.syncer.resources.requests.get("cpu") or spec.syncer.resources.limits.get("cpu")
+    if cpu is None:
+        return None
+    return max(1, int(parse_quantity(str(cpu))))
+
+
 def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: int, tls: JobTls) -> dict[str, Any]:
     syncer = spec.syncer
     labels = n.shard_labels(job.name, shard)
@@ -298,6 +309,8 @@ def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: 
         "DILOCO_CHECKPOINT_DIR": CHECKPOINT_DIR,
         "DILOCO_CHECKPOINT_INTERVAL": f"{syncer.checkpoint.interval_seconds:g}",
     }
+    if (threads := shard_threads(spec)) is not None:
+        env |= {"DILOCO_SYNCER_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     container = {
         "name": n.SYNCER_CONTAINER,
         "image": spec.syncer_image,

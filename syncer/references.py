@@ -29,14 +29,16 @@ class Reference:
 
 
 class References:
-    """One reference per (island, fragment), least recently served dropped first beyond `max_bytes` (counted
-    per entry, even where several islands share one copy of full values)."""
+    """One reference per (island, fragment), least recently served dropped first beyond `max_bytes`. A reference
+    that several islands hold (one reply sent to all of them, or the full values of a version) is counted once,
+    as it is held once."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must not be negative, got {max_bytes}")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[str, int], Reference] = OrderedDict()
+        self._holders: dict[int, int] = {}  # id of a kept reference → entries holding it
         self._bytes = 0
 
     def match(self, island: str, fragment: int, incarnation: int, version: int, digest: int) -> Reference | None:
@@ -51,14 +53,29 @@ class References:
         key = (island, fragment)
         old = self._entries.pop(key, None)
         if old is not None:
-            self._bytes -= old.nbytes
+            self._release(old)
         if ref.nbytes > self.max_bytes:
             return
         self._entries[key] = ref
-        self._bytes += ref.nbytes
+        holders = self._holders.get(id(ref), 0)
+        self._holders[id(ref)] = holders + 1
+        if not holders:
+            self._bytes += ref.nbytes
         while self._bytes > self.max_bytes:
             _, dropped = self._entries.popitem(last=False)
-            self._bytes -= dropped.nbytes
+            self._release(dropped)
+
+    def _release(self, ref: Reference) -> None:
+        holders = self._holders.pop(id(ref)) - 1
+        if holders:
+            self._holders[id(ref)] = holders
+        else:
+            self._bytes -= ref.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the references kept, each counted once."""
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._entries)

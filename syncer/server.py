@@ -1,9 +1,12 @@
 """The gRPC server of one syncer shard: the wire around `ShardState`, a merge thread and checkpoints.
 
-Data is read and decoded outside the state lock; only validation, submission, merges and snapshots hold
-it. Encoded fragment values are cached per version and encoding, so many islands pulling the same merge
+Data is read and checked outside the state lock, and pushes are kept as they were sent (int4: 1/7.5 of
+float32) until a merge decodes them chunk by chunk; only validation, submission, merges and snapshots hold
+the lock. Encoded fragment values are cached per version and encoding, so many islands pulling the same merge
 cost one encoding. An island that says which values it holds gets the difference to the newest in the
-job's encoding when the shard knows those values (`diloco.core.compressed_pull`), and full values otherwise.
+job's encoding when the shard knows those values (`diloco.core.compressed_pull`), and full values otherwise;
+islands that hold the same values share one difference, made once (`replies`). Merges, differences and
+digests use `threads` cores: torch's own threads for the arithmetic (set by the process), a pool for digests.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2
 
-from diloco.core.compressed_pull import held_after, values_digest
+from diloco.core.compressed_pull import difference, values_digest
 from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoding, EncodingError
+from diloco.core.merge import CHUNK, Delta
 from diloco.core.refusal import Refusal
 from diloco.progress import MergeEvent, ProgressWriter
 from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.references import Reference, References
+from diloco.syncer.replies import SharedReplies
 from diloco.syncer.shard import MAX_PENDING_BYTES, PushKey, PushResult, Refused, ShardState, TensorSpec
 from diloco.syncer.streams import (
     CONTROL_WORKERS,
@@ -89,6 +94,23 @@ class ServedPull:
     delta: bool
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    """A copy of a fragment's values at a version, never changed."""
+
+    incarnation: int
+    version: int
+    values: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class _DeltaReply:
+    """A difference as every island holding its base gets it, and what each then holds."""
+
+    served: ServedPull
+    reference: Reference
+
+
 class SyncerServer:
     """One shard: owns fragments p with p mod num_shards == shard_index."""
 
@@ -114,6 +136,7 @@ class SyncerServer:
         stream_idle_seconds: float | None = None,
         progress: ProgressWriter | None = None,
         clock: Callable[[], float] = time.time,
+        threads: int = 1,
     ) -> None:
         """`max_workers` threads serve the data calls (Seed, PushDelta, Pull), `CONTROL_WORKERS` more the
         others; `max_queued_calls` data calls may wait for a thread, and more are refused; `stream_idle_seconds`
@@ -121,8 +144,13 @@ class SyncerServer:
         `security`: the shard's certificate (and the CA, for mutual TLS), or plaintext asked for by name.
         `health_port` (0: any free one) serves grpc.health.v1 alone in plaintext, for probes that cannot speak
         TLS (the kubelet's): health says only whether the shard serves, as on the main port without a token.
-        `progress` records each merge and the pushes in it (the local runner's goodput accounting)."""
+        `progress` records each merge and the pushes in it (the local runner's goodput accounting).
+        `threads`: the cores a merge or a difference works on (the process sets torch's threads to match), which
+        sizes their chunks, and the threads that hash digests."""
+        if threads < 1:
+            raise ValueError(f"threads must be positive, got {threads}")
         self.config = config
+        self.chunk = CHUNK * threads  # each of torch's threads takes a cache-sized part of every chunk
         self.progress = progress
         self.metrics = metrics or SyncerMetrics()
         self.clock = clock
@@ -137,8 +165,11 @@ class SyncerServer:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._replies: dict[tuple[int, Encoding], tuple[int, list[bytes], int]] = {}
+        self._snapshots: dict[int, _Snapshot] = {}
         self._full_references: dict[int, Reference] = {}
         self._references = References(max_reference_bytes)
+        self._delta_replies: SharedReplies[_DeltaReply] = SharedReplies()
+        self._hashing = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="syncer-hash")
         min_mbps = config.min_transfer_mbps
         idle = quiet_seconds(min_mbps) if stream_idle_seconds is None else stream_idle_seconds
         self.streams = StreamWatch(idle, min_mbps, on_cancel=self._count_cancelled)
@@ -197,9 +228,9 @@ class SyncerServer:
     def _resume_or_start(self, shard_index: int, num_shards: int, max_pending_bytes: int) -> ShardState:
         saved = checkpoint.load(self._checkpoint_path) if self._checkpoint_path else None
         if saved is None:
-            return ShardState(self.config, shard_index, num_shards, _new_incarnation(), max_pending_bytes)
+            return ShardState(self.config, shard_index, num_shards, _new_incarnation(), max_pending_bytes, self.chunk)
         state = ShardState.from_state_dict(
-            self.config, shard_index, num_shards, saved, _new_incarnation(), max_pending_bytes
+            self.config, shard_index, num_shards, saved, _new_incarnation(), max_pending_bytes, self.chunk
         )
         log.info(
             "resumed from checkpoint",
@@ -252,6 +283,7 @@ class SyncerServer:
         for thread in self._threads:
             thread.join()
         self._control.shutdown()
+        self._hashing.shutdown()
         self.save_checkpoint(clean=True)
         if self.progress is not None:
             self.progress.close()
@@ -387,12 +419,13 @@ class SyncerServer:
         tokens: int,
         inner_steps: int,
         slack_seconds: float | None = None,
+        declared_bytes: int | None = None,
     ) -> tuple[PushResult | None, int]:
         """Checks a push header before its data is read: a duplicate's result (None to read on) and the most
         bytes the data may take. A duplicate is answered, so it refreshes the island; a push to read on does
-        when it is taken."""
+        when it is taken. `declared_bytes`: what the header says the data takes, which the shard will hold."""
         with self._cond:
-            early = self.state.check_push(key, fragment, specs, tokens, inner_steps, slack_seconds)
+            early = self.state.check_push(key, fragment, specs, tokens, inner_steps, slack_seconds, declared_bytes)
             if early is not None:
                 self.state.touch(key.island, self.clock())
             return early, self.state.fragments[fragment].nbytes
@@ -402,13 +435,13 @@ class SyncerServer:
         key: PushKey,
         fragment: int,
         specs: Sequence[TensorSpec],
-        delta: Sequence[torch.Tensor],
+        delta: Sequence[Delta],
         tokens: int,
         inner_steps: int,
         step_seconds: float,
         slack_seconds: float | None = None,
     ) -> PushResult:
-        """Takes a decoded push and wakes the merge thread, which may find the fragment due now."""
+        """Takes a checked push and wakes the merge thread, which may find the fragment due now."""
         with self._cond:
             result = self.state.submit(
                 key, fragment, specs, delta, tokens, inner_steps, self.clock(), step_seconds, slack_seconds
@@ -426,7 +459,7 @@ class SyncerServer:
         """The Pull reply to `request`, None when the island holds the newest version: a difference in
         `delta_encoding` when the island asked for one and the shard knows what it holds, else the full
         values in `encoding`. A joined island is refreshed once the pull is answered; a difference is encoded
-        outside the lock."""
+        outside the lock, from the newest values' snapshot (merges step the fragment in place)."""
         with self._cond:
             if request.island_id:
                 self.state.check_island(request.island_id)
@@ -435,14 +468,13 @@ class SyncerServer:
             if (request.have.incarnation, request.have.version) == (self.state.incarnation, frag.version):
                 return None
             if delta_encoding is not None and (held := self._held_reference(request)) is not None:
-                version, round_opened = frag.version, frag.round_opened
-                differences = [torch.sub(v, h) for v, h in zip(frag.values, held.values)]
+                newest, round_opened = self._snapshot(request.fragment_id), frag.round_opened
             else:
                 _, messages, nbytes = self._pull_reply(request.fragment_id, encoding)
                 if delta_encoding is not None and request.island_id and encoding is Encoding.FP32:
                     self._record_full(request.island_id, request.fragment_id)
                 return ServedPull(messages, nbytes, delta=False)
-        return self._delta_reply(request, held, differences, version, round_opened, delta_encoding)
+        return self._delta_reply(request, held, newest, round_opened, delta_encoding)
 
     def leave(self, island: str) -> None:
         """The island has finished: it no longer caps the quorum, so a merge that waited only for it is due,
@@ -505,14 +537,24 @@ class SyncerServer:
             self._replies[(index, encoding)] = cached
         return cached
 
-    def _full_reference(self, index: int) -> Reference:
-        """The fragment's current float32 values as a reference, one copy per version shared by every island
-        that pulls them in full."""
+    def _snapshot(self, index: int) -> _Snapshot:
+        """The fragment's current float32 values, copied once per version: what differences are made from
+        outside the lock while merges step the fragment in place, and what full pulls leave islands holding."""
         frag = self.state.seeded_fragment(index)
+        snapshot = self._snapshots.get(index)
+        if snapshot is None or (snapshot.incarnation, snapshot.version) != (self.state.incarnation, frag.version):
+            snapshot = _Snapshot(self.state.incarnation, frag.version, tuple(v.clone() for v in frag.values))
+            self._snapshots[index] = snapshot
+        return snapshot
+
+    def _full_reference(self, index: int) -> Reference:
+        """The fragment's current values as a reference, with their digest, one per version shared by every
+        island that pulls them in full (hashed only when one does: a difference needs no digest of them)."""
+        snapshot = self._snapshot(index)
         ref = self._full_references.get(index)
-        if ref is None or (ref.incarnation, ref.version) != (self.state.incarnation, frag.version):
-            values = tuple(v.clone() for v in frag.values)
-            ref = Reference(self.state.incarnation, frag.version, values, values_digest(values))
+        if ref is None or ref.values is not snapshot.values:
+            digest = values_digest(snapshot.values, self._hashing.map)
+            ref = Reference(snapshot.incarnation, snapshot.version, snapshot.values, digest)
             self._full_references[index] = ref
         return ref
 
@@ -534,35 +576,51 @@ class SyncerServer:
         )
 
     def _delta_reply(
+        self, request: pb.PullRequest, held: Reference, newest: _Snapshot, round_opened: float, encoding: Encoding
+    ) -> ServedPull:
+        """The difference from `held` to `newest` in `encoding`, made once for every island that holds `held`
+        (`SharedReplies`); records what the island will hold once it applies it. Called without the lock: it
+        encodes, and takes the lock to record."""
+        index = request.fragment_id
+        named = request.held.HasField("version")  # the reply names its base only when the island did
+        key = (encoding, held.incarnation, held.version, held.digest, named)
+
+        def make() -> _DeltaReply:
+            return self._make_delta_reply(index, held, newest, round_opened, encoding, request.held.version)
+
+        reply = self._delta_replies.get(index, (newest.incarnation, newest.version), key, make)
+        with self._cond:
+            self._references.record(request.island_id, index, reply.reference)
+        return reply.served
+
+    def _make_delta_reply(
         self,
-        request: pb.PullRequest,
+        index: int,
         held: Reference,
-        differences: list[torch.Tensor],
-        version: int,
+        newest: _Snapshot,
         round_opened: float,
         encoding: Encoding,
-    ) -> ServedPull:
-        """The difference from `held` to the values of `version` in `encoding`; records what the island will
-        hold once it applies it. Called without the lock: it encodes, and takes the lock to record."""
-        frag = self.state.fragments[request.fragment_id]
+        base: pb.FragmentVersion,
+    ) -> _DeltaReply:
+        """One pass over the fragment: the encoded difference, the values it gives and their digest."""
+        frag = self.state.fragments[index]
         block_size, top_k = self.config.block_size, self.config.top_k
-        named = [(spec.name, d) for spec, d in zip(frag.specs, differences)]
-        payloads, blobs = wire.tensor_payloads(named, encoding, block_size, top_k)
+        made = difference(newest.values, held.values, encoding, block_size, top_k, self.chunk)
+        named = [(spec.name, values) for spec, values in zip(frag.specs, newest.values)]
+        payloads = wire.payloads_of(named, made.blobs, encoding, block_size, top_k)
         for payload, spec in zip(payloads, frag.specs):
             payload.dtype = spec.dtype
-        values = tuple(held_after(held.values, blobs, encoding, block_size, top_k))
-        ref = Reference(self.state.incarnation, version, values, values_digest(values))
-        with self._cond:
-            self._references.record(request.island_id, request.fragment_id, ref)
+        values = tuple(made.held)
+        ref = Reference(newest.incarnation, newest.version, values, values_digest(values, self._hashing.map))
         messages = wire.fragment_messages(
-            request.fragment_id,
-            _version(ref.incarnation, version),
+            index,
+            _version(newest.incarnation, newest.version),
             payloads,
-            blobs,
-            delta_base=request.held.version,
+            made.blobs,
+            delta_base=base,
             round_opened_seconds=round_opened,
         )
-        return ServedPull(list(messages), sum(len(b) for b in blobs), delta=True)
+        return _DeltaReply(ServedPull(list(messages), sum(len(b) for b in made.blobs), delta=True), ref)
 
     def _count_cancelled(self, reason: str, method: str) -> None:
         """A stream that kept the shard waiting too long was cancelled; count it where operators look."""
@@ -756,9 +814,10 @@ class _Servicer:
                 key = PushKey(h.island_id, h.base.incarnation, h.base.version, h.sequence)
                 specs = _specs(h.tensors)
                 slack = h.slack_seconds if h.HasField("slack_seconds") else None
-                early, limit = s.admit_push(key, h.fragment_id, specs, h.tokens, h.inner_steps, slack)
+                declared = _declared_bytes(h.tensors)
+                early, limit = s.admit_push(key, h.fragment_id, specs, h.tokens, h.inner_steps, slack, declared)
                 if early is None:
-                    watched.expect(min(_declared_bytes(h.tensors), limit))
+                    watched.expect(min(declared, limit))
                     _, tensors = wire.read_push_stream(itertools.chain([h], parts), max_total_bytes=limit)
             if early is None:
                 delta = [t for _, t in tensors]

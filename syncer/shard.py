@@ -18,18 +18,28 @@ from typing import Any
 import torch
 
 from diloco.core.config import TrainingConfig
+from diloco.core.encoding import Encoded, decoded
 from diloco.core.fragments import owned_fragments
 from diloco.core.grace import HISTORY, grace_window, merge_closes
 from diloco.core.island_id import check_island_id
 from diloco.core.merge import (
+    CHUNK,
     MAX_TOKENS_PER_INNER_STEP,
     Contribution,
-    all_finite,
+    Delta,
     is_too_stale,
     merge_deltas,
     tokens_are_possible,
 )
-from diloco.core.outer_optimizer import ROUND_EPSILON, init_momentum, outer_momentum, outer_step, round_momentum
+from diloco.core.outer_optimizer import (
+    ROUND_EPSILON,
+    init_momentum,
+    largest_magnitude,
+    outer_momentum,
+    outer_step_chunked,
+    round_momentum,
+    step_bounds,
+)
 from diloco.core.refusal import Refusal
 
 CHECKPOINT_FORMAT = 2
@@ -38,7 +48,12 @@ READABLE_FORMATS = frozenset({1, CHECKPOINT_FORMAT})
 MAX_KNOWN_ISLANDS = 4096
 """Islands a shard remembers, joined or left: 8 times the most a DiLoCoJob admits; keeps Status small."""
 MAX_PENDING_BYTES = 16 * 1024**3
-"""Pending deltas a shard holds in memory: 8 islands' deltas of the whole `large` preset (1.4 GB) and room."""
+"""Pending deltas a shard holds in memory, as it holds them (as sent: int4 0.53 bytes a parameter): 8 islands'
+float32 deltas of the whole `large` preset (1.4 GB) and room, or 16 islands' int4 pushes of a 2 B model."""
+IN_PLACE_BOUND = 2.0**126
+"""A merge whose values and momentum are proven to stay below this magnitude (a quarter of float32's largest)
+steps in place; one that cannot be proven so steps on copies, so that a result that is not finite changes
+nothing."""
 
 
 class Refused(Exception):
@@ -71,7 +86,7 @@ class PushKey:
 @dataclass
 class Pending:
     key: PushKey
-    delta: list[torch.Tensor]
+    delta: list[Delta]  # as pushed: encoded on the wire (a shard's), or float32 values
     tokens: int
     inner_steps: int
     arrived: float = 0.0  # the shard's clock when it was taken
@@ -118,6 +133,7 @@ class ShardFragment:
     quorum_since: float | None = None
     merged_quorum_since: float | None = None  # when the last merge's quorum was reached
     merged_keys: set[PushKey] = field(default_factory=set)
+    magnitudes: tuple[float, float] | None = None  # largest |value| and |momentum| (None: not measured yet)
     round_progress: float = 0.0  # the share of the outer round in progress already merged (outer_step)
     round_left: set[str] = field(default_factory=set)  # islands that left while the round was in progress
     round_fresh: float = 0.0  # the share of the round in progress merged from fresh deltas (staleness 0)
@@ -147,10 +163,13 @@ class ShardState:
         num_shards: int,
         incarnation: int,
         max_pending_bytes: int = MAX_PENDING_BYTES,
+        chunk: int = CHUNK,
     ) -> None:
-        """`max_pending_bytes` bounds the pending deltas of all the shard's fragments together."""
+        """`max_pending_bytes` bounds the pending deltas of all the shard's fragments together; a merge works on
+        `chunk` elements of a tensor at a time (`diloco.core.outer_optimizer.outer_step_chunked`)."""
         if num_shards < 1 or not 0 <= shard_index < num_shards:
             raise ValueError(f"shard index {shard_index} is outside 0..{num_shards - 1}")
+        self.chunk = chunk
         self.config = config
         self.shard_index = shard_index
         self.num_shards = num_shards
@@ -267,8 +286,10 @@ class ShardState:
         tokens: int,
         inner_steps: int,
         slack_seconds: float | None = None,
+        nbytes: int | None = None,
     ) -> PushResult | None:
-        """Validates a push header before its data is read: a duplicate's result, None to go on, or Refused."""
+        """Validates a push header before its data is read: a duplicate's result, None to go on, or Refused.
+        `nbytes`: the bytes its delta will be held in (as the header declares them; None: float32 values)."""
         self.check_island(key.island)
         if slack_seconds is not None and not (math.isfinite(slack_seconds) and slack_seconds >= 0):
             raise Refused(
@@ -279,7 +300,7 @@ class ShardState:
             return PushResult(duplicate=True, version=frag.version, staleness=0)
         self._check_specs(frag, specs)
         self._check_room(frag, key.island)
-        self._check_pending_bytes(frag, key.island)
+        self._check_pending_bytes(frag, key.island, frag.nbytes if nbytes is None else nbytes)
         if not tokens_are_possible(tokens, inner_steps):
             raise Refused(
                 Refusal.INVALID,
@@ -295,21 +316,22 @@ class ShardState:
         key: PushKey,
         fragment: int,
         specs: Sequence[TensorSpec],
-        delta: Sequence[torch.Tensor],
+        delta: Sequence[Delta],
         tokens: int,
         inner_steps: int,
         now: float,
         step_seconds: float = 0.0,
         slack_seconds: float | None = None,
     ) -> PushResult:
-        """Takes a decoded delta as the island's pending contribution to the fragment's next merge.
+        """Takes a delta as the island's pending contribution to the fragment's next merge: as it came over the
+        wire (checked, not decoded: its merge decodes it chunk by chunk) or as float values.
 
         An island has at most one pending contribution per fragment: its deltas are cumulative against its
         base, so a newer push replaces an older one, and a late retry of an older push changes nothing.
         `step_seconds` is the island's measured seconds per inner step, `slack_seconds` how long after the
         push it mixes the merge in (0 and None: not measured).
         """
-        duplicate = self.check_push(key, fragment, specs, tokens, inner_steps, slack_seconds)
+        duplicate = self.check_push(key, fragment, specs, tokens, inner_steps, slack_seconds, _held_bytes(delta))
         if duplicate is not None:
             return duplicate
         frag = self.fragments[fragment]
@@ -321,7 +343,7 @@ class ShardState:
         ):
             return PushResult(duplicate=True, version=frag.version, staleness=staleness)
         self._record_lateness(frag, staleness, now)
-        delta32 = [d.to(torch.float32) for d in delta]
+        delta32 = [d if isinstance(d, Encoded) else d.to(torch.float32) for d in delta]
         frag.pending[key.island] = Pending(key, delta32, tokens, inner_steps, now, staleness == 0, slack_seconds)
         frag.max_staleness_seen = max(frag.max_staleness_seen, staleness)
         self.touch(key.island, now)
@@ -359,19 +381,19 @@ class ShardState:
         )
 
     def pending_bytes(self) -> int:
-        """The bytes of every pending delta the shard holds: each is float32 values of its fragment."""
-        return sum(len(f.pending) * f.nbytes for f in self.fragments.values())
+        """The bytes of every pending delta the shard holds, as it holds them: encoded as sent, or float32."""
+        return sum(_held_bytes(p.delta) for f in self.fragments.values() for p in f.pending.values())
 
-    def _check_pending_bytes(self, frag: ShardFragment, island: str) -> None:
-        """Refuses a new pending delta that would take the shard beyond `max_pending_bytes`; one replacing the
-        island's own pending delta takes no more."""
-        if island in frag.pending or self.pending_bytes() + frag.nbytes <= self.max_pending_bytes:
+    def _check_pending_bytes(self, frag: ShardFragment, island: str, nbytes: int) -> None:
+        """Refuses a new pending delta of `nbytes` that would take the shard beyond `max_pending_bytes`; one
+        replacing the island's own pending delta is always taken."""
+        if island in frag.pending or self.pending_bytes() + nbytes <= self.max_pending_bytes:
             return
         raise Refused(
             Refusal.TOO_LARGE,
             "pending_bytes",
             f"fragment {frag.index}: the shard's pending deltas take {self.pending_bytes()} bytes, and "
-            f"{frag.nbytes} more would pass its bound of {self.max_pending_bytes}; push again after a merge",
+            f"{nbytes} more would pass its bound of {self.max_pending_bytes}; push again after a merge",
         )
 
     def _check_specs(self, frag: ShardFragment, specs: Sequence[TensorSpec]) -> None:
@@ -467,12 +489,15 @@ class ShardState:
     def merge(self, index: int, now: float) -> MergeRecord:
         """Merges the pending contributions into the fragment with the outer optimizer; bumps its version.
 
-        A merge whose values or momentum would not be finite (finite deltas can still overflow float32) is
-        refused: the fragment, its momentum and version stay as they were, and its contributions are
-        dropped and counted as rejected. Their pushes were already answered as taken; their islands see no
-        newer version for them, so each round ends with the next merge of others or at its timeout, and the
-        island pushes again from its unchanged base. The step is taken on copies, so a refused merge
-        changes nothing: the fragment is held twice for the time of one outer step."""
+        One pass over the fragment: each chunk of the merged outer gradient is decoded from the pending deltas
+        and stepped into the values and momentum while in cache, in place. A merge whose values or momentum
+        would not be finite (finite deltas can still overflow float32) is refused: the fragment, its momentum
+        and version stay as they were, and its contributions are dropped and counted as rejected. Their pushes
+        were already answered as taken; their islands see no newer version for them, so each round ends with
+        the next merge of others or at its timeout, and the island pushes again from its unchanged base. The
+        step is taken in place when the magnitudes of the fragment, its momentum and the deltas prove it finite
+        (`step_bounds`; always, at the magnitudes training reaches), else on copies, holding the fragment twice
+        for the time of one outer step."""
         frag = self.seeded_fragment(index)
         if not frag.pending:
             raise ValueError(f"fragment {index} has nothing to merge")
@@ -480,31 +505,48 @@ class ShardState:
         contributions = [
             Contribution(p.key.island, p.delta, p.tokens, frag.version - p.key.base_version) for p in pending
         ]
-        outer_grad = merge_deltas(
+        gradient = merge_deltas(
             contributions,
             staleness_decay=self.config.staleness_decay,
             radial_directional=self.config.radial_directional,
+            chunk=self.chunk,
         )
         outer = self.config.outer
-        values = [v.clone() for v in frag.values]
-        momentum = [m.clone() for m in frag.momentum]
+        momentum_coef = round_momentum(outer_momentum(self.config), frag.freshness)
+        in_place = (
+            max(
+                step_bounds(
+                    *_magnitudes(frag),
+                    gradient.bound,
+                    lr=outer.lr,
+                    momentum_coef=momentum_coef,
+                    nesterov=outer.nesterov,
+                )
+            )
+            < IN_PLACE_BOUND
+        )
+        values = frag.values if in_place else [v.clone() for v in frag.values]
+        momentum = frag.momentum if in_place else [m.clone() for m in frag.momentum]
         share = self.merge_share(frag, len(pending), now)
-        progress = outer_step(
+        step = outer_step_chunked(
             values,
             momentum,
-            outer_grad,
+            gradient,
             lr=outer.lr,
-            momentum_coef=round_momentum(outer_momentum(self.config), frag.freshness),
+            momentum_coef=momentum_coef,
             nesterov=outer.nesterov,
             share=share,
             round_progress=frag.round_progress,
+            chunk=self.chunk,
         )
         frag.pending.clear()
         frag.merged_quorum_since, frag.quorum_since = frag.quorum_since, None
         tokens = sum(p.tokens for p in pending)
-        dropped = None if all_finite(values) and all_finite(momentum) else "non_finite"
+        finite = math.isfinite(step.value_magnitude) and math.isfinite(step.momentum_magnitude)
+        dropped = None if finite else "non_finite"
         if dropped is None:
             frag.values, frag.momentum = values, momentum
+            frag.magnitudes = (step.value_magnitude, step.momentum_magnitude)
             if frag.round_progress == 0 or frag.round_progress + share > 1 + ROUND_EPSILON:
                 frag.round_opened = merged_arrival(pending)  # this merge opened a round (or carried into one)
             fresh = sum(c.staleness == 0 for c in contributions) / len(contributions)
@@ -515,7 +557,7 @@ class ShardState:
                 frag.round_fresh = fresh * max(0.0, share - completing)
             else:
                 frag.round_fresh += fresh * share
-            frag.round_progress = progress
+            frag.round_progress = step.progress
             frag.version += 1
             frag.merged_keys |= {p.key for p in pending}
             oldest_useful = frag.version - self.config.max_staleness
@@ -559,6 +601,7 @@ class ShardState:
         state: dict[str, Any],
         new_incarnation: int,
         max_pending_bytes: int = MAX_PENDING_BYTES,
+        chunk: int = CHUNK,
     ) -> ShardState:
         """Resumes a shard. After an unclean stop the versions it served may be ahead of the checkpoint, so
         it takes a new incarnation: islands holding such versions are told to pull again. When each island
@@ -574,12 +617,25 @@ class ShardState:
             )
         clean = bool(state["clean"])
         incarnation = state["incarnation"] if clean else new_incarnation
-        shard = cls(config, shard_index, num_shards, incarnation, max_pending_bytes)
+        shard = cls(config, shard_index, num_shards, incarnation, max_pending_bytes, chunk)
         shard.islands = dict(state["islands"])
         shard.left = set(state.get("left", ()))  # checkpoints from before Leave existed have none
         for p, fragment in state["fragments"].items():
             _restore_fragment(shard.fragment(p), fragment, keep_pushes=clean)
         return shard
+
+
+def _held_bytes(delta: Sequence[Delta]) -> int:
+    """The bytes a pending delta is held in: as sent when encoded, float32 values otherwise."""
+    return sum(d.nbytes if isinstance(d, Encoded) else 4 * d.numel() for d in delta)
+
+
+def _magnitudes(frag: ShardFragment) -> tuple[float, float]:
+    """The largest |value| and |momentum| of the fragment, measured in a pass the first time (after a seed or a
+    restart), then kept by each merge's own pass (inf: not finite)."""
+    if frag.magnitudes is None:
+        frag.magnitudes = (largest_magnitude(frag.values), largest_magnitude(frag.momentum))
+    return frag.magnitudes
 
 
 def merged_arrival(pending: Sequence[Pending]) -> float:
@@ -598,7 +654,7 @@ def _saved_fragment(frag: ShardFragment) -> dict[str, Any]:
         "pending": [
             {
                 "key": [p.key.island, p.key.incarnation, p.key.base_version, p.key.sequence],
-                "delta": [d.clone() for d in p.delta],
+                "delta": [decoded(d).clone() if isinstance(d, Encoded) else d.clone() for d in p.delta],
                 "tokens": p.tokens,
                 "inner_steps": p.inner_steps,
             }

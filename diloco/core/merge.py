@@ -16,11 +16,15 @@ weighting (R unbounded).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from diloco.core.encoding import Encoded, accumulate, alignment
+from diloco.core.outer_optimizer import largest_magnitude
 
 # A step of more than 2^32 tokens is beyond any batch trained; a push claiming more per inner step is false.
 MAX_TOKENS_PER_INNER_STEP = 2**32
@@ -31,12 +35,21 @@ MAX_TOKEN_RATIO = 16
 _DIRECTION_EPS = 4 * torch.finfo(torch.float32).eps
 
 
+Delta = Tensor | Encoded
+"""One tensor of an island's outer gradient: float values, or the bytes as they came over the wire, checked but
+not decoded (`diloco.core.encoding.Encoded`), which the merge decodes chunk by chunk."""
+
+CHUNK = 1 << 18
+"""Elements per tensor a merge works on at a time, by default: a chunk's accumulator and the values and momentum
+it updates stay in a core's cache between the steps of the pass."""
+
+
 @dataclass(frozen=True)
 class Contribution:
     """One island's outer gradient for a fragment: one tensor per fragment tensor, in fragment order."""
 
     island: str
-    delta: Sequence[Tensor]
+    delta: Sequence[Delta]
     tokens: int
     staleness: int
 
@@ -66,7 +79,11 @@ def contribution_weights(contributions: Sequence[Contribution], staleness_decay:
     return [w / total for w in raw]
 
 
-def _check_deltas(deltas: Sequence[Sequence[Tensor]], weights: Sequence[float]) -> None:
+def _shape(delta: Delta) -> tuple[int, ...]:
+    return delta.shape if isinstance(delta, Encoded) else tuple(delta.shape)
+
+
+def _check_deltas(deltas: Sequence[Sequence[Delta]], weights: Sequence[float]) -> None:
     if not deltas:
         raise ValueError("cannot merge an empty set of deltas")
     if len(weights) != len(deltas):
@@ -76,52 +93,122 @@ def _check_deltas(deltas: Sequence[Sequence[Tensor]], weights: Sequence[float]) 
         if len(delta) != len(first):
             raise ValueError(f"delta {i} has {len(delta)} tensors, delta 0 has {len(first)}")
         for j, (tensor, reference) in enumerate(zip(delta, first)):
-            if tensor.shape != reference.shape:
-                raise ValueError(
-                    f"tensor {j} of delta {i} has shape {tuple(tensor.shape)}, delta 0 has {tuple(reference.shape)}"
-                )
-            if not tensor.is_floating_point():
+            if _shape(tensor) != _shape(reference):
+                raise ValueError(f"tensor {j} of delta {i} has shape {_shape(tensor)}, delta 0 has {_shape(reference)}")
+            if isinstance(tensor, Tensor) and not tensor.is_floating_point():
                 raise ValueError(f"tensor {j} of delta {i} has non-floating dtype {tensor.dtype}")
 
 
-def weighted_mean(deltas: Sequence[Sequence[Tensor]], weights: Sequence[float]) -> list[Tensor]:
-    """Per tensor position, Σ_i weights[i] · deltas[i][j] (weights are used as given)."""
-    _check_deltas(deltas, weights)
-    merged = []
-    for j in range(len(deltas[0])):
-        out = torch.mul(deltas[0][j], weights[0])
-        for delta, weight in zip(deltas[1:], weights[1:]):
-            out.add_(delta[j], alpha=weight)
-        merged.append(out)
-    return merged
+def _magnitude(delta: Delta) -> float:
+    """A bound on |x| over the delta's values: inf when a float tensor holds NaN or Inf."""
+    return delta.magnitude if isinstance(delta, Encoded) else largest_magnitude([delta])
 
 
-def radial_directional_mean(deltas: Sequence[Sequence[Tensor]], weights: Sequence[float]) -> list[Tensor]:
-    """Per tensor position, (Σ w_i ‖d_i‖) · unit(Σ w_i d_i / ‖d_i‖).
+def _add_weighted(out: Tensor, delta: Delta, start: int, weight: float, first: bool) -> None:
+    """`out` = (`first`) or += weight × elements [start, start + len(out)) of the delta, flattened."""
+    if isinstance(delta, Encoded):
+        accumulate(out, delta, start, weight, first)
+        return
+    values = delta.detach().reshape(-1)[start : start + out.numel()]
+    if first:
+        torch.mul(values, weight, out=out)
+    else:
+        out.add_(values, alpha=weight)
 
-    A zero delta adds norm 0 and no direction. When the mean direction vanishes (opposite directions cancel,
-    up to float32 rounding) the result is zero.
-    """
-    _check_deltas(deltas, weights)
-    merged = []
-    for j in range(len(deltas[0])):
-        reference = deltas[0][j]
-        direction = torch.zeros_like(reference)
-        mean_norm = 0.0
-        direction_weight = 0.0
-        for delta, weight in zip(deltas, weights):
-            norm = torch.linalg.vector_norm(delta[j]).item()
-            if norm == 0.0:
-                continue
-            mean_norm += weight * norm
-            direction_weight += abs(weight)
-            direction.add_(delta[j], alpha=weight / norm)
-        direction_norm = torch.linalg.vector_norm(direction).item()
-        if direction_norm <= _DIRECTION_EPS * direction_weight:
-            merged.append(direction.zero_())
+
+def _steps(numel: int, chunk: int, align: int) -> range:
+    """Where the chunks of a tensor of `numel` elements start: about `chunk` elements each, on multiples of
+    `align`."""
+    return range(0, numel, max(1, chunk // align) * align)
+
+
+def _norm(delta: Delta, chunk: int) -> float:
+    """The delta's L2 norm, decoded a chunk at a time, summed in float64."""
+    if isinstance(delta, Tensor):
+        return float(torch.linalg.vector_norm(delta.detach(), dtype=torch.float64))
+    steps = _steps(delta.numel, chunk, alignment(delta.encoding, delta.block_size))
+    scratch = torch.empty(min(steps.step, delta.numel))
+    squares = 0.0
+    for start in steps:
+        part = scratch[: min(steps.step, delta.numel - start)]
+        accumulate(part, delta, start, first=True)
+        squares += float(torch.linalg.vector_norm(part, dtype=torch.float64)) ** 2
+    return math.sqrt(squares)
+
+
+class MergedGradient:
+    """The merged outer gradient of a fragment, never held whole: `fill` writes a chunk of one of its tensors,
+    decoding each island's delta for just that chunk, so that the outer step takes it while it is in cache and
+    a merge needs no float32 copy of any delta (`diloco.core.outer_optimizer.outer_step_chunked`).
+
+    Plain: Σ_i weights[i] · deltas[i][j] (weights as given). Radial-directional: (Σ w_i ‖d_i‖) · unit(Σ w_i d_i
+    / ‖d_i‖) per tensor position j, where a zero delta adds norm 0 and no direction and a mean direction that
+    vanishes (opposite directions cancel, up to float32 rounding) gives zero; its direction needs every delta
+    before any chunk is known, so it is accumulated whole, one tensor at a time (4 bytes per element of the
+    largest tensor). `bound` bounds every element's magnitude, float32 rounding included, so a shard can prove
+    that an outer step stays finite before taking it in place."""
+
+    def __init__(
+        self, deltas: Sequence[Sequence[Delta]], weights: Sequence[float], *, radial: bool = False, chunk: int = CHUNK
+    ) -> None:
+        _check_deltas(deltas, weights)
+        if chunk < 1:
+            raise ValueError(f"chunk must be positive, got {chunk}")
+        self.deltas = [list(d) for d in deltas]
+        self.weights = list(weights)
+        self.radial = radial
+        self.chunk = chunk
+        self.shapes = [_shape(t) for t in deltas[0]]
+        tensors = range(len(self.shapes))
+        if radial:  # every element lies within its tensor's mean norm
+            self._norms = [[_norm(d[j], chunk) for j in tensors] for d in self.deltas]
+            sizes = [[n[j] for n in self._norms] for j in tensors]
         else:
-            merged.append(direction.mul_(mean_norm / direction_norm))
-    return merged
+            sizes = [[_magnitude(d[j]) for d in self.deltas] for j in tensors]
+        rounding = 1 + (len(deltas) + 4) * 2.0**-23
+        self.bound = max((sum(abs(w) * m for w, m in zip(self.weights, s)) for s in sizes), default=0.0) * rounding
+        self._direction: tuple[int, Tensor, float] | None = None
+
+    def alignment(self, index: int) -> int:
+        """Chunks of tensor `index` start on multiples of this: whole blocks of every delta's encoding."""
+        step = 1
+        for delta in self.deltas:
+            tensor = delta[index]
+            if isinstance(tensor, Encoded):
+                step = math.lcm(step, alignment(tensor.encoding, tensor.block_size))
+        return step
+
+    def numel(self, index: int) -> int:
+        return math.prod(self.shapes[index])
+
+    def fill(self, index: int, start: int, out: Tensor) -> None:
+        """`out` (flat) = elements [start, start + len(out)) of tensor `index` of the merged gradient; `start` a
+        multiple of `alignment(index)`."""
+        if not self.radial:
+            for i, (delta, weight) in enumerate(zip(self.deltas, self.weights)):
+                _add_weighted(out, delta[index], start, weight, i == 0)
+            return
+        _, direction, scale = self._radial_direction(index)
+        torch.mul(direction[start : start + out.numel()], scale, out=out)
+
+    def _radial_direction(self, index: int) -> tuple[int, Tensor, float]:
+        """Tensor `index`'s mean direction, whole, and the factor that gives it the mean norm (0: vanished)."""
+        if self._direction is not None and self._direction[0] == index:
+            return self._direction
+        self._direction = None  # the previous tensor's direction is freed before this one's is made
+        kept = [(d[index], w, n[index]) for d, w, n in zip(self.deltas, self.weights, self._norms) if n[index] != 0.0]
+        direction = torch.zeros(self.numel(index))
+        steps = _steps(direction.numel(), self.chunk, self.alignment(index))
+        for start in steps:  # chunk after chunk, each delta onto it while it is in cache
+            part = direction[start : start + steps.step]
+            for delta, weight, norm in kept:
+                _add_weighted(part, delta, start, weight / norm, False)
+        mean_norm = sum(weight * norm for _, weight, norm in kept)
+        direction_weight = sum(abs(weight) for _, weight, _ in kept)
+        direction_norm = float(torch.linalg.vector_norm(direction, dtype=torch.float64))
+        vanished = direction_norm <= _DIRECTION_EPS * direction_weight
+        self._direction = (index, direction, 0.0 if vanished else mean_norm / direction_norm)
+        return self._direction
 
 
 def merge_deltas(
@@ -129,18 +216,11 @@ def merge_deltas(
     *,
     staleness_decay: float = 1.0,
     radial_directional: bool = False,
-) -> list[Tensor]:
+    chunk: int = CHUNK,
+) -> MergedGradient:
     """The merged outer gradient of a fragment: contribution weights, then the plain or radial-directional mean."""
     weights = contribution_weights(contributions, staleness_decay)
-    deltas = [c.delta for c in contributions]
-    if radial_directional:
-        return radial_directional_mean(deltas, weights)
-    return weighted_mean(deltas, weights)
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """Whether no element is NaN or Inf: a merge whose result is not finite is refused, not applied."""
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    return MergedGradient([c.delta for c in contributions], weights, radial=radial_directional, chunk=chunk)
 
 
 def is_too_stale(staleness: int, max_staleness: int) -> bool:

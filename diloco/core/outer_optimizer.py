@@ -19,7 +19,11 @@ settled: stale one-island merges each carried momentum forward, and the global m
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -117,3 +121,100 @@ def outer_step(
             if progress >= 1 - ROUND_EPSILON:
                 progress = 0.0
     return progress
+
+
+class ChunkedGradient(Protocol):
+    """An outer gradient produced chunk by chunk (`diloco.core.merge.MergedGradient`)."""
+
+    def alignment(self, index: int) -> int:
+        """Chunks of tensor `index` start on multiples of this."""
+        ...
+
+    def fill(self, index: int, start: int, out: Tensor) -> None:
+        """`out` = elements [start, start + len(out)) of tensor `index`, flattened."""
+        ...
+
+
+@dataclass(frozen=True)
+class ChunkedStep:
+    """What `outer_step_chunked` did: the round's progress after it, and the largest magnitude of the values and
+    of the momentum it left (inf when any is not finite)."""
+
+    progress: float
+    value_magnitude: float
+    momentum_magnitude: float
+
+
+def largest_magnitude(tensors: Sequence[Tensor]) -> float:
+    """max |x| over the tensors in one pass each (0 when empty; inf when any value is NaN or Inf)."""
+    largest = 0.0
+    for tensor in tensors:
+        if tensor.numel():
+            lo, hi = (float(x) for x in torch.aminmax(tensor.detach()))
+            largest = max(largest, hi, -lo) if math.isfinite(hi) and math.isfinite(lo) else math.inf
+    return largest
+
+
+def outer_step_chunked(
+    params: Sequence[Tensor],
+    momentum: Sequence[Tensor],
+    gradient: ChunkedGradient,
+    *,
+    lr: float,
+    momentum_coef: float,
+    nesterov: bool = True,
+    share: float = 1.0,
+    round_progress: float = 0.0,
+    chunk: int,
+) -> ChunkedStep:
+    """`outer_step` with a gradient filled about `chunk` elements at a time: each chunk of the gradient is made
+    and taken while it and the chunk of values and momentum it moves are in cache, in one pass over each. The
+    step is elementwise, so the result is `outer_step`'s with the whole gradient, bit for bit. Measures the
+    magnitudes it leaves on the way (the next merge's proof that its step stays finite)."""
+    step = functools.partial(
+        outer_step, lr=lr, momentum_coef=momentum_coef, nesterov=nesterov, share=share, round_progress=round_progress
+    )
+    progress = step([], [], [])  # the arguments checked, and the progress known, with no tensor at all
+    if len(params) != len(momentum):
+        raise ValueError(f"got {len(params)} params and {len(momentum)} momentum buffers")
+    value_magnitude = momentum_magnitude = 0.0
+    for index, (param, buf) in enumerate(zip(params, momentum)):
+        if param.shape != buf.shape or not (param.is_contiguous() and buf.is_contiguous()):
+            raise ValueError(f"tensor {index}: param and momentum must be contiguous and alike in shape")
+        flat_param, flat_buf = param.view(-1), buf.view(-1)
+        align = gradient.alignment(index)
+        size = max(1, chunk // align) * align
+        scratch = torch.empty(min(size, flat_param.numel()), dtype=param.dtype)
+        for start in range(0, flat_param.numel(), size):
+            values, moment = flat_param[start : start + size], flat_buf[start : start + size]
+            grad = scratch[: values.numel()]
+            gradient.fill(index, start, grad)
+            step([values], [moment], [grad])
+            value_magnitude = max(value_magnitude, largest_magnitude([values]))
+            momentum_magnitude = max(momentum_magnitude, largest_magnitude([moment]))
+    return ChunkedStep(progress, value_magnitude, momentum_magnitude)
+
+
+def step_bounds(
+    value_bound: float,
+    momentum_bound: float,
+    gradient_bound: float,
+    *,
+    lr: float,
+    momentum_coef: float,
+    nesterov: bool = True,
+) -> tuple[float, float]:
+    """Bounds on the magnitude of the values and momentum during and after any share of a step, given bounds
+    before it and on the gradient: what lets a shard take a step in place, proven finite before it starts.
+
+    A share opens at most two rounds (it runs past the end of one into the next). The momentum never exceeds
+    momentum_bound + gradient_bound (each opening scales it by μ < 1, and the shares add up to at most one
+    gradient); each opening moves the values by lr · look-ahead · that at most and the shares by lr · gain ·
+    gradient_bound. float32 rounding of the few operations on each element adds relative errors of a few
+    2^-24, covered by a margin of 2^-20."""
+    look_ahead = momentum_coef if nesterov else 1.0
+    gradient_gain = 1 + momentum_coef if nesterov else 1.0
+    margin = 1 + 2.0**-20
+    momentum_after = (momentum_bound + gradient_bound) * margin
+    value_after = (value_bound + lr * (2 * look_ahead * momentum_after + gradient_gain * gradient_bound)) * margin
+    return value_after, momentum_after

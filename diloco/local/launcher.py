@@ -395,9 +395,10 @@ class LocalJob:
             str(self.out / "merges" / f"shard-{shard}.jsonl"),
         ]
         p = self.plan
-        workers = p.islands * p.ranks_per_island
+        threads = syncer_threads(os.cpu_count() or 1, p.islands * p.ranks_per_island, p.threads, p.shards)
+        command += ["--threads", str(threads)]
         env = {
-            **self._base_env(syncer_threads(os.cpu_count() or 1, workers, p.threads, p.shards)),
+            **self._base_env(threads),
             pod_env.TOKEN_FILE: str(self.secrets["token"]),
             **pod_env.tls_variables(
                 ca_file=str(self.secrets["ca.crt"]),

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError, Message
 
-from diloco.core.encoding import Encoding, EncodingError, decode, encode, encoded_nbytes
+from diloco.core.encoding import Encoded, Encoding, EncodingError, decoded, encode, encoded_nbytes, validated
 from diloco.core.refusal import Refusal
 from diloco.transport.codes import encoding_of, status_code, wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
@@ -86,26 +86,35 @@ def tensor_payloads(
 ) -> tuple[list[pb.TensorPayload], list[bytes]]:
     """Describe and encode tensors for a header: one TensorPayload and one byte string per tensor, in order.
     `top_k` is for SPARSE only, as `block_size` is for the blocked encodings only."""
-    payload_block = block_size if encoding in _BLOCKED else 0
-    payload_top_k = top_k if encoding is Encoding.SPARSE else 0
-    payloads, blobs = [], []
     for name, tensor in named:
         if tensor.dtype not in _DTYPES:
             raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}; the wire carries float32, bfloat16 or float16")
-        blob = encode(tensor, encoding, block_size, top_k)
-        payloads.append(
-            pb.TensorPayload(
-                name=name,
-                shape=list(tensor.shape),
-                dtype=_DTYPES[tensor.dtype],
-                encoding=wire_encoding(encoding),
-                block_size=payload_block,
-                top_k=payload_top_k,
-                byte_length=len(blob),
-            )
+    blobs = [encode(tensor, encoding, block_size, top_k) for _, tensor in named]
+    return payloads_of(named, blobs, encoding, block_size, top_k), blobs
+
+
+def payloads_of(
+    named: Sequence[tuple[str, torch.Tensor]],
+    blobs: Sequence[bytes],
+    encoding: Encoding,
+    block_size: int,
+    top_k: int = 0,
+) -> list[pb.TensorPayload]:
+    """The TensorPayloads of tensors already encoded as `blobs` (one per named tensor, in order)."""
+    payload_block = block_size if encoding in _BLOCKED else 0
+    payload_top_k = top_k if encoding is Encoding.SPARSE else 0
+    return [
+        pb.TensorPayload(
+            name=name,
+            shape=list(tensor.shape),
+            dtype=_DTYPES[tensor.dtype],
+            encoding=wire_encoding(encoding),
+            block_size=payload_block,
+            top_k=payload_top_k,
+            byte_length=len(blob),
         )
-        blobs.append(blob)
-    return payloads, blobs
+        for (name, tensor), blob in zip(named, blobs, strict=True)
+    ]
 
 
 def _pieces(blobs: Iterable[bytes], max_chunk: int) -> Iterator[list[memoryview]]:
@@ -298,7 +307,7 @@ def _read_stream(
     header_type: type[_Header],
     max_chunk: int,
     max_total_bytes: int,
-) -> tuple[_Header, list[tuple[pb.TensorPayload, torch.Tensor]]]:
+) -> tuple[_Header, list[tuple[pb.TensorPayload, Encoded]]]:
     parts = (item if isinstance(item, _PARTS) else _part(item) for item in items)
     header = next(parts, None)
     if header is None:
@@ -306,11 +315,11 @@ def _read_stream(
     if not isinstance(header, header_type):
         raise _invalid("first message is not a header")
     total = _declared_total(header.tensors)
-    decoded = sum(4 * math.prod(p.shape) for p in header.tensors)
-    if max(total, decoded) > max_total_bytes:
+    float32_bytes = sum(4 * math.prod(p.shape) for p in header.tensors)
+    if max(total, float32_bytes) > max_total_bytes:
         raise WireError(
             Refusal.TOO_LARGE,
-            f"header declares {total} bytes that decode to {decoded}, more than the limit of {max_total_bytes}",
+            f"header declares {total} bytes that decode to {float32_bytes}, more than the limit of {max_total_bytes}",
         )
     # Uninitialised memory: its pages are committed only as data lands, so a header that lies costs nothing.
     buffer = torch.empty(total, dtype=torch.uint8)
@@ -345,7 +354,7 @@ def _read_stream(
     offset = 0
     for p in header.tensors:
         try:
-            values = decode(
+            values = validated(
                 buffer[offset : offset + p.byte_length], p.shape, encoding_of(p.encoding), p.block_size, p.top_k
             )
         except EncodingError as e:
@@ -363,7 +372,8 @@ def read_fragment_stream(
 ) -> tuple[pb.FragmentHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
     """Read a Seed request or Pull reply (messages, or parts from `parse_fragment_chunk`) into its header
     and float32 tensors; raises WireError if malformed."""
-    return _read_stream(chunks, pb.FragmentHeader, max_chunk, max_total_bytes)
+    header, tensors = _read_stream(chunks, pb.FragmentHeader, max_chunk, max_total_bytes)
+    return header, [(payload, decoded(values)) for payload, values in tensors]
 
 
 def read_push_stream(
@@ -371,6 +381,7 @@ def read_push_stream(
     *,
     max_chunk: int = MAX_CHUNK_BYTES,
     max_total_bytes: int = MAX_STREAM_BYTES,
-) -> tuple[pb.PushHeader, list[tuple[pb.TensorPayload, torch.Tensor]]]:
-    """Read a PushDelta request into its header and float32 tensors; raises WireError if malformed."""
+) -> tuple[pb.PushHeader, list[tuple[pb.TensorPayload, Encoded]]]:
+    """Read a PushDelta request into its header and its tensors, checked but kept as they were sent (a shard
+    decodes them only as it merges them); raises WireError if malformed."""
     return _read_stream(chunks, pb.PushHeader, max_chunk, max_total_bytes)

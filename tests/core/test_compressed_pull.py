@@ -2,11 +2,15 @@
 island holds, and feeding each pull's error into the next keeps the island within one quantisation step of
 the shard's values however many versions go by."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from diloco.core.compressed_pull import apply_delta, held_after, values_digest
-from diloco.core.encoding import Encoding, error_bound
+from diloco.core.compressed_pull import DIGEST_LEAF_BYTES, apply_delta, difference, values_digest
+from diloco.core.encoding import Encoding, decode, encode, error_bound
 from diloco.transport import wire
 from diloco.transport.v1 import syncer_pb2 as pb
 
@@ -16,6 +20,14 @@ SHAPES = [(64, 33), (7,), ()]
 def _random(seed: int, scale: float = 1.0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=g) * scale for shape in SHAPES]
+
+
+def _decoded_by_the_island(blobs, held, encoding, block_size, top_k):
+    """What an island decodes from a Pull reply of `blobs`: the real wire path."""
+    named = [(str(i), h) for i, h in enumerate(held)]
+    payloads, _ = wire.tensor_payloads(named, encoding, block_size, top_k)
+    messages = wire.fragment_messages(0, pb.FragmentVersion(version=1), payloads, blobs, max_chunk=1000)
+    return [t for _, t in wire.read_fragment_stream(wire.parse_fragment_chunk(m) for m in messages)[1]]
 
 
 def _through_the_wire(differences, encoding, block_size):
@@ -45,18 +57,39 @@ class TestChecksum:
 
 
 class TestAgreement:
-    @pytest.mark.parametrize("encoding", [Encoding.FP32, Encoding.BF16, Encoding.INT8, Encoding.INT4])
+    @pytest.mark.parametrize("encoding", [Encoding.FP32, Encoding.BF16, Encoding.INT8, Encoding.INT4, Encoding.SPARSE])
     def test_island_and_shard_compute_the_same_values_bit_for_bit(self, encoding):
         held = _random(1)
         new = [h + d for h, d in zip(held, _random(2, 0.01))]
-        differences = [n - h for n, h in zip(new, held)]
-        blobs, decoded = _through_the_wire(differences, encoding, 32)
-        island = apply_delta(held, decoded)
-        shard = held_after(held, blobs, encoding, 32)
-        assert all(torch.equal(a, b) for a, b in zip(island, shard))
-        assert values_digest(island) == values_digest(shard)
-        for got, want, d in zip(island, new, differences):
-            assert torch.all((got - want).abs() <= error_bound(d, encoding, 32) + want.abs() * 2.0**-23)
+        shard = difference(new, held, encoding, 32, 4, chunk=300)
+        island = apply_delta(held, _decoded_by_the_island(shard.blobs, held, encoding, 32, 4))
+        assert all(torch.equal(a, b) for a, b in zip(island, shard.held))
+        assert values_digest(island) == values_digest(shard.held)
+        if encoding is not Encoding.SPARSE:  # sparse sends a block's top k: the rest waits for the next pull
+            for got, want, h in zip(island, new, held):
+                assert torch.all((got - want).abs() <= error_bound(want - h, encoding, 32) + want.abs() * 2.0**-23)
+
+    @settings(max_examples=40, deadline=None)
+    @given(
+        encoding=st.sampled_from([Encoding.BF16, Encoding.INT8, Encoding.INT4, Encoding.SPARSE]),
+        sizes=st.lists(st.integers(0, 90), min_size=1, max_size=3),
+        chunk=st.integers(1, 50),
+        seed=st.integers(0, 2**16),
+    )
+    def test_one_pass_chunk_by_chunk_is_the_difference_encoded_whole(self, encoding, sizes, chunk, seed):
+        """The shard's pass sends the bytes of `encode(new − held)` and records `held + decode(them)`."""
+        g = torch.Generator().manual_seed(seed)
+        held = [torch.randn(n, generator=g) for n in sizes]
+        new = [h + 0.1 * torch.randn(h.shape, generator=g) for h in held]
+        shard = difference(new, held, encoding, 4, 2, chunk=chunk)
+        assert shard.blobs == [encode(n - h, encoding, 4, 2) for n, h in zip(new, held)]
+        want = apply_delta(held, [decode(b, h.shape, encoding, 4, 2) for b, h in zip(shard.blobs, held)])
+        assert all(torch.equal(a, b) for a, b in zip(shard.held, want))
+
+    def test_the_digest_is_the_same_however_its_leaves_are_hashed(self):
+        values = [torch.randn(DIGEST_LEAF_BYTES // 4 * 2 + 5), torch.randn(3)]  # three leaves, then one
+        with ThreadPoolExecutor(4) as pool:
+            assert values_digest(values, pool.map) == values_digest(values)
 
     def test_apply_refuses_a_difference_of_another_layout(self):
         held = _random(1)
@@ -85,13 +118,12 @@ def test_error_feedback_keeps_the_island_within_one_step_of_the_shard_over_many_
         previous = theta
         theta = [t + u for t, u in zip(theta, update)]
         differences = [t - h for t, h in zip(theta, held)]
-        blobs, _ = _through_the_wire(differences, Encoding.INT4, block)
-        held = held_after(held, blobs, Encoding.INT4, block)
+        held = difference(theta, held, Encoding.INT4, block).held
         for t, h, d in zip(theta, held, differences):
             bound = error_bound(d, Encoding.INT4, block) + t.abs() * 2.0**-23  # and the rounding of the sum
             worst_ratio = max(worst_ratio, float(((t - h).abs() / bound).max()))
         naive_blobs, _ = _through_the_wire([t - p for t, p in zip(theta, previous)], Encoding.INT4, block)
-        naive = held_after(naive, naive_blobs, Encoding.INT4, block)
+        naive = apply_delta(naive, [decode(b, n.shape, Encoding.INT4, block) for b, n in zip(naive_blobs, naive)])
         naive_error = max(float((t - n).abs().max()) for t, n in zip(theta, naive))
     assert worst_ratio <= 1.0
     final_error = max(float((t - h).abs().max()) for t, h in zip(theta, held))

@@ -6,9 +6,23 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from diloco.core.config import MAX_BLOCK_SIZE
-from diloco.core.encoding import Encoding, EncodingError, decode, encode, encoded_nbytes, error_bound
+from diloco.core.encoding import (
+    Encoding,
+    EncodingError,
+    accumulate,
+    alignment,
+    decode,
+    decoded,
+    encode,
+    encode_into,
+    encoded_nbytes,
+    error_bound,
+    validated,
+)
 
 ALL = [Encoding.FP32, Encoding.BF16, Encoding.INT8, Encoding.INT4]
 QUANTISED = [Encoding.INT8, Encoding.INT4]
@@ -256,3 +270,72 @@ def test_an_empty_shape_whose_other_dimensions_overflow_is_refused():
     """Zero elements, so zero bytes, but strides beyond 64 bits: refused as malformed, not a crash."""
     with pytest.raises(EncodingError, match="beyond what a tensor can index"):
         decode(b"", [0, 2**40, 2**40], Encoding.FP32, 0)
+
+
+# Chunks: what a shard decodes blockwise into one accumulator, and encodes chunk by chunk.
+
+EVERY = [*ALL, Encoding.SPARSE]
+
+
+def _chunks(numel: int, step: int) -> list[tuple[int, int]]:
+    return [(start, min(numel, start + step)) for start in range(0, numel, step)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    encoding=st.sampled_from(EVERY),
+    numel=st.integers(0, 300),
+    block_size=st.sampled_from([2, 4, 6, 16]),
+    chunk_blocks=st.integers(1, 5),
+    weight=st.sampled_from([1.0, 0.25, 0.7]),
+    seed=st.integers(0, 2**16),
+)
+def test_chunk_by_chunk_is_the_whole_tensor_at_once(encoding, numel, block_size, chunk_blocks, weight, seed):
+    """`encode_into` chunk by chunk writes `encode`'s bytes; `accumulate` with `first` and weight 1 is `decode`
+    bit for bit, and with a weight adds weight × decode within float32 rounding."""
+    top_k = 1 if encoding is Encoding.SPARSE else 0
+    x = _random((numel,), seed=seed)
+    data = encode(x, encoding, block_size, top_k)
+    step = alignment(encoding, block_size) * chunk_blocks
+    chunked = torch.empty(len(data), dtype=torch.uint8)
+    for start, stop in _chunks(numel, step):
+        encode_into(x[start:stop], chunked, start, numel, encoding, block_size, top_k)
+    assert chunked.numpy().tobytes() == data
+    source = validated(data, [numel], encoding, block_size, top_k)
+    whole = decode(data, [numel], encoding, block_size, top_k)
+    assert torch.equal(decoded(source), whole)
+    out, total = torch.full((numel,), math.nan), torch.full((numel,), 0.5)
+    for start, stop in _chunks(numel, step):
+        accumulate(out[start:stop], source, start, first=True)
+        accumulate(total[start:stop], source, start, weight)
+    assert torch.equal(out, whole), "first mode overwrites, NaN included"
+    torch.testing.assert_close(total, 0.5 + weight * whole, rtol=2e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("encoding", EVERY)
+def test_magnitude_bounds_every_decoded_value(encoding):
+    x = _random((1000,), seed=3, magnitude=5.0)
+    source = validated(encode(x, encoding, 16, 4), [1000], encoding, 16, 4)
+    assert source.nbytes == encoded_nbytes(1000, encoding, 16, 4)
+    assert float(decode(source.data, [1000], encoding, 16, 4).abs().max()) <= source.magnitude
+    assert source.magnitude <= 1.2 * float(x.abs().max()) * (2.0 if encoding is Encoding.SPARSE else 1.0)
+
+
+@pytest.mark.parametrize("encoding", QUANTISED)
+def test_a_scale_whose_largest_value_may_overflow_is_decoded_to_see_whether_any_does(encoding):
+    """A scale near float32's largest is fine when no value reaches beyond it: the magnitude is then exact."""
+    data = bytearray(encode(torch.tensor([0.0, 0.0, 0.0, 0.0]), encoding, 4))
+    struct.pack_into("<f", data, 0, 3e38)
+    source = validated(data, [4], encoding, 4)
+    assert source.magnitude == 0.0
+    assert torch.equal(decoded(source), torch.zeros(4))
+
+
+def test_a_chunk_off_its_alignment_is_refused():
+    source = validated(encode(torch.ones(16), Encoding.INT4, 4), [16], Encoding.INT4, 4)
+    with pytest.raises(ValueError, match="no chunk"):
+        accumulate(torch.zeros(4), source, 2)
+    with pytest.raises(ValueError, match="no chunk"):
+        accumulate(torch.zeros(8), source, 12)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        encode_into(torch.ones(4), torch.empty(24, dtype=torch.uint8), 2, 16, Encoding.INT4, 4)

@@ -1,10 +1,12 @@
+import math
+
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco.core.config import Encoding, TrainingConfig
-from diloco.core.outer_optimizer import init_momentum, outer_momentum, outer_step
+from diloco.core.outer_optimizer import init_momentum, outer_momentum, outer_step, outer_step_chunked, step_bounds
 
 
 def test_hand_computed_three_nesterov_steps():
@@ -175,3 +177,99 @@ def test_the_shard_leaves_momentum_to_the_islands_error_feedback_when_deltas_are
     job = TrainingConfig()
     assert outer_momentum(job) == job.outer.momentum == 0.9
     assert outer_momentum(job.updated(encoding=Encoding.SPARSE)) == 0.0
+
+
+# The step chunk by chunk, as a shard takes it in place.
+
+
+class Whole:
+    """A gradient held whole, handed out chunk by chunk (a merged gradient does so without holding it)."""
+
+    def __init__(self, tensors: list[torch.Tensor], align: int = 1) -> None:
+        self.tensors, self.align = tensors, align
+
+    def alignment(self, index: int) -> int:
+        return self.align
+
+    def fill(self, index: int, start: int, out: torch.Tensor) -> None:
+        out.copy_(self.tensors[index].reshape(-1)[start : start + out.numel()])
+
+
+@settings(deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 50), min_size=1, max_size=3),
+    chunk=st.integers(1, 20),
+    align=st.integers(1, 4),
+    share=st.floats(0.05, 1.0),
+    progress=st.floats(0.0, 0.95),
+    nesterov=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_chunk_by_chunk_is_the_whole_step_bit_for_bit(sizes, chunk, align, share, progress, nesterov, seed):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=gen) for n in sizes]
+    momentum = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [torch.randn(n, generator=gen) for n in sizes]
+    whole_params, whole_momentum = [p.clone() for p in params], [m.clone() for m in momentum]
+    want = outer_step(
+        whole_params, whole_momentum, grads, **OUTER, nesterov=nesterov, share=share, round_progress=progress
+    )
+    step = outer_step_chunked(
+        params,
+        momentum,
+        Whole(grads, align),
+        **OUTER,
+        nesterov=nesterov,
+        share=share,
+        round_progress=progress,
+        chunk=chunk,
+    )
+    assert step.progress == want
+    assert all(torch.equal(a, b) for a, b in zip(params, whole_params))
+    assert all(torch.equal(a, b) for a, b in zip(momentum, whole_momentum))
+    magnitude = max((float(p.abs().max()) for p in whole_params if p.numel()), default=0.0)
+    assert step.value_magnitude == magnitude
+    assert step.momentum_magnitude == max((float(m.abs().max()) for m in whole_momentum if m.numel()), default=0.0)
+
+
+def test_a_step_that_overflows_reports_an_infinite_magnitude():
+    params, momentum = [torch.full((4,), 3e38)], [torch.zeros(4)]
+    step = outer_step_chunked(params, momentum, Whole([torch.full((4,), -3e38)]), **OUTER, chunk=2)
+    assert math.isinf(step.value_magnitude) and step.momentum_magnitude == pytest.approx(3e38)
+
+
+def test_values_that_are_not_contiguous_are_refused():
+    params = [torch.zeros(4, 2).t()]
+    with pytest.raises(ValueError, match="contiguous"):
+        outer_step_chunked(params, [torch.zeros(2, 4)], Whole([torch.zeros(2, 4)]), **OUTER, chunk=2)
+
+
+def test_hand_computed_step_bounds():
+    # |buf| <= 2 + 1 = 3; |theta| <= 10 + 0.7 * (2 * 0.9 * 3 + 1.9 * 1) = 10 + 0.7 * 7.3 = 15.11, each with a
+    # margin of 2^-20 for float32 rounding.
+    values, momentum = step_bounds(10.0, 2.0, 1.0, **OUTER)
+    assert momentum == pytest.approx(3.0, rel=1e-5) and momentum >= 3.0
+    assert values == pytest.approx(15.11, rel=1e-5) and values >= 15.11
+
+
+@settings(deadline=None)
+@given(
+    share=st.floats(0.05, 1.0),
+    progress=st.floats(0.0, 0.95),
+    nesterov=st.booleans(),
+    mu=st.floats(0.0, 0.99),
+    scale=st.sampled_from([1e-3, 1.0, 1e30]),
+    seed=st.integers(0, 2**16),
+)
+def test_no_step_leaves_the_bounds(share, progress, nesterov, mu, scale, seed):
+    """Whatever the share and the round it lands in, the values and momentum after a step lie within the
+    bounds computed from their magnitudes before it and the gradient's."""
+    gen = torch.Generator().manual_seed(seed)
+    params, momentum, grad = (torch.randn(64, generator=gen) * scale for _ in range(3))
+    bounds = [float(x.abs().max()) for x in (params, momentum, grad)]
+    outer_step(
+        [params], [momentum], [grad], lr=0.7, momentum_coef=mu, nesterov=nesterov, share=share, round_progress=progress
+    )
+    value_bound, momentum_bound = step_bounds(*bounds, lr=0.7, momentum_coef=mu, nesterov=nesterov)
+    assert float(params.abs().max()) <= value_bound
+    assert float(momentum.abs().max()) <= momentum_bound

@@ -67,6 +67,8 @@ def test_a_syncer_process_is_told_its_thread_count(tmp_path):
     job = LocalJob(RunPlan(mode="diloco", config=TrainingConfig(), out=tmp_path, islands=1))
     expected = syncer_threads(os.cpu_count() or 1, 1, 1, 1)
     assert job.syncers[0].env["OMP_NUM_THREADS"] == str(expected)
+    command = job.syncers[0].command
+    assert command[command.index("--threads") + 1] == str(expected), "merges and differences run on as many"
     assert job.workers["island-0"].env["OMP_NUM_THREADS"] == "1"
 
 

@@ -219,6 +219,20 @@ def test_syncer_deployment():
     assert pod["automountServiceAccountToken"] is False
 
 
+def test_a_shard_works_on_as_many_threads_as_cores_it_requests():
+    def env(resources):
+        spec = make_spec(syncer={"shards": 1, "resources": resources})
+        (container,) = render(spec)[("Deployment", "demo-syncer-0")]["spec"]["template"]["spec"]["containers"]
+        return env_of(container)
+
+    sixteen = env({"requests": {"cpu": "16"}, "limits": {"cpu": "32"}})
+    assert sixteen["DILOCO_SYNCER_THREADS"] == "16" and sixteen["OMP_NUM_THREADS"] == "16", "the request, not the limit"
+    assert env({"limits": {"cpu": 8}})["DILOCO_SYNCER_THREADS"] == "8", "a limit alone"
+    assert env({"requests": {"cpu": "2500m"}})["DILOCO_SYNCER_THREADS"] == "2", "whole cores"
+    assert env({"requests": {"cpu": "250m"}})["DILOCO_SYNCER_THREADS"] == "1", "never fewer than one"
+    assert "DILOCO_SYNCER_THREADS" not in env({}), "no CPU named: every CPU it may run on"
+
+
 def test_syncer_image_override_and_stopped_syncers():
     spec = make_spec(syncer={"shards": 1, "image": "reg.example/syncer:2"})
     deployment = render(spec, scale=Scale(islands={}, syncers=0))[("Deployment", "demo-syncer-0")]

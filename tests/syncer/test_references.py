@@ -46,3 +46,17 @@ def test_a_reference_larger_than_the_bound_is_not_kept():
     assert len(refs) == 0 and refs.match("a", 0, 1, 1, 7) is None
     with pytest.raises(ValueError):
         References(max_bytes=-1)
+
+
+def test_a_reference_several_islands_hold_is_counted_once():
+    """One reply sent to every island that held the same values: kept once, so it does not crowd others out."""
+    refs = References(max_bytes=100)  # two references of 40 bytes fit
+    shared = _ref(1)
+    for island in "abcd":
+        refs.record(island, 0, shared)
+    refs.record("e", 0, _ref(1))
+    assert refs.nbytes == 80 and len(refs) == 5
+    assert all(refs.match(island, 0, 1, 1, 7) is not None for island in "abcde")
+    refs.record("f", 0, _ref(1))  # 120 bytes: the least recently served go, the shared one with its last holder
+    assert refs.nbytes == 80 and len(refs) == 2
+    assert refs.match("e", 0, 1, 1, 7) is not None and refs.match("f", 0, 1, 1, 7) is not None

@@ -13,6 +13,7 @@ from syncer_harness import TOKEN, config_for, make_client, open_channel, random_
 
 from diloco.core.compressed_pull import values_digest
 from diloco.core.encoding import Encoding, encoded_nbytes, error_bound
+from diloco.syncer import server as server_module
 from diloco.transport.client import Held
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.v1 import syncer_pb2_grpc
@@ -166,3 +167,29 @@ def test_a_real_shard_process_serves_differences_and_full_values_after_a_restart
     finally:
         island.close()
         pusher.close()
+
+
+def test_islands_holding_the_same_values_get_one_difference_made_once(start_server, monkeypatch):
+    """Islands that pulled the same version hold the same values: each next version is one pass over the
+    fragment for all of them, and every island gets its bytes and ends up holding the same values."""
+    made = []
+    real = server_module.difference
+    monkeypatch.setattr(server_module, "difference", lambda *args: made.append(1) or real(*args))
+    server = start_server(config_for(quorum=1, grace_seconds=0.0, block_size=BLOCK, max_staleness=1000), threads=2)
+    islands = [make_client(server.port, f"island-{i}") for i in range(4)]
+    pusher = make_client(server.port, "pusher")
+    try:
+        held = [_held(island.pull_delta(0, have=None, held=None, encoding=Encoding.INT4)) for island in islands]
+        version = held[0].version
+        for step in range(3):
+            version = _merge_once(pusher, 0, version, seed=step)
+            pulled = [
+                island.pull_delta(0, have=h.version, held=h, encoding=Encoding.INT4) for island, h in zip(islands, held)
+            ]
+            assert all(p.delta and p.version == version for p in pulled)
+            held = [_held(p) for p in pulled]
+            assert len({h.digest for h in held}) == 1, "every island holds the same values"
+            assert len(made) == step + 1, "one difference per version, not one per island"
+    finally:
+        for client in (*islands, pusher):
+            client.close()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from diloco.core.config import TrainingConfig
+from diloco.core.encoding import Encoded, Encoding, decoded, encode, validated
 from diloco.core.grace import MARGIN, SLACK_FRACTION
 from diloco.core.island_id import ISLAND_ID_MAX_CHARS
 from diloco.core.merge import MAX_TOKEN_RATIO
@@ -757,3 +758,77 @@ class TestIslandIds:
         shard.join("last", 2.0)  # an island it knows may always join again
         shard.join("island-0", 2.0)
         assert len(shard.islands) == MAX_KNOWN_ISLANDS
+
+
+class TestMergeAtSize:
+    """A shard keeps pushes as they came over the wire and merges them in one pass, in place when it can prove
+    the step finite, on copies otherwise."""
+
+    @staticmethod
+    def encoded(values: list[torch.Tensor], encoding: Encoding = Encoding.INT4) -> list[Encoded]:
+        return [validated(encode(v, encoding, 4, 1), v.shape, encoding, 4, 1) for v in values]
+
+    @pytest.mark.parametrize("encoding", [Encoding.INT4, Encoding.SPARSE, Encoding.FP32])
+    def test_encoded_pushes_merge_as_their_decoded_values_would(self, encoding):
+        gen = torch.Generator().manual_seed(5)
+        pushes = {island: [torch.randn(2, generator=gen), torch.randn(1, generator=gen)] for island in "ab"}
+        shards = {"encoded": make_shard(quorum=2, grace_seconds=60.0), "decoded": make_shard(quorum=2)}
+        for form, shard in shards.items():
+            for island, values in pushes.items():
+                sent = self.encoded(values, encoding)
+                delta = sent if form == "encoded" else [decoded(e) for e in sent]
+                shard.submit(PushKey(island, INCARNATION, 0, 0), 0, SPECS, delta, 100, 10, 0.0)
+            if form == "encoded":
+                assert all(isinstance(d, Encoded) for d in shard.fragments[0].pending["a"].delta), "kept encoded"
+            shard.merge(0, 0.0)
+        got, want = shards["encoded"].fragments[0], shards["decoded"].fragments[0]
+        for a, b in zip([*got.values, *got.momentum], [*want.values, *want.momentum]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+    def test_a_merge_at_ordinary_magnitudes_steps_in_place(self):
+        shard = make_shard()
+        frag = shard.fragments[0]
+        storage = [t.data_ptr() for t in [*frag.values, *frag.momentum]]
+        push(shard, "a", 0.0, delta=1.0)
+        shard.merge(0, 0.0)
+        assert [t.data_ptr() for t in [*frag.values, *frag.momentum]] == storage, "no copy of the fragment"
+        expected = outer_lr_first_step(1.0, shard.config)
+        assert torch.allclose(frag.values[0], torch.full((2,), expected))
+        assert frag.magnitudes == pytest.approx((abs(expected), 1.0)), "the pass measured what it left"
+
+    def test_a_merge_that_cannot_be_proven_finite_but_is_steps_on_copies_and_is_applied(self):
+        shard = make_shard()
+        frag = shard.fragments[0]
+        frag.values = [torch.full((2,), 2e38), torch.zeros(1)]
+        frag.magnitudes = None  # measured at the next merge
+        storage = frag.values[0].data_ptr()
+        push(shard, "a", 0.0, delta=-1.0)
+        record = shard.merge(0, 0.0)
+        assert record.dropped is None and frag.version == 1
+        assert frag.values[0].data_ptr() != storage, "stepped on a copy"
+        assert torch.equal(frag.values[0], torch.full((2,), 2e38)), "a step of 1.33 is lost in 2e38's rounding"
+        assert frag.values[1].item() == pytest.approx(-outer_lr_first_step(1.0, shard.config))
+
+    def test_a_clean_resume_keeps_encoded_pending_pushes_as_their_values(self):
+        shard = make_shard(quorum=2, grace_seconds=60.0)
+        sent = self.encoded([torch.tensor([0.5, -0.25]), torch.tensor([1.0])])
+        shard.submit(PushKey("a", INCARNATION, 0, 0), 0, SPECS, sent, 100, 10, 0.0)
+        resumed = ShardState.from_state_dict(shard.config, 0, 1, shard.to_state_dict(clean=True), INCARNATION)
+        kept = resumed.fragments[0].pending["a"].delta
+        assert all(torch.equal(k, decoded(e)) for k, e in zip(kept, sent))
+
+    def test_pending_pushes_count_as_the_bytes_they_are_held_in(self):
+        """Pushes kept as sent take what they were sent in, so a bound that holds two float32 deltas holds
+        several int4 ones; a header declaring more than the room left is refused before its data is read."""
+        int4 = self.encoded([torch.ones(2), torch.ones(1)])
+        held = sum(e.nbytes for e in int4)  # a scale and a byte per tensor: 10 bytes against 12 in float32
+        shard = make_shard(max_pending_bytes=3 * held, quorum=4, grace_seconds=60.0)
+        for island in "abcd":
+            shard.join(island, 0.0)
+        for island in "abc":
+            shard.submit(PushKey(island, INCARNATION, 0, 0), 0, SPECS, int4, 100, 10, 0.0)
+        assert shard.pending_bytes() == 3 * held
+        with pytest.raises(Refused, match="pending deltas take"):
+            shard.check_push(PushKey("d", INCARNATION, 0, 0), 0, SPECS, 100, 10, nbytes=held)
+        shard.merge(0, 0.0)
+        assert shard.check_push(PushKey("d", INCARNATION, 0, 0), 0, SPECS, 100, 10, nbytes=held) is None

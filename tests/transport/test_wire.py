@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from diloco.core.encoding import Encoding, encode, error_bound
+from diloco.core.encoding import Encoded, Encoding, decoded, encode, error_bound
 from diloco.core.refusal import Refusal
 from diloco.transport.codes import encoding_of, wire_encoding
 from diloco.transport.v1 import syncer_pb2 as pb
@@ -190,9 +190,10 @@ def test_fragment_round_trip(encoding, max_chunk):
 def test_push_round_trip(encoding):
     named = _named(seed=1)
     chunks = list(push_stream(_push_header(), named, encoding, 8, max_chunk=50))
-    header, decoded = read_push_stream(chunks, max_chunk=50)
+    header, kept = read_push_stream(chunks, max_chunk=50)
     assert header.island_id == "island-a" and header.sequence == 9 and header.base == VERSION
-    _assert_decoded(named, decoded, encoding, 8)
+    assert all(isinstance(values, Encoded) and values.encoding is encoding for _, values in kept), "kept encoded"
+    _assert_decoded(named, [(payload, decoded(values)) for payload, values in kept], encoding, 8)
 
 
 def test_tensor_larger_than_a_chunk_spans_several_chunks():
@@ -240,8 +241,8 @@ def test_empty_data_messages_are_tolerated():
 
 def test_reader_accepts_a_generator():
     named = _named()
-    _, decoded = read_push_stream(iter(push_stream(_push_header(), named, Encoding.INT8, 16)))
-    _assert_decoded(named, decoded, Encoding.INT8, 16)
+    _, kept = read_push_stream(iter(push_stream(_push_header(), named, Encoding.INT8, 16)))
+    _assert_decoded(named, [(payload, decoded(values)) for payload, values in kept], Encoding.INT8, 16)
 
 
 # --- refusals ---------------------------------------------------------------------------------------------
@@ -379,9 +380,12 @@ def test_zero_copy_parts_read_like_messages(parse, build):
     payloads, blobs = tensor_payloads(named, Encoding.FP32, 0)
     parts = [parse(raw) for raw in build(payloads, blobs)]
     assert all(isinstance(part, Data) and isinstance(part.view, memoryview) for part in parts[1:])
-    read = read_fragment_stream if parse is parse_fragment_chunk else read_push_stream
-    _, decoded = read(parts, max_chunk=300)
-    for (_, want), (_, got) in zip(named, decoded):
+    if parse is parse_fragment_chunk:
+        _, tensors = read_fragment_stream(parts, max_chunk=300)
+    else:
+        _, kept = read_push_stream(parts, max_chunk=300)
+        tensors = [(payload, decoded(values)) for payload, values in kept]
+    for (_, want), (_, got) in zip(named, tensors):
         assert torch.equal(got, want.to(torch.float32))
 
 

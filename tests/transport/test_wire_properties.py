@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco.core.encoding import Encoding
+from diloco.core.encoding import Encoding, decoded
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.wire import (
     MAX_STREAM_BYTES,
@@ -76,8 +76,11 @@ def _framed(named, encoding, block_size, top_k, push: bool) -> list[bytes]:
 
 
 def _read(messages: list[bytes], push: bool, **limits):
-    parse, read = (parse_push_chunk, read_push_stream) if push else (parse_fragment_chunk, read_fragment_stream)
-    return read([parse(raw) for raw in messages], max_chunk=MAX_CHUNK, **limits)
+    """Header and float32 tensors, a push's decoded from what its reader keeps."""
+    if not push:
+        return read_fragment_stream([parse_fragment_chunk(raw) for raw in messages], max_chunk=MAX_CHUNK, **limits)
+    header, kept = read_push_stream([parse_push_chunk(raw) for raw in messages], max_chunk=MAX_CHUNK, **limits)
+    return header, [(payload, decoded(values)) for payload, values in kept]
 
 
 def _assert_bounded_by_what_was_sent(messages: list[bytes], decoded, limit: int = MAX_STREAM_BYTES) -> None:
