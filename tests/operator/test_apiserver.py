@@ -779,7 +779,7 @@ def test_a_deleted_token_secret_comes_back_with_the_same_token_and_a_rotation_wa
     control_plane, kube, operator
 ):
     """No pod runs here, so no shard answers: a rotation gives the shards the new token beside the old and goes
-    no further, the islands presenting the old one (tests/e2e/test_token_rotation.py follows a whole one)."""
+    no further, the islands presenting the old one (tests/e2e/test_rotating_a_token.py follows a whole one)."""
     ns = namespace(control_plane, "e2e-token")
     control_plane.kubectl("-n", ns, "apply", "-f", "-", stdin=job_manifest("keep"))
     wait_until(lambda: len(children(kube, ns, "keep")) == CHILDREN)
