@@ -1,0 +1,71 @@
+"""The quality gate: the model decoupled DiLoCo exports is as good as synchronous DiLoCo's on the same tokens,
+however the islands' pushes happen to fall in time. Runs `diloco run` as the README's first command does (4
+islands of the tiny preset, 200 steps), quiet and with one island's steps jittered; the synchronous baseline's
+model does not depend on timing (a barrier), so one run of it serves both.
+
+The full figures, over seeds, are `make bench-loss`'s (docs/training-benchmarks.md); this is the cheap check
+that fails when the exported model regresses. Before the merge kept rounds of shares (momentum once per
+round) and islands in phase, the same run ended 1.07 to 1.20 x sync-diloco with 1.3 to 1.9 islands per merge.
+"""
+
+import json
+
+import pytest
+
+from diloco.cli import main
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(1200)]
+
+TOLERANCE = 1.03
+"""The exported model's held-out loss over sync-diloco's, quiet. One seed's run moves with the machine's load
+(1.002 to 1.017 at loads 8 to 19, 2026-11-28); before rounds of shares and islands in phase it was 1.07 to
+1.20. The target, 1.01 over the mean of three seeds, is `make bench-loss`'s."""
+JITTERED_TOLERANCE = 1.05
+"""The same with one island jittered, whose pushes miss more merges: 1.029 to 1.067 at loads 8 to 19."""
+GLOBAL_OVER_LOCAL = 0.01
+"""How much worse than the islands' own final models (their mean) the global one may be, quiet, in nats per
+byte: merging the islands' last pushes must lose nothing they learned (-0.027 to -0.025 measured; 0.09 to
+0.5 before)."""
+JITTERED_GLOBAL_OVER_LOCAL = 0.05
+"""With one island jittered the global model still ends 0.006 to 0.08 above the islands' own: the miss
+docs/training-benchmarks.md records."""
+QUIET_ISLANDS_PER_MERGE = 2.0
+"""Of 4 islands of equal speed: 2.3 to 2.55 at load 8, 1.85 at 19, where four islands and a shard share two
+busy cores and a step's time is what the host gives it; the bench holds a quiet machine to 3.8."""
+JITTERED_ISLANDS_PER_MERGE = 1.5
+"""With one island's steps up to 60% longer at random, it misses some merges, and the others go ahead."""
+JITTER = "0,0,0,0.3"
+
+
+def diloco_run(out, *options: str) -> dict:
+    assert main(["run", "--quiet", "--out", str(out), *options]) == 0
+    (summary,) = json.loads((out / "summary.json").read_text())
+    return summary
+
+
+@pytest.fixture(scope="module")
+def sync_diloco(tmp_path_factory) -> dict:
+    return diloco_run(tmp_path_factory.mktemp("quality") / "sync", "--mode", "sync-diloco")
+
+
+def check(ours: dict, sync: dict, tolerance: float, over_local: float, islands_per_merge: float) -> None:
+    ratio = ours["final_loss"] / sync["final_loss"]
+    gap = ours["final_loss"] - ours["islands_loss"]
+    figures = (
+        f"diloco {ours['final_loss']:.4f}, sync-diloco {sync['final_loss']:.4f}, ratio {ratio:.4f}; islands' own "
+        f"{ours['islands_loss']:.4f}; islands per merge {ours['islands_per_merge']:.2f}"
+    )
+    print(figures)
+    assert ours["tokens_trained"] == sync["tokens_trained"], "the same tokens"
+    assert ratio <= tolerance, figures
+    assert gap <= over_local, figures
+    assert ours["islands_per_merge"] >= islands_per_merge, figures
+
+
+def test_the_exported_model_is_as_good_as_sync_diloco_s(sync_diloco, tmp_path):
+    check(diloco_run(tmp_path / "quiet"), sync_diloco, TOLERANCE, GLOBAL_OVER_LOCAL, QUIET_ISLANDS_PER_MERGE)
+
+
+def test_so_it_is_with_one_island_jittered(sync_diloco, tmp_path):
+    jittered = diloco_run(tmp_path / "jitter", "--jitter", JITTER)
+    check(jittered, sync_diloco, JITTERED_TOLERANCE, JITTERED_GLOBAL_OVER_LOCAL, JITTERED_ISLANDS_PER_MERGE)
