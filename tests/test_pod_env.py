@@ -25,6 +25,7 @@ from diloco.local.launcher import GRACE_SECONDS, TOKEN, LocalJob, RunPlan
 from diloco.operator import naming as n
 from diloco.operator.children import OperatorRef, Scale, child_key, render_children, tls_secret
 from diloco.operator.job_tls import CA_FILE, job_tls, operator_made_data, server_names
+from diloco.operator.tokens import JobTokens, ca_key
 from diloco.worker.pod_ranks import LOOPBACK, PodShape
 
 JOB = n.JobRef(name="demo", namespace="ml", uid="0b7c6c1e-uid")
@@ -91,10 +92,14 @@ def operator_pod(ranks: int) -> tuple[dict[str, Any], Callable[[str], bytes], di
     """The island's rendered pod 0: its environment as the kubelet fills it (ordinal 0), a reader of the
     files its volumes hold, and its pod spec."""
     spec = spec_of(ranks)
-    live = tls_secret(JOB, operator_made_data(JOB, {}, server_names(JOB, SHARDS), NOW))
-    tls = job_tls(JOB, spec, live, {}, NOW)
+    key = ca_key(b"k" * 32, JOB)
+    live = tls_secret(JOB, operator_made_data(JOB, {}, server_names(JOB, SHARDS), NOW, key))
+    tls = job_tls(JOB, spec, live, {}, NOW, ca_key=key)
     scale = Scale(islands={ISLAND: 1}, syncers=1)
-    children = {child_key(c): c for c in render_children(JOB, spec, OPERATOR_TOKEN, scale, OperatorRef("ops"), tls=tls)}
+    children = {
+        child_key(c): c
+        for c in render_children(JOB, spec, JobTokens.only(OPERATOR_TOKEN), scale, OperatorRef("ops"), tls=tls)
+    }
     statefulset = children["StatefulSet", n.island_name(JOB.name, ISLAND)]
     pod = statefulset["spec"]["template"]["spec"]
     (container,) = pod["containers"]
