@@ -107,12 +107,12 @@ def save(
     """Writes the model, its tokenizer and the job's record into `folder` (created); returns the record.
     `model_name` and `tokenizer` are the trainer's `--model` and `--tokenizer` (unset: a preset found by the
     tensors' shapes, and its own tokenisation)."""
-    from transformers import GenerationConfig, PreTrainedTokenizerFast
-
     spec = model_spec(model_name, model.tensors)
     folder.mkdir(parents=True, exist_ok=True)
     if spec is None:
         return _save_own_model(folder, model, training)
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
     hf = _transformers_model(spec, model.tensors)
     words = tokenizer_for(hf.config.vocab_size, tokenizer) or byte_tokenizer()
     eos = end_of_text(words)
