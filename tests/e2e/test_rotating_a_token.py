@@ -18,7 +18,8 @@ from test_diloco_job import CHEAP, ready
 
 from diloco.operator.tokens import JobTokens, fingerprint
 
-pytestmark = [pytest.mark.process, pytest.mark.e2e]
+# Its waits add up past the suite's 5 minutes when the machine is busy; each names what it waited for.
+pytestmark = [pytest.mark.process, pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 NAMESPACE = "e2e-rotate"
 JOB = "rotate"
