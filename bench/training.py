@@ -94,15 +94,21 @@ def compare_at_equal_tokens(
 ) -> dict[str, dict]:
     """Every mode's summary on the same tokens: one `diloco run --compare`, or, where ddp's ranks would share
     a GPU, each DiLoCo mode on its own and ddp as one process at the global batch (see the module's doc)."""
+    if args.mode_timeout:
+        options = (*options, "--timeout", str(args.mode_timeout))
     if not ddp_shares_a_device(args):
-        return {s["mode"]: s for s in diloco_run(out, "--compare", *options, *shape(args, seed))}
+        summaries = diloco_run(out, "--compare", *options, *shape(args, seed), timeouts_ok=bool(args.mode_timeout))
+        return {s["mode"]: s for s in summaries}
     ddp_shape = shape(args, seed)
     ddp_shape[ddp_shape.index("--islands") + 1] = "1"
     ddp_shape[ddp_shape.index("--batch-size") + 1] = str(args.islands * args.batch_size)
-    (ddp,) = diloco_run(out / "ddp", "--mode", "ddp", *options, *ddp_shape)
+    timeouts_ok = bool(args.mode_timeout)
+    (ddp,) = diloco_run(out / "ddp", "--mode", "ddp", *options, *ddp_shape, timeouts_ok=timeouts_ok)
     summaries = {"ddp": ddp}
     for mode in ("diloco", "sync-diloco"):
-        (summaries[mode],) = diloco_run(out / mode, "--mode", mode, *options, *shape(args, seed))
+        (summaries[mode],) = diloco_run(
+            out / mode, "--mode", mode, *options, *shape(args, seed), timeouts_ok=timeouts_ok
+        )
     return summaries
 
 
@@ -135,7 +141,8 @@ def verdict(passed: bool, what: str) -> bool:
 
 CONDITIONS = ("quiet", "jitter")
 """Each seed runs quiet, then with one island's steps jittered (--jitter): what the islands learn must not
-depend on how their pushes happen to fall in time."""
+depend on how their pushes happen to fall in time. --conditions picks fewer where a run's time is short (a
+lease of an accelerator)."""
 
 
 def jitter_option(args: argparse.Namespace) -> list[str]:
@@ -150,22 +157,22 @@ def spread(values: list[float]) -> str:
 
 def bench_loss(args: argparse.Namespace) -> bool:
     """Held-out loss of the exported model at equal tokens, over seeds, quiet and with jitter."""
-    runs: dict[str, dict[str, list[dict]]] = {c: {} for c in CONDITIONS}
+    runs: dict[str, dict[str, list[dict]]] = {c: {} for c in args.conditions}
     for seed in args.seeds:
-        for condition in CONDITIONS:
+        for condition in args.conditions:
             options = ["--eval-every", str(args.eval_every), *(jitter_option(args) if condition == "jitter" else [])]
             out = args.out / "loss" / f"{condition}-seed{seed}"
             summaries = compare_at_equal_tokens(args, out, *options, seed=seed)
             for mode, summary in summaries.items():
                 runs[condition].setdefault(mode, []).append(summary)
-    tokens = runs["quiet"]["diloco"][0]["tokens_trained"]
+    tokens = runs[args.conditions[0]]["diloco"][0]["tokens_trained"]
     print(
         f"\nheld-out loss of the final model after {tokens} tokens per mode ({args.islands} islands, {args.preset} "
         f"preset on {args.device}, seeds {', '.join(map(str, args.seeds))}; jitter: island {args.islands - 1}'s "
         f"steps a random 0 to {2 * args.jitter:.0%} longer); mean [min, max]:"
     )
     met = []
-    for condition in CONDITIONS:
+    for condition in args.conditions:
         by_mode = runs[condition]
         loss = {mode: [s["final_loss"] for s in summaries] for mode, summaries in by_mode.items()}
         ours = by_mode["diloco"]
@@ -174,7 +181,7 @@ def bench_loss(args: argparse.Namespace) -> bool:
         gap = [s["final_loss"] - s["islands_loss"] for s in ours]
         print(f"  {condition}:")
         for mode in ("diloco", "sync-diloco", "ddp"):
-            print(f"    {mode:>11}: {spread(loss[mode])}")
+            print(f"    {mode:>11}: {spread(loss[mode])}; {throughput(by_mode[mode])}")
         print(
             f"    diloco islands per merge {spread(per_merge)} of {args.islands}; islands' own models "
             f"{spread(local)}; global minus islands' own {spread(gap)}"
@@ -190,6 +197,19 @@ def bench_loss(args: argparse.Namespace) -> bool:
     if args.sparse:
         met.append(sparse_against_int4(args, runs["quiet"]["diloco"][0], runs["quiet"]["ddp"][0]))
     return all(met)
+
+
+def throughput(summaries: list[dict]) -> str:
+    """A mode's speed over its runs: tokens per second per island, MFU and wall time (and any run that ran out
+    of its --mode-timeout, whose loss is then not at equal tokens)."""
+    island = statistics.mean(s["tokens_per_second_per_island"] for s in summaries)
+    mfus = [s["mfu"] for s in summaries if s["mfu"] is not None]
+    wall = statistics.mean(s["wall_seconds"] for s in summaries)
+    timed_out = sum(s["timed_out"] for s in summaries)
+    return (
+        f"{island:,.0f} tokens/s per island, MFU {format_mfu(statistics.mean(mfus) if mfus else None)}, "
+        f"wall {wall:.0f} s" + (f", {timed_out} run(s) TIMED OUT" if timed_out else "")
+    )
 
 
 def sparse_against_int4(args: argparse.Namespace, int4: dict, ddp: dict) -> bool:
@@ -225,7 +245,7 @@ def errorbar_chart(path: Path, runs: dict[str, dict[str, list[dict]]], args: arg
     modes = ("diloco", "sync-diloco", "ddp")
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     width = 0.38
-    for k, condition in enumerate(CONDITIONS):
+    for k, condition in enumerate(runs):
         means, lows, highs = [], [], []
         for mode in modes:
             losses = [s["final_loss"] for s in runs[condition][mode]]
@@ -239,7 +259,7 @@ def errorbar_chart(path: Path, runs: dict[str, dict[str, list[dict]]], args: arg
     ax.set_xticks(range(len(modes)), modes)
     low = min(min(s["final_loss"] for s in summaries) for c in runs.values() for summaries in c.values())
     ax.set_ylim(low * 0.97, None)
-    ax.set_ylabel("held-out loss of the final model (nats/byte)")
+    ax.set_ylabel("held-out loss of the final model (nats/token)")
     ax.set_title(f"equal tokens, {args.islands} islands, seeds {', '.join(map(str, args.seeds))}", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
@@ -367,6 +387,10 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="step-time and goodput: the seed")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="loss: the seeds")
     p.add_argument("--jitter", type=float, default=0.3, help="loss: one island's steps a random 0 to 2 x this longer")
+    p.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS), help="loss: which to run")
+    p.add_argument(
+        "--mode-timeout", type=float, help="loss: give up a mode after this many seconds and report what it reached"
+    )
     p.add_argument(
         "--sparse", action=argparse.BooleanOptionalAction, default=True, help="loss: the sparse encoding beside int4"
     )

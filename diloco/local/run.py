@@ -298,7 +298,7 @@ def plot_curves(path: Path, accounts: list[Account], summaries: list[ModeSummary
                     label=f"{acct.mode} final model: {summary.final_loss:.3f}",
                 )
     ax.set_xlabel("tokens trained (all workers)")
-    ax.set_ylabel("held-out loss (nats/byte)" if held_out else "training loss (the loop's own)")
+    ax.set_ylabel("held-out loss (nats/token)" if held_out else "training loss (the loop's own)")
     ax.set_title("diloco run: held-out loss" if held_out else "diloco run: training loss")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
