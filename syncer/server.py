@@ -24,6 +24,7 @@ from typing import NoReturn, TypeVar
 
 import grpc
 import torch
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2
 
 from diloco.core.compressed_pull import difference, values_digest
@@ -638,7 +639,16 @@ def _first_header(parts: Iterator[wire.Part], header_type: type[H]) -> H:
     first = next(parts, None)
     if not isinstance(first, header_type):
         raise Refused(Refusal.INVALID, "malformed", f"the stream must start with a {header_type.__name__}")
+    _check_fields(first)
     return first
+
+
+def _check_fields(message: Message) -> None:
+    """Every field of a request within its rule (`transport.fields`), before anything reads a value."""
+    try:
+        wire.check_fields(message)
+    except wire.WireError as error:
+        raise Refused(error.kind, "field", error.message) from None
 
 
 def _declared_bytes(tensors: Iterable[pb.TensorPayload]) -> int:
@@ -766,6 +776,10 @@ class _Servicer:
         error, refused as invalid (gRPC itself would answer INTERNAL, which clients retry)."""
         if isinstance(request, wire.Undecodable):
             self._refuse(Refused(Refusal.INVALID, "malformed", "the request is not a valid message"), context)
+        try:
+            _check_fields(request)
+        except Refused as refusal:
+            self._refuse(refusal, context)
         return request
 
     def Join(self, request: pb.JoinRequest | wire.Undecodable, context: grpc.ServicerContext) -> pb.JoinReply:

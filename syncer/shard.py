@@ -21,7 +21,7 @@ from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoded, decoded
 from diloco.core.fragments import owned_fragments
 from diloco.core.grace import HISTORY, grace_window, merge_closes
-from diloco.core.island_id import check_island_id
+from diloco.core.island_id import MAX_KNOWN_ISLANDS, check_island_id
 from diloco.core.merge import (
     CHUNK,
     MAX_TOKENS_PER_INNER_STEP,
@@ -45,8 +45,6 @@ from diloco.core.refusal import Refusal
 CHECKPOINT_FORMAT = 2
 READABLE_FORMATS = frozenset({1, CHECKPOINT_FORMAT})
 """Format 2 added the outer round's progress; a format-1 checkpoint resumes with a round opening."""
-MAX_KNOWN_ISLANDS = 4096
-"""Islands a shard remembers, joined or left: 8 times the most a DiLoCoJob admits; keeps Status small."""
 MAX_PENDING_BYTES = 16 * 1024**3
 """Pending deltas a shard holds in memory, as it holds them (as sent: int4 0.53 bytes a parameter): 8 islands'
 float32 deltas of the whole `large` preset (1.4 GB) and room, or 16 islands' int4 pushes of a 2 B model."""
@@ -271,6 +269,8 @@ class ShardState:
             return False
         if not specs:
             raise Refused(Refusal.INVALID, "empty", f"seed of fragment {index} has no tensors")
+        if any(math.prod(s.shape) == 0 for s in specs):  # the first seed wins: no island could ever push to it
+            raise Refused(Refusal.INVALID, "empty", f"seed of fragment {index} has a tensor of no elements")
         frag.specs = tuple(specs)
         frag.values = [v.detach().to(torch.float32).clone() for v in values]
         frag.momentum = init_momentum(frag.values)

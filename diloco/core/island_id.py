@@ -11,6 +11,10 @@ import re
 ISLAND_ID_MAX_CHARS = 63
 """As a Kubernetes label value: ids fit where labels go, and a shard's Status lists them all."""
 
+MAX_KNOWN_ISLANDS = 4096
+"""Island ids a shard keeps at once, joined or lately gone: 8 times the most a DiLoCoJob admits, so a Status
+reply that lists them all stays small."""
+
 _ISLAND_ID = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
 

@@ -192,7 +192,9 @@ class SyncerClient:
     def join(self, num_fragments: int) -> pb.JoinReply:
         request = pb.JoinRequest(island_id=self.island_id, num_fragments=num_fragments)
         self._joined = request
-        return self._retrying("Join", lambda: self._join(request, timeout=self.timeout, metadata=self._metadata))
+        reply = self._retrying("Join", lambda: self._join(request, timeout=self.timeout, metadata=self._metadata))
+        wire.check_fields(reply)
+        return reply
 
     def rejoin(self) -> None:
         """Joins again as last time, if this client joined: a shard that restarted without its state counts
@@ -265,10 +267,12 @@ class SyncerClient:
             slack_seconds=slack_seconds,
         )
         timeout = self._timeout(sum(len(b) for b in blobs))
-        return self._retrying(
+        reply = self._retrying(
             "PushDelta",
             lambda: self._push(wire.push_messages(header, payloads, blobs), timeout=timeout, metadata=self._metadata),
         )
+        wire.check_fields(reply)  # a cadence of Inf or 1e-300 from a broken shard is refused here, not paced by
+        return reply
 
     def pull(
         self,
@@ -355,6 +359,8 @@ class SyncerClient:
         self._leave(request, timeout=min(timeout, self.timeout), metadata=self._metadata)
 
     def status(self) -> pb.StatusReply:
-        return self._retrying(
+        reply = self._retrying(
             "Status", lambda: self._status(pb.StatusRequest(), timeout=self.timeout, metadata=self._metadata)
         )
+        wire.check_fields(reply)
+        return reply

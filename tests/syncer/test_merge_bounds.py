@@ -15,6 +15,7 @@ from syncer_harness import ReferenceFragment, config_for, fragment_values, make_
 from diloco.core.encoding import Encoding
 from diloco.syncer import checkpoint
 from diloco.transport.client import SyncerClient
+from diloco.transport.fields import MAX_INNER_STEPS, MAX_TOKENS
 from diloco.transport.v1 import syncer_pb2 as pb
 
 pytestmark = pytest.mark.process
@@ -50,7 +51,7 @@ def test_tokens_no_inner_steps_could_produce_are_refused_and_change_nothing(star
         island.join(2)
         base = observer.pull(0)[0]
         before = fragment_state(observer)
-        for tokens, inner_steps in ((U64, 10), (1, 0)):
+        for tokens, inner_steps in ((10 * 2**32 + 1, 10), (1, 0)):
             with pytest.raises(grpc.RpcError) as refused:
                 push(island, base, fragment_values(0.1), tokens=tokens, inner_steps=inner_steps, sequence=1)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -71,11 +72,11 @@ def test_status_answers_after_the_largest_claims_before_and_after_a_restart(sync
         for client in islands.values():
             client.join(2)
         base = observer.pull(0)[0]
-        for client in islands.values():  # as many tokens as the wire carries, in as many inner steps
-            push(client, base, fragment_values(0.1), tokens=U64, inner_steps=U64, sequence=1)
+        for client in islands.values():  # as many tokens as a push may claim, in as many inner steps
+            push(client, base, fragment_values(0.1), tokens=MAX_TOKENS, inner_steps=MAX_INNER_STEPS, sequence=1)
         wait_until(lambda: observer.pull(0)[0].version == 1)
         merged = fragment_state(observer)[0]
-        assert merged[2:] == (2, U64), "one merge of 2 × (2^64 - 1) tokens, reported saturated"
+        assert merged[2:] == (2, 2 * MAX_TOKENS), "one merge of the two largest claims"
     for client in islands.values():
         client.close()
     assert process.signal(signal.SIGTERM) == 0
