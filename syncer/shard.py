@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from diloco.core import robust
 from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoded, decoded
 from diloco.core.fragments import owned_fragments
@@ -27,6 +28,7 @@ from diloco.core.merge import (
     MAX_TOKENS_PER_INNER_STEP,
     Contribution,
     Delta,
+    delta_norm,
     is_too_stale,
     merge_deltas,
     tokens_are_possible,
@@ -137,6 +139,7 @@ class ShardFragment:
     round_fresh: float = 0.0  # the share of the round in progress merged from fresh deltas (staleness 0)
     freshness: float = 1.0  # the share of the last complete round that was fresh: scales its successor's momentum
     round_opened: float = 0.0  # when the round in progress opened: its first merge's median arrival (0: unknown)
+    delta_norms: deque[float] = field(default_factory=lambda: deque(maxlen=robust.HISTORY))  # merged, as clipped
     last_merge_unix: float = 0.0
     last_contributors: int = 0
     max_staleness_seen: int = 0
@@ -490,20 +493,28 @@ class ShardState:
         """Merges the pending contributions into the fragment with the outer optimizer; bumps its version.
 
         One pass over the fragment: each chunk of the merged outer gradient is decoded from the pending deltas
-        and stepped into the values and momentum while in cache, in place. A merge whose values or momentum
-        would not be finite (finite deltas can still overflow float32) is refused: the fragment, its momentum
-        and version stay as they were, and its contributions are dropped and counted as rejected. Their pushes
-        were already answered as taken; their islands see no newer version for them, so each round ends with
-        the next merge of others or at its timeout, and the island pushes again from its unchanged base. The
-        step is taken in place when the magnitudes of the fragment, its momentum and the deltas prove it finite
-        (`step_bounds`; always, at the magnitudes training reaches), else on copies, holding the fragment twice
-        for the time of one outer step."""
+        and stepped into the values and momentum while in cache, in place. Each delta is first clipped against
+        its peers and the fragment (`robust`), so a finite but huge one moves the fragment no further than an
+        honest one: its norm is taken from its bytes a chunk at a time, and the clip scales its weight as it
+        is decoded, so no float32 copy of it is made. A merge whose values or momentum would not be finite
+        (finite deltas can still overflow float32) is refused: the fragment and its version stay as they were,
+        its contributions are dropped and counted as rejected, and the momentum restarts from zero, so that
+        honest deltas merge again. Their pushes were already answered as taken; their islands see no newer
+        version for them, so each round ends with the next merge of others or at its timeout, and the island
+        pushes again from its unchanged base. The step is taken in place when the magnitudes of the fragment,
+        its momentum and the deltas prove it finite (`step_bounds`; always, at the magnitudes training
+        reaches), else on copies, holding the fragment twice for the time of one outer step."""
         frag = self.seeded_fragment(index)
         if not frag.pending:
             raise ValueError(f"fragment {index} has nothing to merge")
         pending = sorted(frag.pending.values(), key=lambda p: p.key.island)
+        norms = [delta_norm(p.delta, self.chunk) for p in pending]
+        bound = robust.clip_bound(norms, frag.delta_norms, robust.norm(frag.values))
         contributions = [
-            Contribution(p.key.island, p.delta, p.tokens, frag.version - p.key.base_version) for p in pending
+            Contribution(
+                p.key.island, p.delta, p.tokens, frag.version - p.key.base_version, robust.clip_scale(n, bound)
+            )
+            for p, n in zip(pending, norms)
         ]
         gradient = merge_deltas(
             contributions,
@@ -565,8 +576,11 @@ class ShardState:
             frag.last_merge_unix = now
             frag.last_contributors = len(pending)
             frag.tokens_merged += tokens
-        else:
+            frag.delta_norms.extend(min(n, bound) for n in norms)
+        else:  # momentum is what carries a merge into every later one: it restarts, so the next merge can land
             self.rejected_pushes += len(pending)
+            frag.momentum = init_momentum(frag.values)
+            frag.round_progress, frag.round_fresh = 0.0, 0.0
         return MergeRecord(
             fragment=index,
             version=frag.version,
