@@ -22,7 +22,7 @@ from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoded, decoded
 from diloco.core.fragments import owned_fragments
 from diloco.core.grace import HISTORY, grace_window, merge_closes
-from diloco.core.island_id import MAX_KNOWN_ISLANDS, check_island_id
+from diloco.core.island_id import MAX_KNOWN_ISLANDS, check_island_id, forget_before
 from diloco.core.merge import (
     CHUNK,
     MAX_TOKENS_PER_INNER_STEP,
@@ -177,8 +177,9 @@ class ShardState:
         self.incarnation = incarnation
         self.max_pending_bytes = max_pending_bytes
         self.fragments = {p: ShardFragment(p) for p in owned_fragments(shard_index, num_shards, config.fragments)}
-        self.islands: dict[str, float] = {}
-        self.left: set[str] = set()
+        self.islands: dict[str, float] = {}  # joined: when last heard of
+        self.left: dict[str, float] = {}  # left: when last heard of before leaving
+        self.contributed: set[str] = set()  # known islands that had a push taken: the members of a round
         self.rejected_pushes = 0
         self.step_seconds: dict[str, float] = {}
         self.lateness: deque[float] = deque(maxlen=HISTORY)
@@ -198,12 +199,13 @@ class ShardState:
         if not island:
             return
         self.check_island(island)
+        self.forget(now)
         known = island in self.islands or island in self.left
         if not known and len(self.islands) + len(self.left) >= MAX_KNOWN_ISLANDS:
             raise Refused(
                 Refusal.TOO_LARGE, "islands", f"the shard already knows {MAX_KNOWN_ISLANDS} islands, the most it takes"
             )
-        self.left.discard(island)
+        self.left.pop(island, None)
         self.islands[island] = now
 
     def touch(self, island: str, now: float) -> None:
@@ -220,10 +222,20 @@ class ShardState:
             return
         if island not in self.islands:
             raise Refused(Refusal.OUT_OF_STEP, "not_joined", f"island {island!r} never joined this shard")
-        del self.islands[island]
-        self.left.add(island)
+        self.left[island] = self.islands.pop(island)
         for frag in self.fragments.values():  # it still counts for the rounds it was part of
-            frag.round_left.add(island)
+            if island in self.contributed:
+                frag.round_left.add(island)
+
+    def forget(self, now: float) -> None:
+        """Forgets the islands, left or silent, unheard of since `forget_before`: ids come and go over a long
+        job (restarts, new pods), and those gone must not count against MAX_KNOWN_ISLANDS for good."""
+        horizon = forget_before(now, self.config.island_timeout_seconds)
+        for known in (self.islands, self.left):
+            for island in [island for island, seen in known.items() if seen < horizon]:
+                del known[island]
+                self.step_seconds.pop(island, None)
+                self.contributed.discard(island)
 
     def live_islands(self, now: float) -> list[str]:
         horizon = now - self.config.island_timeout_seconds
@@ -350,8 +362,10 @@ class ShardState:
         frag.pending[key.island] = Pending(key, delta32, tokens, inner_steps, now, staleness == 0, slack_seconds)
         frag.max_staleness_seen = max(frag.max_staleness_seen, staleness)
         self.touch(key.island, now)
-        if step_seconds > 0 and key.island in self.islands:
-            self.step_seconds[key.island] = step_seconds
+        if key.island in self.islands:
+            self.contributed.add(key.island)
+            if step_seconds > 0:
+                self.step_seconds[key.island] = step_seconds
         live = len(self.live_islands(now))
         return PushResult(duplicate=False, version=frag.version, staleness=staleness, arrived=now, live_islands=live)
 
@@ -451,6 +465,7 @@ class ShardState:
         """Fragments due for a merge: quorum reached and either every live island has reported, or the merge
         window is over (`closes`). With nobody live that is vacuous only once every island has left: one that
         timed out may yet come back within the window."""
+        self.forget(now)
         live = set(self.live_islands(now))
         everyone_left = bool(self.left) and not self.islands
         quorum = self.effective_quorum(now)
@@ -479,9 +494,11 @@ class ShardState:
         return min((self.closes(f) for f in self.fragments.values() if f.quorum_since is not None), default=None)
 
     def round_members(self, frag: ShardFragment, now: float) -> int:
-        """The islands a round of the fragment is made of: the live ones, and those that left while it was in
-        progress, so that islands finishing one after another do not make the last merges larger shares."""
-        return len(set(self.live_islands(now)) | frag.round_left)
+        """The islands a round of the fragment is made of: the live ones that have contributed, and those that
+        left while it was in progress, so that islands finishing one after another do not make the last
+        merges larger shares. Ids that joined and never pushed are no members: thousands of them would make
+        every real merge a vanishing share of a round."""
+        return len((set(self.live_islands(now)) & self.contributed) | frag.round_left)
 
     def merge_share(self, frag: ShardFragment, contributors: int, now: float) -> float:
         """The share of a round a merge of `contributors` islands stands for (the outer step's `share`): with K
@@ -602,7 +619,8 @@ class ShardState:
             "incarnation": self.incarnation,
             "clean": clean,
             "islands": dict(self.islands),
-            "left": sorted(self.left),
+            "left": dict(self.left),
+            "contributed": sorted(self.contributed),
             "fragments": {p: _saved_fragment(f) for p, f in self.fragments.items()},
         }
 
@@ -633,7 +651,12 @@ class ShardState:
         incarnation = state["incarnation"] if clean else new_incarnation
         shard = cls(config, shard_index, num_shards, incarnation, max_pending_bytes, chunk)
         shard.islands = dict(state["islands"])
-        shard.left = set(state.get("left", ()))  # checkpoints from before Leave existed have none
+        left = state.get("left", {})  # none before Leave existed; a list of ids before they were forgotten
+        shard.left = (
+            dict(left) if isinstance(left, dict) else dict.fromkeys(left, max(shard.islands.values(), default=0.0))
+        )
+        # before contributors were told apart, every known island was taken for one
+        shard.contributed = set(state.get("contributed", shard.islands.keys() | shard.left.keys()))
         for p, fragment in state["fragments"].items():
             _restore_fragment(shard.fragment(p), fragment, keep_pushes=clean)
         return shard
