@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TypeVar
@@ -41,8 +42,11 @@ from diloco.syncer.shard import MAX_PENDING_BYTES, PushKey, PushResult, Refused,
 from diloco.syncer.streams import (
     CONTROL_WORKERS,
     MAX_QUEUED_CALLS,
+    ClientCalls,
     DataThreads,
     StreamWatch,
+    calls_per_client,
+    expired,
 )
 from diloco.transport import tls, wire
 from diloco.transport.auth import AcceptedTokens, TokenInterceptor, token_fingerprint
@@ -177,6 +181,7 @@ class SyncerServer:
         self._health = health.HealthServicer()
         self._control = futures.ThreadPoolExecutor(max_workers=CONTROL_WORKERS, thread_name_prefix="syncer-control")
         self.data_threads = DataThreads(max_workers, max_queued_calls)
+        self.client_calls = ClientCalls(calls_per_client(max_workers))
         servicer = _Servicer(self)
         self.tokens = AcceptedTokens.of(token)
         interceptors: list[grpc.ServerInterceptor] = [
@@ -771,6 +776,22 @@ class _Servicer:
             context,
         )
 
+    @contextmanager
+    def _data_call(self, context: grpc.ServicerContext) -> Iterator[None]:
+        """Admits a data call on its thread: one that expired while queued is counted as such (its client has
+        gone: there is nothing to answer), one beyond its client's share of the data threads is refused."""
+        if expired(context):
+            self.s.count_refusal(Refused(Refusal.TOO_LARGE, "queue_expired", "expired while queued"))
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call expired while it waited for a data thread")
+        with self.s.client_calls.hold(context.peer()) as taken:
+            if not taken:
+                most = self.s.client_calls.most
+                refusal = Refused(
+                    Refusal.TOO_LARGE, "client_limit", f"this client already holds the {most} data calls it may"
+                )
+                self._refuse(refusal, context)
+            yield
+
     def _decoded(self, request: M | wire.Undecodable, context: grpc.ServicerContext) -> M:
         """The request, unless its bytes were no such message (a string field that is not UTF-8): the caller's
         error, refused as invalid (gRPC itself would answer INTERNAL, which clients retry)."""
@@ -795,6 +816,10 @@ class _Servicer:
             self._refuse(refusal, context)
 
     def Seed(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.SeedReply:
+        with self._data_call(context):
+            return self._seed(request_iterator, context)
+
+    def _seed(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.SeedReply:
         s = self.s
         try:
             with s.streams.watching(context, "Seed") as watched:
@@ -820,6 +845,10 @@ class _Servicer:
         return pb.SeedReply(accepted=accepted, version=version)
 
     def PushDelta(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.PushReply:
+        with self._data_call(context):
+            return self._push(request_iterator, context)
+
+    def _push(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.PushReply:
         s = self.s
         try:
             with s.streams.watching(context, "PushDelta") as watched:
@@ -856,6 +885,10 @@ class _Servicer:
         )
 
     def Pull(self, request: pb.PullRequest | wire.Undecodable, context: grpc.ServicerContext) -> Iterator[bytes]:
+        with self._data_call(context):
+            yield from self._pull(request, context)
+
+    def _pull(self, request: pb.PullRequest | wire.Undecodable, context: grpc.ServicerContext) -> Iterator[bytes]:
         s = self.s
         request = self._decoded(request, context)
         try:
