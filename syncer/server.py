@@ -11,6 +11,7 @@ digests use `threads` cores: torch's own threads for the arithmetic (set by the 
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import logging
 import secrets
@@ -219,6 +220,8 @@ class SyncerServer:
             raise OSError(f"could not bind {host}:{port}")
         if self._connections is not None:
             self._connections.port = self.port
+        if isinstance(security, Tls) and security.cert is not None:
+            self._watch_expiry(security.cert)
         self._health_server: grpc.Server | None = None
         self.health_port: int | None = None
         if health_port is not None:
@@ -250,6 +253,22 @@ class SyncerServer:
         return state
 
     # Lifecycle
+
+    def _watch_expiry(self, cert: bytes) -> None:
+        """The certificate's seconds to expiry as a gauge, and a WARNING now if it expires within
+        `tls.EXPIRY_WARNING` or has expired: then every handshake fails, and the clients only see UNAVAILABLE."""
+
+        def remaining() -> float:
+            return tls.seconds_to_expiry(cert, datetime.datetime.fromtimestamp(self.clock(), datetime.UTC))
+
+        self.metrics.tls_certificate_expiry.set_function(remaining)
+        seconds = remaining()
+        if seconds < tls.EXPIRY_WARNING.total_seconds():
+            state = "has expired" if seconds <= 0 else "expires soon"
+            log.warning(
+                f"the shard's TLS certificate {state}: renew it (clients refuse an expired one)",
+                extra={"seconds_to_expiry": round(seconds)},
+            )
 
     def start(self) -> int:
         self._server.start()

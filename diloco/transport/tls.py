@@ -27,6 +27,18 @@ LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 """What a server certificate for one machine (`diloco run`, tests, benchmarks) is valid for."""
 
 
+EXPIRY_WARNING = datetime.timedelta(days=14)
+"""A certificate expiring sooner is logged at WARNING when a shard starts: time to renew it, and a shard serving
+an expired one otherwise says nothing in its own log while every handshake fails."""
+
+
+def seconds_to_expiry(cert: bytes, now: datetime.datetime) -> float:
+    """Seconds until the first certificate of a PEM chain expires at `now` (negative once it has)."""
+    from cryptography import x509  # only when a certificate is in hand: plaintext processes never load it
+
+    return (x509.load_pem_x509_certificate(cert).not_valid_after_utc - now).total_seconds()
+
+
 class TlsError(ValueError):
     """Settings that cannot secure a channel: a missing file, or a contradiction."""
 
