@@ -7,9 +7,9 @@ stale) keeps its direction and a bounded weight, and the push it was answered "t
 The reference is the lower median of the norms of this merge's contributions and of the last `HISTORY`
 contributions the fragment merged (as clipped): one outlier can never be the median while honest islands are
 the majority of what the fragment has recently seen, and a merge of one island is measured against its
-predecessors. The delta is also never larger than the fragment itself (`FRAGMENT_RATIO`), which bounds the
-first merges before any history exists. Norms are taken in float64, so a float32 delta near its limit has a
-finite norm.
+predecessors. Until there are three norms to take the median of, a delta is also never larger than the
+fragment itself (`FRAGMENT_RATIO`), which bounds the first merges before any history exists. Norms are
+taken in float64, so a float32 delta near its limit has a finite norm.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-CLIP_FACTOR = 4.0
-"""A delta may be this many times the reference norm: honest islands of one job differ by far less."""
+CLIP_FACTOR = 8.0
+"""A delta may be this many times the reference norm: honest islands of one job differ by less (an island
+paced to fewer inner steps, a stale one), and a hostile one moves a fragment at most this much further."""
 HISTORY = 8
 """Merged contribution norms a fragment remembers: the last two rounds of a job of four islands."""
 FRAGMENT_RATIO = 1.0
 """No outer gradient larger than the fragment it moves: an honest round moves it by a small fraction."""
+MIN_MEDIAN = 3
+"""Norms a median needs to outvote one outlier: with fewer, the fragment's own norm bounds every delta too."""
 
 
 def norm(tensors: Iterable[Tensor]) -> float:
@@ -37,11 +40,13 @@ def norm(tensors: Iterable[Tensor]) -> float:
 
 def clip_bound(norms: Sequence[float], history: Sequence[float], fragment_norm: float) -> float:
     """The largest norm any of this merge's deltas may keep: CLIP_FACTOR x the lower median of `norms` and
-    `history`, and at most FRAGMENT_RATIO x `fragment_norm` (when the fragment is not all zeros)."""
+    `history`; with fewer than MIN_MEDIAN of them, at most FRAGMENT_RATIO x `fragment_norm` as well (when the
+    fragment is not all zeros)."""
     if not norms:
         raise ValueError("a merge needs at least one contribution")
-    bound = CLIP_FACTOR * statistics.median_low([*norms, *history])
-    if fragment_norm > 0:
+    reference = [*norms, *history]
+    bound = CLIP_FACTOR * statistics.median_low(reference)
+    if len(reference) < MIN_MEDIAN and fragment_norm > 0:
         bound = min(bound, FRAGMENT_RATIO * fragment_norm)
     return bound
 

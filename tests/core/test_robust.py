@@ -22,9 +22,11 @@ def test_a_merge_of_one_is_measured_against_the_fragments_history():
     assert clip_bound([1e38], [1.0, 1.1, 0.9], 0.0) == CLIP_FACTOR * 1.0
 
 
-def test_no_delta_is_larger_than_the_fragment_it_moves():
+def test_until_a_median_can_outvote_an_outlier_no_delta_is_larger_than_the_fragment_it_moves():
     assert clip_bound([1e38], [], 10.0) == FRAGMENT_RATIO * 10.0
+    assert clip_bound([1e38, 1e38], [], 10.0) == FRAGMENT_RATIO * 10.0
     assert clip_bound([1.0], [], 0.0) == CLIP_FACTOR, "an all-zero fragment bounds nothing"
+    assert clip_bound([20.0, 20.0, 20.0], [], 10.0) == CLIP_FACTOR * 20.0, "three norms: their median decides"
 
 
 def test_honest_deltas_within_the_bound_are_merged_as_they_are():
