@@ -179,7 +179,8 @@ class ShardState:
         self.fragments = {p: ShardFragment(p) for p in owned_fragments(shard_index, num_shards, config.fragments)}
         self.islands: dict[str, float] = {}  # joined: when last heard of
         self.left: dict[str, float] = {}  # left: when last heard of before leaving
-        self.contributed: set[str] = set()  # known islands that had a push taken: the members of a round
+        self.contributed: set[str] = set()  # known islands that had a push taken
+        self.newcomers: dict[str, float] = {}  # joined, no push taken yet: when they first joined
         self.rejected_pushes = 0
         self.step_seconds: dict[str, float] = {}
         self.lateness: deque[float] = deque(maxlen=HISTORY)
@@ -207,6 +208,8 @@ class ShardState:
             )
         self.left.pop(island, None)
         self.islands[island] = now
+        if island not in self.contributed:
+            self.newcomers.setdefault(island, now)  # joining again does not make an id new again
 
     def touch(self, island: str, now: float) -> None:
         """Refreshes a joined island. Calls of one that never joined make nothing live (an invented id dilutes
@@ -222,9 +225,13 @@ class ShardState:
             return
         if island not in self.islands:
             raise Refused(Refusal.OUT_OF_STEP, "not_joined", f"island {island!r} never joined this shard")
-        self.left[island] = self.islands.pop(island)
-        for frag in self.fragments.values():  # it still counts for the rounds it was part of
-            if island in self.contributed:
+        seen = self.left[island] = self.islands.pop(island)
+        # it still counts for the round it was a member of (`members`, as of its last call)
+        if (
+            island in self.contributed
+            or self.newcomers.get(island, -math.inf) >= seen - self.config.island_timeout_seconds
+        ):
+            for frag in self.fragments.values():
                 frag.round_left.add(island)
 
     def forget(self, now: float) -> None:
@@ -236,6 +243,7 @@ class ShardState:
                 del known[island]
                 self.step_seconds.pop(island, None)
                 self.contributed.discard(island)
+                self.newcomers.pop(island, None)
 
     def live_islands(self, now: float) -> list[str]:
         horizon = now - self.config.island_timeout_seconds
@@ -364,6 +372,7 @@ class ShardState:
         self.touch(key.island, now)
         if key.island in self.islands:
             self.contributed.add(key.island)
+            self.newcomers.pop(key.island, None)
             if step_seconds > 0:
                 self.step_seconds[key.island] = step_seconds
         live = len(self.live_islands(now))
@@ -493,12 +502,19 @@ class ShardState:
         """When the earliest running merge window closes, for the server's merge thread to wake."""
         return min((self.closes(f) for f in self.fragments.values() if f.quorum_since is not None), default=None)
 
+    def members(self, now: float) -> set[str]:
+        """The live islands a round is made of: those that have had a push taken, and those that joined
+        within an island timeout and have not pushed yet (their first round is still being trained). Ids that
+        joined and never push stop counting then, however often they call: thousands of them would make every
+        real merge a vanishing share of a round."""
+        horizon = now - self.config.island_timeout_seconds
+        new = {island for island, joined in self.newcomers.items() if joined >= horizon}
+        return set(self.live_islands(now)) & (self.contributed | new)
+
     def round_members(self, frag: ShardFragment, now: float) -> int:
-        """The islands a round of the fragment is made of: the live ones that have contributed, and those that
-        left while it was in progress, so that islands finishing one after another do not make the last
-        merges larger shares. Ids that joined and never pushed are no members: thousands of them would make
-        every real merge a vanishing share of a round."""
-        return len((set(self.live_islands(now)) & self.contributed) | frag.round_left)
+        """The islands a round of the fragment is made of: its `members`, and those that left while it was in
+        progress, so that islands finishing one after another do not make the last merges larger shares."""
+        return len(self.members(now) | frag.round_left)
 
     def merge_share(self, frag: ShardFragment, contributors: int, now: float) -> float:
         """The share of a round a merge of `contributors` islands stands for (the outer step's `share`): with K
@@ -621,6 +637,7 @@ class ShardState:
             "islands": dict(self.islands),
             "left": dict(self.left),
             "contributed": sorted(self.contributed),
+            "newcomers": dict(self.newcomers),
             "fragments": {p: _saved_fragment(f) for p, f in self.fragments.items()},
         }
 
@@ -657,6 +674,7 @@ class ShardState:
         )
         # before contributors were told apart, every known island was taken for one
         shard.contributed = set(state.get("contributed", shard.islands.keys() | shard.left.keys()))
+        shard.newcomers = dict(state.get("newcomers", {}))
         for p, fragment in state["fragments"].items():
             _restore_fragment(shard.fragment(p), fragment, keep_pushes=clean)
         return shard

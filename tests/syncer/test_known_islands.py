@@ -44,15 +44,16 @@ def test_ids_that_left_or_went_silent_are_forgotten_and_new_ones_join(start_serv
 
 
 def test_ids_that_never_push_do_not_shrink_the_merge_share(start_server):
-    config = config_for(quorum=2, grace_seconds=0.5)
+    config = config_for(quorum=2, grace_seconds=0.5, island_timeout_seconds=1.0)
     server = start_server(config)
     islands = {name: make_client(server.port, name) for name in "ab"}
+    idle = [make_client(server.port, f"idle-{i}") for i in range(100)]
     with make_client(server.port, retry_for=5.0) as observer:
-        for client in islands.values():
+        for client in [*islands.values(), *idle]:
             client.join(2)
-        for i in range(100):  # ids that join and stay live, but never push
-            with make_client(server.port, f"idle-{i}") as idle:
-                idle.join(2)
+        time.sleep(1.1)  # beyond an island timeout since they joined, the idle ids join again to stay live
+        for client in [*islands.values(), *idle]:
+            client.join(2)
         base = observer.pull(0)[0]
         deltas = {"a": (random_values(1, 0.1), 100), "b": (random_values(2, 0.1), 300)}
         for name, client in islands.items():
@@ -72,7 +73,7 @@ def test_ids_that_never_push_do_not_shrink_the_merge_share(start_server):
         reference.merge(list(deltas.values()), live=2)  # the whole round: a and b are every island that pushes
         reference.assert_matches(observer.pull(0)[1])
         assert len(observer.status().live_islands) == 102
-    for client in islands.values():
+    for client in [*islands.values(), *idle]:
         client.close()
 
 
