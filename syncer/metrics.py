@@ -56,11 +56,6 @@ class SyncerMetrics:
             "speaking plaintext; gRPC does not tell which), still handshaking, or closed before a call",
             registry=r,
         ).set_function(lambda: _total(self.tls_handshakes) - _total(self.tls_connections_with_calls))
-        self.tls_certificate_expiry = Gauge(
-            "diloco_syncer_tls_certificate_expiry_seconds",
-            "Seconds until the shard's TLS certificate expires (negative once it has)",
-            registry=r,
-        )
         self.grace_seconds = Gauge(
             "diloco_syncer_grace_seconds",
             "How long a merge now waits for more islands once its quorum is in (adaptive, at most graceSeconds)",

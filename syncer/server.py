@@ -221,7 +221,7 @@ class SyncerServer:
         if self._connections is not None:
             self._connections.port = self.port
         if isinstance(security, Tls) and security.cert is not None:
-            self._watch_expiry(security.cert)
+            self._warn_if_expiring(security.cert)
         self._health_server: grpc.Server | None = None
         self.health_port: int | None = None
         if health_port is not None:
@@ -254,15 +254,10 @@ class SyncerServer:
 
     # Lifecycle
 
-    def _watch_expiry(self, cert: bytes) -> None:
-        """The certificate's seconds to expiry as a gauge, and a WARNING now if it expires within
-        `tls.EXPIRY_WARNING` or has expired: then every handshake fails, and the clients only see UNAVAILABLE."""
-
-        def remaining() -> float:
-            return tls.seconds_to_expiry(cert, datetime.datetime.fromtimestamp(self.clock(), datetime.UTC))
-
-        self.metrics.tls_certificate_expiry.set_function(remaining)
-        seconds = remaining()
+    def _warn_if_expiring(self, cert: bytes) -> None:
+        """A WARNING now if the certificate expires within `tls.EXPIRY_WARNING` or has expired: then every
+        handshake fails, and its clients only see UNAVAILABLE (the expiry itself is a metric: `metrics`)."""
+        seconds = tls.seconds_to_expiry(cert, datetime.datetime.fromtimestamp(self.clock(), datetime.UTC))
         if seconds < tls.EXPIRY_WARNING.total_seconds():
             state = "has expired" if seconds <= 0 else "expires soon"
             log.warning(
