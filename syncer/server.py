@@ -778,7 +778,10 @@ class _Servicer:
         self.s = server
 
     def _refuse(self, refusal: Refused, context: grpc.ServicerContext) -> NoReturn:
-        """Counts the refusal and aborts the call with its status code; the abort raises, ending the handler."""
+        """Counts the refusal and aborts the call with its status code; the abort raises, ending the handler.
+        A stream cut short because its deadline passed (also while it waited for a thread) counts as expired."""
+        if refusal.reason == "malformed" and expired(context):
+            refusal = Refused(refusal.kind, "expired", f"the call expired: {refusal.message}")
         self.s.count_refusal(refusal)
         context.abort(status_code(refusal.kind), refusal.message)
 
@@ -795,7 +798,7 @@ class _Servicer:
         """Admits a data call on its thread: one that expired while queued is counted as such (its client has
         gone: there is nothing to answer), one beyond its client's share of the data threads is refused."""
         if expired(context):
-            self.s.count_refusal(Refused(Refusal.TOO_LARGE, "queue_expired", "expired while queued"))
+            self.s.count_refusal(Refused(Refusal.TOO_LARGE, "expired", "expired while queued"))
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call expired while it waited for a data thread")
         with self.s.client_calls.hold(context.peer()) as taken:
             if not taken:

@@ -219,5 +219,5 @@ def test_a_data_call_that_expires_in_the_queue_is_counted_as_expired_not_malform
             with pytest.raises(grpc.RpcError) as queued:
                 stub.PushDelta(iter([push_header("late", 0)]), metadata=AUTH, timeout=0.5)
             assert queued.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_until(lambda: server.metrics.rejected.labels("queue_expired")._value.get() == 1)
+        wait_until(lambda: server.metrics.rejected.labels("expired")._value.get() == 1)
         assert server.metrics.rejected.labels("malformed")._value.get() == 0  # before the idle streams end
