@@ -190,8 +190,6 @@ class SyncerServer:
         ]
         self._connections: ConnectionWatch | None = None
         if isinstance(security, Tls):
-            if security.cert is not None:
-                self.metrics.serving_certificate(security.cert)
             self._connections = ConnectionWatch(
                 self.metrics.tls_handshakes.inc, self.metrics.tls_connections_with_calls.inc
             )
@@ -215,13 +213,15 @@ class SyncerServer:
             )
         )
         on_handshake = None if self._connections is None else self._connections.handshake_begun
-        self.port = tls.add_port(self._server, f"{host}:{port}", security, on_handshake=on_handshake)
+        self.port = tls.add_port(
+            self._server, f"{host}:{port}", security, on_handshake=on_handshake, on_reload=self._serving
+        )
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
         if self._connections is not None:
             self._connections.port = self.port
-        if isinstance(security, Tls) and security.cert is not None:
-            self._warn_if_expiring(security.cert)
+        if isinstance(security, Tls):
+            self._serving(security)
         self._health_server: grpc.Server | None = None
         self.health_port: int | None = None
         if health_port is not None:
@@ -253,6 +253,12 @@ class SyncerServer:
         return state
 
     # Lifecycle
+
+    def _serving(self, security: Tls) -> None:
+        """The shard serves `security`'s certificate from now on: when it starts, and at each reload."""
+        if security.cert is not None:
+            self.metrics.serving_certificate(security.cert)
+            self._warn_if_expiring(security.cert)
 
     def _warn_if_expiring(self, cert: bytes) -> None:
         """A WARNING now if the certificate expires within `tls.EXPIRY_WARNING` or has expired: then every
