@@ -14,6 +14,7 @@ import socket
 import ssl
 import tempfile
 from dataclasses import dataclass
+from typing import Final
 
 from diloco.transport.tls import Tls, TlsError
 
@@ -94,36 +95,55 @@ def _classify(error: ssl.SSLError) -> Finding | None:
     return None
 
 
+_CLOSED: Final = "the shard closed the connection after the handshake"
+"""What `_attempt` finds when a server whose certificate verified closed the connection before a byte of HTTP/2:
+under TLS 1.3 a server judges the client's certificate after the client's handshake ends, and gRPC's then closes
+without an alert, so this is how it refuses a client certificate."""
+
+
+def _attempt(host: str, port: int, context: ssl.SSLContext, timeout: float) -> Finding | str | None:
+    """One handshake and the first bytes after it: a named reason, `_CLOSED`, or None (nothing to name)."""
+    try:
+        raw = socket.create_connection((host, port), timeout=timeout)
+    except OSError:
+        return None  # refused, unreachable or timed out: a shard that is down, not a TLS problem
+    with raw:
+        try:
+            conn = context.wrap_socket(raw, server_hostname=host)
+        except ssl.SSLError as error:
+            return _classify(error)
+        except OSError:
+            return None
+        with conn:
+            try:
+                conn.sendall(_HTTP2_PREFACE)
+                if conn.recv(1):  # the server's SETTINGS: it took this client
+                    return None
+            except ssl.SSLError as error:
+                if (finding := _classify(error)) is not None:
+                    return finding
+            except TimeoutError:
+                return None
+            except OSError:
+                pass
+    return _CLOSED
+
+
 def probe(target: str, tls: Tls, timeout: float = 5.0) -> Finding | None:
     """Why the server at `target` refuses a TLS handshake from a client holding `tls`; None when it does not,
-    or when it cannot be told (connection refused, timed out, cut mid-handshake): those may pass, so are retried."""
+    or when it cannot be told (connection refused, timed out, cut mid-handshake): those may pass, so are retried.
+    A connection closed after the handshake is tried twice, so that a shard closing as it stops is not taken for
+    one refusing this client's certificate."""
     host, port = split_target(target)
     with tempfile.TemporaryDirectory(prefix="diloco-probe-") as folder:
         try:
             context = _context(tls, folder)
-            raw = socket.create_connection((host, port), timeout=timeout)
         except OSError:  # ssl.SSLError included: unusable settings of our own are for gRPC and `tls` to say
             return None
-        with raw:
-            try:
-                conn = context.wrap_socket(raw, server_hostname=host)
-            except ssl.SSLError as error:
-                return _classify(error)
-            except OSError:
-                return None
-            with conn:
-                try:
-                    conn.sendall(_HTTP2_PREFACE)
-                    if conn.recv(1):  # the server's SETTINGS: it took this client
-                        return None
-                except ssl.SSLError as error:
-                    if (finding := _classify(error)) is not None:
-                        return finding
-                except TimeoutError:
-                    return None
-                except OSError:
-                    pass
-    # A server whose certificate verified closed the connection before a byte of HTTP/2: under TLS 1.3 a server
-    # judges the client's certificate after the client's handshake ends, and gRPC's closes without an alert.
+        found = _attempt(host, port, context, timeout)
+        if found == _CLOSED:
+            found = _attempt(host, port, context, timeout)
+    if not isinstance(found, str):
+        return found
     presents = "" if tls.mutual else ", and this client presents no certificate"
-    return Finding(Refused.CLIENT_CERT_REFUSED, f"the shard closed the connection after the handshake{presents}")
+    return Finding(Refused.CLIENT_CERT_REFUSED, f"{found}{presents}")

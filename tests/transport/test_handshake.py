@@ -7,6 +7,8 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import ssl
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -95,6 +97,26 @@ def test_a_probe_names_why_the_handshake_was_refused(serve, server, client_tls, 
 @pytest.mark.parametrize("pki", [PKI, MUTUAL], ids=["tls", "mutual"])
 def test_a_probe_finds_nothing_wrong_with_a_handshake_that_passes(serve, pki):
     assert probe(serve(pki.server), pki.client) is None
+
+
+def test_a_shard_that_closes_one_connection_as_it_stops_is_not_taken_for_a_refusal(tmp_path):
+    """A TLS server that completes one handshake, closes it without a byte and stops listening: what a shard
+    stopping looks like, and, once only, what a shard refusing a client certificate looks like."""
+    (tmp_path / "tls.crt").write_bytes(PKI.server_cert.cert)
+    (tmp_path / "tls.key").write_bytes(PKI.server_cert.key)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def close_one() -> None:
+        with listener, listener.accept()[0] as raw, context.wrap_socket(raw, server_side=True):
+            pass
+
+    stopping = threading.Thread(target=close_one)
+    stopping.start()
+    assert probe(f"127.0.0.1:{port}", PKI.client) is None
+    stopping.join(10)
 
 
 def test_a_probe_of_a_shard_that_is_down_finds_nothing_to_name():
