@@ -1,0 +1,59 @@
+"""What one contribution can do to a merge: each delta's norm is clipped against a robust reference, so a
+finite but huge delta (|x| near the float32 limit, from a diverged or hostile island) moves a fragment no
+further than an honest one would.
+
+Clipping, not refusal: an island whose delta is merely larger than its peers' (more inner steps, a round
+stale) keeps its direction and a bounded weight, and the push it was answered "taken" for is still merged.
+The reference is the lower median of the norms of this merge's contributions and of the last `HISTORY`
+contributions the fragment merged (as clipped): one outlier can never be the median while honest islands are
+the majority of what the fragment has recently seen, and a merge of one island is measured against its
+predecessors. Until there are three norms to take the median of, a delta is also never larger than the
+fragment itself (`FRAGMENT_RATIO`), which bounds the first merges before any history exists. Norms are
+taken in float64, so a float32 delta near its limit has a finite norm.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+CLIP_FACTOR = 8.0
+"""A delta may be this many times the reference norm: honest islands of one job differ by less (an island
+paced to fewer inner steps, a stale one), and a hostile one moves a fragment at most this much further."""
+HISTORY = 8
+"""Merged contribution norms a fragment remembers: the last two rounds of a job of four islands."""
+FRAGMENT_RATIO = 1.0
+"""No outer gradient larger than the fragment it moves: an honest round moves it by a small fraction."""
+MIN_MEDIAN = 3
+"""Norms a median needs to outvote one outlier: with fewer, the fragment's own norm bounds every delta too."""
+
+
+def norm(tensors: Iterable[Tensor]) -> float:
+    """The L2 norm of a delta (all its tensors), in float64: finite for any finite float32 values."""
+    squares = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors)
+    return math.sqrt(squares)
+
+
+def clip_bound(norms: Sequence[float], history: Sequence[float], fragment_norm: float) -> float:
+    """The largest norm any of this merge's deltas may keep: CLIP_FACTOR x the lower median of `norms` and
+    `history`; with fewer than MIN_MEDIAN of them, at most FRAGMENT_RATIO x `fragment_norm` as well (when the
+    fragment is not all zeros)."""
+    if not norms:
+        raise ValueError("a merge needs at least one contribution")
+    reference = [*norms, *history]
+    bound = CLIP_FACTOR * statistics.median_low(reference)
+    if len(reference) < MIN_MEDIAN and fragment_norm > 0:
+        bound = min(bound, FRAGMENT_RATIO * fragment_norm)
+    return bound
+
+
+def clip_scale(delta_norm: float, bound: float) -> float:
+    """What a delta of norm `delta_norm` is scaled by to be no longer than `bound`: 1 when it is not longer, so
+    honest deltas merge as they are. A merge applies it to the delta's weight as it decodes, keeping no copy."""
+    if delta_norm <= bound:
+        return 1.0
+    return bound / delta_norm

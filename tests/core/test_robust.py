@@ -1,0 +1,45 @@
+"""Specification of the bound on one contribution's delta: clipped against the lower median of its merge and
+the fragment's recent history, never beyond the fragment's own norm, finite for any finite float32 delta."""
+
+import pytest
+import torch
+
+from diloco.core.robust import CLIP_FACTOR, FRAGMENT_RATIO, clip_bound, clip_scale, norm
+
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def test_the_norm_of_a_delta_near_the_float32_limit_is_finite():
+    delta = [torch.full((64, 32), F32_MAX), torch.full((32,), -F32_MAX)]
+    assert norm(delta) == pytest.approx(F32_MAX * (64 * 32 + 32) ** 0.5)
+
+
+def test_one_huge_delta_among_honest_ones_is_bounded_by_theirs():
+    assert clip_bound([1.0, 1.2, 1e38], [], 0.0) == CLIP_FACTOR * 1.2
+
+
+def test_a_merge_of_one_is_measured_against_the_fragments_history():
+    assert clip_bound([1e38], [1.0, 1.1, 0.9], 0.0) == CLIP_FACTOR * 1.0
+
+
+def test_until_a_median_can_outvote_an_outlier_no_delta_is_larger_than_the_fragment_it_moves():
+    assert clip_bound([1e38], [], 10.0) == FRAGMENT_RATIO * 10.0
+    assert clip_bound([1e38, 1e38], [], 10.0) == FRAGMENT_RATIO * 10.0
+    assert clip_bound([1.0], [], 0.0) == CLIP_FACTOR, "an all-zero fragment bounds nothing"
+    assert clip_bound([20.0, 20.0, 20.0], [], 10.0) == CLIP_FACTOR * 20.0, "three norms: their median decides"
+
+
+def test_honest_deltas_within_the_bound_are_merged_as_they_are():
+    delta = [torch.ones(3)]
+    assert clip_scale(norm(delta), 10.0) == 1.0
+
+
+def test_a_delta_beyond_the_bound_keeps_its_direction_at_the_bound():
+    delta = [torch.full((4,), F32_MAX)]
+    scale = clip_scale(norm(delta), 2.0)
+    assert torch.allclose(delta[0].double() * scale, torch.ones(4, dtype=torch.float64))
+
+
+def test_a_merge_needs_a_contribution():
+    with pytest.raises(ValueError):
+        clip_bound([], [1.0], 1.0)
