@@ -341,6 +341,7 @@ class SyncerServer:
             started = time.perf_counter()
             record = self.state.merge(index, now)
             self._dirty = True
+            self.metrics.clipped.inc(record.clipped)
             if record.dropped is not None:
                 self.metrics.rejected.labels(record.dropped).inc(len(record.contributors))
                 log.warning(

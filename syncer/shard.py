@@ -113,6 +113,7 @@ class MergeRecord:
     tokens: int
     max_staleness: int
     dropped: str | None
+    clipped: int = 0  # contributions scaled down to the clip bound before merging (`robust`)
 
     @property
     def contributors(self) -> tuple[str, ...]:
@@ -139,7 +140,7 @@ class ShardFragment:
     round_fresh: float = 0.0  # the share of the round in progress merged from fresh deltas (staleness 0)
     freshness: float = 1.0  # the share of the last complete round that was fresh: scales its successor's momentum
     round_opened: float = 0.0  # when the round in progress opened: its first merge's median arrival (0: unknown)
-    delta_norms: deque[float] = field(default_factory=lambda: deque(maxlen=robust.HISTORY))  # merged, as clipped
+    delta_norms: dict[str, list[float]] = field(default_factory=dict)  # per island, its last merged, as clipped
     last_merge_unix: float = 0.0
     last_contributors: int = 0
     max_staleness_seen: int = 0
@@ -542,7 +543,8 @@ class ShardState:
             raise ValueError(f"fragment {index} has nothing to merge")
         pending = sorted(frag.pending.values(), key=lambda p: p.key.island)
         norms = [delta_norm(p.delta, self.chunk) for p in pending]
-        bound = robust.clip_bound(norms, frag.delta_norms, robust.norm(frag.values))
+        peers = robust.peers(frag.delta_norms, (p.key.island for p in pending))
+        bound = robust.clip_bound(norms, peers, robust.norm(frag.values))
         contributions = [
             Contribution(
                 p.key.island, p.delta, p.tokens, frag.version - p.key.base_version, robust.clip_scale(n, bound)
@@ -609,7 +611,7 @@ class ShardState:
             frag.last_merge_unix = now
             frag.last_contributors = len(pending)
             frag.tokens_merged += tokens
-            frag.delta_norms.extend(min(n, bound) for n in norms)
+            robust.remember(frag.delta_norms, ((p.key.island, min(n, bound)) for p, n in zip(pending, norms)))
         else:  # momentum is what carries a merge into every later one: it restarts, so the next merge can land
             self.rejected_pushes += len(pending)
             frag.momentum = init_momentum(frag.values)
@@ -621,6 +623,7 @@ class ShardState:
             tokens=tokens,
             max_staleness=max(c.staleness for c in contributions),
             dropped=dropped,
+            clipped=sum(n > bound for n in norms),
         )
 
     # Checkpoints

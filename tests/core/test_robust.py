@@ -4,7 +4,17 @@ the fragment's recent history, never beyond the fragment's own norm, finite for 
 import pytest
 import torch
 
-from diloco.core.robust import CLIP_FACTOR, FRAGMENT_RATIO, clip_bound, clip_scale, norm
+from diloco.core.robust import (
+    CLIP_FACTOR,
+    FRAGMENT_RATIO,
+    HISTORY,
+    PER_ISLAND,
+    clip_bound,
+    clip_scale,
+    norm,
+    peers,
+    remember,
+)
 
 F32_MAX = torch.finfo(torch.float32).max
 
@@ -43,3 +53,26 @@ def test_a_delta_beyond_the_bound_keeps_its_direction_at_the_bound():
 def test_a_merge_needs_a_contribution():
     with pytest.raises(ValueError):
         clip_bound([], [1.0], 1.0)
+
+
+def test_an_island_that_merges_alone_again_and_again_keeps_its_votes():
+    """A hostile island merging alone every second, between the honest islands' rounds, once filled the history
+    with its own clipped norms and raised the bound eightfold each time; now it replaces only its own entries."""
+    history: dict[str, list[float]] = {}
+    remember(history, [("a", 1.0), ("b", 1.1), ("c", 0.9)])
+    for _ in range(20):
+        bound = clip_bound([1e38], peers(history, ["hostile"]), 0.0)
+        assert bound == CLIP_FACTOR * 1.0
+        remember(history, [("hostile", min(1e38, bound))])
+    assert history["hostile"] == [CLIP_FACTOR] * PER_ISLAND
+    assert list(history) == ["a", "b", "c", "hostile"]
+    assert sorted(peers(history, ["a"])) == [0.9, 1.1, CLIP_FACTOR, CLIP_FACTOR], "a's own norms are not its peers'"
+
+
+def test_the_history_keeps_the_islands_merged_most_recently():
+    history: dict[str, list[float]] = {}
+    remember(history, [(f"island-{i}", float(i)) for i in range(HISTORY + 2)])
+    remember(history, [("island-3", 30.0)])
+    assert len(history) == HISTORY
+    assert list(history)[-1] == "island-3" and history["island-3"] == [3.0, 30.0]
+    assert "island-0" not in history and "island-1" not in history

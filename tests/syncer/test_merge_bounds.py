@@ -158,6 +158,8 @@ def test_a_huge_finite_delta_is_clipped_and_the_honest_islands_keep_moving_the_f
             wait_until(lambda v=version: observer.pull(0)[0].version == v + 1)
             values = observer.pull(0)[1]
             assert all(t.abs().max() < 10 for _, t in values), f"after merge {version + 1}: the fragment blew up"
+            clipped = server.metrics.registry.get_sample_value("diloco_syncer_clipped_contributions_total")
+            assert clipped == (0 if version == 0 else 1), "only c's delta is clipped, and counted once"
         assert observer.status().rejected_pushes == 0, "no merge was dropped"
     for client in islands.values():
         client.close()

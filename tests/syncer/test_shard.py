@@ -681,16 +681,19 @@ class TestMergeBounds:
         frag = shard.fragments[0]
         before = ([v.clone() for v in frag.values], [m.clone() for m in frag.momentum], frag.version)
         counters = (frag.last_merge_unix, frag.last_contributors, frag.tokens_merged, set(frag.merged_keys))
-        push(shard, "a", 1.0, seq=1, delta=3e38)  # finite, as is their mean: the outer step overflows
-        push(shard, "b", 1.0, seq=1, delta=3e38)
+        # Finite, as is their mean: the outer step overflows. Three of them, so their median is the clip's reference
+        # (each island's own past norms are not its peers').
+        for island in "abc":
+            shard.join(island, 1.0)
+            push(shard, island, 1.0, seq=1, delta=3e38)
         record = shard.merge(0, 2.0)
-        assert record.dropped == "non_finite" and record.contributors == ("a", "b")
+        assert record.dropped == "non_finite" and record.contributors == ("a", "b", "c")
         assert record.version == before[2]
         assert all(torch.equal(v, w) for v, w in zip(frag.values, before[0]))
         assert all(not m.any() for m in frag.momentum), "momentum restarts: it carried the overflow"
         assert frag.version == before[2]
         assert (frag.last_merge_unix, frag.last_contributors, frag.tokens_merged, frag.merged_keys) == counters
-        assert frag.pending == {} and shard.rejected_pushes == 2, "the contributions are dropped and counted"
+        assert frag.pending == {} and shard.rejected_pushes == 3, "the contributions are dropped and counted"
 
     def test_islands_go_on_after_a_refused_merge(self):
         shard = make_shard(quorum=2, grace_seconds=60.0)
