@@ -32,7 +32,7 @@ from grpc_health.v1 import health, health_pb2
 from diloco.core.compressed_pull import difference, values_digest
 from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoding, EncodingError
-from diloco.core.merge import CHUNK, Delta
+from diloco.core.merge import CHUNK, Delta, delta_norm
 from diloco.core.refusal import Refusal
 from diloco.progress import MergeEvent, ProgressWriter
 from diloco.syncer import checkpoint
@@ -468,10 +468,13 @@ class SyncerServer:
         step_seconds: float,
         slack_seconds: float | None = None,
     ) -> PushResult:
-        """Takes a checked push and wakes the merge thread, which may find the fragment due now."""
+        """Takes a checked push and wakes the merge thread, which may find the fragment due now. The delta's norm
+        (what its merge clips by) is a pass over its bytes: taken here, on the push's own thread, before the
+        lock, so that neither the merge nor the other calls wait for it."""
+        norm = delta_norm(delta, self.state.chunk)
         with self._cond:
             result = self.state.submit(
-                key, fragment, specs, delta, tokens, inner_steps, self.clock(), step_seconds, slack_seconds
+                key, fragment, specs, delta, tokens, inner_steps, self.clock(), step_seconds, slack_seconds, norm
             )
             self._dirty |= not result.duplicate
             self._cond.notify_all()

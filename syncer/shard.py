@@ -92,6 +92,7 @@ class Pending:
     arrived: float = 0.0  # the shard's clock when it was taken
     on_time: bool = True  # based on the version then current: pushed in the round it was trained for
     slack: float | None = None  # seconds after the push the island mixes the merge in (None: unknown)
+    norm: float = 0.0  # the delta's L2 norm, what its merge clips it by (`robust`)
 
 
 @dataclass(frozen=True)
@@ -346,6 +347,7 @@ class ShardState:
         now: float,
         step_seconds: float = 0.0,
         slack_seconds: float | None = None,
+        norm: float | None = None,
     ) -> PushResult:
         """Takes a delta as the island's pending contribution to the fragment's next merge: as it came over the
         wire (checked, not decoded: its merge decodes it chunk by chunk) or as float values.
@@ -353,7 +355,8 @@ class ShardState:
         An island has at most one pending contribution per fragment: its deltas are cumulative against its
         base, so a newer push replaces an older one, and a late retry of an older push changes nothing.
         `step_seconds` is the island's measured seconds per inner step, `slack_seconds` how long after the
-        push it mixes the merge in (0 and None: not measured).
+        push it mixes the merge in (0 and None: not measured). `norm` is the delta's L2 norm (`delta_norm`)
+        when the caller took it before holding the shard's lock, as the server does; else it is taken here.
         """
         duplicate = self.check_push(key, fragment, specs, tokens, inner_steps, slack_seconds, _held_bytes(delta))
         if duplicate is not None:
@@ -368,7 +371,8 @@ class ShardState:
             return PushResult(duplicate=True, version=frag.version, staleness=staleness)
         self._record_lateness(frag, staleness, now)
         delta32 = [d if isinstance(d, Encoded) else d.to(torch.float32) for d in delta]
-        frag.pending[key.island] = Pending(key, delta32, tokens, inner_steps, now, staleness == 0, slack_seconds)
+        norm = delta_norm(delta32, self.chunk) if norm is None else norm
+        frag.pending[key.island] = Pending(key, delta32, tokens, inner_steps, now, staleness == 0, slack_seconds, norm)
         frag.max_staleness_seen = max(frag.max_staleness_seen, staleness)
         self.touch(key.island, now)
         if key.island in self.islands:
@@ -542,9 +546,9 @@ class ShardState:
         if not frag.pending:
             raise ValueError(f"fragment {index} has nothing to merge")
         pending = sorted(frag.pending.values(), key=lambda p: p.key.island)
-        norms = [delta_norm(p.delta, self.chunk) for p in pending]
+        norms = [p.norm for p in pending]
         peers = robust.peers(frag.delta_norms, (p.key.island for p in pending))
-        bound = robust.clip_bound(norms, peers, robust.norm(frag.values))
+        bound = robust.clip_bound(norms, peers, lambda: robust.norm(frag.values))
         contributions = [
             Contribution(
                 p.key.island, p.delta, p.tokens, frag.version - p.key.base_version, robust.clip_scale(n, bound)

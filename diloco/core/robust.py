@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -58,16 +58,17 @@ def peers(history: dict[str, list[float]], merging: Iterable[str]) -> list[float
     return [n for island, norms in history.items() if island not in skip for n in norms]
 
 
-def clip_bound(norms: Sequence[float], history: Sequence[float], fragment_norm: float) -> float:
+def clip_bound(norms: Sequence[float], history: Sequence[float], fragment_norm: Callable[[], float]) -> float:
     """The largest norm any of this merge's deltas may keep: CLIP_FACTOR x the lower median of `norms` and
-    `history`; with fewer than MIN_MEDIAN of them, at most FRAGMENT_RATIO x `fragment_norm` as well (when the
-    fragment is not all zeros)."""
+    `history`; with fewer than MIN_MEDIAN of them, at most FRAGMENT_RATIO x `fragment_norm()` as well (when the
+    fragment is not all zeros). The fragment's norm is a pass over it, taken only then: a shard merges under
+    its lock, and every pass there holds up the pushes and pulls waiting for it."""
     if not norms:
         raise ValueError("a merge needs at least one contribution")
     reference = [*norms, *history]
     bound = CLIP_FACTOR * statistics.median_low(reference)
-    if len(reference) < MIN_MEDIAN and fragment_norm > 0:
-        bound = min(bound, FRAGMENT_RATIO * fragment_norm)
+    if len(reference) < MIN_MEDIAN and (fragment := fragment_norm()) > 0:
+        bound = min(bound, FRAGMENT_RATIO * fragment)
     return bound
 
 

@@ -25,18 +25,26 @@ def test_the_norm_of_a_delta_near_the_float32_limit_is_finite():
 
 
 def test_one_huge_delta_among_honest_ones_is_bounded_by_theirs():
-    assert clip_bound([1.0, 1.2, 1e38], [], 0.0) == CLIP_FACTOR * 1.2
+    assert clip_bound([1.0, 1.2, 1e38], [], lambda: 0.0) == CLIP_FACTOR * 1.2
 
 
 def test_a_merge_of_one_is_measured_against_the_fragments_history():
-    assert clip_bound([1e38], [1.0, 1.1, 0.9], 0.0) == CLIP_FACTOR * 1.0
+    assert clip_bound([1e38], [1.0, 1.1, 0.9], lambda: 0.0) == CLIP_FACTOR * 1.0
 
 
 def test_until_a_median_can_outvote_an_outlier_no_delta_is_larger_than_the_fragment_it_moves():
-    assert clip_bound([1e38], [], 10.0) == FRAGMENT_RATIO * 10.0
-    assert clip_bound([1e38, 1e38], [], 10.0) == FRAGMENT_RATIO * 10.0
-    assert clip_bound([1.0], [], 0.0) == CLIP_FACTOR, "an all-zero fragment bounds nothing"
-    assert clip_bound([20.0, 20.0, 20.0], [], 10.0) == CLIP_FACTOR * 20.0, "three norms: their median decides"
+    assert clip_bound([1e38], [], lambda: 10.0) == FRAGMENT_RATIO * 10.0
+    assert clip_bound([1e38, 1e38], [], lambda: 10.0) == FRAGMENT_RATIO * 10.0
+    assert clip_bound([1.0], [], lambda: 0.0) == CLIP_FACTOR, "an all-zero fragment bounds nothing"
+    assert clip_bound([20.0, 20.0, 20.0], [], lambda: 10.0) == CLIP_FACTOR * 20.0, "three norms: their median decides"
+
+
+def test_the_fragment_is_measured_only_while_a_median_cannot_outvote_an_outlier():
+    def unmeasured() -> float:
+        raise AssertionError("a pass over the fragment, under the shard's lock, that the bound did not need")
+
+    assert clip_bound([1.0, 1.2, 0.8], [], unmeasured) == CLIP_FACTOR * 1.0
+    assert clip_bound([1e38], [1.0, 1.1, 0.9], unmeasured) == CLIP_FACTOR * 1.0
 
 
 def test_honest_deltas_within_the_bound_are_merged_as_they_are():
@@ -52,7 +60,7 @@ def test_a_delta_beyond_the_bound_keeps_its_direction_at_the_bound():
 
 def test_a_merge_needs_a_contribution():
     with pytest.raises(ValueError):
-        clip_bound([], [1.0], 1.0)
+        clip_bound([], [1.0], lambda: 1.0)
 
 
 def test_an_island_that_merges_alone_again_and_again_keeps_its_votes():
@@ -61,7 +69,7 @@ def test_an_island_that_merges_alone_again_and_again_keeps_its_votes():
     history: dict[str, list[float]] = {}
     remember(history, [("a", 1.0), ("b", 1.1), ("c", 0.9)])
     for _ in range(20):
-        bound = clip_bound([1e38], peers(history, ["hostile"]), 0.0)
+        bound = clip_bound([1e38], peers(history, ["hostile"]), lambda: 0.0)
         assert bound == CLIP_FACTOR * 1.0
         remember(history, [("hostile", min(1e38, bound))])
     assert history["hostile"] == [CLIP_FACTOR] * PER_ISLAND

@@ -695,6 +695,17 @@ class TestMergeBounds:
         assert (frag.last_merge_unix, frag.last_contributors, frag.tokens_merged, frag.merged_keys) == counters
         assert frag.pending == {} and shard.rejected_pushes == 3, "the contributions are dropped and counted"
 
+    def test_a_push_is_clipped_by_the_norm_taken_when_it_arrived(self):
+        # The server takes each delta's norm on the push's own thread, before the shard's lock; the merge, under
+        # the lock, makes no pass over the deltas to measure them again.
+        shard = make_shard(quorum=4, grace_seconds=60.0)
+        for island in "abc":
+            push(shard, island, 0.0, delta=1.0)
+        delta = [torch.full((2,), 1.0), torch.full((1,), 1.0)]
+        shard.submit(PushKey("d", INCARNATION, 0, 0), 0, SPECS, delta, 100, 10, 0.0, norm=1e30)
+        assert shard.fragments[0].pending["a"].norm == pytest.approx(3**0.5), "taken by submit when not given"
+        assert shard.merge(0, 0.0).clipped == 1, "d's delta is measured as its push said"
+
     def test_islands_go_on_after_a_refused_merge(self):
         shard = make_shard(quorum=2, grace_seconds=60.0)
         push(shard, "a", 0.0, delta=3e38)

@@ -108,7 +108,7 @@ def test_deltas_of_any_finite_magnitude_have_finite_norms_and_are_clipped_to_the
     norms = [delta_norm(d, chunk=2) for d in held]
     assert all(math.isfinite(n) for n in norms)
     assert norms == pytest.approx([robust.norm([t]) for t in tensors])
-    bound = robust.clip_bound(norms, [1.0] * robust.HISTORY, fragment_norm)
+    bound = robust.clip_bound(norms, [1.0] * robust.HISTORY, lambda: fragment_norm)
     for t, n in zip(tensors, norms):
         scale = robust.clip_scale(n, bound)
         assert 0 <= scale <= 1 and math.isfinite(scale)
