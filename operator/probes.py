@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from diloco.operator.job_status import FragmentReport, ShardObservation
 from diloco.operator.policies.island_training import TrainerReport
-from diloco.transport import tls
+from diloco.transport import handshake, tls
 from diloco.transport.auth import bearer_metadata
-from diloco.transport.tls import Security
+from diloco.transport.tls import Security, Tls
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.v1 import syncer_pb2_grpc as pb_grpc
 
@@ -46,6 +46,18 @@ def rpc_error(error: grpc.RpcError) -> str:
     return f"{code.name if code else 'UNKNOWN'}: {details[:MAX_ERROR_CHARS]}"
 
 
+def _shard_error(error: grpc.RpcError, target: str, security: Security, timeout: float) -> str:
+    """`rpc_error`, but a refused TLS handshake named with its reason (`handshake`): gRPC says only UNAVAILABLE
+    "Socket closed" for it, as for a shard that is down."""
+    said = rpc_error(error)
+    if not (isinstance(security, Tls) and isinstance(error, grpc.Call) and error.code() == grpc.StatusCode.UNAVAILABLE):
+        return said
+    finding = handshake.probe(target, security, timeout)
+    if finding is None:
+        return said
+    return f"UNAVAILABLE: {handshake.HandshakeRefused(target, finding.reason, finding.detail)}"
+
+
 def _status(stub: pb_grpc.SyncerStub, tokens: Sequence[str], timeout: float) -> pb.StatusReply:
     """The shard's Status reply to the first of `tokens` it takes; the last refusal raised."""
     for token in tokens[:-1]:
@@ -61,9 +73,9 @@ def shard_status(
     shard: int, ready: bool, target: str, tokens: Sequence[str], security: Security, timeout: float
 ) -> ShardObservation:
     """One shard's Status reply, or an observation without one when the call fails (a refused handshake
-    included: UNAVAILABLE, as for a shard that is down). `tokens` are tried in order while the shard refuses
-    one (UNAUTHENTICATED): the one the islands present first, which every shard accepts, so that a rotation
-    costs no refused call; the reply says which tokens the shard accepts (`accepts`)."""
+    included: UNAVAILABLE, as for a shard that is down, with its reason). `tokens` are tried in order while the
+    shard refuses one (UNAUTHENTICATED): the one the islands present first, which every shard accepts, so that
+    a rotation costs no refused call; the reply says which tokens the shard accepts (`accepts`)."""
     if not tokens:
         raise ValueError("a shard is called with at least one token")
     if not ready:
@@ -72,7 +84,7 @@ def shard_status(
         try:
             reply = _status(pb_grpc.SyncerStub(channel), tokens, timeout)
         except grpc.RpcError as error:
-            return ShardObservation(shard=shard, ready=True, error=rpc_error(error))
+            return ShardObservation(shard=shard, ready=True, error=_shard_error(error, target, security, timeout))
     fragments = tuple(
         FragmentReport(
             fragment=f.fragment_id,

@@ -39,6 +39,11 @@ class SyncerMetrics:
             registry=r,
         )
         self.rejected = Counter("diloco_syncer_rejected_pushes", "Calls refused, by reason", ["reason"], registry=r)
+        self.clipped = Counter(
+            "diloco_syncer_clipped_contributions",
+            "Contributions scaled down to the clip bound before a merge: larger than 8x their peers' median norm",
+            registry=r,
+        )
         self.tls_handshakes = Counter(
             "diloco_syncer_tls_handshakes",
             "TLS handshakes begun on the shard's port: one per connection, refused ones included",

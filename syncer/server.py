@@ -11,6 +11,7 @@ digests use `threads` cores: torch's own threads for the arithmetic (set by the 
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import logging
 import secrets
@@ -18,18 +19,20 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import grpc
 import torch
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2
 
 from diloco.core.compressed_pull import difference, values_digest
 from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoding, EncodingError
-from diloco.core.merge import CHUNK, Delta
+from diloco.core.merge import CHUNK, Delta, delta_norm
 from diloco.core.refusal import Refusal
 from diloco.progress import MergeEvent, ProgressWriter
 from diloco.syncer import checkpoint
@@ -40,8 +43,11 @@ from diloco.syncer.shard import MAX_PENDING_BYTES, PushKey, PushResult, Refused,
 from diloco.syncer.streams import (
     CONTROL_WORKERS,
     MAX_QUEUED_CALLS,
+    ClientCalls,
     DataThreads,
     StreamWatch,
+    calls_per_client,
+    expired,
 )
 from diloco.transport import tls, wire
 from diloco.transport.auth import AcceptedTokens, TokenInterceptor, token_fingerprint
@@ -176,6 +182,7 @@ class SyncerServer:
         self._health = health.HealthServicer()
         self._control = futures.ThreadPoolExecutor(max_workers=CONTROL_WORKERS, thread_name_prefix="syncer-control")
         self.data_threads = DataThreads(max_workers, max_queued_calls)
+        self.client_calls = ClientCalls(calls_per_client(max_workers))
         servicer = _Servicer(self)
         self.tokens = AcceptedTokens.of(token)
         interceptors: list[grpc.ServerInterceptor] = [
@@ -183,8 +190,6 @@ class SyncerServer:
         ]
         self._connections: ConnectionWatch | None = None
         if isinstance(security, Tls):
-            if security.cert is not None:
-                self.metrics.serving_certificate(security.cert)
             self._connections = ConnectionWatch(
                 self.metrics.tls_handshakes.inc, self.metrics.tls_connections_with_calls.inc
             )
@@ -208,11 +213,15 @@ class SyncerServer:
             )
         )
         on_handshake = None if self._connections is None else self._connections.handshake_begun
-        self.port = tls.add_port(self._server, f"{host}:{port}", security, on_handshake=on_handshake)
+        self.port = tls.add_port(
+            self._server, f"{host}:{port}", security, on_handshake=on_handshake, on_reload=self._serving
+        )
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
         if self._connections is not None:
             self._connections.port = self.port
+        if isinstance(security, Tls):
+            self._serving(security)
         self._health_server: grpc.Server | None = None
         self.health_port: int | None = None
         if health_port is not None:
@@ -244,6 +253,23 @@ class SyncerServer:
         return state
 
     # Lifecycle
+
+    def _serving(self, security: Tls) -> None:
+        """The shard serves `security`'s certificate from now on: when it starts, and at each reload."""
+        if security.cert is not None:
+            self.metrics.serving_certificate(security.cert)
+            self._warn_if_expiring(security.cert)
+
+    def _warn_if_expiring(self, cert: bytes) -> None:
+        """A WARNING now if the certificate expires within `tls.EXPIRY_WARNING` or has expired: then every
+        handshake fails, and its clients only see UNAVAILABLE (the expiry itself is a metric: `metrics`)."""
+        seconds = tls.seconds_to_expiry(cert, datetime.datetime.fromtimestamp(self.clock(), datetime.UTC))
+        if seconds < tls.EXPIRY_WARNING.total_seconds():
+            state = "has expired" if seconds <= 0 else "expires soon"
+            log.warning(
+                f"the shard's TLS certificate {state}: renew it (clients refuse an expired one)",
+                extra={"seconds_to_expiry": round(seconds)},
+            )
 
     def start(self) -> int:
         self._server.start()
@@ -315,6 +341,7 @@ class SyncerServer:
             started = time.perf_counter()
             record = self.state.merge(index, now)
             self._dirty = True
+            self.metrics.clipped.inc(record.clipped)
             if record.dropped is not None:
                 self.metrics.rejected.labels(record.dropped).inc(len(record.contributors))
                 log.warning(
@@ -441,10 +468,13 @@ class SyncerServer:
         step_seconds: float,
         slack_seconds: float | None = None,
     ) -> PushResult:
-        """Takes a checked push and wakes the merge thread, which may find the fragment due now."""
+        """Takes a checked push and wakes the merge thread, which may find the fragment due now. The delta's norm
+        (what its merge clips by) is a pass over its bytes: taken here, on the push's own thread, before the
+        lock, so that neither the merge nor the other calls wait for it."""
+        norm = delta_norm(delta, self.state.chunk)
         with self._cond:
             result = self.state.submit(
-                key, fragment, specs, delta, tokens, inner_steps, self.clock(), step_seconds, slack_seconds
+                key, fragment, specs, delta, tokens, inner_steps, self.clock(), step_seconds, slack_seconds, norm
             )
             self._dirty |= not result.duplicate
             self._cond.notify_all()
@@ -638,7 +668,16 @@ def _first_header(parts: Iterator[wire.Part], header_type: type[H]) -> H:
     first = next(parts, None)
     if not isinstance(first, header_type):
         raise Refused(Refusal.INVALID, "malformed", f"the stream must start with a {header_type.__name__}")
+    _check_fields(first)
     return first
+
+
+def _check_fields(message: Message) -> None:
+    """Every field of a request within its rule (`transport.fields`), before anything reads a value."""
+    try:
+        wire.check_fields(message)
+    except wire.WireError as error:
+        raise Refused(error.kind, "field", error.message) from None
 
 
 def _declared_bytes(tensors: Iterable[pb.TensorPayload]) -> int:
@@ -749,7 +788,10 @@ class _Servicer:
         self.s = server
 
     def _refuse(self, refusal: Refused, context: grpc.ServicerContext) -> NoReturn:
-        """Counts the refusal and aborts the call with its status code; the abort raises, ending the handler."""
+        """Counts the refusal and aborts the call with its status code; the abort raises, ending the handler.
+        A stream cut short because its deadline passed (also while it waited for a thread) counts as expired."""
+        if refusal.reason == "malformed" and expired(context):
+            refusal = Refused(refusal.kind, "expired", f"the call expired: {refusal.message}")
         self.s.count_refusal(refusal)
         context.abort(status_code(refusal.kind), refusal.message)
 
@@ -761,11 +803,31 @@ class _Servicer:
             context,
         )
 
+    @contextmanager
+    def _data_call(self, context: grpc.ServicerContext) -> Iterator[None]:
+        """Admits a data call on its thread: one that expired while queued is counted as such (its client has
+        gone: there is nothing to answer), one beyond its client's share of the data threads is refused."""
+        if expired(context):
+            self.s.count_refusal(Refused(Refusal.TOO_LARGE, "expired", "expired while queued"))
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call expired while it waited for a data thread")
+        with self.s.client_calls.hold(context.peer()) as taken:
+            if not taken:
+                most = self.s.client_calls.most
+                refusal = Refused(
+                    Refusal.TOO_LARGE, "client_limit", f"this client already holds the {most} data calls it may"
+                )
+                self._refuse(refusal, context)
+            yield
+
     def _decoded(self, request: M | wire.Undecodable, context: grpc.ServicerContext) -> M:
         """The request, unless its bytes were no such message (a string field that is not UTF-8): the caller's
         error, refused as invalid (gRPC itself would answer INTERNAL, which clients retry)."""
         if isinstance(request, wire.Undecodable):
             self._refuse(Refused(Refusal.INVALID, "malformed", "the request is not a valid message"), context)
+        try:
+            _check_fields(request)
+        except Refused as refusal:
+            self._refuse(refusal, context)
         return request
 
     def Join(self, request: pb.JoinRequest | wire.Undecodable, context: grpc.ServicerContext) -> pb.JoinReply:
@@ -781,6 +843,10 @@ class _Servicer:
             self._refuse(refusal, context)
 
     def Seed(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.SeedReply:
+        with self._data_call(context):
+            return self._seed(request_iterator, context)
+
+    def _seed(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.SeedReply:
         s = self.s
         try:
             with s.streams.watching(context, "Seed") as watched:
@@ -806,6 +872,10 @@ class _Servicer:
         return pb.SeedReply(accepted=accepted, version=version)
 
     def PushDelta(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.PushReply:
+        with self._data_call(context):
+            return self._push(request_iterator, context)
+
+    def _push(self, request_iterator: Iterator[wire.Part], context: grpc.ServicerContext) -> pb.PushReply:
         s = self.s
         try:
             with s.streams.watching(context, "PushDelta") as watched:
@@ -842,6 +912,10 @@ class _Servicer:
         )
 
     def Pull(self, request: pb.PullRequest | wire.Undecodable, context: grpc.ServicerContext) -> Iterator[bytes]:
+        with self._data_call(context):
+            yield from self._pull(request, context)
+
+    def _pull(self, request: pb.PullRequest | wire.Undecodable, context: grpc.ServicerContext) -> Iterator[bytes]:
         s = self.s
         request = self._decoded(request, context)
         try:

@@ -17,16 +17,18 @@ from typing import Any
 
 import torch
 
+from diloco.core import robust
 from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoded, decoded
 from diloco.core.fragments import owned_fragments
 from diloco.core.grace import HISTORY, grace_window, merge_closes
-from diloco.core.island_id import check_island_id
+from diloco.core.island_id import MAX_KNOWN_ISLANDS, check_island_id, forget_before
 from diloco.core.merge import (
     CHUNK,
     MAX_TOKENS_PER_INNER_STEP,
     Contribution,
     Delta,
+    delta_norm,
     is_too_stale,
     merge_deltas,
     tokens_are_possible,
@@ -45,8 +47,6 @@ from diloco.core.refusal import Refusal
 CHECKPOINT_FORMAT = 2
 READABLE_FORMATS = frozenset({1, CHECKPOINT_FORMAT})
 """Format 2 added the outer round's progress; a format-1 checkpoint resumes with a round opening."""
-MAX_KNOWN_ISLANDS = 4096
-"""Islands a shard remembers, joined or left: 8 times the most a DiLoCoJob admits; keeps Status small."""
 MAX_PENDING_BYTES = 16 * 1024**3
 """Pending deltas a shard holds in memory, as it holds them (as sent: int4 0.53 bytes a parameter): 8 islands'
 float32 deltas of the whole `large` preset (1.4 GB) and room, or 16 islands' int4 pushes of a 2 B model."""
@@ -92,6 +92,7 @@ class Pending:
     arrived: float = 0.0  # the shard's clock when it was taken
     on_time: bool = True  # based on the version then current: pushed in the round it was trained for
     slack: float | None = None  # seconds after the push the island mixes the merge in (None: unknown)
+    norm: float = 0.0  # the delta's L2 norm, what its merge clips it by (`robust`)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class MergeRecord:
     tokens: int
     max_staleness: int
     dropped: str | None
+    clipped: int = 0  # contributions scaled down to the clip bound before merging (`robust`)
 
     @property
     def contributors(self) -> tuple[str, ...]:
@@ -139,6 +141,7 @@ class ShardFragment:
     round_fresh: float = 0.0  # the share of the round in progress merged from fresh deltas (staleness 0)
     freshness: float = 1.0  # the share of the last complete round that was fresh: scales its successor's momentum
     round_opened: float = 0.0  # when the round in progress opened: its first merge's median arrival (0: unknown)
+    delta_norms: dict[str, list[float]] = field(default_factory=dict)  # per island, its last merged, as clipped
     last_merge_unix: float = 0.0
     last_contributors: int = 0
     max_staleness_seen: int = 0
@@ -176,8 +179,10 @@ class ShardState:
         self.incarnation = incarnation
         self.max_pending_bytes = max_pending_bytes
         self.fragments = {p: ShardFragment(p) for p in owned_fragments(shard_index, num_shards, config.fragments)}
-        self.islands: dict[str, float] = {}
-        self.left: set[str] = set()
+        self.islands: dict[str, float] = {}  # joined: when last heard of
+        self.left: dict[str, float] = {}  # left: when last heard of before leaving
+        self.contributed: set[str] = set()  # known islands that had a push taken
+        self.newcomers: dict[str, float] = {}  # joined, no push taken yet: when they first joined
         self.rejected_pushes = 0
         self.step_seconds: dict[str, float] = {}
         self.lateness: deque[float] = deque(maxlen=HISTORY)
@@ -197,13 +202,16 @@ class ShardState:
         if not island:
             return
         self.check_island(island)
+        self.forget(now)
         known = island in self.islands or island in self.left
         if not known and len(self.islands) + len(self.left) >= MAX_KNOWN_ISLANDS:
             raise Refused(
                 Refusal.TOO_LARGE, "islands", f"the shard already knows {MAX_KNOWN_ISLANDS} islands, the most it takes"
             )
-        self.left.discard(island)
+        self.left.pop(island, None)
         self.islands[island] = now
+        if island not in self.contributed:
+            self.newcomers.setdefault(island, now)  # joining again does not make an id new again
 
     def touch(self, island: str, now: float) -> None:
         """Refreshes a joined island. Calls of one that never joined make nothing live (an invented id dilutes
@@ -219,10 +227,25 @@ class ShardState:
             return
         if island not in self.islands:
             raise Refused(Refusal.OUT_OF_STEP, "not_joined", f"island {island!r} never joined this shard")
-        del self.islands[island]
-        self.left.add(island)
-        for frag in self.fragments.values():  # it still counts for the rounds it was part of
-            frag.round_left.add(island)
+        seen = self.left[island] = self.islands.pop(island)
+        # it still counts for the round it was a member of (`members`, as of its last call)
+        if (
+            island in self.contributed
+            or self.newcomers.get(island, -math.inf) >= seen - self.config.island_timeout_seconds
+        ):
+            for frag in self.fragments.values():
+                frag.round_left.add(island)
+
+    def forget(self, now: float) -> None:
+        """Forgets the islands, left or silent, unheard of since `forget_before`: ids come and go over a long
+        job (restarts, new pods), and those gone must not count against MAX_KNOWN_ISLANDS for good."""
+        horizon = forget_before(now, self.config.island_timeout_seconds)
+        for known in (self.islands, self.left):
+            for island in [island for island, seen in known.items() if seen < horizon]:
+                del known[island]
+                self.step_seconds.pop(island, None)
+                self.contributed.discard(island)
+                self.newcomers.pop(island, None)
 
     def live_islands(self, now: float) -> list[str]:
         horizon = now - self.config.island_timeout_seconds
@@ -271,6 +294,8 @@ class ShardState:
             return False
         if not specs:
             raise Refused(Refusal.INVALID, "empty", f"seed of fragment {index} has no tensors")
+        if any(math.prod(s.shape) == 0 for s in specs):  # the first seed wins: no island could ever push to it
+            raise Refused(Refusal.INVALID, "empty", f"seed of fragment {index} has a tensor of no elements")
         frag.specs = tuple(specs)
         frag.values = [v.detach().to(torch.float32).clone() for v in values]
         frag.momentum = init_momentum(frag.values)
@@ -322,6 +347,7 @@ class ShardState:
         now: float,
         step_seconds: float = 0.0,
         slack_seconds: float | None = None,
+        norm: float | None = None,
     ) -> PushResult:
         """Takes a delta as the island's pending contribution to the fragment's next merge: as it came over the
         wire (checked, not decoded: its merge decodes it chunk by chunk) or as float values.
@@ -329,7 +355,8 @@ class ShardState:
         An island has at most one pending contribution per fragment: its deltas are cumulative against its
         base, so a newer push replaces an older one, and a late retry of an older push changes nothing.
         `step_seconds` is the island's measured seconds per inner step, `slack_seconds` how long after the
-        push it mixes the merge in (0 and None: not measured).
+        push it mixes the merge in (0 and None: not measured). `norm` is the delta's L2 norm (`delta_norm`)
+        when the caller took it before holding the shard's lock, as the server does; else it is taken here.
         """
         duplicate = self.check_push(key, fragment, specs, tokens, inner_steps, slack_seconds, _held_bytes(delta))
         if duplicate is not None:
@@ -344,11 +371,15 @@ class ShardState:
             return PushResult(duplicate=True, version=frag.version, staleness=staleness)
         self._record_lateness(frag, staleness, now)
         delta32 = [d if isinstance(d, Encoded) else d.to(torch.float32) for d in delta]
-        frag.pending[key.island] = Pending(key, delta32, tokens, inner_steps, now, staleness == 0, slack_seconds)
+        norm = delta_norm(delta32, self.chunk) if norm is None else norm
+        frag.pending[key.island] = Pending(key, delta32, tokens, inner_steps, now, staleness == 0, slack_seconds, norm)
         frag.max_staleness_seen = max(frag.max_staleness_seen, staleness)
         self.touch(key.island, now)
-        if step_seconds > 0 and key.island in self.islands:
-            self.step_seconds[key.island] = step_seconds
+        if key.island in self.islands:
+            self.contributed.add(key.island)
+            self.newcomers.pop(key.island, None)
+            if step_seconds > 0:
+                self.step_seconds[key.island] = step_seconds
         live = len(self.live_islands(now))
         return PushResult(duplicate=False, version=frag.version, staleness=staleness, arrived=now, live_islands=live)
 
@@ -448,6 +479,7 @@ class ShardState:
         """Fragments due for a merge: quorum reached and either every live island has reported, or the merge
         window is over (`closes`). With nobody live that is vacuous only once every island has left: one that
         timed out may yet come back within the window."""
+        self.forget(now)
         live = set(self.live_islands(now))
         everyone_left = bool(self.left) and not self.islands
         quorum = self.effective_quorum(now)
@@ -475,10 +507,19 @@ class ShardState:
         """When the earliest running merge window closes, for the server's merge thread to wake."""
         return min((self.closes(f) for f in self.fragments.values() if f.quorum_since is not None), default=None)
 
+    def members(self, now: float) -> set[str]:
+        """The live islands a round is made of: those that have had a push taken, and those that joined
+        within an island timeout and have not pushed yet (their first round is still being trained). Ids that
+        joined and never push stop counting then, however often they call: thousands of them would make every
+        real merge a vanishing share of a round."""
+        horizon = now - self.config.island_timeout_seconds
+        new = {island for island, joined in self.newcomers.items() if joined >= horizon}
+        return set(self.live_islands(now)) & (self.contributed | new)
+
     def round_members(self, frag: ShardFragment, now: float) -> int:
-        """The islands a round of the fragment is made of: the live ones, and those that left while it was in
+        """The islands a round of the fragment is made of: its `members`, and those that left while it was in
         progress, so that islands finishing one after another do not make the last merges larger shares."""
-        return len(set(self.live_islands(now)) | frag.round_left)
+        return len(self.members(now) | frag.round_left)
 
     def merge_share(self, frag: ShardFragment, contributors: int, now: float) -> float:
         """The share of a round a merge of `contributors` islands stands for (the outer step's `share`): with K
@@ -490,20 +531,29 @@ class ShardState:
         """Merges the pending contributions into the fragment with the outer optimizer; bumps its version.
 
         One pass over the fragment: each chunk of the merged outer gradient is decoded from the pending deltas
-        and stepped into the values and momentum while in cache, in place. A merge whose values or momentum
-        would not be finite (finite deltas can still overflow float32) is refused: the fragment, its momentum
-        and version stay as they were, and its contributions are dropped and counted as rejected. Their pushes
-        were already answered as taken; their islands see no newer version for them, so each round ends with
-        the next merge of others or at its timeout, and the island pushes again from its unchanged base. The
-        step is taken in place when the magnitudes of the fragment, its momentum and the deltas prove it finite
-        (`step_bounds`; always, at the magnitudes training reaches), else on copies, holding the fragment twice
-        for the time of one outer step."""
+        and stepped into the values and momentum while in cache, in place. Each delta is first clipped against
+        its peers and the fragment (`robust`), so a finite but huge one moves the fragment no further than an
+        honest one: its norm is taken from its bytes a chunk at a time, and the clip scales its weight as it
+        is decoded, so no float32 copy of it is made. A merge whose values or momentum would not be finite
+        (finite deltas can still overflow float32) is refused: the fragment and its version stay as they were,
+        its contributions are dropped and counted as rejected, and the momentum restarts from zero, so that
+        honest deltas merge again. Their pushes were already answered as taken; their islands see no newer
+        version for them, so each round ends with the next merge of others or at its timeout, and the island
+        pushes again from its unchanged base. The step is taken in place when the magnitudes of the fragment,
+        its momentum and the deltas prove it finite (`step_bounds`; always, at the magnitudes training
+        reaches), else on copies, holding the fragment twice for the time of one outer step."""
         frag = self.seeded_fragment(index)
         if not frag.pending:
             raise ValueError(f"fragment {index} has nothing to merge")
         pending = sorted(frag.pending.values(), key=lambda p: p.key.island)
+        norms = [p.norm for p in pending]
+        peers = robust.peers(frag.delta_norms, (p.key.island for p in pending))
+        bound = robust.clip_bound(norms, peers, lambda: robust.norm(frag.values))
         contributions = [
-            Contribution(p.key.island, p.delta, p.tokens, frag.version - p.key.base_version) for p in pending
+            Contribution(
+                p.key.island, p.delta, p.tokens, frag.version - p.key.base_version, robust.clip_scale(n, bound)
+            )
+            for p, n in zip(pending, norms)
         ]
         gradient = merge_deltas(
             contributions,
@@ -565,8 +615,11 @@ class ShardState:
             frag.last_merge_unix = now
             frag.last_contributors = len(pending)
             frag.tokens_merged += tokens
-        else:
+            robust.remember(frag.delta_norms, ((p.key.island, min(n, bound)) for p, n in zip(pending, norms)))
+        else:  # momentum is what carries a merge into every later one: it restarts, so the next merge can land
             self.rejected_pushes += len(pending)
+            frag.momentum = init_momentum(frag.values)
+            frag.round_progress, frag.round_fresh = 0.0, 0.0
         return MergeRecord(
             fragment=index,
             version=frag.version,
@@ -574,6 +627,7 @@ class ShardState:
             tokens=tokens,
             max_staleness=max(c.staleness for c in contributions),
             dropped=dropped,
+            clipped=sum(n > bound for n in norms),
         )
 
     # Checkpoints
@@ -588,7 +642,9 @@ class ShardState:
             "incarnation": self.incarnation,
             "clean": clean,
             "islands": dict(self.islands),
-            "left": sorted(self.left),
+            "left": dict(self.left),
+            "contributed": sorted(self.contributed),
+            "newcomers": dict(self.newcomers),
             "fragments": {p: _saved_fragment(f) for p, f in self.fragments.items()},
         }
 
@@ -619,7 +675,13 @@ class ShardState:
         incarnation = state["incarnation"] if clean else new_incarnation
         shard = cls(config, shard_index, num_shards, incarnation, max_pending_bytes, chunk)
         shard.islands = dict(state["islands"])
-        shard.left = set(state.get("left", ()))  # checkpoints from before Leave existed have none
+        left = state.get("left", {})  # none before Leave existed; a list of ids before they were forgotten
+        shard.left = (
+            dict(left) if isinstance(left, dict) else dict.fromkeys(left, max(shard.islands.values(), default=0.0))
+        )
+        # before contributors were told apart, every known island was taken for one
+        shard.contributed = set(state.get("contributed", shard.islands.keys() | shard.left.keys()))
+        shard.newcomers = dict(state.get("newcomers", {}))
         for p, fragment in state["fragments"].items():
             _restore_fragment(shard.fragment(p), fragment, keep_pushes=clean)
         return shard

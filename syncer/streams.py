@@ -69,6 +69,45 @@ class DataThreads(futures.ThreadPoolExecutor):
         return self.calls() < self.bound
 
 
+def calls_per_client(max_workers: int) -> int:
+    """The data calls one client (one connection) may hold at once: a quarter of the data threads, so that
+    one peer opening streams and sending nothing leaves three quarters to everyone else; at least two, a
+    push and a pull."""
+    return max(2, max_workers // 4)
+
+
+class ClientCalls:
+    """The data calls each client holds, by its connection (gRPC's peer address): `hold` refuses one beyond
+    `most` before it takes a thread's time, so no client can hold every data thread."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+
+    @contextmanager
+    def hold(self, peer: str) -> Iterator[bool]:
+        """Yields whether the call may go on (False: the client already holds `most`); counted while it does."""
+        with self._lock:
+            taken = self._held.get(peer, 0) < self.most
+            if taken:
+                self._held[peer] = self._held.get(peer, 0) + 1
+        try:
+            yield taken
+        finally:
+            if taken:
+                with self._lock:
+                    self._held[peer] -= 1
+                    if not self._held[peer]:
+                        del self._held[peer]
+
+
+def expired(context: grpc.ServicerContext) -> bool:
+    """Whether a call's deadline passed (or its client gave up) before a data thread took it up."""
+    remaining = context.time_remaining()
+    return not context.is_active() or (remaining is not None and remaining <= 0)
+
+
 def stream_deadline(started: float, nbytes: int, idle_seconds: float, min_mbps: float) -> float:
     """When a stream that moves `nbytes` must be done: its bytes at the slowest rate, plus one idle wait of
     slack."""

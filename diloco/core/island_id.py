@@ -11,6 +11,20 @@ import re
 ISLAND_ID_MAX_CHARS = 63
 """As a Kubernetes label value: ids fit where labels go, and a shard's Status lists them all."""
 
+MAX_KNOWN_ISLANDS = 4096
+"""Island ids a shard keeps at once, joined or lately gone: 8 times the most a DiLoCoJob admits, so a Status
+reply that lists them all stays small."""
+
+FORGET_AFTER_TIMEOUTS = 4
+"""An island unheard of for this many island timeouts, left or gone silent, is forgotten: it no longer counts
+against MAX_KNOWN_ISLANDS, in memory or in checkpoints, and must join again to count as live."""
+
+
+def forget_before(now: float, island_timeout_seconds: float) -> float:
+    """The time before which an island last heard of is forgotten."""
+    return now - FORGET_AFTER_TIMEOUTS * island_timeout_seconds
+
+
 _ISLAND_ID = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
 

@@ -20,6 +20,10 @@ from fractions import Fraction
 
 from diloco.core.fragments import fragments_due
 
+MIN_STEP_SECONDS = 1e-6
+"""No inner step of a model takes less than a microsecond: a shorter one is a clock's or a peer's error."""
+MAX_STEP_SECONDS = 3600.0
+"""Nor more than an hour: an island that slow is stalled, not slow."""
 TOLERANCE = 0.7
 """Islands at least 70% as fast as the fastest run the full H: on shared machines measured speeds jitter by
 tens of percent without a difference in hardware (a generation apart is 1.5x and more), and a shorter round

@@ -15,6 +15,7 @@ non-elastic job does.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -119,9 +120,19 @@ class RunPlan:
     link: Link = field(
         default_factory=Link
     )  # between each island and the syncers (and the other islands); unshaped: loopback
+    hostile_islands: int = 0  # the last this many islands are misbehaving clients (diloco.local.hostile)
 
     def island_name(self, index: int) -> str:
         return f"island-{index}"
+
+    @property
+    def honest(self) -> range:
+        """The islands that train: all but the last `hostile_islands`, which misbehave instead."""
+        return range(self.islands - self.hostile_islands)
+
+    @property
+    def hostile(self) -> range:
+        return range(self.islands - self.hostile_islands, self.islands)
 
     def slowdown(self, index: int) -> float:
         return self.slowdowns[index] if index < len(self.slowdowns) else 1.0
@@ -141,7 +152,7 @@ class RunPlan:
         their barrier holds each island to the slowest's pace whatever its count."""
         if not self.equal_time or self.mode != Mode.DILOCO.value:
             return self.steps
-        slowest = max(self.slowdown(i) for i in range(self.islands))
+        slowest = max(self.slowdown(i) for i in self.honest)
         return round(self.steps * slowest / self.slowdown(index))
 
     @property
@@ -149,7 +160,7 @@ class RunPlan:
         """Inner steps of every rank of every island together (None: a command's own, unknown)."""
         if not self.built_in:
             return None
-        return self.ranks_per_island * sum(self.island_steps(i) for i in range(self.islands))
+        return self.ranks_per_island * sum(self.island_steps(i) for i in self.honest)
 
 
 def island_gpus(island: int, ranks_per_island: int, gpus: int) -> str:
@@ -255,6 +266,9 @@ class JobResult:
     kills: int = 0
     timed_out: bool = False
     worker_starts: dict[str, int] = field(default_factory=dict)  # per island's process
+    rejected: dict[str, float] = field(default_factory=dict)  # calls the syncers refused, by reason
+    clipped: float = 0.0  # contributions the syncers clipped before merging them (diloco.core.robust)
+    hostile: dict[str, dict] = field(default_factory=dict)  # per misbehaving island: what its calls came back with
 
 
 # The syncer counters a run sums over its shards, as regular expressions over their Prometheus text.
@@ -262,7 +276,9 @@ _SYNCER_COUNTERS = {
     "bytes": r"^diloco_syncer_(?:received|sent)_bytes_total ([0-9.e+]+)$",
     "merges": r"^diloco_syncer_merge_contributors_count ([0-9.e+]+)$",
     "contributions": r"^diloco_syncer_merge_contributors_sum ([0-9.e+]+)$",
+    "clipped": r"^diloco_syncer_clipped_contributions_total ([0-9.e+]+)$",
 }
+_REJECTED = r'^diloco_syncer_rejected_pushes_total\{reason="([a-z_]+)"\} ([0-9.e+]+)$'
 
 
 class _CounterTracker:
@@ -305,8 +321,10 @@ class LocalJob:
         self.island_ports = [free_port() for _ in range(plan.islands)]
         self.island_metrics_ports = [free_ports(plan.ranks_per_island) for _ in range(plan.islands)]
         self.syncers = [] if plan.mode == Mode.DDP else [self._syncer(i) for i in range(plan.shards)]
-        self.workers = {plan.island_name(i): self._worker(i) for i in range(plan.islands)}
+        self.workers = {plan.island_name(i): self._worker(i) for i in plan.honest}
+        self.hostile = [] if plan.mode == Mode.DDP else [self._hostile(i) for i in plan.hostile]
         self._counters = {(shard, name): _CounterTracker() for shard in range(plan.shards) for name in _SYNCER_COUNTERS}
+        self._rejected: dict[tuple[int, str], _CounterTracker] = {}
 
     def _base_env(self, threads: int | None = None) -> dict[str, str]:
         """Every process's environment; `threads` for its math libraries, a worker's by default."""
@@ -342,7 +360,7 @@ class LocalJob:
             master_port=self.island_ports[0] if ddp else self.island_ports[island],
             # Each island reads its own share of the training set, as the operator tells its pods; data-parallel's
             # one world reads one.
-            trainer={pod_env.DATA_SHARD: str(island), pod_env.DATA_SHARDS: str(p.islands)}
+            trainer={pod_env.DATA_SHARD: str(island), pod_env.DATA_SHARDS: str(len(p.honest))}
             if p.built_in and not ddp
             else {},
         )
@@ -429,6 +447,35 @@ class LocalJob:
             command = self.network.command(island, command)
         return _Proc(f"worker:{p.island_name(island)}", command, env)
 
+    def _hostile(self, island: int) -> _Proc:
+        """A misbehaving client in the island's place: the job's token, CA and shards, as its pod would have."""
+        name = self.plan.island_name(island)
+        (self.out / "hostile").mkdir(exist_ok=True)
+        pod = self.island_pod(island)
+        command = [
+            sys.executable,
+            "-m",
+            "diloco.local.hostile",
+            "--syncers",
+            ",".join(pod.syncers),
+            "--token-file",
+            str(self.secrets["token"]),
+            "--tls-ca-file",
+            str(self.secrets["ca.crt"]),
+            "--config",
+            str(self.config_file),
+            "--name",
+            name,
+            "--report",
+            str(self.hostile_report(name)),
+        ]
+        if self.network:
+            command = self.network.command(island, command)
+        return _Proc(f"hostile:{name}", command, self._base_env())
+
+    def hostile_report(self, name: str) -> Path:
+        return self.out / "hostile" / f"{name}.json"
+
     def _built_in_command(self, island: int) -> list[str]:
         """`diloco-worker` with the built-in trainer's own settings; the rest it reads from the environment."""
         p = self.plan
@@ -485,6 +532,8 @@ class LocalJob:
             for name, pattern in _SYNCER_COUNTERS.items():
                 total = sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
                 self._counters[shard, name].observe(total)
+            for m in re.finditer(_REJECTED, text, re.M):
+                self._rejected.setdefault((shard, m.group(1)), _CounterTracker()).observe(float(m.group(2)))
 
     def _shape_once_started(self) -> None:
         """Shapes the links once every island has begun training: the initial model (seeded in float32, then
@@ -535,7 +584,7 @@ class LocalJob:
                 syncer.kill()
             raise
         started = time.time()
-        for worker in self.workers.values():
+        for worker in [*self.workers.values(), *self.hostile]:
             worker.start(logs)
         trace = sorted(self.plan.trace)
         result = JobResult(started_at=started, finished_at=started)
@@ -569,10 +618,10 @@ class LocalJob:
                     except ValueError as error:  # the shards hold nothing: the command never trained
                         result.export_error = str(error)
         finally:
-            for proc in [*self.workers.values(), *self.syncers]:
+            for proc in [*self.workers.values(), *self.hostile, *self.syncers]:
                 if proc.alive:
                     proc.proc.send_signal(signal.SIGTERM)
-            for proc in [*self.workers.values(), *self.syncers]:
+            for proc in [*self.workers.values(), *self.hostile, *self.syncers]:
                 if proc.proc is not None:
                     try:
                         proc.proc.wait(GRACE_SECONDS)
@@ -582,10 +631,16 @@ class LocalJob:
         result.merges = self._counter("merges")
         result.merged_contributions = self._counter("contributions")
         result.worker_starts = {name: w.starts for name, w in self.workers.items()}
+        result.clipped = self._counter("clipped")
+        for (_, reason), tracker in self._rejected.items():
+            result.rejected[reason] = result.rejected.get(reason, 0.0) + tracker.total
+        for proc in self.hostile:
+            report = self.hostile_report(proc.name.removeprefix("hostile:"))
+            result.hostile[proc.name] = json.loads(report.read_text()) if report.exists() else {"starts": proc.starts}
         return result
 
     def _supervise(self, now: float, logs: Path) -> None:
-        for proc in self.syncers:
+        for proc in [*self.syncers, *self.hostile]:
             if proc.restart_at is not None and now >= proc.restart_at:
                 proc.start(logs)
             elif proc.restart_at is None and not proc.alive:

@@ -58,6 +58,9 @@ class ModeSummary:
     train_loss_end: float = math.nan  # ... and over its last
     round_steps: dict[str, float] = field(default_factory=dict)  # per island: mean inner steps per round
     losses: dict[str, float] = field(default_factory=dict)  # where the rest of the allocated time went, as shares
+    rejected: dict[str, float] = field(default_factory=dict)  # calls the syncers refused, by reason
+    clipped: float = 0.0  # contributions the syncers clipped before merging
+    hostile: dict[str, dict] = field(default_factory=dict)  # per misbehaving island (--hostile-islands): its calls
 
 
 def round_steps(events: list[ProgressEvent]) -> dict[str, float]:
@@ -142,7 +145,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
     curves.write_final(result.global_eval_loss)
     curves.close()
     events = read_events(plan.out / "progress") + read_events(plan.out / "merges")
-    workers = plan.islands * plan.ranks_per_island
+    workers = len(plan.honest) * plan.ranks_per_island
     acct = account(
         events,
         mode=plan.mode,
@@ -173,7 +176,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         islands_per_merge=result.merged_contributions / result.merges if result.merges else math.nan,
         timed_out=result.timed_out,
         tokens_per_second=acct.tokens_per_second,
-        tokens_per_second_per_island=acct.tokens_per_second / plan.islands,
+        tokens_per_second_per_island=acct.tokens_per_second / len(plan.honest),
         tokens_per_second_per_accelerator=acct.tokens_per_second / workers,
         mfu=acct.mfu,
         round_steps=round_steps(events),
@@ -181,6 +184,9 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         islands_loss=islands_final_loss(events) if plan.mode != Mode.DDP else math.nan,
         train_loss_start=acct.train_curve[0][1] if acct.train_curve else math.nan,
         train_loss_end=acct.train_curve[-1][1] if acct.train_curve else math.nan,
+        rejected=result.rejected,
+        clipped=result.clipped,
+        hostile=result.hostile,
     )
     return summary, acct, result
 
@@ -250,6 +256,13 @@ def print_summary(summaries: list[ModeSummary]) -> None:
                 f"{s.mode} global model {s.final_loss:.3f} vs the islands' own (mean) {s.islands_loss:.3f}: "
                 f"{s.final_loss - s.islands_loss:+.3f}"
             )
+    for s in summaries:
+        for name, report in s.hostile.items():
+            calls = ", ".join(f"{call} x{n}" for call, n in sorted(report.get("calls", {}).items()))
+            print(f"{s.mode} {name}: {report.get('rounds', 0)} rounds, {report.get('ids_used', 0)} island ids; {calls}")
+        if s.hostile:
+            refused = ", ".join(f"{reason} {n:.0f}" for reason, n in sorted(s.rejected.items())) or "none"
+            print(f"{s.mode} the shards refused: {refused}; clipped {s.clipped:.0f} contributions")
     for s in summaries:
         if s.round_steps:
             steps = ", ".join(f"{island} {n:.1f}" for island, n in s.round_steps.items())
@@ -369,9 +382,14 @@ def modes_to_run(mode: str, compare: bool, command: tuple[str, ...]) -> list[str
 
 def run(args: argparse.Namespace) -> int:
     args.model = args.model or args.init_from or "tiny"  # a checkpoint folder holds its configuration
-    workers = [worker_target(f"island-{i}", r) for i in range(args.islands) for r in range(args.ranks_per_island)]
+    honest = args.islands - args.hostile_islands
+    workers = [worker_target(f"island-{i}", r) for i in range(honest) for r in range(args.ranks_per_island)]
     try:
         command = run_command(args)
+        if not 0 <= args.hostile_islands < args.islands:
+            raise ValueError(f"--hostile-islands must leave at least one of the {args.islands} islands, got {honest}")
+        if args.hostile_islands and args.mode == Mode.DDP:
+            raise ValueError("--hostile-islands: ddp has no syncers to misbehave against")
         config = TrainingConfig(
             inner_steps=args.inner_steps,
             fragments=args.fragments,
@@ -449,6 +467,7 @@ def run(args: argparse.Namespace) -> int:
             max_data_bytes=args.max_data_bytes,
             gpus=gpus,
             link=link,
+            hostile_islands=args.hostile_islands,
         )
         try:
             summary, acct, result = run_mode(plan, quiet=args.quiet)
@@ -602,6 +621,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=[p.value for p in Precision],
         default=Precision.AUTO.value,
         help="auto (bf16 autocast on accelerators that have it), bf16 or fp32",
+    )
+    p.add_argument(
+        "--hostile-islands",
+        type=int,
+        default=0,
+        help="replace the last this many islands by misbehaving clients with the job's token, for the whole run: "
+        "huge and Inf deltas, absurd step times and inner steps, thousands of island ids (diloco.local.hostile)",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="give up a mode after this many seconds")
     p.add_argument("--out", type=Path, default=Path("out/run"))

@@ -25,11 +25,11 @@ from diloco.core.compressed_pull import apply_delta
 from diloco.core.config import DEFAULT_MIN_TRANSFER_MBPS
 from diloco.core.encoding import Encoding
 from diloco.core.refusal import Refusal
-from diloco.transport import tls, wire
+from diloco.transport import handshake, tls, wire
 from diloco.transport.auth import bearer_metadata
 from diloco.transport.codes import wire_encoding
 from diloco.transport.deadlines import call_timeout, patience_options
-from diloco.transport.tls import Security
+from diloco.transport.tls import Security, Tls
 from diloco.transport.v1 import syncer_pb2 as pb
 
 log = logging.getLogger("diloco.transport.client")
@@ -52,6 +52,10 @@ CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 )
+
+
+PROBE_SECONDS = 5.0
+"""The longest a TLS handshake probe of a shard that failed a call UNAVAILABLE may take (`handshake`)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,8 @@ class SyncerClient:
         self.retry_for = retry_for
         self.backoff = backoff
         self._stop = stop if stop is not None else threading.Event()
+        self._security = security
+        self._refusal_logged = False
         self._metadata = bearer_metadata(token)
         self._rng = random.Random(seed)
         self._joined: pb.JoinRequest | None = None
@@ -164,6 +170,8 @@ class SyncerClient:
                 return attempt_call()
             except grpc.RpcError as error:
                 code = error.code()
+                if code is grpc.StatusCode.UNAVAILABLE:
+                    self._check_handshake(error)
                 out_of_time = self.retry_for is not None and time.monotonic() - started > self.retry_for
                 if code not in RETRYABLE or out_of_time or self._stop.is_set():
                     raise
@@ -175,6 +183,21 @@ class SyncerClient:
                 if self._stop.wait(delay):
                     raise
                 attempt += 1
+
+    def _check_handshake(self, error: grpc.RpcError) -> None:
+        """Raises HandshakeRefused when the shard refuses TLS with this client for a reason no retry changes
+        (gRPC says only UNAVAILABLE, as for a shard that is down): one probe (`handshake`) per such failure,
+        logged at WARNING once per client."""
+        if not isinstance(self._security, Tls):
+            return
+        finding = handshake.probe(self.target, self._security, timeout=min(self.timeout, PROBE_SECONDS))
+        if finding is None:
+            return
+        refused = handshake.HandshakeRefused(self.target, finding.reason, finding.detail)
+        if not self._refusal_logged:
+            self._refusal_logged = True
+            log.warning(str(refused), extra={"target": self.target, "reason": finding.reason.name})
+        raise refused from error
 
     def wait_ready(self, timeout: float) -> bool:
         """True once the shard's health service answers SERVING, within `timeout` seconds."""
@@ -192,7 +215,9 @@ class SyncerClient:
     def join(self, num_fragments: int) -> pb.JoinReply:
         request = pb.JoinRequest(island_id=self.island_id, num_fragments=num_fragments)
         self._joined = request
-        return self._retrying("Join", lambda: self._join(request, timeout=self.timeout, metadata=self._metadata))
+        reply = self._retrying("Join", lambda: self._join(request, timeout=self.timeout, metadata=self._metadata))
+        wire.check_fields(reply)
+        return reply
 
     def rejoin(self) -> None:
         """Joins again as last time, if this client joined: a shard that restarted without its state counts
@@ -265,10 +290,12 @@ class SyncerClient:
             slack_seconds=slack_seconds,
         )
         timeout = self._timeout(sum(len(b) for b in blobs))
-        return self._retrying(
+        reply = self._retrying(
             "PushDelta",
             lambda: self._push(wire.push_messages(header, payloads, blobs), timeout=timeout, metadata=self._metadata),
         )
+        wire.check_fields(reply)  # a cadence of Inf or 1e-300 from a broken shard is refused here, not paced by
+        return reply
 
     def pull(
         self,
@@ -355,6 +382,8 @@ class SyncerClient:
         self._leave(request, timeout=min(timeout, self.timeout), metadata=self._metadata)
 
     def status(self) -> pb.StatusReply:
-        return self._retrying(
+        reply = self._retrying(
             "Status", lambda: self._status(pb.StatusRequest(), timeout=self.timeout, metadata=self._metadata)
         )
+        wire.check_fields(reply)
+        return reply

@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, cast
 
@@ -27,6 +27,18 @@ LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 """What a server certificate for one machine (`diloco run`, tests, benchmarks) is valid for."""
 
 
+EXPIRY_WARNING = datetime.timedelta(days=14)
+"""A certificate expiring sooner is logged at WARNING when a shard starts: time to renew it, and a shard serving
+an expired one otherwise says nothing in its own log while every handshake fails."""
+
+
+def seconds_to_expiry(cert: bytes, now: datetime.datetime) -> float:
+    """Seconds until the first certificate of a PEM chain expires at `now` (negative once it has)."""
+    from cryptography import x509  # only when a certificate is in hand: plaintext processes never load it
+
+    return (x509.load_pem_x509_certificate(cert).not_valid_after_utc - now).total_seconds()
+
+
 class TlsError(ValueError):
     """Settings that cannot secure a channel: a missing file, or a contradiction."""
 
@@ -37,14 +49,26 @@ class Role(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Files:
+    """Where a side's PEMs were read from: a server reads them again when they are replaced in place (a
+    Secret volume swaps them atomically, cert-manager renews them), so it never needs a restart to rotate."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+@dataclass(frozen=True)
 class Tls:
     """PEM bytes one side holds: `ca` verifies the peer; `cert` and `key` present this side (always for a
-    server, for a client under mutual TLS); `mutual` has a server demand a client certificate signed by `ca`."""
+    server, for a client under mutual TLS); `mutual` has a server demand a client certificate signed by `ca`.
+    `files`, when they came from files, where (not part of what the side holds: two equal PEMs are equal)."""
 
     ca: bytes | None = None
     cert: bytes | None = None
     key: bytes | None = None
     mutual: bool = False
+    files: Files | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
@@ -104,12 +128,18 @@ def load(
             f"no TLS settings: pass {needed} (or DILOCO_TLS_*); "
             "--insecure-plaintext (DILOCO_INSECURE_PLAINTEXT=1) sends in the clear"
         )
+    return read(Files(ca=ca_file or None, cert=cert_file or None, key=key_file or None), mutual=mutual).check(role)
+
+
+def read(files: Files, *, mutual: bool) -> Tls:
+    """The PEMs `files` name, as they are now (TlsError for one that cannot be read)."""
     return Tls(
-        ca=_read(ca_file, "CA certificate"),
-        cert=_read(cert_file, "certificate"),
-        key=_read(key_file, "private key"),
+        ca=_read(files.ca, "CA certificate"),
+        cert=_read(files.cert, "certificate"),
+        key=_read(files.key, "private key"),
         mutual=mutual,
-    ).check(role)
+        files=files,
+    )
 
 
 def channel(target: str, security: Security, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
@@ -125,21 +155,35 @@ def channel(target: str, security: Security, options: Sequence[tuple[str, object
     return grpc.secure_channel(target, credentials, options=options)
 
 
+def server_configuration(tls: Tls) -> grpc.ServerCertificateConfiguration:
+    """What gRPC serves for `tls`, a server's certificate and key (and the CA of its clients)."""
+    assert tls.cert is not None and tls.key is not None  # check(Role.SERVER) makes sure of it
+    return grpc.ssl_server_certificate_configuration([(tls.key, tls.cert)], root_certificates=tls.ca)
+
+
 def add_port(
-    server: grpc.Server, address: str, security: Security, on_handshake: Callable[[], None] | None = None
+    server: grpc.Server,
+    address: str,
+    security: Security,
+    on_handshake: Callable[[], None] | None = None,
+    on_reload: Callable[[Tls], None] | None = None,
 ) -> int:
     """Binds `address`; the port bound (0 when binding failed). `on_handshake` is told of each TLS handshake
-    begun, before its outcome is known: one per connection, refused ones included."""
+    begun, before its outcome is known: one per connection, refused ones included. A certificate read from
+    files is read again when they change (`reload`); `on_reload` is told of each one served from then on."""
     if isinstance(security, Plaintext):
         return server.add_insecure_port(address)
     tls = security.check(Role.SERVER)
-    assert tls.cert is not None and tls.key is not None  # check() makes sure of it
-    config = grpc.ssl_server_certificate_configuration([(tls.key, tls.cert)], root_certificates=tls.ca)
+    config = server_configuration(tls)
+    from diloco.transport.reload import Reloader  # it reads this module's settings
 
-    def fetch() -> None:
+    reloader = None if tls.files is None else Reloader(tls, tls.files, on_reload)
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
         # gRPC asks at every handshake whether the certificate changed (None: it has not).
         if on_handshake is not None:
             on_handshake()
+        return None if reloader is None else reloader.fetch()
 
     # gRPC takes None from the fetcher as "unchanged", though its type stubs know only a new configuration.
     fetcher = cast(Callable[[], grpc.ServerCertificateConfiguration], fetch)

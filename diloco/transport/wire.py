@@ -23,13 +23,13 @@ from google.protobuf.message import DecodeError, Message
 
 from diloco.core.encoding import Encoded, Encoding, EncodingError, decoded, encode, encoded_nbytes, validated
 from diloco.core.refusal import Refusal
+from diloco.transport import fields
 from diloco.transport.codes import encoding_of, status_code, wire_encoding
+from diloco.transport.fields import MAX_CHUNK_BYTES, MAX_STREAM_BYTES
 from diloco.transport.v1 import syncer_pb2 as pb
 
-MAX_CHUNK_BYTES = 4 * 1024 * 1024
-MAX_STREAM_BYTES = 16 * 1024**3
-"""The most one stream may declare unless its reader sets a limit: the largest fragment a shard takes by
-default, so an island reading a pull never tries to reserve what a lying header declares."""
+__all__ = ["MAX_CHUNK_BYTES", "MAX_STREAM_BYTES"]  # the framing's limits, stated with every field's in `fields`
+
 
 _DTYPES = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16}
 _BLOCKED = (Encoding.INT8, Encoding.INT4, Encoding.SPARSE)
@@ -64,12 +64,19 @@ _PARTS = (pb.FragmentHeader, pb.PushHeader, Data, Undecodable)
 
 
 class WireError(Exception):
-    """A malformed or oversize stream: its kind of refusal, and so the status code a server aborts the call with."""
+    """A malformed or oversize stream: its kind of refusal, and so the status code a server aborts the call with;
+    `field` names the field out of its rule when that is why (`fields`)."""
 
-    def __init__(self, kind: Refusal, message: str) -> None:
+    def __init__(self, kind: Refusal, message: str, field: str | None = None) -> None:
         super().__init__(f"{status_code(kind).name}: {message}")
         self.kind = kind
         self.message = message
+        self.field = field
+
+    @classmethod
+    def of_field(cls, error: fields.FieldError) -> "WireError":
+        """The refusal of a field out of its rule, naming the field."""
+        return cls(error.kind, str(error), error.field)
 
     @property
     def code(self) -> grpc.StatusCode:
@@ -79,6 +86,14 @@ class WireError(Exception):
 
 def _invalid(message: str) -> WireError:
     return WireError(Refusal.INVALID, message)
+
+
+def check_fields(message: Message) -> None:
+    """`fields.check` at the wire: a field out of its rule as a WireError (INVALID_ARGUMENT) naming it."""
+    try:
+        fields.check(message)
+    except fields.FieldError as error:
+        raise WireError.of_field(error) from None
 
 
 def tensor_payloads(
@@ -282,13 +297,10 @@ parse_push_chunk.__doc__ = "gRPC deserializer of PushChunk: a data message becom
 
 
 def _declared_total(payloads: Iterable[pb.TensorPayload]) -> int:
-    """Check every payload description and return the stream size they add up to."""
+    """Check that every payload's byte length is what its shape and encoding imply; the stream size they add
+    up to."""
     total = 0
-    for p in payloads:
-        if any(d < 0 for d in p.shape):
-            raise _invalid(f"tensor {p.name!r}: negative dimension in shape {list(p.shape)}")
-        if p.dtype not in _DTYPES.values():
-            raise _invalid(f"tensor {p.name!r}: unknown dtype {p.dtype}")
+    for p in payloads:  # names, shapes, dtypes and encodings already checked against `fields`
         try:
             expected = encoded_nbytes(math.prod(p.shape), encoding_of(p.encoding), p.block_size, p.top_k)
         except EncodingError as e:
@@ -314,6 +326,7 @@ def _read_stream(
         raise _invalid("empty stream: expected a header")
     if not isinstance(header, header_type):
         raise _invalid("first message is not a header")
+    check_fields(header)
     total = _declared_total(header.tensors)
     float32_bytes = sum(4 * math.prod(p.shape) for p in header.tensors)
     if max(total, float32_bytes) > max_total_bytes:

@@ -174,3 +174,18 @@ def test_a_command_island_behind_a_link_runs_in_its_namespace_as_the_built_in_tr
         assert worker.command[:4] == ["ip", "netns", "exec", job.network.namespace(island)]
         assert worker.command[4:] == [sys.executable, "-m", "diloco.worker.pod_launcher", "t"]
         assert worker.env[pod_env.SYNCERS] == f"{HUB_ADDRESS}:{job.syncer_ports[0]}"
+
+
+def test_hostile_islands_take_the_last_islands_places_with_the_jobs_token_and_ca(tmp_path):
+    """The honest islands share the data among themselves, as the same run without the hostile ones would."""
+    plan = RunPlan(mode="diloco", config=TrainingConfig(), out=tmp_path, islands=4, steps=10, hostile_islands=1)
+    job = LocalJob(plan)
+    assert list(job.workers) == ["island-0", "island-1", "island-2"] and plan.total_steps == 30
+    assert {w.env[pod_env.DATA_SHARDS] for w in job.workers.values()} == {"3"}
+    (hostile,) = job.hostile
+    assert hostile.name == "hostile:island-3"
+    command = hostile.command
+    assert command[1:3] == ["-m", "diloco.local.hostile"]
+    assert command[command.index("--token-file") + 1] == str(tmp_path / "tls" / "token")
+    assert command[command.index("--tls-ca-file") + 1] == str(tmp_path / "tls" / "ca.crt")
+    assert command[command.index("--syncers") + 1] == f"127.0.0.1:{job.syncer_ports[0]}"

@@ -1,5 +1,7 @@
 """`diloco run` refuses a job the cluster would refuse, before it starts a process."""
 
+import pytest
+
 from diloco.cli import main
 from diloco.local.run import modes_to_run
 
@@ -69,3 +71,16 @@ def test_compare_runs_every_mode_for_the_trainer_and_sync_diloco_beside_a_comman
     assert modes_to_run("diloco", True, ("python", "train.py")) == ["diloco", "sync-diloco"]
     assert modes_to_run("sync-diloco", True, ("python", "train.py")) == ["sync-diloco", "diloco"]
     assert modes_to_run("diloco", False, ("python", "train.py")) == ["diloco"]
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--islands", "2", "--hostile-islands", "2"], "must leave at least one"),
+        (["--hostile-islands", "-1"], "must leave at least one"),
+        (["--hostile-islands", "1", "--mode", "ddp"], "ddp has no syncers"),
+    ],
+)
+def test_hostile_islands_that_leave_no_honest_island_or_have_no_syncers_are_refused(tmp_path, capsys, extra, says):
+    assert main(["run", "--out", str(tmp_path), *extra]) == 2
+    assert says in capsys.readouterr().err

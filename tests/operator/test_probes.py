@@ -2,8 +2,10 @@
 with the new one first) and a trainer's Prometheus endpoint, both on loopback."""
 
 import socket
+from concurrent import futures
 from functools import partial
 
+import grpc
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -24,7 +26,9 @@ from diloco.operator.probes import (
 )
 from diloco.operator.tokens import fingerprint
 from diloco.syncer.server import SyncerServer
+from diloco.transport import tls
 from diloco.transport.client import SyncerClient
+from diloco.transport.tls import throwaway_pki
 
 TOKEN = "probe-token"
 
@@ -142,3 +146,15 @@ def test_a_refused_or_absent_shard_says_why_and_only_a_refusal_makes_it_unservin
     assert refused.error and refused.error.startswith("UNAUTHENTICATED: ") and not refused.serving
     absent = shard_status(1, True, f"127.0.0.1:{free_port()}", [TOKEN], TEST_PKI.client, timeout=0.5)
     assert absent.error and absent.error.startswith(("UNAVAILABLE: ", "DEADLINE_EXCEEDED: ")) and absent.serving
+
+
+def test_a_shard_refusing_the_handshake_says_why_and_stays_serving():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    target = f"127.0.0.1:{tls.add_port(server, '127.0.0.1:0', throwaway_pki().server)}"  # another CA's certificate
+    server.start()
+    try:
+        observed = shard_status(0, True, target, [TOKEN], TEST_PKI.client, timeout=5)
+    finally:
+        server.stop(None)
+    assert observed.error and observed.error.startswith("UNAVAILABLE: TLS handshake with")
+    assert "certificate failed verification" in observed.error and observed.serving

@@ -183,19 +183,28 @@ def valid_delta(seed: int = 300) -> list[tuple[str, torch.Tensor]]:
 
 
 def push_header(
-    scene: Scene, island: str, payloads, *, fragment: int = 0, base: pb.FragmentVersion | None = None, sequence: int = 7
+    scene: Scene,
+    island: str,
+    payloads,
+    *,
+    fragment: int = 0,
+    base: pb.FragmentVersion | None = None,
+    sequence: int = 7,
+    **fields,
 ) -> pb.PushChunk:
-    return pb.PushChunk(
-        header=pb.PushHeader(
-            island_id=island,
-            fragment_id=fragment,
-            base=base or scene.base(),
-            tokens=100,
-            inner_steps=10,
-            sequence=sequence,
-            tensors=payloads,
-        )
+    """A push header; `fields` set or override its other fields (tokens, inner steps, seconds)."""
+    header = pb.PushHeader(
+        island_id=island,
+        fragment_id=fragment,
+        base=base or scene.base(),
+        tokens=100,
+        inner_steps=10,
+        sequence=sequence,
+        tensors=payloads,
     )
+    for name, value in fields.items():
+        setattr(header, name, value)
+    return pb.PushChunk(header=header)
 
 
 def push_stream(scene, island, named=None, encoding=Encoding.FP32, block_size=0, **header) -> list[pb.PushChunk]:
@@ -392,6 +401,20 @@ PUSH_CASES = {
     "message with neither header nor data": (lambda s, i: [*push_stream(s, i)[:1], pb.PushChunk()], INVALID),
     "no island id": (lambda s, i: push_stream(s, ""), INVALID),
 }
+HEADER_FIELD_CASES = {  # each refused naming its field (`transport.fields`): "<case>: <field>"
+    "Inf seconds per step: step_seconds": lambda s, i: push_stream(s, i, step_seconds=math.inf),
+    "NaN seconds per step: step_seconds": lambda s, i: push_stream(s, i, step_seconds=math.nan),
+    "1e-300 seconds per step: step_seconds": lambda s, i: push_stream(s, i, step_seconds=1e-300),
+    "negative seconds per step: step_seconds": lambda s, i: push_stream(s, i, step_seconds=-1.0),
+    "a step of more than an hour: step_seconds": lambda s, i: push_stream(s, i, step_seconds=3601.0),
+    "2^64 - 1 inner steps: inner_steps": lambda s, i: push_stream(s, i, inner_steps=2**64 - 1),
+    "2^20 + 1 inner steps: inner_steps": lambda s, i: push_stream(s, i, inner_steps=2**20 + 1),
+    "2^64 - 1 tokens: tokens": lambda s, i: push_stream(s, i, inner_steps=2**20, tokens=2**64 - 1),
+    "Inf slack: slack_seconds": lambda s, i: push_stream(s, i, slack_seconds=math.inf),
+    "an island id with a space: island_id": lambda s, i: push_stream(s, "is land"),
+    "a fragment id beyond any job: fragment_id": lambda s, i: push_stream(s, i, fragment=2**32 - 1),
+}
+PUSH_CASES |= {case: (build, INVALID) for case, build in HEADER_FIELD_CASES.items()}
 
 
 @pytest.mark.parametrize("case", list(PUSH_CASES))
@@ -408,6 +431,24 @@ def test_hostile_push_is_refused_and_changes_nothing(scene, case):
         assert after.rejected - before.rejected in (0, 1)
     else:
         assert after.rejected == before.rejected + 1
+
+
+@pytest.mark.parametrize("case", list(HEADER_FIELD_CASES))
+def test_a_header_field_out_of_its_rule_is_refused_naming_the_field(scene, case):
+    field = case.rsplit(": ", 1)[1]
+    error = refused(lambda: scene.stub.PushDelta(iter(HEADER_FIELD_CASES[case](scene, "b")), metadata=AUTH, timeout=30))
+    assert error.code() == INVALID
+    assert f".{field}:" in error.details(), error.details()
+    labels = {"reason": "field"}
+    assert scene.server.metrics.registry.get_sample_value("diloco_syncer_rejected_pushes_total", labels) == 1
+
+
+def test_the_cadence_relayed_to_islands_is_always_one_an_island_can_pace_by(scene):
+    """Only a push whose step time is within its rule is taken; what the shard relays is what it took."""
+    for step_seconds in (math.inf, 1e-300, 5e-324):
+        refused(lambda: scene.stub.PushDelta(iter(push_stream(scene, "b", step_seconds=step_seconds)), metadata=AUTH))
+    reply = scene.stub.PushDelta(iter(push_stream(scene, "b", step_seconds=0.5)), metadata=AUTH, timeout=30)
+    assert reply.cadence_step_seconds == 0.5
 
 
 def test_refused_pushes_never_reach_a_merge(scene):
@@ -493,6 +534,8 @@ SEED_CASES = {
     "data before the header": (lambda: seed_stream(random_values(5))[::-1], INVALID),
     "unknown fragment": (lambda: seed_stream(random_values(5), fragment=7), INVALID),
     "empty stream": (lambda: [], INVALID),
+    "a tensor of no elements": (lambda: seed_stream([("w", torch.zeros(0)), *random_values(5)]), INVALID),
+    "only tensors of no elements": (lambda: seed_stream([("w", torch.zeros(4, 0))]), INVALID),
 }
 
 
@@ -515,8 +558,17 @@ def test_hostile_seed_is_refused_and_changes_nothing(scene, case):
         (pb.PullRequest(fragment_id=2), PRECONDITION),
         (pb.PullRequest(fragment_id=0, encoding=9), INVALID),
         (pb.PullRequest(fragment_id=0, island_id="intruder", delta_encoding=9), INVALID),
+        (pb.PullRequest(fragment_id=0, island_id="is land"), INVALID),
+        (pb.PullRequest(fragment_id=2**32 - 1), INVALID),
     ],
-    ids=["unknown fragment", "unseeded fragment", "unknown encoding", "unknown delta encoding"],
+    ids=[
+        "unknown fragment",
+        "unseeded fragment",
+        "unknown encoding",
+        "unknown delta encoding",
+        "invalid island id",
+        "fragment id beyond any job",
+    ],
 )
 def test_hostile_pull_is_refused(scene, request_, code):
     before = snapshot(scene)

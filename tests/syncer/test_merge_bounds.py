@@ -10,11 +10,12 @@ import signal
 import grpc
 import pytest
 import torch
-from syncer_harness import ReferenceFragment, config_for, fragment_values, make_client, wait_until
+from syncer_harness import ReferenceFragment, config_for, fragment_values, make_client, random_values, wait_until
 
 from diloco.core.encoding import Encoding
 from diloco.syncer import checkpoint
 from diloco.transport.client import SyncerClient
+from diloco.transport.fields import MAX_INNER_STEPS, MAX_TOKENS
 from diloco.transport.v1 import syncer_pb2 as pb
 
 pytestmark = pytest.mark.process
@@ -50,7 +51,7 @@ def test_tokens_no_inner_steps_could_produce_are_refused_and_change_nothing(star
         island.join(2)
         base = observer.pull(0)[0]
         before = fragment_state(observer)
-        for tokens, inner_steps in ((U64, 10), (1, 0)):
+        for tokens, inner_steps in ((10 * 2**32 + 1, 10), (1, 0)):
             with pytest.raises(grpc.RpcError) as refused:
                 push(island, base, fragment_values(0.1), tokens=tokens, inner_steps=inner_steps, sequence=1)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -71,11 +72,11 @@ def test_status_answers_after_the_largest_claims_before_and_after_a_restart(sync
         for client in islands.values():
             client.join(2)
         base = observer.pull(0)[0]
-        for client in islands.values():  # as many tokens as the wire carries, in as many inner steps
-            push(client, base, fragment_values(0.1), tokens=U64, inner_steps=U64, sequence=1)
+        for client in islands.values():  # as many tokens as a push may claim, in as many inner steps
+            push(client, base, fragment_values(0.1), tokens=MAX_TOKENS, inner_steps=MAX_INNER_STEPS, sequence=1)
         wait_until(lambda: observer.pull(0)[0].version == 1)
         merged = fragment_state(observer)[0]
-        assert merged[2:] == (2, U64), "one merge of 2 × (2^64 - 1) tokens, reported saturated"
+        assert merged[2:] == (2, 2 * MAX_TOKENS), "one merge of the two largest claims"
     for client in islands.values():
         client.close()
     assert process.signal(signal.SIGTERM) == 0
@@ -133,5 +134,60 @@ def test_a_merge_that_would_not_be_finite_is_refused_and_the_islands_go_on(start
         reference.merge(list(deltas.values()))
         reference.assert_matches(observer.pull(0)[1])
         assert observer.pull(0, have=base)[0].version == 1, "a later pull succeeds"
+    for client in islands.values():
+        client.close()
+
+
+def test_a_huge_finite_delta_is_clipped_and_the_honest_islands_keep_moving_the_fragment(start_server):
+    """Island c pushes values near the float32 limit in the second round: the merge takes it clipped to its
+    peers' norm, the fragment stays where honest deltas could put it, and the next rounds merge as usual."""
+    config = config_for(quorum=3, grace_seconds=30.0)
+    server = start_server(config, seed=False)
+    islands = {name: make_client(server.port, name) for name in "abc"}
+    with make_client(server.port, retry_for=RETRY_SECONDS) as observer:
+        for p in (0, 1):
+            observer.seed(p, random_values(p))
+        for client in islands.values():
+            client.join(2)
+        for version in range(3):
+            base = observer.pull(0)[0]
+            for i, (name, client) in enumerate(islands.items()):
+                huge = version == 1 and name == "c"
+                delta = fragment_values(3e38) if huge else random_values(10 * version + i, 0.01)
+                push(client, base, delta, tokens=100, inner_steps=10, sequence=version)
+            wait_until(lambda v=version: observer.pull(0)[0].version == v + 1)
+            values = observer.pull(0)[1]
+            assert all(t.abs().max() < 10 for _, t in values), f"after merge {version + 1}: the fragment blew up"
+            clipped = server.metrics.registry.get_sample_value("diloco_syncer_clipped_contributions_total")
+            assert clipped == (0 if version == 0 else 1), "only c's delta is clipped, and counted once"
+        assert observer.status().rejected_pushes == 0, "no merge was dropped"
+    for client in islands.values():
+        client.close()
+
+
+def test_a_fragment_recovers_by_itself_after_a_dropped_merge(start_server):
+    """Two islands push deltas near the float32 limit once: the fragment and its momentum become huge, and
+    momentum carries the fragment towards the limit round after round until a merge overflows and is dropped.
+    The next merge of small honest deltas lands: the momentum restarted with the drop."""
+    server = start_server(config_for(quorum=2, grace_seconds=30.0))
+    islands = {name: make_client(server.port, name) for name in "ab"}
+    with make_client(server.port, retry_for=RETRY_SECONDS) as observer:
+        for client in islands.values():
+            client.join(2)
+        for sequence in range(12):
+            base = observer.pull(0)[0]
+            fill = 1e38 if sequence == 0 else 0.01
+            for client in islands.values():
+                push(client, base, fragment_values(fill), tokens=100, inner_steps=10, sequence=sequence)
+            wait_until(lambda b=base: observer.pull(0)[0].version > b.version or observer.status().rejected_pushes)
+            if observer.status().rejected_pushes:
+                break
+        assert observer.status().rejected_pushes == 2, "momentum took the fragment past the float32 limit"
+        base = observer.pull(0)[0]
+        for client in islands.values():
+            push(client, base, fragment_values(0.01), tokens=100, inner_steps=10, sequence=100)
+        wait_until(lambda: observer.pull(0)[0].version == base.version + 1 or observer.status().rejected_pushes > 2)
+        assert observer.status().rejected_pushes == 2, "the merge after the dropped one was dropped too"
+        assert all(torch.isfinite(t).all() for _, t in observer.pull(0)[1])
     for client in islands.values():
         client.close()

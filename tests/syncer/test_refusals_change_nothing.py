@@ -108,7 +108,7 @@ def test_leave_of_an_island_that_never_joined_is_refused_and_not_checkpointed(st
         assert list(member.status().left_islands) == ["member"]
     server.stop(grace=0)
     saved = checkpoint.load(checkpoint.checkpoint_path(tmp_path / "ckpt", 0, 1))
-    assert saved is not None and saved["left"] == ["member"] and "stranger" not in saved["islands"]
+    assert saved is not None and list(saved["left"]) == ["member"] and "stranger" not in saved["islands"]
 
 
 BAD_IDS = {

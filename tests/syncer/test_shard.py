@@ -110,9 +110,9 @@ class TestQuorumAndGrace:
         shard.join("a", 0.0)
         shard.leave("a")
         push(shard, "a", 1.0)  # a retry that landed after the leave still counts as a contribution
-        assert shard.live_islands(1.0) == [] and shard.left == {"a"}
+        assert shard.live_islands(1.0) == [] and shard.left.keys() == {"a"}
         shard.join("a", 2.0)
-        assert shard.live_islands(2.0) == ["a"] and shard.left == set()
+        assert shard.live_islands(2.0) == ["a"] and not shard.left
 
     def test_once_every_island_has_left_nothing_is_awaited(self):
         shard = make_shard(quorum=2, grace_seconds=60.0, island_timeout_seconds=1000.0)
@@ -463,7 +463,7 @@ class TestCheckpointState:
         shard.join("a", 0.0)
         shard.leave("a")
         resumed = ShardState.from_state_dict(shard.config, 0, 1, shard.to_state_dict(clean=True), 99)
-        assert resumed.left == {"a"} and resumed.live_islands(1.0) == []
+        assert resumed.left.keys() == {"a"} and resumed.live_islands(1.0) == []
 
     def test_unclean_resume_takes_a_new_incarnation_and_drops_pending(self):
         shard = make_shard()
@@ -681,16 +681,30 @@ class TestMergeBounds:
         frag = shard.fragments[0]
         before = ([v.clone() for v in frag.values], [m.clone() for m in frag.momentum], frag.version)
         counters = (frag.last_merge_unix, frag.last_contributors, frag.tokens_merged, set(frag.merged_keys))
-        push(shard, "a", 1.0, seq=1, delta=3e38)  # finite, as is their mean: the outer step overflows
-        push(shard, "b", 1.0, seq=1, delta=3e38)
+        # Finite, as is their mean: the outer step overflows. Three of them, so their median is the clip's reference
+        # (each island's own past norms are not its peers').
+        for island in "abc":
+            shard.join(island, 1.0)
+            push(shard, island, 1.0, seq=1, delta=3e38)
         record = shard.merge(0, 2.0)
-        assert record.dropped == "non_finite" and record.contributors == ("a", "b")
+        assert record.dropped == "non_finite" and record.contributors == ("a", "b", "c")
         assert record.version == before[2]
         assert all(torch.equal(v, w) for v, w in zip(frag.values, before[0]))
-        assert all(torch.equal(m, w) for m, w in zip(frag.momentum, before[1]))
+        assert all(not m.any() for m in frag.momentum), "momentum restarts: it carried the overflow"
         assert frag.version == before[2]
         assert (frag.last_merge_unix, frag.last_contributors, frag.tokens_merged, frag.merged_keys) == counters
-        assert frag.pending == {} and shard.rejected_pushes == 2, "the contributions are dropped and counted"
+        assert frag.pending == {} and shard.rejected_pushes == 3, "the contributions are dropped and counted"
+
+    def test_a_push_is_clipped_by_the_norm_taken_when_it_arrived(self):
+        # The server takes each delta's norm on the push's own thread, before the shard's lock; the merge, under
+        # the lock, makes no pass over the deltas to measure them again.
+        shard = make_shard(quorum=4, grace_seconds=60.0)
+        for island in "abc":
+            push(shard, island, 0.0, delta=1.0)
+        delta = [torch.full((2,), 1.0), torch.full((1,), 1.0)]
+        shard.submit(PushKey("d", INCARNATION, 0, 0), 0, SPECS, delta, 100, 10, 0.0, norm=1e30)
+        assert shard.fragments[0].pending["a"].norm == pytest.approx(3**0.5), "taken by submit when not given"
+        assert shard.merge(0, 0.0).clipped == 1, "d's delta is measured as its push said"
 
     def test_islands_go_on_after_a_refused_merge(self):
         shard = make_shard(quorum=2, grace_seconds=60.0)
@@ -722,17 +736,17 @@ class TestIslandIds:
         with pytest.raises(Refused) as refused:
             shard.leave("stranger")
         assert status_code(refused.value.kind) == grpc.StatusCode.FAILED_PRECONDITION
-        assert shard.to_state_dict(clean=True)["left"] == before["left"] == []
+        assert shard.to_state_dict(clean=True)["left"] == before["left"] == {}
         shard.leave("a")
         shard.leave("a")
-        assert shard.left == {"a"} and shard.live_islands(1.0) == []
+        assert shard.left.keys() == {"a"} and shard.live_islands(1.0) == []
 
     @pytest.mark.parametrize("island", ["a" * (ISLAND_ID_MAX_CHARS + 1), "a b", "a/b", "é", "-a"])
     def test_an_id_outside_the_rule_is_refused_by_every_call_and_changes_nothing(self, island):
         shard = make_shard()
         shard.join("a", 0.0)
         push(shard, "a", 0.0)
-        before = (dict(shard.islands), set(shard.left), dict(shard.fragments[0].pending))
+        before = (dict(shard.islands), dict(shard.left), dict(shard.fragments[0].pending))
         calls = {
             "join": lambda: shard.join(island, 1.0),
             "leave": lambda: shard.leave(island),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import grpc
 import pytest
@@ -44,8 +44,9 @@ def push_header(island: str, incarnation: int) -> pb.PushChunk:
 
 
 @contextmanager
-def idle_pushes(server: SyncerServer, count: int) -> Iterator[list[grpc.Future]]:
-    """`count` pushes that send their header and then nothing, neither data nor the end of the stream."""
+def idle_pushes(server: SyncerServer, count: int, *, one_client: bool = False) -> Iterator[list[grpc.Future]]:
+    """`count` pushes that send their header and then nothing, neither data nor the end of the stream: each
+    from a client (a connection) of its own, or all from `one_client`."""
     release = threading.Event()
     with make_client(server.port) as observer:
         incarnation = observer.pull(0)[0].incarnation
@@ -54,9 +55,11 @@ def idle_pushes(server: SyncerServer, count: int) -> Iterator[list[grpc.Future]]
         yield push_header(island, incarnation)
         release.wait(120)
 
-    with open_channel(server.port) as channel:
-        stub = syncer_pb2_grpc.SyncerStub(channel)
-        calls = [stub.PushDelta.future(stream(f"idle-{i}"), metadata=AUTH, timeout=120) for i in range(count)]
+    with ExitStack() as stack:
+        own_connection = [("grpc.use_local_subchannel_pool", 1)]
+        channels = [stack.enter_context(open_channel(server.port, own_connection)) for _ in range(count)]
+        stubs = [syncer_pb2_grpc.SyncerStub(channels[0 if one_client else i]) for i in range(count)]
+        calls = [stub.PushDelta.future(stream(f"idle-{i}"), metadata=AUTH, timeout=120) for i, stub in enumerate(stubs)]
         try:
             yield calls
         finally:
@@ -191,3 +194,30 @@ def test_data_calls_beyond_the_queue_bound_are_refused_and_the_shard_stays_live(
     wait_until(lambda: server.data_threads.calls() == 0)
     push_and_see_it_merged(server)
     assert server.metrics.rejected.labels("busy")._value.get() == 1
+
+
+def test_one_client_holds_no_more_than_its_share_of_the_data_threads(start_server):
+    """One client opens 96 header-only streams (the idle bound is the long default): those beyond its share
+    of the data threads are refused at once, and an honest island's pull and push go through meanwhile."""
+    server = start_server(config_for(), max_workers=8)
+    with idle_pushes(server, 96, one_client=True) as calls:
+        wait_until(lambda: sum(call.done() for call in calls) == 96 - server.client_calls.most)
+        refused = [call for call in calls if call.done()]
+        assert {call.exception().code() for call in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        push_and_see_it_merged(server)
+    assert server.metrics.rejected.labels("client_limit")._value.get() == 96 - server.client_calls.most
+
+
+def test_a_data_call_that_expires_in_the_queue_is_counted_as_expired_not_malformed(start_server):
+    """Idle streams hold both data threads until the shard cancels them; a push queued behind them expires
+    meanwhile, and reaches its thread with nothing to read: it is counted as expired, not as malformed."""
+    server = start_server(config_for(), max_workers=2, stream_idle_seconds=1.5)
+    with idle_pushes(server, 2):
+        wait_until(lambda: server.data_threads.calls() == 2)
+        with open_channel(server.port) as channel:  # a push that waits for a thread past its deadline
+            stub = syncer_pb2_grpc.SyncerStub(channel)
+            with pytest.raises(grpc.RpcError) as queued:
+                stub.PushDelta(iter([push_header("late", 0)]), metadata=AUTH, timeout=0.5)
+            assert queued.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_until(lambda: server.metrics.rejected.labels("expired")._value.get() == 1)
+        assert server.metrics.rejected.labels("malformed")._value.get() == 0  # before the idle streams end

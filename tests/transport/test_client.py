@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import pytest
+import torch
 from support import TEST_PKI
 
+from diloco.core.encoding import Encoding
+from diloco.transport import wire
 from diloco.transport.client import Backoff, SyncerClient
+from diloco.transport.tls import PLAINTEXT
+from diloco.transport.v1 import syncer_pb2 as pb
 
 
 def unused_loopback_port() -> int:
@@ -70,3 +77,40 @@ def test_without_stop_a_call_gives_up_only_after_retry_for():
     client.close()
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert time.monotonic() - started >= 1.0
+
+
+def test_a_reply_with_a_field_out_of_its_rule_is_refused_by_the_island_naming_the_field():
+    """A broken shard answers a push with a cadence of Inf: the island's client refuses the reply (the pace
+    computation behind it never sees the value) with a WireError naming the field."""
+
+    def push(requests, _context) -> pb.PushReply:
+        for _ in requests:  # the whole push is read, as a shard would
+            pass
+        return pb.PushReply(cadence_step_seconds=math.inf)
+
+    handler = grpc.method_handlers_generic_handler(
+        "diloco.v1.Syncer",
+        {"PushDelta": grpc.stream_unary_rpc_method_handler(push, None, pb.PushReply.SerializeToString)},
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = SyncerClient(f"127.0.0.1:{port}", "token", security=PLAINTEXT, island_id="island-a", timeout=5.0)
+    try:
+        with pytest.raises(wire.WireError) as refused:
+            client.push(
+                0,
+                base=pb.FragmentVersion(),
+                tokens=10,
+                inner_steps=1,
+                sequence=0,
+                delta=[("w", torch.zeros(4))],
+                encoding=Encoding.FP32,
+                block_size=0,
+            )
+        assert refused.value.field == "cadence_step_seconds"
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        client.close()
+        server.stop(None)

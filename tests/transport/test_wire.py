@@ -277,11 +277,6 @@ def test_message_without_a_part_is_refused():
 @pytest.mark.parametrize(
     ("changes", "fragment"),
     [
-        ({"shape": [50, -33]}, "negative dimension"),
-        ({"dtype": pb.DTYPE_UNSPECIFIED}, "unknown dtype"),
-        ({"dtype": 42}, "unknown dtype"),
-        ({"encoding": pb.ENCODING_UNSPECIFIED}, "unknown encoding"),
-        ({"encoding": 9}, "unknown encoding"),
         ({"block_size": 0}, "block_size"),
         ({"byte_length": 1}, "byte_length 1"),
         ({"shape": [50, 34]}, "byte_length"),
@@ -292,6 +287,23 @@ def test_bad_tensor_descriptions_are_refused(changes, fragment):
     error = _refusal(read_fragment_stream, _with_payload(_fragment_chunks(), **changes))
     assert error.code == INVALID
     assert fragment in error.message and "embed.weight" in error.message
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"shape": [50, -33]},
+        {"dtype": pb.DTYPE_UNSPECIFIED},
+        {"dtype": 42},
+        {"encoding": pb.ENCODING_UNSPECIFIED},
+        {"encoding": 9},
+    ],
+)
+def test_tensor_fields_out_of_their_rule_are_refused_naming_the_field(changes):
+    error = _refusal(read_fragment_stream, _with_payload(_fragment_chunks(), **changes))
+    (field,) = changes
+    assert error.code == INVALID
+    assert error.field == field and f"FragmentHeader.tensors[0].{field}: must be" in error.message
 
 
 def test_truncated_stream_is_refused():
