@@ -320,6 +320,7 @@ class LocalJob:
         self.metrics_ports = [free_port() for _ in range(plan.shards)]
         self.island_ports = [free_port() for _ in range(plan.islands)]
         self.island_metrics_ports = [free_ports(plan.ranks_per_island) for _ in range(plan.islands)]
+        self._write_scrape_targets()
         self.syncers = [] if plan.mode == Mode.DDP else [self._syncer(i) for i in range(plan.shards)]
         self.workers = {plan.island_name(i): self._worker(i) for i in plan.honest}
         self.hostile = [] if plan.mode == Mode.DDP else [self._hostile(i) for i in plan.hostile]
@@ -522,6 +523,32 @@ class LocalJob:
                 continue
             proc.kill()
             proc.restart_at = now + downtime
+
+    def _write_scrape_targets(self) -> None:
+        """`prometheus-targets.json`: every metrics port of the run in Prometheus's file_sd format, each labelled
+        with the `pod` name the process would have on a cluster (`run-syncer-<shard>`, `run-<island>-<rank>`),
+        so that a Prometheus on this machine can scrape the run as the chart's dashboard expects. A shard's gRPC
+        address is its `__meta_diloco_address` (a meta label: dropped from its series, as Prometheus drops them)."""
+        shards = range(self.plan.shards if self.plan.mode != Mode.DDP else 0)
+        groups = [
+            {
+                "targets": [f"127.0.0.1:{self.metrics_ports[shard]}"],
+                "labels": {
+                    "pod": f"run-syncer-{shard}",
+                    "component": "syncer",
+                    "__meta_diloco_address": f"127.0.0.1:{self.syncer_ports[shard]}",
+                },
+            }
+            for shard in shards
+        ] + [
+            {
+                "targets": [f"127.0.0.1:{first + rank}"],
+                "labels": {"pod": f"run-{self.plan.island_name(island)}-{rank}", "component": "worker"},
+            }
+            for island, first in enumerate(self.island_metrics_ports)
+            for rank in range(self.plan.ranks_per_island)
+        ]
+        (self.out / "prometheus-targets.json").write_text(json.dumps(groups, indent=2) + "\n")
 
     def _scrape_syncers(self) -> None:
         for shard, port in enumerate(self.metrics_ports[: len(self.syncers)]):

@@ -15,6 +15,8 @@ K8S_VERSION=v1.37.2   # kube-apiserver, kube-controller-manager, kube-scheduler,
 KWOK_VERSION=v0.8.0
 HELM_VERSION=v4.3.1
 KIND_VERSION=v0.33.0
+# Prometheus 3.x is tagged as Go module v0.3xx.y for its release 3.xx.y (v0.316.0 is Prometheus 3.16.0).
+PROMETHEUS_VERSION=v0.316.0
 
 source "$(dirname "${BASH_SOURCE[0]}")/buildlib.sh"
 
@@ -71,12 +73,28 @@ if ! cached kind "$KIND_VERSION"; then
     build kind "$KIND_VERSION" "$mod" sigs.k8s.io/kind "" version
 fi
 
+# --- Prometheus: the monitoring test's server (tests/deploy/test_prometheus_queries.py) -----------------
+# A plain module too. Built the way its Makefile builds without `make assets`: no `builtinassets` tag, so
+# the web UI's assets are read from disk (and are absent; the test uses only the HTTP API). The
+# `remove_all_sd` tag (its README's "Service discovery plugins") leaves out the cloud service discoveries
+# and their SDKs, keeping static, file and HTTP SD: the test scrapes static targets on 127.0.0.1, and the
+# build is several times shorter. The release's own version stamp (3.x.y) is set as promu sets it; the
+# check is the module version Go records in the binary.
+if ! cached prometheus "$PROMETHEUS_VERSION"; then
+    IFS=. read -r _ prom_minor prom_patch <<<"${PROMETHEUS_VERSION#v}"
+    mod=$(new_module prometheus "github.com/prometheus/prometheus@$PROMETHEUS_VERSION")
+    GOFLAGS=-tags=remove_all_sd build prometheus "$PROMETHEUS_VERSION" "$mod" \
+        github.com/prometheus/prometheus/cmd/prometheus \
+        "-X github.com/prometheus/common/version.Version=$((prom_minor / 100)).$((prom_minor % 100)).$prom_patch"
+fi
+
 # --- bin dir: one per version set, so callers pinned to different versions never collide ---------
 entries=(
     "etcd $ETCD_VERSION"
     "kube-apiserver $K8S_VERSION" "kube-controller-manager $K8S_VERSION"
     "kube-scheduler $K8S_VERSION" "kubectl $K8S_VERSION"
     "kwok $KWOK_VERSION" "kwok-stages.yaml $KWOK_VERSION" "helm $HELM_VERSION" "kind $KIND_VERSION"
+    "prometheus $PROMETHEUS_VERSION"
 )
 bin=$CACHE/bin-$(printf '%s\n' "${entries[@]}" | sha256sum | cut -c1-12)
 if [[ ! -d $bin ]]; then
