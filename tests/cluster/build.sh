@@ -73,7 +73,7 @@ if ! cached kind "$KIND_VERSION"; then
     build kind "$KIND_VERSION" "$mod" sigs.k8s.io/kind "" version
 fi
 
-# --- Prometheus: the monitoring test's server (tests/deploy/test_prometheus_queries.py) -----------------
+# --- Prometheus: the monitoring test's server (tests/operator/test_prometheus_queries.py) -----------------
 # A plain module too. Built the way its Makefile builds without `make assets`: no `builtinassets` tag, so
 # the web UI's assets are read from disk (and are absent; the test uses only the HTTP API). The
 # `remove_all_sd` tag (its README's "Service discovery plugins") leaves out the cloud service discoveries
@@ -83,7 +83,7 @@ fi
 if ! cached prometheus "$PROMETHEUS_VERSION"; then
     IFS=. read -r _ prom_minor prom_patch <<<"${PROMETHEUS_VERSION#v}"
     mod=$(new_module prometheus "github.com/prometheus/prometheus@$PROMETHEUS_VERSION")
-    GOFLAGS=-tags=remove_all_sd build prometheus "$PROMETHEUS_VERSION" "$mod" \
+    GOFLAGS="${GOFLAGS:-} -tags=remove_all_sd" build prometheus "$PROMETHEUS_VERSION" "$mod" \
         github.com/prometheus/prometheus/cmd/prometheus \
         "-X github.com/prometheus/common/version.Version=$((prom_minor / 100)).$((prom_minor % 100)).$prom_patch"
 fi
