@@ -209,16 +209,21 @@ def test_an_island_of_two_ranks_re_forms_when_one_of_them_dies(tmp_path):
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 3.5
 
 
+def blocked_share(out, island):
+    """The share of an island's rank-0 step time spent blocked on its syncs, from its progress events."""
+    steps = island_events(out, island, StepEvent)
+    return sum(e.sync_seconds for e in steps) / sum(e.seconds for e in steps)
+
+
 def test_a_slow_island_does_not_slow_the_others(tmp_path):
-    """island-1 four times slower (older hardware): island-0 keeps the pace it has beside a full-speed
-    island-1, and the shards merge its deltas without waiting for island-1's; speed-aware (the default),
-    island-1 runs fewer inner steps per round than island-0."""
-    (_alone,), alone_out = run(tmp_path, "alone")
+    """island-1 four times slower (older hardware): island-0 never waits for it (a barrier would block it for
+    three quarters of its time), and the shards merge its deltas without waiting for island-1's; speed-aware
+    (the default), island-1 runs fewer inner steps per round than island-0. Measured within the one run: a
+    step rate against another run's would measure the machine's load between the two."""
     (slow,), slow_out = run(tmp_path, "slow", "--slowdown", "1,4")
-    reference = step_rate(alone_out / "diloco", "island-0")
-    fast = step_rate(slow_out / "diloco", "island-0")
-    assert fast > 0.7 * reference, (fast, reference)
-    assert fast > 2.5 * step_rate(slow_out / "diloco", "island-1"), "island-1 really was slower"
+    out = slow_out / "diloco"
+    assert blocked_share(out, "island-0") < 0.1, blocked_share(out, "island-0")
+    assert step_rate(out, "island-0") > 2 * step_rate(out, "island-1"), "island-1 really was slower"
     assert slow["islands_per_merge"] < 2, "some merges went ahead without the slow island"
     assert slow["round_steps"]["island-1"] < slow["round_steps"]["island-0"], slow["round_steps"]
     assert math.isfinite(slow["final_loss"]) and slow["final_loss"] < 3.5
