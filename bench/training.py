@@ -94,15 +94,15 @@ def compare_at_equal_tokens(
 ) -> dict[str, dict]:
     """Every mode's summary on the same tokens: one `diloco run --compare`, or, where ddp's ranks would share
     a GPU, each DiLoCo mode on its own and ddp as one process at the global batch (see the module's doc)."""
-    if args.mode_timeout:
+    timeouts_ok = bool(args.mode_timeout)
+    if timeouts_ok:
         options = (*options, "--timeout", str(args.mode_timeout))
     if not ddp_shares_a_device(args):
-        summaries = diloco_run(out, "--compare", *options, *shape(args, seed), timeouts_ok=bool(args.mode_timeout))
+        summaries = diloco_run(out, "--compare", *options, *shape(args, seed), timeouts_ok=timeouts_ok)
         return {s["mode"]: s for s in summaries}
     ddp_shape = shape(args, seed)
     ddp_shape[ddp_shape.index("--islands") + 1] = "1"
     ddp_shape[ddp_shape.index("--batch-size") + 1] = str(args.islands * args.batch_size)
-    timeouts_ok = bool(args.mode_timeout)
     (ddp,) = diloco_run(out / "ddp", "--mode", "ddp", *options, *ddp_shape, timeouts_ok=timeouts_ok)
     summaries = {"ddp": ddp}
     for mode in ("diloco", "sync-diloco"):
