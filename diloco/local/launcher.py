@@ -39,6 +39,7 @@ from diloco.local.delay_proxy import DelayProxy
 from diloco.local.failure_trace import FailureEvent, syncer_target, worker_island
 from diloco.local.netns import HUB_ADDRESS, ISLAND_DEVICE, IslandNetwork, island_address
 from diloco.local.wan import Link
+from diloco.operator import naming
 from diloco.progress import StartEvent, read_events
 from diloco.settings import DEFAULT_CORPUS_BYTES
 from diloco.transport.tls import LOOPBACK_NAMES, throwaway_pki
@@ -55,6 +56,8 @@ FAILURES_BEFORE_TRAINING = 3
 """Times an island's process may fail before it has ever trained before the run gives up: a loop that cannot
 start (a typo, a missing file) would otherwise be restarted until the run's timeout."""
 POLL_SECONDS = 0.1
+SCRAPE_JOB = "run"
+"""The job a run's processes are named after in its Prometheus targets (`prometheus-targets.json`)."""
 SYNCER_START_SECONDS = 180.0  # importing torch and grpc takes minutes on a saturated machine
 
 
@@ -526,15 +529,16 @@ class LocalJob:
 
     def _write_scrape_targets(self) -> None:
         """`prometheus-targets.json`: every metrics port of the run in Prometheus's file_sd format, each labelled
-        with the `pod` name the process would have on a cluster (`run-syncer-<shard>`, `run-<island>-<rank>`),
-        so that a Prometheus on this machine can scrape the run as the chart's dashboard expects. A shard's gRPC
-        address is its `__meta_diloco_address` (a meta label: dropped from its series, as Prometheus drops them)."""
+        with the `pod` the process would be in were the run a job named SCRAPE_JOB (the operator's names: a
+        shard's Deployment's, an island's one pod, which holds all its ranks), so that a Prometheus on this
+        machine can scrape the run as the chart's dashboard expects. A shard's gRPC address is its
+        `__meta_diloco_address` (a meta label: dropped from its series, as Prometheus drops them)."""
         shards = range(self.plan.shards if self.plan.mode != Mode.DDP else 0)
         groups = [
             {
                 "targets": [f"127.0.0.1:{self.metrics_ports[shard]}"],
                 "labels": {
-                    "pod": f"run-syncer-{shard}",
+                    "pod": naming.syncer_name(SCRAPE_JOB, shard),
                     "component": "syncer",
                     "__meta_diloco_address": f"127.0.0.1:{self.syncer_ports[shard]}",
                 },
@@ -543,7 +547,10 @@ class LocalJob:
         ] + [
             {
                 "targets": [f"127.0.0.1:{first + rank}"],
-                "labels": {"pod": f"run-{self.plan.island_name(island)}-{rank}", "component": "worker"},
+                "labels": {
+                    "pod": f"{naming.island_name(SCRAPE_JOB, self.plan.island_name(island))}-0",
+                    "component": "worker",
+                },
             }
             for island, first in enumerate(self.island_metrics_ports)
             for rank in range(self.plan.ranks_per_island)

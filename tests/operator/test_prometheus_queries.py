@@ -5,7 +5,7 @@ series, and the panels' data is plotted from the same queries (with DILOCO_DOCS_
 data, to that path too: docs/monitoring-panels.png is made so).
 
 The dashboard's `$namespace` and `$job` are the operator's job's; the run's targets carry the pod names a job of
-that name would have (`<job>-syncer-0`, `<job>-island-0-0`, see LocalJob's prometheus-targets.json), so one
+that name would have (the operator's names, see LocalJob's prometheus-targets.json), so one
 selection shows the operator's and the run's series together, as on a cluster.
 
 Alerts fire only on trouble, which a healthy run has none of: an alert's expression is evaluated whole (it must
@@ -35,6 +35,9 @@ import yaml
 from cluster.controlplane import binaries_dir, free_port, spawn, stop_group
 from operator_harness import OperatorProcess, install
 
+from diloco.local.launcher import SCRAPE_JOB
+from diloco.operator import naming
+
 ROOT = Path(__file__).resolve().parents[2]
 _loader = importlib.util.spec_from_file_location("monitoring", ROOT / "deploy" / "monitoring.py")
 assert _loader is not None and _loader.loader is not None
@@ -45,7 +48,7 @@ _loader.loader.exec_module(monitoring)
 pytestmark = [pytest.mark.process, pytest.mark.filterwarnings("ignore:Unverified HTTPS request")]
 
 NAMESPACE = "watched"
-JOB = "run"  # the `diloco run`'s pods are named as this job's would be
+JOB = SCRAPE_JOB  # the `diloco run`'s pods are named as this job's would be
 WINDOW = 60.0  # seconds of data the plot shows
 
 
@@ -154,7 +157,7 @@ def test_every_panel_and_rule_query_returns_series(operator_cluster, prometheus_
         # The job's island pods are KWOK's, with nothing behind their IPs: each rank 0 is given the address of the
         # run's island-0 (status.podIP 127.0.0.1, as for a host-network pod, and the job's trainer.metricsPort),
         # so the operator reads a training loss from a real trainer, as it does on a cluster.
-        island = next(g for g in groups if g["labels"]["pod"] == "run-island-0-0")
+        island = next(g for g in groups if g["labels"]["pod"] == f"{naming.island_name(JOB, 'island-0')}-0")
         trainer_port = int(island["targets"][0].rpartition(":")[2])
         operator_cluster.kubectl("-n", NAMESPACE, "apply", "-f", "-", stdin=job_manifest(trainer_port))
         support.wait_until(lambda: loopback_trainers(operator_cluster), timeout=120, interval=0.5)
