@@ -44,14 +44,17 @@ def test_ids_that_left_or_went_silent_are_forgotten_and_new_ones_join(start_serv
 
 
 def test_ids_that_never_push_do_not_shrink_the_merge_share(start_server):
-    config = config_for(quorum=2, grace_seconds=0.5, island_timeout_seconds=1.0)
+    # The idle ids must stay live from their second join until the status at the end: 102 joins and a merge
+    # take well over a second on a loaded machine, so the timeout is a few seconds.
+    timeout = 4.0
+    config = config_for(quorum=2, grace_seconds=0.5, island_timeout_seconds=timeout)
     server = start_server(config)
     islands = {name: make_client(server.port, name) for name in "ab"}
     idle = [make_client(server.port, f"idle-{i}") for i in range(100)]
     with make_client(server.port, retry_for=5.0) as observer:
         for client in [*islands.values(), *idle]:
             client.join(2)
-        time.sleep(1.1)  # beyond an island timeout since they joined, the idle ids join again to stay live
+        time.sleep(timeout + 0.1)  # beyond an island timeout since they joined, the idle ids join again to stay live
         for client in [*islands.values(), *idle]:
             client.join(2)
         base = observer.pull(0)[0]
