@@ -295,6 +295,15 @@ def shard_threads(spec: DiLoCoJobSpec) -> int | None:
     return max(1, int(parse_quantity(str(cpu))))
 
 
+def declared_islands(spec: DiLoCoJobSpec) -> int | None:
+    """The most islands a round of the shards' merges is made of: the job's own, when they are all the
+    shards serve. None when the shards are exposed outside the cluster, where islands of other clusters' jobs
+    train against them too and no spec here says how many."""
+    if spec.syncer.expose.type is not Exposure.CLUSTER_IP:
+        return None
+    return len(spec.islands)
+
+
 def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: int, tls: JobTls) -> dict[str, Any]:
     syncer = spec.syncer
     labels = n.shard_labels(job.name, shard)
@@ -311,6 +320,8 @@ def syncer_deployment(job: n.JobRef, spec: DiLoCoJobSpec, shard: int, replicas: 
     }
     if (threads := shard_threads(spec)) is not None:
         env |= {"DILOCO_SYNCER_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+    if (declared := declared_islands(spec)) is not None:
+        env["DILOCO_ISLANDS"] = str(declared)
     container = {
         "name": n.SYNCER_CONTAINER,
         "image": spec.syncer_image,

@@ -79,6 +79,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "the process may run on",
     )
     add_tls_arguments(p)
+    p.add_argument(
+        "--islands",
+        type=int,
+        default=int(env_default("ISLANDS", "0")),
+        help="islands the job declares, the most a round of merges is made of (0: not known, and every id that "
+        "joined counts for a round until an island timeout after it joined)",
+    )
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     return p.parse_args(argv)
 
@@ -121,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         metrics=metrics,
         progress=_merge_progress(args) if args.progress_file else None,
         threads=cores,
+        declared_islands=args.islands,
     )
     if args.metrics_port:
         metrics.serve(args.metrics_port, addr=args.host)

@@ -39,9 +39,9 @@ class SyncerMetrics:
             registry=r,
         )
         self.rejected = Counter("diloco_syncer_rejected_pushes", "Calls refused, by reason", ["reason"], registry=r)
-        self.clipped = Counter(
-            "diloco_syncer_clipped_contributions",
-            "Contributions scaled down to the clip bound before a merge: larger than 8x their peers' median norm",
+        self.outliers = Counter(
+            "diloco_syncer_outlier_contributions",
+            "Contributions left out of a merge: their delta's norm beyond 8x the lower median of their peers'",
             registry=r,
         )
         self.tls_handshakes = Counter(

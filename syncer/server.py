@@ -143,6 +143,7 @@ class SyncerServer:
         progress: ProgressWriter | None = None,
         clock: Callable[[], float] = time.time,
         threads: int = 1,
+        declared_islands: int = 0,
     ) -> None:
         """`max_workers` threads serve the data calls (Seed, PushDelta, Pull), `CONTROL_WORKERS` more the
         others; `max_queued_calls` data calls may wait for a thread, and more are refused; `stream_idle_seconds`
@@ -152,10 +153,12 @@ class SyncerServer:
         TLS (the kubelet's): health says only whether the shard serves, as on the main port without a token.
         `progress` records each merge and the pushes in it (the local runner's goodput accounting).
         `threads`: the cores a merge or a difference works on (the process sets torch's threads to match), which
-        sizes their chunks, and the threads that hash digests."""
+        sizes their chunks, and the threads that hash digests. `declared_islands`: how many islands the job
+        declares (0: not known), the most a round of merges is made of (`ShardState.round_members`)."""
         if threads < 1:
             raise ValueError(f"threads must be positive, got {threads}")
         self.config = config
+        self.declared_islands = declared_islands
         self.chunk = CHUNK * threads  # each of torch's threads takes a cache-sized part of every chunk
         self.progress = progress
         self.metrics = metrics or SyncerMetrics()
@@ -237,9 +240,24 @@ class SyncerServer:
     def _resume_or_start(self, shard_index: int, num_shards: int, max_pending_bytes: int) -> ShardState:
         saved = checkpoint.load(self._checkpoint_path) if self._checkpoint_path else None
         if saved is None:
-            return ShardState(self.config, shard_index, num_shards, _new_incarnation(), max_pending_bytes, self.chunk)
+            return ShardState(
+                self.config,
+                shard_index,
+                num_shards,
+                _new_incarnation(),
+                max_pending_bytes,
+                self.chunk,
+                self.declared_islands,
+            )
         state = ShardState.from_state_dict(
-            self.config, shard_index, num_shards, saved, _new_incarnation(), max_pending_bytes, self.chunk
+            self.config,
+            shard_index,
+            num_shards,
+            saved,
+            _new_incarnation(),
+            max_pending_bytes,
+            self.chunk,
+            self.declared_islands,
         )
         log.info(
             "resumed from checkpoint",
@@ -341,13 +359,19 @@ class SyncerServer:
             started = time.perf_counter()
             record = self.state.merge(index, now)
             self._dirty = True
-            self.metrics.clipped.inc(record.clipped)
-            if record.dropped is not None:
-                self.metrics.rejected.labels(record.dropped).inc(len(record.contributors))
+            if record.outliers:
+                self.metrics.outliers.inc(len(record.outliers))
                 log.warning(
-                    "merge refused, contributions dropped",
-                    extra={"fragment": index, "reason": record.dropped, "contributors": list(record.contributors)},
+                    "deltas far beyond their peers' left out of a merge",
+                    extra={"fragment": index, "islands": sorted({key.island for key in record.outliers})},
                 )
+            if record.dropped is not None:
+                if record.pushes:
+                    self.metrics.rejected.labels(record.dropped).inc(len(record.contributors))
+                    log.warning(
+                        "merge refused, contributions dropped",
+                        extra={"fragment": index, "reason": record.dropped, "contributors": list(record.contributors)},
+                    )
                 continue
             self.metrics.merge_seconds.observe(time.perf_counter() - started)
             self.metrics.merges.labels(str(index)).inc()

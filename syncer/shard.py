@@ -92,7 +92,7 @@ class Pending:
     arrived: float = 0.0  # the shard's clock when it was taken
     on_time: bool = True  # based on the version then current: pushed in the round it was trained for
     slack: float | None = None  # seconds after the push the island mixes the merge in (None: unknown)
-    norm: float = 0.0  # the delta's L2 norm, what its merge clips it by (`robust`)
+    norm: float = 0.0  # the delta's L2 norm, by which its merge may leave it out as an outlier (`robust`)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class MergeRecord:
     tokens: int
     max_staleness: int
     dropped: str | None
-    clipped: int = 0  # contributions scaled down to the clip bound before merging (`robust`)
+    outliers: tuple[PushKey, ...] = ()  # pushes left out of the merge, their deltas far beyond their peers' (`robust`)
 
     @property
     def contributors(self) -> tuple[str, ...]:
@@ -141,7 +141,7 @@ class ShardFragment:
     round_fresh: float = 0.0  # the share of the round in progress merged from fresh deltas (staleness 0)
     freshness: float = 1.0  # the share of the last complete round that was fresh: scales its successor's momentum
     round_opened: float = 0.0  # when the round in progress opened: its first merge's median arrival (0: unknown)
-    delta_norms: dict[str, list[float]] = field(default_factory=dict)  # per island, its last merged, as clipped
+    delta_norms: dict[str, list[float]] = field(default_factory=dict)  # per island, the norms of its last merged
     last_merge_unix: float = 0.0
     last_contributors: int = 0
     max_staleness_seen: int = 0
@@ -167,13 +167,18 @@ class ShardState:
         incarnation: int,
         max_pending_bytes: int = MAX_PENDING_BYTES,
         chunk: int = CHUNK,
+        declared_islands: int = 0,
     ) -> None:
         """`max_pending_bytes` bounds the pending deltas of all the shard's fragments together; a merge works on
-        `chunk` elements of a tensor at a time (`diloco.core.outer_optimizer.outer_step_chunked`)."""
+        `chunk` elements of a tensor at a time (`diloco.core.outer_optimizer.outer_step_chunked`);
+        `declared_islands` is how many islands the job declares (0: not known), the most a round is made of."""
+        if declared_islands < 0:
+            raise ValueError(f"declared islands must be non-negative, got {declared_islands}")
         if num_shards < 1 or not 0 <= shard_index < num_shards:
             raise ValueError(f"shard index {shard_index} is outside 0..{num_shards - 1}")
         self.chunk = chunk
         self.config = config
+        self.declared_islands = declared_islands
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.incarnation = incarnation
@@ -518,8 +523,11 @@ class ShardState:
 
     def round_members(self, frag: ShardFragment, now: float) -> int:
         """The islands a round of the fragment is made of: its `members`, and those that left while it was in
-        progress, so that islands finishing one after another do not make the last merges larger shares."""
-        return len(self.members(now) | frag.round_left)
+        progress, so that islands finishing one after another do not make the last merges larger shares; never
+        more than the job declares, so ids invented by a holder of the job's token, however many join, do not
+        make every real merge a vanishing share of a round."""
+        members = len(self.members(now) | frag.round_left)
+        return min(members, self.declared_islands) if self.declared_islands else members
 
     def merge_share(self, frag: ShardFragment, contributors: int, now: float) -> float:
         """The share of a round a merge of `contributors` islands stands for (the outer step's `share`): with K
@@ -530,30 +538,33 @@ class ShardState:
     def merge(self, index: int, now: float) -> MergeRecord:
         """Merges the pending contributions into the fragment with the outer optimizer; bumps its version.
 
-        One pass over the fragment: each chunk of the merged outer gradient is decoded from the pending deltas
-        and stepped into the values and momentum while in cache, in place. Each delta is first clipped against
-        its peers and the fragment (`robust`), so a finite but huge one moves the fragment no further than an
-        honest one: its norm is taken from its bytes a chunk at a time, and the clip scales its weight as it
-        is decoded, so no float32 copy of it is made. A merge whose values or momentum would not be finite
-        (finite deltas can still overflow float32) is refused: the fragment and its version stay as they were,
-        its contributions are dropped and counted as rejected, and the momentum restarts from zero, so that
-        honest deltas merge again. Their pushes were already answered as taken; their islands see no newer
-        version for them, so each round ends with the next merge of others or at its timeout, and the island
-        pushes again from its unchanged base. The step is taken in place when the magnitudes of the fragment,
-        its momentum and the deltas prove it finite (`step_bounds`; always, at the magnitudes training
-        reaches), else on copies, holding the fragment twice for the time of one outer step."""
+        One pass over the fragment: each chunk of the merged outer gradient is decoded from the pending deltas and
+        stepped into the values and momentum while in cache, in place. A delta whose norm is far beyond its peers'
+        and the fragment's (`robust`; the norm taken from its bytes a chunk at a time when it arrived) is left out
+        first, so a finite but huge one does not move the fragment; a merge of nothing else is not taken
+        (`dropped="outliers"`), and the fragment, its version and momentum stay. A merge whose values or momentum
+        would not be finite (finite deltas can still overflow float32) is refused: the fragment and its version stay
+        as they were, its contributions are dropped and counted as rejected, and the momentum restarts from zero, so
+        that honest deltas merge again. Their pushes were already answered as taken; their islands see no newer
+        version for them, so each round ends with the next merge of others or at its timeout, and the island pushes
+        again from its unchanged base. The step is taken in place when the magnitudes of the fragment, its momentum
+        and the deltas prove it finite (`step_bounds`; always, at the magnitudes training reaches), else on copies,
+        holding the fragment twice for the time of one outer step."""
         frag = self.seeded_fragment(index)
         if not frag.pending:
             raise ValueError(f"fragment {index} has nothing to merge")
-        pending = sorted(frag.pending.values(), key=lambda p: p.key.island)
-        norms = [p.norm for p in pending]
-        peers = robust.peers(frag.delta_norms, (p.key.island for p in pending))
-        bound = robust.clip_bound(norms, peers, lambda: robust.norm(frag.values))
+        pushed = sorted(frag.pending.values(), key=lambda p: p.key.island)
+        peers = robust.peers(frag.delta_norms, (p.key.island for p in pushed))
+        bound = robust.outlier_bound([p.norm for p in pushed], peers, lambda: robust.norm(frag.values))
+        pending = [p for p in pushed if p.norm <= bound]
+        outliers = tuple(p.key for p in pushed if p.norm > bound)
+        self.rejected_pushes += len(outliers)
+        if not pending:
+            frag.pending.clear()
+            frag.quorum_since = None
+            return MergeRecord(index, frag.version, (), 0, 0, dropped="outliers", outliers=outliers)
         contributions = [
-            Contribution(
-                p.key.island, p.delta, p.tokens, frag.version - p.key.base_version, robust.clip_scale(n, bound)
-            )
-            for p, n in zip(pending, norms)
+            Contribution(p.key.island, p.delta, p.tokens, frag.version - p.key.base_version) for p in pending
         ]
         gradient = merge_deltas(
             contributions,
@@ -615,7 +626,7 @@ class ShardState:
             frag.last_merge_unix = now
             frag.last_contributors = len(pending)
             frag.tokens_merged += tokens
-            robust.remember(frag.delta_norms, ((p.key.island, min(n, bound)) for p, n in zip(pending, norms)))
+            robust.remember(frag.delta_norms, ((p.key.island, p.norm) for p in pending))
         else:  # momentum is what carries a merge into every later one: it restarts, so the next merge can land
             self.rejected_pushes += len(pending)
             frag.momentum = init_momentum(frag.values)
@@ -627,7 +638,7 @@ class ShardState:
             tokens=tokens,
             max_staleness=max(c.staleness for c in contributions),
             dropped=dropped,
-            clipped=sum(n > bound for n in norms),
+            outliers=outliers,
         )
 
     # Checkpoints
@@ -658,6 +669,7 @@ class ShardState:
         new_incarnation: int,
         max_pending_bytes: int = MAX_PENDING_BYTES,
         chunk: int = CHUNK,
+        declared_islands: int = 0,
     ) -> ShardState:
         """Resumes a shard. After an unclean stop the versions it served may be ahead of the checkpoint, so
         it takes a new incarnation: islands holding such versions are told to pull again. When each island
@@ -673,7 +685,7 @@ class ShardState:
             )
         clean = bool(state["clean"])
         incarnation = state["incarnation"] if clean else new_incarnation
-        shard = cls(config, shard_index, num_shards, incarnation, max_pending_bytes, chunk)
+        shard = cls(config, shard_index, num_shards, incarnation, max_pending_bytes, chunk, declared_islands)
         shard.islands = dict(state["islands"])
         left = state.get("left", {})  # none before Leave existed; a list of ids before they were forgotten
         shard.left = (

@@ -52,9 +52,6 @@ class Contribution:
     delta: Sequence[Delta]
     tokens: int
     staleness: int
-    scale: float = 1.0
-    """What the delta counts as, times itself: below 1 when it was clipped (`diloco.core.robust`), applied while
-    it is decoded, so no scaled copy of an encoded delta is made."""
 
 
 def tokens_are_possible(tokens: int, inner_steps: int) -> bool:
@@ -141,7 +138,7 @@ def _norm(delta: Delta, chunk: int) -> float:
 
 def delta_norm(delta: Sequence[Delta], chunk: int = CHUNK) -> float:
     """The L2 norm of a whole delta (all its tensors), in float64, decoding encoded tensors a chunk at a time:
-    what a merge clips by, without a float32 copy of the delta."""
+    what a merge measures outliers by (`diloco.core.robust`), without a float32 copy of the delta."""
     return math.sqrt(sum(_norm(t, chunk) ** 2 for t in delta))
 
 
@@ -150,7 +147,6 @@ class MergedGradient:
     decoding each island's delta for just that chunk, so that the outer step takes it while it is in cache and
     a merge needs no float32 copy of any delta (`diloco.core.outer_optimizer.outer_step_chunked`).
 
-    Each delta counts as scales[i] · deltas[i] (1 when not given: clipping scales a delta down without a copy).
     Plain: Σ_i weights[i] · deltas[i][j] (weights as given). Radial-directional: (Σ w_i ‖d_i‖) · unit(Σ w_i d_i
     / ‖d_i‖) per tensor position j, where a zero delta adds norm 0 and no direction and a mean direction that
     vanishes (opposite directions cancel, up to float32 rounding) gives zero; its direction needs every delta
@@ -165,26 +161,21 @@ class MergedGradient:
         *,
         radial: bool = False,
         chunk: int = CHUNK,
-        scales: Sequence[float] | None = None,
     ) -> None:
         _check_deltas(deltas, weights)
         if chunk < 1:
             raise ValueError(f"chunk must be positive, got {chunk}")
-        scales = [1.0] * len(deltas) if scales is None else list(scales)
-        if len(scales) != len(deltas) or not all(math.isfinite(s) and s >= 0 for s in scales):
-            raise ValueError(f"need one finite non-negative scale per delta, got {scales}")
         self.deltas = [list(d) for d in deltas]
         self.weights = list(weights)
-        self.scales = scales
         self.radial = radial
         self.chunk = chunk
         self.shapes = [_shape(t) for t in deltas[0]]
         tensors = range(len(self.shapes))
         if radial:  # every element lies within its tensor's mean norm
-            self._norms = [[_norm(d[j], chunk) * s for j in tensors] for d, s in zip(self.deltas, scales)]
+            self._norms = [[_norm(d[j], chunk) for j in tensors] for d in self.deltas]
             sizes = [[n[j] for n in self._norms] for j in tensors]
         else:
-            sizes = [[_magnitude(d[j]) * s for d, s in zip(self.deltas, scales)] for j in tensors]
+            sizes = [[_magnitude(d[j]) for d in self.deltas] for j in tensors]
         rounding = 1 + (len(deltas) + 4) * 2.0**-23
         self.bound = max((sum(abs(w) * m for w, m in zip(self.weights, s)) for s in sizes), default=0.0) * rounding
         self._direction: tuple[int, Tensor, float] | None = None
@@ -205,8 +196,8 @@ class MergedGradient:
         """`out` (flat) = elements [start, start + len(out)) of tensor `index` of the merged gradient; `start` a
         multiple of `alignment(index)`."""
         if not self.radial:
-            for i, (delta, weight, scale) in enumerate(zip(self.deltas, self.weights, self.scales)):
-                _add_weighted(out, delta[index], start, weight * scale, i == 0)
+            for i, (delta, weight) in enumerate(zip(self.deltas, self.weights)):
+                _add_weighted(out, delta[index], start, weight, i == 0)
             return
         _, direction, scale = self._radial_direction(index)
         torch.mul(direction[start : start + out.numel()], scale, out=out)
@@ -216,19 +207,15 @@ class MergedGradient:
         if self._direction is not None and self._direction[0] == index:
             return self._direction
         self._direction = None  # the previous tensor's direction is freed before this one's is made
-        kept = [
-            (d[index], w, n[index], s)
-            for d, w, n, s in zip(self.deltas, self.weights, self._norms, self.scales)
-            if n[index] != 0.0
-        ]
+        kept = [(d[index], w, n[index]) for d, w, n in zip(self.deltas, self.weights, self._norms) if n[index] != 0.0]
         direction = torch.zeros(self.numel(index))
         steps = _steps(direction.numel(), self.chunk, self.alignment(index))
         for start in steps:  # chunk after chunk, each delta onto it while it is in cache
             part = direction[start : start + steps.step]
-            for delta, weight, norm, scale in kept:  # unit(scale · delta) = scale · delta / (scale · ‖delta‖)
-                _add_weighted(part, delta, start, weight * scale / norm, False)
-        mean_norm = sum(weight * norm for _, weight, norm, _ in kept)
-        direction_weight = sum(abs(weight) for _, weight, _, _ in kept)
+            for delta, weight, norm in kept:
+                _add_weighted(part, delta, start, weight / norm, False)
+        mean_norm = sum(weight * norm for _, weight, norm in kept)
+        direction_weight = sum(abs(weight) for _, weight, _ in kept)
         direction_norm = float(torch.linalg.vector_norm(direction, dtype=torch.float64))
         vanished = direction_norm <= _DIRECTION_EPS * direction_weight
         self._direction = (index, direction, 0.0 if vanished else mean_norm / direction_norm)
@@ -243,12 +230,9 @@ def merge_deltas(
     chunk: int = CHUNK,
 ) -> MergedGradient:
     """The merged outer gradient of a fragment: contribution weights, then the plain or radial-directional mean of
-    the deltas, each scaled by its contribution's `scale`."""
+    the deltas."""
     weights = contribution_weights(contributions, staleness_decay)
-    scales = [c.scale for c in contributions]
-    return MergedGradient(
-        [c.delta for c in contributions], weights, radial=radial_directional, chunk=chunk, scales=scales
-    )
+    return MergedGradient([c.delta for c in contributions], weights, radial=radial_directional, chunk=chunk)
 
 
 def is_too_stale(staleness: int, max_staleness: int) -> bool:

@@ -4,15 +4,15 @@ talks to the shards over TLS as an island does, for the whole run, and does ever
 Every round, for every fragment, it pulls the newest values (as an island would, so its pushes name a real
 base and the tensors the fragment holds) and pushes:
 - a delta of huge finite values (|x| = 1e38, near the float32 limit) with a valid header claiming the most
-  tokens a push may: taken, and clipped by the shard against its peers (`diloco.core.robust`);
+  tokens a push may: taken, and left out of every merge as an outlier against its peers (`diloco.core.robust`);
 - with `sybil_pushes`, the same under an island id it has never used before (one per round), joined first:
-  several huge deltas in one merge outvote the clip's median, which holds only while honest islands are most
+  several huge deltas in one merge outvote the outlier bound's median, which holds only while honest islands are most
   of what a fragment merges, so this is off unless asked for;
 - deltas whose seconds per inner step are Inf, 1e-300, negative or NaN, whose inner steps are 2^64 - 1,
   and whose values are Inf: refused at the wire (`diloco.transport.fields`, `diloco.transport.wire`).
 Between rounds it joins `ids_per_round` fresh island ids (thousands over a run) and keeps pulling. It counts
 what each call came back with and writes the counts as JSON when it is stopped (SIGTERM), for the run (and a
-test) to check that its pushes were refused or clipped and nothing else went wrong for the shards.
+test) to check that its pushes were refused or left out and nothing else went wrong for the shards.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--sybil-pushes",
         action="store_true",
         help="also push the huge delta under a new island id each round: a client with the token can outvote the "
-        "clip's median this way (README, hardening)",
+        "outlier bound's median this way (README, hardening)",
     )
     args = p.parse_args(argv)
     stop = threading.Event()

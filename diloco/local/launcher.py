@@ -270,7 +270,7 @@ class JobResult:
     timed_out: bool = False
     worker_starts: dict[str, int] = field(default_factory=dict)  # per island's process
     rejected: dict[str, float] = field(default_factory=dict)  # calls the syncers refused, by reason
-    clipped: float = 0.0  # contributions the syncers clipped before merging them (diloco.core.robust)
+    outliers: float = 0.0  # contributions the syncers left out of merges (diloco.core.robust)
     hostile: dict[str, dict] = field(default_factory=dict)  # per misbehaving island: what its calls came back with
 
 
@@ -279,7 +279,7 @@ _SYNCER_COUNTERS = {
     "bytes": r"^diloco_syncer_(?:received|sent)_bytes_total ([0-9.e+]+)$",
     "merges": r"^diloco_syncer_merge_contributors_count ([0-9.e+]+)$",
     "contributions": r"^diloco_syncer_merge_contributors_sum ([0-9.e+]+)$",
-    "clipped": r"^diloco_syncer_clipped_contributions_total ([0-9.e+]+)$",
+    "outliers": r"^diloco_syncer_outlier_contributions_total ([0-9.e+]+)$",
 }
 _REJECTED = r'^diloco_syncer_rejected_pushes_total\{reason="([a-z_]+)"\} ([0-9.e+]+)$'
 
@@ -405,6 +405,8 @@ class LocalJob:
             str(shard),
             "--num-shards",
             str(self.plan.shards),
+            "--islands",
+            str(self.plan.islands),
             "--config",
             str(self.config_file),
             "--checkpoint-dir",
@@ -665,7 +667,7 @@ class LocalJob:
         result.merges = self._counter("merges")
         result.merged_contributions = self._counter("contributions")
         result.worker_starts = {name: w.starts for name, w in self.workers.items()}
-        result.clipped = self._counter("clipped")
+        result.outliers = self._counter("outliers")
         for (_, reason), tracker in self._rejected.items():
             result.rejected[reason] = result.rejected.get(reason, 0.0) + tracker.total
         for proc in self.hostile:

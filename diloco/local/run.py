@@ -59,7 +59,7 @@ class ModeSummary:
     round_steps: dict[str, float] = field(default_factory=dict)  # per island: mean inner steps per round
     losses: dict[str, float] = field(default_factory=dict)  # where the rest of the allocated time went, as shares
     rejected: dict[str, float] = field(default_factory=dict)  # calls the syncers refused, by reason
-    clipped: float = 0.0  # contributions the syncers clipped before merging
+    outliers: float = 0.0  # contributions the syncers left out of merges
     hostile: dict[str, dict] = field(default_factory=dict)  # per misbehaving island (--hostile-islands): its calls
 
 
@@ -185,7 +185,7 @@ def run_mode(plan: RunPlan, quiet: bool = False) -> tuple[ModeSummary, Account, 
         train_loss_start=acct.train_curve[0][1] if acct.train_curve else math.nan,
         train_loss_end=acct.train_curve[-1][1] if acct.train_curve else math.nan,
         rejected=result.rejected,
-        clipped=result.clipped,
+        outliers=result.outliers,
         hostile=result.hostile,
     )
     return summary, acct, result
@@ -262,7 +262,7 @@ def print_summary(summaries: list[ModeSummary]) -> None:
             print(f"{s.mode} {name}: {report.get('rounds', 0)} rounds, {report.get('ids_used', 0)} island ids; {calls}")
         if s.hostile:
             refused = ", ".join(f"{reason} {n:.0f}" for reason, n in sorted(s.rejected.items())) or "none"
-            print(f"{s.mode} the shards refused: {refused}; clipped {s.clipped:.0f} contributions")
+            print(f"{s.mode} the shards refused: {refused}; left out {s.outliers:.0f} contributions as outliers")
     for s in summaries:
         if s.round_steps:
             steps = ", ".join(f"{island} {n:.1f}" for island, n in s.round_steps.items())

@@ -230,8 +230,8 @@ def test_merged_from_encoded_bytes_chunk_by_chunk_is_the_mean_of_the_decoded_del
 
 @pytest.mark.parametrize("radial", [False, True])
 @pytest.mark.parametrize("encoding", ENCODINGS)
-def test_a_scaled_contribution_merges_as_its_delta_scaled_and_its_norm_comes_from_its_bytes(encoding, radial):
-    """Clipping scales a held delta while it is decoded: the same merge as of the delta scaled beforehand."""
+def test_held_deltas_merge_as_decoded_and_their_norms_come_from_their_bytes(encoding, radial):
+    """A shard holds deltas as they came over the wire and decodes them a chunk at a time while it merges."""
     gen = torch.Generator().manual_seed(7)
     block, top_k, sizes = 4, 2, [37, 8]
     sent = [[encode(torch.randn(n, generator=gen), encoding, block, top_k) for n in sizes] for _ in range(3)]
@@ -240,15 +240,12 @@ def test_a_scaled_contribution_merges_as_its_delta_scaled_and_its_norm_comes_fro
     for delta, values in zip(held, decoded):
         whole_norm = math.sqrt(sum(float(v.double().norm()) ** 2 for v in values))
         assert delta_norm(delta, chunk=5) == pytest.approx(whole_norm)
-    scales = [1.0, 0.25, 0.0]
-    contributions = [Contribution(str(i), d, 10, 0, s) for i, (d, s) in enumerate(zip(held, scales))]
+    contributions = [Contribution(str(i), d, 10, 0) for i, d in enumerate(held)]
     gradient = merge_deltas(contributions, radial_directional=radial, chunk=5)
     for j, got in enumerate(whole(gradient)):
-        want = reference_mean([d[j] * s for d, s in zip(decoded, scales)], [1 / 3] * 3, radial)
+        want = reference_mean([d[j] for d in decoded], [1 / 3] * 3, radial)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
         assert float(got.abs().max()) <= gradient.bound
-    with pytest.raises(ValueError, match="scale"):
-        MergedGradient(held, [1 / 3] * 3, scales=[1.0, -1.0, 1.0])
 
 
 def test_the_bound_holds_every_element_within_it():

@@ -1,17 +1,17 @@
-"""Specification of the bound on one contribution's delta: clipped against the lower median of its merge and
-the fragment's recent history, never beyond the fragment's own norm, finite for any finite float32 delta."""
+"""Specification of the bound beyond which a delta is left out of its merge: OUTLIER_FACTOR times the lower median
+of its merge's norms and the fragment's recent history, never beyond the fragment's own norm until there is a
+median, finite for any finite float32 delta."""
 
 import pytest
 import torch
 
 from diloco.core.robust import (
-    CLIP_FACTOR,
     FRAGMENT_RATIO,
     HISTORY,
+    OUTLIER_FACTOR,
     PER_ISLAND,
-    clip_bound,
-    clip_scale,
     norm,
+    outlier_bound,
     peers,
     remember,
 )
@@ -25,56 +25,52 @@ def test_the_norm_of_a_delta_near_the_float32_limit_is_finite():
 
 
 def test_one_huge_delta_among_honest_ones_is_bounded_by_theirs():
-    assert clip_bound([1.0, 1.2, 1e38], [], lambda: 0.0) == CLIP_FACTOR * 1.2
+    assert outlier_bound([1.0, 1.2, 1e38], [], lambda: 0.0) == OUTLIER_FACTOR * 1.2
 
 
 def test_a_merge_of_one_is_measured_against_the_fragments_history():
-    assert clip_bound([1e38], [1.0, 1.1, 0.9], lambda: 0.0) == CLIP_FACTOR * 1.0
+    assert outlier_bound([1e38], [1.0, 1.1, 0.9], lambda: 0.0) == OUTLIER_FACTOR * 1.0
 
 
-def test_until_a_median_can_outvote_an_outlier_no_delta_is_larger_than_the_fragment_it_moves():
-    assert clip_bound([1e38], [], lambda: 10.0) == FRAGMENT_RATIO * 10.0
-    assert clip_bound([1e38, 1e38], [], lambda: 10.0) == FRAGMENT_RATIO * 10.0
-    assert clip_bound([1.0], [], lambda: 0.0) == CLIP_FACTOR, "an all-zero fragment bounds nothing"
-    assert clip_bound([20.0, 20.0, 20.0], [], lambda: 10.0) == CLIP_FACTOR * 20.0, "three norms: their median decides"
+def test_until_a_median_can_outvote_an_outlier_the_fragment_votes_in_the_place_of_the_norms_missing():
+    fragment = FRAGMENT_RATIO * 10.0
+    assert outlier_bound([1e38], [], lambda: 10.0) == OUTLIER_FACTOR * fragment, "a lone huge delta is left out"
+    assert outlier_bound([1.0, 1e38], [], lambda: 10.0) == OUTLIER_FACTOR * fragment
+    assert outlier_bound([1.0], [], lambda: 0.0) == OUTLIER_FACTOR, "an all-zero fragment has no vote"
+    assert outlier_bound([20.0, 20.0, 20.0], [], lambda: 10.0) == OUTLIER_FACTOR * 20.0, "three norms: their median"
+
+
+def test_a_fragment_that_started_at_zero_leaves_out_no_honest_delta_once_it_is_small():
+    """After its first merge a fragment that started at zero is smaller than the deltas that move it: as a cap,
+    its norm left every later delta out until three norms were remembered, which never came."""
+    assert outlier_bound([1.0], [1.2], lambda: 0.1) == OUTLIER_FACTOR * 1.0
 
 
 def test_the_fragment_is_measured_only_while_a_median_cannot_outvote_an_outlier():
     def unmeasured() -> float:
         raise AssertionError("a pass over the fragment, under the shard's lock, that the bound did not need")
 
-    assert clip_bound([1.0, 1.2, 0.8], [], unmeasured) == CLIP_FACTOR * 1.0
-    assert clip_bound([1e38], [1.0, 1.1, 0.9], unmeasured) == CLIP_FACTOR * 1.0
-
-
-def test_honest_deltas_within_the_bound_are_merged_as_they_are():
-    delta = [torch.ones(3)]
-    assert clip_scale(norm(delta), 10.0) == 1.0
-
-
-def test_a_delta_beyond_the_bound_keeps_its_direction_at_the_bound():
-    delta = [torch.full((4,), F32_MAX)]
-    scale = clip_scale(norm(delta), 2.0)
-    assert torch.allclose(delta[0].double() * scale, torch.ones(4, dtype=torch.float64))
+    assert outlier_bound([1.0, 1.2, 0.8], [], unmeasured) == OUTLIER_FACTOR * 1.0
+    assert outlier_bound([1e38], [1.0, 1.1, 0.9], unmeasured) == OUTLIER_FACTOR * 1.0
 
 
 def test_a_merge_needs_a_contribution():
     with pytest.raises(ValueError):
-        clip_bound([], [1.0], lambda: 1.0)
+        outlier_bound([], [1.0], lambda: 1.0)
 
 
 def test_an_island_that_merges_alone_again_and_again_keeps_its_votes():
-    """A hostile island merging alone every second, between the honest islands' rounds, once filled the history
-    with its own clipped norms and raised the bound eightfold each time; now it replaces only its own entries."""
+    """An island merging alone every second, between the other islands' rounds, is measured against their norms
+    each time, and holds PER_ISLAND entries of the history however often it merges: its own norms never vote on
+    its own deltas, and a run of them cannot move the bound its peers set."""
     history: dict[str, list[float]] = {}
     remember(history, [("a", 1.0), ("b", 1.1), ("c", 0.9)])
     for _ in range(20):
-        bound = clip_bound([1e38], peers(history, ["hostile"]), lambda: 0.0)
-        assert bound == CLIP_FACTOR * 1.0
-        remember(history, [("hostile", min(1e38, bound))])
-    assert history["hostile"] == [CLIP_FACTOR] * PER_ISLAND
-    assert list(history) == ["a", "b", "c", "hostile"]
-    assert sorted(peers(history, ["a"])) == [0.9, 1.1, CLIP_FACTOR, CLIP_FACTOR], "a's own norms are not its peers'"
+        assert outlier_bound([7.0], peers(history, ["eager"]), lambda: 0.0) == OUTLIER_FACTOR * 1.0
+        remember(history, [("eager", 7.0)])
+    assert history["eager"] == [7.0] * PER_ISLAND
+    assert list(history) == ["a", "b", "c", "eager"]
+    assert sorted(peers(history, ["a"])) == [0.9, 1.1, 7.0, 7.0], "a's own norms are not its peers'"
 
 
 def test_the_history_keeps_the_islands_merged_most_recently():

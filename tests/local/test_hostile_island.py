@@ -36,12 +36,12 @@ def runs(tmp_path_factory):
     return hostile, alone, folder / "hostile" / "diloco"
 
 
-def test_the_honest_islands_train_on_and_the_shard_refuses_or_clips_the_hostile_client(runs):
+def test_the_honest_islands_train_on_and_the_shard_refuses_the_hostile_client_or_leaves_it_out(runs):
     hostile, _, out = runs
     report = hostile["hostile"]["hostile:island-3"]
     calls = report["calls"]
     assert report["rounds"] >= 10 and report["ids_used"] >= 1000, "it misbehaved for the whole run"
-    assert calls.get("push huge OK", 0) >= 10, "its huge finite deltas were taken, to be clipped"
+    assert calls.get("push huge OK", 0) >= 10, "its huge finite deltas were taken, to be left out"
     for bad in ("step_seconds=inf", "step_seconds=1e-300", "step_seconds=-1.0", "step_seconds=nan"):
         assert calls.get(f"push {bad} INVALID_ARGUMENT", 0) >= 1, bad
     assert calls.get("push inner_steps=2^64-1 INVALID_ARGUMENT", 0) >= 10
@@ -49,7 +49,7 @@ def test_the_honest_islands_train_on_and_the_shard_refuses_or_clips_the_hostile_
     assert not any(call.startswith("push") and call.endswith(" OK") for call in calls if "huge" not in call)
     assert hostile["rejected"].get("field", 0) >= 20 and hostile["rejected"].get("malformed", 0) >= 10
     assert hostile["rejected"].get("islands", 0) >= 1, "ids beyond the most a shard knows were refused"
-    assert hostile["clipped"] >= 10, "its huge deltas were clipped before merging"
+    assert hostile["outliers"] >= 10, "its huge deltas were left out of the merges"
 
     assert hostile["restarts"] == 0, "no honest island crashed, and the shard never died"
     assert set(hostile["round_steps"]) == set(HONEST)
@@ -64,13 +64,6 @@ def test_the_honest_islands_train_on_and_the_shard_refuses_or_clips_the_hostile_
     assert math.isfinite(hostile["final_loss"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: the global model barely moves with the hostile client (5.3 vs 2.8 nats/byte here): "
-    "thousands of newly joined ids count as round members for an island timeout, so each honest merge is a "
-    "vanishing share of a round, and a hostile delta clipped to 8x its peers' median and claiming the most "
-    "tokens outweighs the honest ones (README, hardening)",
-)
 def test_the_final_loss_is_within_two_percent_of_the_run_without_the_hostile_client(runs):
     hostile, alone, _ = runs
     print(f"final loss with the hostile client {hostile['final_loss']:.4f}, without {alone['final_loss']:.4f}")

@@ -233,6 +233,16 @@ def test_a_shard_works_on_as_many_threads_as_cores_it_requests():
     assert "DILOCO_SYNCER_THREADS" not in env({}), "no CPU named: every CPU it may run on"
 
 
+def test_a_shard_is_told_how_many_islands_the_job_declares_unless_other_clusters_train_against_it():
+    def env(**syncer):
+        spec = make_spec(islands=[{"name": f"i{k}", "replicas": 2} for k in range(3)], syncer={"shards": 1, **syncer})
+        (container,) = render(spec)[("Deployment", "demo-syncer-0")]["spec"]["template"]["spec"]["containers"]
+        return env_of(container)
+
+    assert env()["DILOCO_ISLANDS"] == "3", "islands, not their pods"
+    assert "DILOCO_ISLANDS" not in env(expose={"type": "LoadBalancer"}), "islands of other clusters come too"
+
+
 def test_syncer_image_override_and_stopped_syncers():
     spec = make_spec(syncer={"shards": 1, "image": "reg.example/syncer:2"})
     deployment = render(spec, scale=Scale(islands={}, syncers=0))[("Deployment", "demo-syncer-0")]

@@ -138,9 +138,9 @@ def test_a_merge_that_would_not_be_finite_is_refused_and_the_islands_go_on(start
         client.close()
 
 
-def test_a_huge_finite_delta_is_clipped_and_the_honest_islands_keep_moving_the_fragment(start_server):
-    """Island c pushes values near the float32 limit in the second round: the merge takes it clipped to its
-    peers' norm, the fragment stays where honest deltas could put it, and the next rounds merge as usual."""
+def test_a_huge_finite_delta_is_left_out_and_the_honest_islands_keep_moving_the_fragment(start_server):
+    """Island c pushes values near the float32 limit in the second round: the merge leaves it out, the fragment
+    stays where honest deltas put it, and the next rounds merge as usual."""
     config = config_for(quorum=3, grace_seconds=30.0)
     server = start_server(config, seed=False)
     islands = {name: make_client(server.port, name) for name in "abc"}
@@ -158,9 +158,9 @@ def test_a_huge_finite_delta_is_clipped_and_the_honest_islands_keep_moving_the_f
             wait_until(lambda v=version: observer.pull(0)[0].version == v + 1)
             values = observer.pull(0)[1]
             assert all(t.abs().max() < 10 for _, t in values), f"after merge {version + 1}: the fragment blew up"
-            clipped = server.metrics.registry.get_sample_value("diloco_syncer_clipped_contributions_total")
-            assert clipped == (0 if version == 0 else 1), "only c's delta is clipped, and counted once"
-        assert observer.status().rejected_pushes == 0, "no merge was dropped"
+            outliers = server.metrics.registry.get_sample_value("diloco_syncer_outlier_contributions_total")
+            assert outliers == (0 if version == 0 else 1), "only c's delta is left out, and counted once"
+        assert observer.status().rejected_pushes == 1, "c's push, left out; no merge was dropped"
     for client in islands.values():
         client.close()
 

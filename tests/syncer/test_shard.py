@@ -542,6 +542,18 @@ class TestIslandsOutOfPhase:
         later = 1.0 + shard.config.island_timeout_seconds + 1
         assert shard.merge_share(frag, 1, later) == 1.0, "dead islands count not"
 
+    def test_a_round_is_never_more_islands_than_the_job_declares(self):
+        shard = ShardState(make_shard().config, 0, 1, incarnation=1, declared_islands=4)
+        for island in [*"abc", *(f"invented-{i}" for i in range(1000))]:
+            shard.join(island, 0.0)
+        frag = shard.fragments[0]
+        assert shard.merge_share(frag, 3, 1.0) == 3 / 4, "a thousand invented ids make a merge of 3 no smaller"
+        assert shard.merge_share(frag, 1, 1.0) == 1 / 4
+        resumed = ShardState.from_state_dict(
+            shard.config, 0, 1, shard.to_state_dict(clean=True), new_incarnation=2, declared_islands=4
+        )
+        assert resumed.merge_share(resumed.fragments[0], 3, 1.0) == 3 / 4, "and after a restart"
+
 
 class TestRoundsOfShares:
     """However a round's pushes are grouped in time, the fragment moves as one merge of all of them would:
@@ -695,16 +707,50 @@ class TestMergeBounds:
         assert (frag.last_merge_unix, frag.last_contributors, frag.tokens_merged, frag.merged_keys) == counters
         assert frag.pending == {} and shard.rejected_pushes == 3, "the contributions are dropped and counted"
 
-    def test_a_push_is_clipped_by_the_norm_taken_when_it_arrived(self):
+    def test_a_push_is_left_out_by_the_norm_taken_when_it_arrived(self):
         # The server takes each delta's norm on the push's own thread, before the shard's lock; the merge, under
         # the lock, makes no pass over the deltas to measure them again.
         shard = make_shard(quorum=4, grace_seconds=60.0)
         for island in "abc":
             push(shard, island, 0.0, delta=1.0)
         delta = [torch.full((2,), 1.0), torch.full((1,), 1.0)]
-        shard.submit(PushKey("d", INCARNATION, 0, 0), 0, SPECS, delta, 100, 10, 0.0, norm=1e30)
+        d = PushKey("d", INCARNATION, 0, 0)
+        shard.submit(d, 0, SPECS, delta, 100, 10, 0.0, norm=1e30)
         assert shard.fragments[0].pending["a"].norm == pytest.approx(3**0.5), "taken by submit when not given"
-        assert shard.merge(0, 0.0).clipped == 1, "d's delta is measured as its push said"
+        record = shard.merge(0, 0.0)
+        assert record.outliers == (d,) and record.contributors == ("a", "b", "c"), "d is measured as its push said"
+
+    def test_a_huge_delta_is_left_out_whatever_it_claims_and_the_others_merge_as_they_would_alone(self):
+        alone, with_huge = make_shard(quorum=4, grace_seconds=60.0), make_shard(quorum=4, grace_seconds=60.0)
+        for shard in (alone, with_huge):
+            for island in "abc":
+                shard.join(island, 0.0)
+                push(shard, island, 0.0, delta=0.5, tokens=100)
+        alone.join("quiet", 0.0)  # a fourth member of the round, as h is: each merge is a share of 3 / 4
+        with_huge.join("h", 0.0)
+        push(with_huge, "h", 0.0, delta=1e38, tokens=10 * 2**32)  # as many tokens as 10 inner steps may claim
+        record = with_huge.merge(0, 0.0)
+        alone.merge(0, 0.0)
+        assert record.outliers == (PushKey("h", INCARNATION, 0, 0),) and record.dropped is None
+        for got, want in zip(with_huge.fragments[0].values, alone.fragments[0].values):
+            assert torch.equal(got, want)
+        assert with_huge.rejected_pushes == 1 and "h" not in with_huge.fragments[0].delta_norms, "it left no vote"
+
+    def test_a_merge_of_nothing_but_outliers_is_not_taken(self):
+        shard = make_shard(quorum=1, grace_seconds=0.0)
+        for island in "abc":
+            shard.join(island, 0.0)
+            push(shard, island, 0.0, delta=0.5)
+        shard.merge(0, 0.0)
+        frag = shard.fragments[0]
+        before = ([v.clone() for v in frag.values], [m.clone() for m in frag.momentum], frag.version)
+        shard.join("h", 1.0)
+        push(shard, "h", 1.0, seq=1, base=1, delta=1e38)
+        record = shard.merge(0, 1.0)
+        assert record.dropped == "outliers" and record.pushes == () and len(record.outliers) == 1
+        assert frag.version == before[2] and frag.pending == {} and frag.quorum_since is None
+        assert all(torch.equal(v, w) for v, w in zip(frag.values, before[0]))
+        assert all(torch.equal(m, w) for m, w in zip(frag.momentum, before[1])), "its momentum goes on"
 
     def test_islands_go_on_after_a_refused_merge(self):
         shard = make_shard(quorum=2, grace_seconds=60.0)
