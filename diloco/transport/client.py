@@ -29,7 +29,8 @@ from diloco.transport import handshake, tls, wire
 from diloco.transport.auth import bearer_metadata
 from diloco.transport.codes import wire_encoding
 from diloco.transport.deadlines import call_timeout, patience_options
-from diloco.transport.tls import Security, Tls
+from diloco.transport.reload import Watched
+from diloco.transport.tls import Role, Security, Tls
 from diloco.transport.v1 import syncer_pb2 as pb
 
 log = logging.getLogger("diloco.transport.client")
@@ -116,7 +117,9 @@ class SyncerClient:
         """`timeout` bounds each attempt, plus, for a call that moves tensors, its bytes at `min_transfer_mbps`
         (the job's slowest link, `deadlines`); `retry_for` bounds all attempts of one call (None: forever); once
         `stop` is set, a call waiting to retry gives up at once with its last error, so the owner can close
-        without waiting out a backoff against a dead shard. `security`: TLS, or plaintext asked for by name."""
+        without waiting out a backoff against a dead shard. `security`: TLS, or plaintext asked for by name; TLS
+        read from files is read again before a call's attempt once they changed (a CA or client certificate
+        rotated in a Secret volume), and new connections use it from then on."""
         self.target = target
         self.island_id = island_id
         self.timeout = timeout
@@ -129,10 +132,19 @@ class SyncerClient:
         self._metadata = bearer_metadata(token)
         self._rng = random.Random(seed)
         self._joined: pb.JoinRequest | None = None
-        self._channel = tls.channel(target, security, (*CHANNEL_OPTIONS, *patience_options(min_transfer_mbps)))
+        self._options = (*CHANNEL_OPTIONS, *patience_options(min_transfer_mbps))
+        self._watched: Watched | None = None
+        if isinstance(security, Tls) and security.files is not None:
+            self._watched = Watched(security.check(Role.CLIENT), security.files, Role.CLIENT)
+        self._reloading = threading.Lock()
+        self._retired: grpc.Channel | None = None
+        self._bind(tls.channel(target, security, self._options))
+
+    def _bind(self, channel: grpc.Channel) -> None:
+        """Makes every call on `channel`."""
+        self._channel = channel
         # Every call is made from its method and (de)serializers, as the generated stubs would, but typed. The
         # tensor-carrying calls skip message objects: serialized chunks out, zero-copy views in.
-        channel = self._channel
         self._join = channel.unary_unary(_method("Join"), pb.JoinRequest.SerializeToString, pb.JoinReply.FromString)
         self._seed: grpc.StreamUnaryMultiCallable[bytes, pb.SeedReply] = channel.stream_unary(
             _method("Seed"), None, pb.SeedReply.FromString
@@ -151,6 +163,24 @@ class SyncerClient:
 
     def close(self) -> None:
         self._channel.close()
+        if self._retired is not None:
+            self._retired.close()
+
+    def _reload(self) -> None:
+        """A channel with the TLS files as they are now, once they changed into valid ones. Calls under way
+        finish on the channel they began on, kept open until the next reload or `close`."""
+        if self._watched is None:
+            return
+        with self._reloading:
+            fresh = self._watched.changed()
+            if fresh is None:
+                return
+            log.info("TLS files reloaded: new connections use them", extra={"target": self.target})
+            retired, self._retired = self._retired, self._channel
+            self._security = fresh
+            self._bind(tls.channel(self.target, fresh, self._options))
+        if retired is not None:
+            retired.close()
 
     def __enter__(self) -> SyncerClient:
         return self
@@ -166,6 +196,7 @@ class SyncerClient:
         started = time.monotonic()
         attempt = 0
         while True:
+            self._reload()
             try:
                 return attempt_call()
             except grpc.RpcError as error:
@@ -203,6 +234,7 @@ class SyncerClient:
         """True once the shard's health service answers SERVING, within `timeout` seconds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self._reload()
             try:
                 reply = self._health_check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:

@@ -1,5 +1,6 @@
 """A server's certificate replaced on disk is served to the next connection without a restart, whether the
-files are rewritten or a Secret volume swaps its `..data` symlink; a broken replacement keeps the old one."""
+files are rewritten or a Secret volume swaps its `..data` symlink; a broken replacement keeps the old one. A
+client's CA and certificate, replaced on disk, are used from its next call on."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from diloco.transport import certificates, tls
+from diloco.transport.client import SyncerClient
 from diloco.transport.reload import checked
 from diloco.transport.tls import Pki, Role, Tls, throwaway_pki
 
@@ -144,7 +146,7 @@ def test_a_broken_replacement_is_a_warning_and_the_old_certificate_stays(volume,
     with caplog.at_level(logging.WARNING, logger="diloco.transport.reload"):
         assert connects(target, old.client), "a broken replacement took the server's TLS down"
         assert connects(target, old.client)
-    warnings = [r for r in caplog.records if "cannot be served" in r.getMessage()]
+    warnings = [r for r in caplog.records if "cannot be used" in r.getMessage()]
     assert len(warnings) == 1, "one WARNING per broken set of files, not one per handshake"
 
     volume.write(server_files(new))  # the rotation completed: served from the next connection
@@ -172,3 +174,35 @@ def test_a_reload_is_checked_before_it_is_served():
         checked(Tls(cert=pki.server_cert.cert, key=other.key))
     with pytest.raises(tls.TlsError, match="does not parse"):
         checked(Tls(cert=pki.server_cert.cert[:100], key=pki.server_cert.key))
+
+
+def client_files(pki: Pki) -> dict[str, bytes]:
+    return {"ca.crt": pki.ca.cert, "tls.crt": pki.client_cert.cert, "tls.key": pki.client_cert.key}
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+def test_a_client_reads_its_rotated_files_before_its_next_call(volume, serve, tmp_path, caplog, mutual):
+    """The shards were rotated to a new CA first; the island's Secret follows: its client, built from the old
+    files, reaches them from its next call on, without a restart. A broken set in between is a WARNING."""
+    new = throwaway_pki(mutual=mutual)
+    volume.write(server_files(new))
+    target = serve(mutual=mutual)
+    island = SecretVolume(tmp_path / "island")
+    island.root.mkdir()
+    island.write(client_files(throwaway_pki(mutual=mutual)))
+    security = tls.load(
+        Role.CLIENT,
+        ca_file=island.path("ca.crt"),
+        cert_file=island.path("tls.crt") if mutual else None,
+        key_file=island.path("tls.key") if mutual else None,
+        mutual=mutual,
+        insecure_plaintext=False,
+    )
+    with SyncerClient(target, "token", security=security) as client:
+        assert not client.wait_ready(1.0), "the old CA trusts the shard no longer"
+        with caplog.at_level(logging.WARNING, logger="diloco.transport.reload"):
+            island.write(client_files(new) | {"ca.crt": b"not a certificate"})
+            assert not client.wait_ready(1.0)
+        assert [r for r in caplog.records if "cannot be used" in r.getMessage()], "a broken set is a WARNING"
+        island.write(client_files(new))
+        assert client.wait_ready(5.0), "the rotated files are read before the next call"
