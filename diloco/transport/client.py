@@ -397,15 +397,21 @@ class SyncerClient:
         header, tensors = wire.read_fragment_stream(itertools.chain([first], chunks))
         wire_bytes = sum(p.byte_length for p, _ in tensors)
         named = [(p.name, t) for p, t in tensors]
-        if not header.HasField("delta_base"):
-            return Pulled(header.version, named, wire_bytes, delta=False, round_opened=header.round_opened_seconds)
-        if held is None or header.delta_base != (held.version or pb.FragmentVersion()):
-            raise wire.WireError(
-                Refusal.INVALID, f"fragment {request.fragment_id}: a difference to values this island does not hold"
-            )
-        values = apply_delta(held.values, [t for _, t in named])
-        named = [(name, v) for (name, _), v in zip(named, values)]
-        return Pulled(header.version, named, wire_bytes, delta=True, round_opened=header.round_opened_seconds)
+        delta = header.HasField("delta_base")
+        if delta:
+            if held is None or header.delta_base != (held.version or pb.FragmentVersion()):
+                raise wire.WireError(
+                    Refusal.INVALID, f"fragment {request.fragment_id}: a difference to values this island does not hold"
+                )
+            values = apply_delta(held.values, [t for _, t in named])
+            # The wire takes finite values only, but a finite difference can still take them beyond float32: an
+            # island that mixed them in would train on NaN from then on, so it keeps its own instead.
+            if not all(bool(torch.isfinite(v).all()) for v in values):
+                raise wire.WireError(
+                    Refusal.INVALID, f"fragment {request.fragment_id}: the difference takes the values beyond float32"
+                )
+            named = [(name, v) for (name, _), v in zip(named, values)]
+        return Pulled(header.version, named, wire_bytes, delta=delta, round_opened=header.round_opened_seconds)
 
     def leave(self, timeout: float) -> None:
         """Tells the shard this island has finished. Tried once: a shard that misses it times the island out

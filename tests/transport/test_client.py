@@ -15,7 +15,7 @@ from support import TEST_PKI
 
 from diloco.core.encoding import Encoding
 from diloco.transport import wire
-from diloco.transport.client import Backoff, SyncerClient
+from diloco.transport.client import Backoff, Held, SyncerClient
 from diloco.transport.tls import PLAINTEXT
 from diloco.transport.v1 import syncer_pb2 as pb
 
@@ -110,6 +110,41 @@ def test_a_reply_with_a_field_out_of_its_rule_is_refused_by_the_island_naming_th
                 block_size=0,
             )
         assert refused.value.field == "cadence_step_seconds"
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        client.close()
+        server.stop(None)
+
+
+@pytest.mark.parametrize("reply", ["values", "difference"])
+def test_pulled_values_that_are_not_finite_are_refused_and_the_island_keeps_its_own(reply):
+    """A broken shard answers a pull with Inf among the values, or with a finite difference that takes the values
+    the island holds beyond float32: the island's client refuses the reply (its round fails and it trains on with
+    its own values) rather than mix in values it would train on as NaN."""
+    version, base = pb.FragmentVersion(incarnation=1, version=2), pb.FragmentVersion(incarnation=1, version=1)
+    held = Held(base, [torch.full((3,), 3e38)], 0)
+
+    def pull(_request, _context):
+        payloads, _ = wire.tensor_payloads([("w", torch.zeros(3))], Encoding.FP32, 0)
+        if reply == "values":
+            blobs = [torch.tensor([1.0, math.inf, 3.0]).numpy().tobytes()]  # as no encoder of ours writes them
+            yield from wire.fragment_messages(0, version, payloads, blobs)
+        else:
+            blobs = [torch.full((3,), 3e38).numpy().tobytes()]
+            yield from wire.fragment_messages(0, version, payloads, blobs, delta_base=base)
+
+    handler = grpc.method_handlers_generic_handler(
+        "diloco.v1.Syncer",
+        {"Pull": grpc.unary_stream_rpc_method_handler(pull, pb.PullRequest.FromString, None)},
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = SyncerClient(f"127.0.0.1:{port}", "token", security=PLAINTEXT, island_id="island-a", timeout=5.0)
+    try:
+        with pytest.raises(wire.WireError, match="NaN or Inf|beyond float32") as refused:
+            client.pull_delta(0, have=base, held=held, encoding=Encoding.FP32, expect_bytes=12)
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         client.close()
