@@ -186,7 +186,7 @@ class ShardState:
         self.fragments = {p: ShardFragment(p) for p in owned_fragments(shard_index, num_shards, config.fragments)}
         self.islands: dict[str, float] = {}  # joined: when last heard of
         self.left: dict[str, float] = {}  # left: when last heard of before leaving
-        self.contributed: set[str] = set()  # known islands that had a push taken
+        self.contributed: set[str] = set()  # known islands that had a push taken (and not left out since)
         self.newcomers: dict[str, float] = {}  # joined, no push taken yet: when they first joined
         self.rejected_pushes = 0
         self.step_seconds: dict[str, float] = {}
@@ -513,10 +513,10 @@ class ShardState:
         return min((self.closes(f) for f in self.fragments.values() if f.quorum_since is not None), default=None)
 
     def members(self, now: float) -> set[str]:
-        """The live islands a round is made of: those that have had a push taken, and those that joined
-        within an island timeout and have not pushed yet (their first round is still being trained). Ids that
-        joined and never push stop counting then, however often they call: thousands of them would make every
-        real merge a vanishing share of a round."""
+        """The live islands a round is made of: those that have had a push taken (and not left out since), and
+        those that joined within an island timeout and have not pushed yet (their first round is still being
+        trained). Ids that joined and never push stop counting then, however often they call: thousands of them
+        would make every real merge a vanishing share of a round."""
         horizon = now - self.config.island_timeout_seconds
         new = {island for island, joined in self.newcomers.items() if joined >= horizon}
         return set(self.live_islands(now)) & (self.contributed | new)
@@ -559,6 +559,8 @@ class ShardState:
         pending = [p for p in pushed if p.norm <= bound]
         outliers = tuple(p.key for p in pushed if p.norm > bound)
         self.rejected_pushes += len(outliers)
+        # An island whose delta is left out has contributed nothing: no round waits on it or is shared with it.
+        self.contributed -= {key.island for key in outliers}
         if not pending:
             frag.pending.clear()
             frag.quorum_since = None

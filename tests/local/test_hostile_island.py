@@ -22,7 +22,7 @@ LOSS_BOUND = 1.02
 
 
 def run(out, *extra):
-    args = ["run", "--steps", "40", "--inner-steps", "10", "--eval-every", "40", "--quiet", "--out", str(out)]
+    args = ["run", "--steps", "100", "--inner-steps", "10", "--eval-every", "100", "--quiet", "--out", str(out)]
     assert main([*args, *extra]) == 0, "the run completed (no timeout, every honest island finished)"
     (summary,) = json.loads((out / "summary.json").read_text())
     return summary
@@ -48,8 +48,10 @@ def test_the_honest_islands_train_on_and_the_shard_refuses_the_hostile_client_or
     assert calls.get("push Inf values INVALID_ARGUMENT", 0) >= 10
     assert not any(call.startswith("push") and call.endswith(" OK") for call in calls if "huge" not in call)
     assert hostile["rejected"].get("field", 0) >= 20 and hostile["rejected"].get("malformed", 0) >= 10
-    assert hostile["rejected"].get("islands", 0) >= 1, "ids beyond the most a shard knows were refused"
-    assert hostile["outliers"] >= 10, "its huge deltas were left out of the merges"
+    # Whether its ids outgrow the 4096 a shard knows at once depends on the run's length (ids are forgotten after
+    # 4 island timeouts): tests/syncer/test_known_islands.py checks that refusal.
+    # Its pending push is replaced by its next one until a merge comes, so not every huge push is left out.
+    assert hostile["outliers"] >= 1, "its huge deltas were left out of the merges"
 
     assert hostile["restarts"] == 0, "no honest island crashed, and the shard never died"
     assert set(hostile["round_steps"]) == set(HONEST)
@@ -58,6 +60,7 @@ def test_the_honest_islands_train_on_and_the_shard_refuses_the_hostile_client_or
     assert set(done) == set(HONEST) and all(e.learner.rounds_begun >= 4 for e in done.values())
     merged = {key[0] for e in read_events(out / "merges") if isinstance(e, MergeEvent) for key in e.pushes}
     assert set(HONEST) <= merged, "every honest island's pushes were merged"
+    assert "island-3" not in merged, "none of the hostile client's deltas was merged"
     assert load(out / "model").config["outer_steps"] >= 4, "the global model took outer steps"
     tensors = load_file(out / "model" / "model.safetensors")
     assert all(torch.isfinite(t).all() for t in tensors.values()), "every fragment stayed finite"

@@ -726,15 +726,15 @@ class TestMergeBounds:
             for island in "abc":
                 shard.join(island, 0.0)
                 push(shard, island, 0.0, delta=0.5, tokens=100)
-        alone.join("quiet", 0.0)  # a fourth member of the round, as h is: each merge is a share of 3 / 4
         with_huge.join("h", 0.0)
         push(with_huge, "h", 0.0, delta=1e38, tokens=10 * 2**32)  # as many tokens as 10 inner steps may claim
         record = with_huge.merge(0, 0.0)
         alone.merge(0, 0.0)
         assert record.outliers == (PushKey("h", INCARNATION, 0, 0),) and record.dropped is None
         for got, want in zip(with_huge.fragments[0].values, alone.fragments[0].values):
-            assert torch.equal(got, want)
+            assert torch.equal(got, want), "the merge of a, b and c is the whole round: h contributed nothing"
         assert with_huge.rejected_pushes == 1 and "h" not in with_huge.fragments[0].delta_norms, "it left no vote"
+        assert with_huge.members(0.0) == {"a", "b", "c"}
 
     def test_a_merge_of_nothing_but_outliers_is_not_taken(self):
         shard = make_shard(quorum=1, grace_seconds=0.0)
