@@ -79,6 +79,16 @@ def test_without_stop_a_call_gives_up_only_after_retry_for():
     assert time.monotonic() - started >= 1.0
 
 
+def broken_shard(methods: dict[str, grpc.RpcMethodHandler]) -> tuple[grpc.Server, SyncerClient]:
+    """A server answering the Syncer `methods` as given, on loopback, and an island's client of it."""
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("diloco.v1.Syncer", methods),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = SyncerClient(f"127.0.0.1:{port}", "token", security=PLAINTEXT, island_id="island-a", timeout=5.0)
+    return server, client
+
+
 def test_a_reply_with_a_field_out_of_its_rule_is_refused_by_the_island_naming_the_field():
     """A broken shard answers a push with a cadence of Inf: the island's client refuses the reply (the pace
     computation behind it never sees the value) with a WireError naming the field."""
@@ -88,15 +98,9 @@ def test_a_reply_with_a_field_out_of_its_rule_is_refused_by_the_island_naming_th
             pass
         return pb.PushReply(cadence_step_seconds=math.inf)
 
-    handler = grpc.method_handlers_generic_handler(
-        "diloco.v1.Syncer",
-        {"PushDelta": grpc.stream_unary_rpc_method_handler(push, None, pb.PushReply.SerializeToString)},
+    server, client = broken_shard(
+        {"PushDelta": grpc.stream_unary_rpc_method_handler(push, None, pb.PushReply.SerializeToString)}
     )
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    client = SyncerClient(f"127.0.0.1:{port}", "token", security=PLAINTEXT, island_id="island-a", timeout=5.0)
     try:
         with pytest.raises(wire.WireError) as refused:
             client.push(
@@ -133,15 +137,7 @@ def test_pulled_values_that_are_not_finite_are_refused_and_the_island_keeps_its_
             blobs = [torch.full((3,), 3e38).numpy().tobytes()]
             yield from wire.fragment_messages(0, version, payloads, blobs, delta_base=base)
 
-    handler = grpc.method_handlers_generic_handler(
-        "diloco.v1.Syncer",
-        {"Pull": grpc.unary_stream_rpc_method_handler(pull, pb.PullRequest.FromString, None)},
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    client = SyncerClient(f"127.0.0.1:{port}", "token", security=PLAINTEXT, island_id="island-a", timeout=5.0)
+    server, client = broken_shard({"Pull": grpc.unary_stream_rpc_method_handler(pull, pb.PullRequest.FromString, None)})
     try:
         with pytest.raises(wire.WireError, match="NaN or Inf|beyond float32") as refused:
             client.pull_delta(0, have=base, held=held, encoding=Encoding.FP32, expect_bytes=12)
