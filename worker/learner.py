@@ -797,11 +797,14 @@ class Learner:
         round_.start()
 
     def _slack_seconds(self) -> float | None:
-        """How long after a push this island mixes the merge in: τ phase units of its steps, less what its
-        last sync took; None when unknown, and at a barrier, where the island waits for the merge anyway."""
+        """How long after a push this island can wait for its merge at no cost but a longer overlap: a round of
+        its steps, less what its last sync took. It never blocks on a merge: it mixes one in at the first step
+        from τ on that finds it in, and only a merge still out when the fragment is due again costs it
+        anything (that push is skipped for a round). None when unknown, and at a barrier, where the island
+        waits for the merge anyway."""
         if self.synchronous or not self._step_seconds:
             return None
-        steps = self.config.overlap_steps / phase_stride(self.config.inner_steps, self._round_steps)
+        steps = self.config.inner_steps / phase_stride(self.config.inner_steps, self._round_steps)
         return max(0.0, float(steps) * self._step_seconds - self._sync_seconds)
 
     def _advance(self) -> Fraction:

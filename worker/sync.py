@@ -209,10 +209,11 @@ class FragmentSync:
     def _await_merge(self, have: pb.FragmentVersion) -> SyncResult:
         deadline = time.monotonic() + self.timeout
         delay = POLL_INITIAL_SECONDS
-        # The merge is due within the island's slack: a poll that slept past it would mix it in steps late.
+        # The island mixes a merge in at its first step from τ on that finds it in: a poll that slept longer than
+        # half a step would mix it in a step late.
         longest = POLL_MAX_SECONDS
-        if self.request.slack_seconds:
-            longest = min(longest, max(POLL_INITIAL_SECONDS, self.request.slack_seconds / 4))
+        if self.request.step_seconds:
+            longest = min(longest, max(POLL_INITIAL_SECONDS, self.request.step_seconds / 2))
         held = self._held()
         while True:
             pulling = time.monotonic()

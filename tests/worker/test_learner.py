@@ -220,6 +220,28 @@ def test_a_slow_island_does_not_hold_back_merges(start_shards, island):
     assert all(status[p][1] >= 10 for p in (0, 1)), status
 
 
+def test_a_push_gives_the_shard_a_round_of_slack_not_tau_steps(start_shards, island):
+    """An island never blocks on a merge (it mixes one in at the first step from τ on that finds it in), so it
+    can wait for one until it pushes the fragment again: its pushes say a round of steps less its last sync,
+    which bounds how long a shard holds a merge open for late islands."""
+    shards = start_shards(make_config(quorum=2, inner_steps=12, overlap_steps=1))
+    early = island(shards, seed=1, name="early")
+    island(shards, seed=2, name="late")  # joined, so the merge waits for its push
+
+    for _ in range(12):  # steps of about 20 ms, so that the step time the push measured is the one read below
+        early.train(1, wait=False)
+        time.sleep(0.02)
+
+    fragments = shards.servers[0].state.fragments.values()
+    deadline = time.monotonic() + 10
+    while not (pending := [f.pending["early"] for f in fragments if "early" in f.pending]):
+        assert time.monotonic() < deadline, "the push never reached the shard"
+        time.sleep(0.01)
+    step_seconds = early.learner.snapshot().step_seconds
+    assert step_seconds > 0
+    assert all(p.slack == pytest.approx(12 * step_seconds, rel=0.25) for p in pending), "the first push has no sync"
+
+
 def train_one_fast_one_slow(start_shards, island, steps: int, **config: object):
     """Two islands at H=12, the slow one stepping once per five of the fast one's."""
     shards = start_shards(make_config(quorum=1, inner_steps=12, overlap_steps=1, **config))
