@@ -513,13 +513,18 @@ class ShardState:
         return min((self.closes(f) for f in self.fragments.values() if f.quorum_since is not None), default=None)
 
     def members(self, now: float) -> set[str]:
-        """The live islands a round is made of: those that have had a push taken (and not left out since), and
-        those that joined within an island timeout and have not pushed yet (their first round is still being
-        trained). Ids that joined and never push stop counting then, however often they call: thousands of them
-        would make every real merge a vanishing share of a round."""
+        """The islands a round is made of: those heard from within an island timeout that have had a push taken
+        (and not left out since), and those that joined within it and have not pushed yet (their first round
+        is still being trained). Ids that joined and never push stop counting then, however often they call:
+        thousands of them would make every real merge a vanishing share of a round.
+
+        An island that left counts until then too, as one gone silent does: it holds no merge back, but the
+        slowest island's last rounds, merged alone after the others finished, stay its share of a round rather
+        than whole rounds that pull the model towards its own (docs/training-benchmarks.md)."""
         horizon = now - self.config.island_timeout_seconds
         new = {island for island, joined in self.newcomers.items() if joined >= horizon}
-        return set(self.live_islands(now)) & (self.contributed | new)
+        finished = {island for island, seen in self.left.items() if seen >= horizon}
+        return (set(self.live_islands(now)) | finished) & (self.contributed | new)
 
     def round_members(self, frag: ShardFragment, now: float) -> int:
         """The islands a round of the fragment is made of: its `members`, and those that left while it was in

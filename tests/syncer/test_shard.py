@@ -105,6 +105,25 @@ class TestQuorumAndGrace:
         assert shard.live_islands(1.0) == ["a", "b"] and shard.effective_quorum(1.0) == 2
         assert shard.poll(1.0) == [0], "everyone still live reported: no grace window for the island that left"
 
+    def test_islands_that_finished_count_for_the_rounds_of_an_island_timeout(self):
+        # The slowest island's last rounds come after the others finished and left: each of its merges is its
+        # share of a round, as it would be beside islands gone silent, not a whole round of its own.
+        shard = make_shard(quorum=1, island_timeout_seconds=60.0)
+        for island in "abcd":
+            shard.join(island, 0.0)
+            push(shard, island, 0.0)
+        shard.merge(0, 0.0)
+        for island in "abc":
+            shard.leave(island)
+        frag = shard.fragments[0]
+        for seq in range(1, 6):  # the round they left in, then the next
+            push(shard, "d", float(seq), seq=seq)
+            assert shard.live_islands(float(seq)) == ["d"], "they hold no merge back"
+            assert shard.merge_share(frag, 1, float(seq)) == 0.25
+            shard.merge(0, float(seq))
+        push(shard, "d", 61.0, seq=6)
+        assert shard.merge_share(frag, 1, 61.0) == 1.0, "an island timeout after they were last heard of"
+
     def test_an_island_that_left_is_live_again_only_when_it_joins(self):
         shard = make_shard(quorum=1, island_timeout_seconds=1000.0)
         shard.join("a", 0.0)
