@@ -11,7 +11,7 @@ A merge goes ahead as soon as every live island has pushed. Otherwise it closes 
   nothing. The paper's islands block τ inner steps after a push; ours never block (an island mixes a merge
   in at the first step from τ on that finds it in), so their slack is the round until they push the
   fragment again. Bounded by τ instead, windows on two shared cores closed before islands 1 to 2 s apart
-  came in, and held 1.9 of 4 islands a merge instead of 3.2 (docs/training-benchmarks.md).
+  came in, and held about 2 of 4 islands a merge instead of 2.7 to 3.7 (docs/training-benchmarks.md).
 Islands stay in phase (`diloco.core.phase`), so in steady state every live island pushes within the window.
 """
 
