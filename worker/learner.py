@@ -804,8 +804,7 @@ class Learner:
         waits for the merge anyway."""
         if self.synchronous or not self._step_seconds:
             return None
-        steps = self.config.inner_steps / phase_stride(self.config.inner_steps, self._round_steps)
-        return max(0.0, float(steps) * self._step_seconds - self._sync_seconds)
+        return max(0.0, self._round_steps * self._step_seconds - self._sync_seconds)
 
     def _advance(self) -> Fraction:
         """Phase units this inner step advances: the island's stride, or, once a merge has told it when its next
