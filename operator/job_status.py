@@ -22,6 +22,7 @@ from diloco.api.job import (
     FragmentProgress,
     IslandStatus,
     Phase,
+    ShardLineage,
     SyncerStatus,
     cut,
 )
@@ -35,7 +36,7 @@ from diloco.operator.policies.model_export import export_due, export_status
 from diloco.operator.policies.phase import next_phase, readiness
 from diloco.operator.policies.rolling_update import finish_rolls, islands_free_to_update
 from diloco.operator.policies.stop_condition import slowest_fragment, stop_reached
-from diloco.operator.policies.syncer_state import Regression, carried, loss_event, loss_message, regressions
+from diloco.operator.policies.syncer_state import follow, loss_event, loss_message, new_states, regressions
 from diloco.operator.policies.ttl_after_finished import deletion_due
 from diloco.operator.remote_islands import remote_islands
 
@@ -72,6 +73,8 @@ class ShardObservation:
     error: str | None = None
     accepts: frozenset[str] = frozenset()
     """Fingerprints of the tokens the shard accepts now, as its Status reply said (`tokens.fingerprint`)."""
+    lineage: int = 0
+    """The id of the shard's state, as its Status reply said (0: not known)."""
 
     @property
     def refuses(self) -> bool:
@@ -239,27 +242,19 @@ def _judge_training(
 
 
 def _syncer_status(
-    spec: DiLoCoJobSpec, observed: Observation, last_state_loss: datetime.datetime | None
+    spec: DiLoCoJobSpec,
+    observed: Observation,
+    last_state_loss: datetime.datetime | None,
+    lineages: Sequence[ShardLineage],
 ) -> SyncerStatus:
     return SyncerStatus(
         shards=spec.syncer.shards,
         ready=sum(1 for s in observed.shards if s.serving),
         reachable=sum(1 for s in observed.shards if s.fragments is not None),
         last_state_loss=last_state_loss,
+        lineages=list(lineages),
         endpoints=list(observed.endpoints),
     )
-
-
-def _progress(
-    spec: DiLoCoJobSpec, previous: DiLoCoJobStatus, fragments: Sequence[FragmentProgress]
-) -> tuple[list[Regression], tuple[int, int], tuple[int, int] | None]:
-    """The fragments that went back on this pass (`syncer_state`), the outer steps and tokens carried since
-    the job began, and its progress with them (None until every fragment has reported)."""
-    lost = regressions(previous.fragments, fragments)
-    reached = slowest_fragment(fragments, spec.training.fragments)
-    before = slowest_fragment(previous.fragments, spec.training.fragments) if lost else None
-    steps, tokens = carried((previous.carried_outer_steps, previous.carried_tokens), before, reached)
-    return lost, (steps, tokens), None if reached is None else (reached[0] + steps, reached[1] + tokens)
 
 
 def decide(
@@ -275,10 +270,15 @@ def decide(
     accounts = _account_islands(spec, previous, observed, now)
     islands, rolled = finish_rolls(_with_syncs_and_losses([a.status for a in accounts], observed, now))
     fragments = merge_fragments(previous.fragments, observed.shards, spec.syncer.shards)
-    lost, (carried_steps, carried_tokens), progress = _progress(spec, previous, fragments)
+    reported = {s.shard: f"{s.lineage:016x}" for s in observed.shards if s.lineage and s.fragments is not None}
+    lost = regressions(previous.fragments, fragments, new_states(previous.syncer.lineages, reported))
+    lineages = follow(previous.syncer.lineages, reported, lost, fragments)
+    progress = slowest_fragment(fragments, spec.training.fragments, lineages)
+    carried_steps = max((s.carried_outer_steps for s in lineages), default=0)
+    carried_tokens = max((s.carried_tokens for s in lineages), default=0)
     last_state_loss = now if lost else previous.syncer.last_state_loss
     islands, why, stopped = _judge_training(spec, islands, previous.islands, observed, last_state_loss, now)
-    syncer = _syncer_status(spec, observed, last_state_loss)
+    syncer = _syncer_status(spec, observed, last_state_loss, lineages)
     ready = readiness(
         islands,
         [s.shard for s in observed.shards if not s.ready],
@@ -313,7 +313,7 @@ def decide(
             ready.degraded_reason,
             ready.unanswered,
             change.outcome,
-            loss_message(lost, carried_steps) if lost else None,
+            loss_message(lost) if lost else None,
         ),
         islands_ready=ready.islands_ready,
         islands=islands,
@@ -352,7 +352,7 @@ def decide(
     events = (
         *(e for a in accounts for e in a.events),
         *rolled,
-        *([loss_event(lost, carried_steps)] if lost else []),
+        *([loss_event(lost)] if lost else []),
         *stopped,
         *change.events,
         *([deletion] if deletion else []),

@@ -101,6 +101,7 @@ def shard_status(
         fragments=fragments,
         live_islands=frozenset(reply.live_islands),
         accepts=frozenset(reply.accepted_tokens),
+        lineage=reply.lineage,
     )
 
 

@@ -77,6 +77,11 @@ def _new_incarnation() -> int:
     return secrets.randbits(63)
 
 
+def _new_lineage() -> int:
+    """A state's id: never 0, which says "not known"."""
+    return 1 + secrets.randbelow(2**63 - 1)
+
+
 def _specs(payloads: Iterable[pb.TensorPayload]) -> list[TensorSpec]:
     return [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in payloads]
 
@@ -248,6 +253,7 @@ class SyncerServer:
                 max_pending_bytes,
                 self.chunk,
                 self.declared_islands,
+                lineage=_new_lineage(),
             )
         state = ShardState.from_state_dict(
             self.config,
@@ -265,6 +271,7 @@ class SyncerServer:
                 "path": str(self._checkpoint_path),
                 "clean": saved["clean"],
                 "incarnation": state.incarnation,
+                "lineage": state.lineage,
                 "versions": {p: f.version for p, f in state.fragments.items()},
             },
         )
@@ -549,6 +556,7 @@ class SyncerServer:
                 left_islands=sorted(st.left),
                 rejected_pushes=_saturated(st.rejected_pushes, U64),
                 accepted_tokens=[token_fingerprint(t) for t in self.tokens.current()],
+                lineage=st.lineage,
                 fragments=[
                     pb.FragmentStatus(
                         fragment_id=f.index,

@@ -168,10 +168,13 @@ class ShardState:
         max_pending_bytes: int = MAX_PENDING_BYTES,
         chunk: int = CHUNK,
         declared_islands: int = 0,
+        lineage: int = 0,
     ) -> None:
         """`max_pending_bytes` bounds the pending deltas of all the shard's fragments together; a merge works on
         `chunk` elements of a tensor at a time (`diloco.core.outer_optimizer.outer_step_chunked`);
-        `declared_islands` is how many islands the job declares (0: not known), the most a round is made of."""
+        `declared_islands` is how many islands the job declares (0: not known), the most a round is made of;
+        `lineage` names this state for as long as checkpoints carry it (0: not known), so that a shard that comes
+        back without it is told from one that resumed."""
         if declared_islands < 0:
             raise ValueError(f"declared islands must be non-negative, got {declared_islands}")
         if num_shards < 1 or not 0 <= shard_index < num_shards:
@@ -182,6 +185,7 @@ class ShardState:
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.incarnation = incarnation
+        self.lineage = lineage
         self.max_pending_bytes = max_pending_bytes
         self.fragments = {p: ShardFragment(p) for p in owned_fragments(shard_index, num_shards, config.fragments)}
         self.islands: dict[str, float] = {}  # joined: when last heard of
@@ -658,6 +662,7 @@ class ShardState:
             "num_shards": self.num_shards,
             "num_fragments": self.config.fragments,
             "incarnation": self.incarnation,
+            "lineage": self.lineage,
             "clean": clean,
             "islands": dict(self.islands),
             "left": dict(self.left),
@@ -692,7 +697,8 @@ class ShardState:
             )
         clean = bool(state["clean"])
         incarnation = state["incarnation"] if clean else new_incarnation
-        shard = cls(config, shard_index, num_shards, incarnation, max_pending_bytes, chunk, declared_islands)
+        lineage = int(state.get("lineage", 0))  # not known in a checkpoint from before lineages
+        shard = cls(config, shard_index, num_shards, incarnation, max_pending_bytes, chunk, declared_islands, lineage)
         shard.islands = dict(state["islands"])
         left = state.get("left", {})  # none before Leave existed; a list of ids before they were forgotten
         shard.left = (

@@ -85,6 +85,7 @@ def largest_status() -> dict[str, object]:
         PodRecord,
         Reform,
         RemoteIsland,
+        ShardLineage,
         SyncerStatus,
     )
     from diloco.core.config import MAX_FRAGMENTS
@@ -144,6 +145,10 @@ def largest_status() -> dict[str, object]:
             ready=MAX_SHARDS,
             reachable=MAX_SHARDS,
             last_state_loss=t,
+            lineages=[
+                ShardLineage(shard=63, lineage="f" * 16, carried_outer_steps=big, carried_tokens=big)
+                for _ in range(MAX_SHARDS)
+            ],
             endpoints=["e" * ENDPOINT_MAX] * MAX_SHARDS,
         ),
         fragments=[

@@ -25,8 +25,9 @@ class ConditionType:
     FAILED: Final = "Failed"
     """An island exceeded the restart budget: the job failed."""
     SYNCER_STATE_LOST: Final = "SyncerStateLost"
-    """A syncer shard came back without the state it had (a fragment's version went back): it stays true for the
-    rest of the job's life, as a record; the outer steps and tokens lost keep counting toward the stop condition."""
+    """A syncer shard came back without the state it had (a new lineage, or a fragment's version went back): it
+    stays true for the rest of the job's life, as a record; the outer steps and tokens lost keep counting toward
+    the stop condition."""
 
     ALL: Final = (READY, DEGRADED, SUSPENDED, COMPLETE, FAILED, SYNCER_STATE_LOST)
 
@@ -51,7 +52,8 @@ class Reason:
     SYNCER_STATE_LOST: Final = "SyncerStateLost"
     """An island's reason (it has not synced since a shard lost its state), and the Event of the loss."""
     VERSION_REGRESSED: Final = "VersionRegressed"
-    """Condition SyncerStateLost: a fragment's version went back."""
+    """Condition SyncerStateLost: a fragment's state went back (to version 0 of a new lineage, or to an older
+    version)."""
     STATE_KEPT: Final = "StateKept"
     """Condition SyncerStateLost: no shard has lost its state."""
     SYNCER_REFUSED: Final = "SyncerRefused"

@@ -1344,6 +1344,26 @@ class IslandStatus(CamelModel):
         return None if message is None else cut(message, MAX_ISLAND_MESSAGE)
 
 
+class ShardLineage(CamelModel):
+    """A shard's state as the operator follows it: the id the shard drew for it, and what the states it lost
+    before had merged."""
+
+    shard: int = Field(ge=0, description="Shard index.")
+    lineage: str = Field(
+        pattern="^[0-9a-f]{16}$",
+        description="The id of the shard's state (16 hex digits), drawn when it starts without a checkpoint: a new "
+        "one means the shard came back without its state, however far its versions have got again.",
+    )
+    carried_outer_steps: int = Field(
+        0,
+        ge=0,
+        description="Outer steps the shard's fragments had merged in states since lost (the least of its "
+        "fragments), still counted toward spec.stopCondition: the islands seed such a shard with the model "
+        "they hold.",
+    )
+    carried_tokens: int = Field(0, ge=0, description="Tokens counted the same way.")
+
+
 class SyncerStatus(CamelModel):
     """Readiness of the syncer shards."""
 
@@ -1352,8 +1372,14 @@ class SyncerStatus(CamelModel):
     reachable: int = Field(0, ge=0, description="Shards that answered the last Status call.")
     last_state_loss: datetime.datetime | None = Field(
         None,
-        description="When the operator last saw a shard come back without the state it had (a fragment's version "
-        "went back): the islands that have not synced since do not train (condition SyncerStateLost).",
+        description="When the operator last saw a shard come back without the state it had (a new lineage, or a "
+        "fragment's version went back): the islands that have not synced since do not train (condition "
+        "SyncerStateLost).",
+    )
+    lineages: list[ShardLineage] = Field(
+        default_factory=list,
+        max_length=MAX_SHARDS,
+        description="Each shard's state as last reported, with what the states it lost had merged.",
     )
     endpoints: list[Annotated[str, Field(max_length=ENDPOINT_MAX)]] = Field(
         default_factory=list,
@@ -1417,8 +1443,8 @@ class DiLoCoJobStatus(CamelModel):
     outer_step: int = Field(
         0,
         ge=0,
-        description="Outer steps every fragment has reached (the minimum), with those a shard lost "
-        "(carriedOuterSteps).",
+        description="Outer steps every fragment has reached (the minimum), with those its shard carries from "
+        "states since lost (syncer.lineages).",
     )
     tokens: int = Field(
         0, ge=0, description="Tokens every fragment's merges account for (the minimum), with those a shard lost."
@@ -1426,10 +1452,10 @@ class DiLoCoJobStatus(CamelModel):
     carried_outer_steps: int = Field(
         0,
         ge=0,
-        description="Outer steps the job had reached before a shard lost its state, still counted toward "
-        "spec.stopCondition: the islands seed a shard that lost its state with the model they hold.",
+        description="The most outer steps a shard carries from states since lost (syncer.lineages[]."
+        "carriedOuterSteps), counted in outerStep toward spec.stopCondition.",
     )
-    carried_tokens: int = Field(0, ge=0, description="Tokens counted the same way.")
+    carried_tokens: int = Field(0, ge=0, description="The most tokens a shard carries the same way.")
     loss: float | None = Field(None, description="Mean of the islands' last reported training losses.")
     goodput: float | None = Field(
         None, ge=0, le=1, description="Ready island pod-seconds / desired island pod-seconds while training."

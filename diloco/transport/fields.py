@@ -341,6 +341,7 @@ FIELDS: Mapping[str, Mapping[str, Rule]] = {
         "rejected_pushes": ANY,
         "left_islands": ISLANDS,
         "accepted_tokens": Repeated(Name(MAX_FINGERPRINT_CHARS), MAX_ACCEPTED_TOKENS),  # fingerprints (auth)
+        "lineage": ANY,  # an id; 0 says "not known"
     },
 }
 """Each message's fields and their rules, by message and field name."""

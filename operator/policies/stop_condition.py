@@ -1,19 +1,26 @@
 """spec.stopCondition: when the job has trained enough and succeeds. The slowest fragment is where the model
 is, so progress is the minimum over the fragments, and only once every fragment has reported; with it, the
-outer steps and tokens a shard lost with its state, which the job carries (`syncer_state`)."""
+outer steps and tokens a shard lost with its state, which the shard carries (`syncer_state`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from diloco.api.job import FragmentProgress, StopCondition
+from diloco.api.job import FragmentProgress, ShardLineage, StopCondition
 
 
-def slowest_fragment(fragments: Sequence[FragmentProgress], num_fragments: int) -> tuple[int, int] | None:
-    """Outer steps and tokens every fragment has reached, or None until every fragment has reported."""
+def slowest_fragment(
+    fragments: Sequence[FragmentProgress], num_fragments: int, lineages: Sequence[ShardLineage] = ()
+) -> tuple[int, int] | None:
+    """Outer steps and tokens every fragment has reached, with those its shard carries, or None until every
+    fragment has reported."""
     if len(fragments) < num_fragments or not fragments:
         return None
-    return min(f.version for f in fragments), min(f.tokens for f in fragments)
+    carried = {s.shard: (s.carried_outer_steps, s.carried_tokens) for s in lineages}
+    return (
+        min(f.version + carried.get(f.shard, (0, 0))[0] for f in fragments),
+        min(f.tokens + carried.get(f.shard, (0, 0))[1] for f in fragments),
+    )
 
 
 def stop_reached(stop: StopCondition, progress: tuple[int, int] | None) -> str | None:

@@ -4,20 +4,22 @@ what it had served) starts its fragments again from the values the first island 
 with no outer momentum. Training goes on (the islands hold the model), but the outer steps and tokens the
 shard counted are gone, and the stop condition would count them again.
 
-So a fragment whose version goes back, as the shards report them pass after pass, is a loss: a Warning Event
-names the shard, the fragments and how far they went back; condition SyncerStateLost turns true for the rest
-of the job's life; `status.syncer.lastStateLoss` is when (islands that have not synced since do not train,
-`island_training`); and the job's outer steps and tokens that went back are carried
-(`status.carriedOuterSteps`, `carriedTokens`), still counting toward spec.stopCondition.
+A shard's state went back when, from one pass to the next, it reports a new lineage (the id a shard draws when
+it starts without a checkpoint: a new state, however far its versions have got again by the time the operator
+looks), or a fragment of it a lower version in the same lineage (an older checkpoint). That is a loss: a Warning
+Event names the shard, the fragments and how far they went back; condition SyncerStateLost turns true for the
+rest of the job's life; `status.syncer.lastStateLoss` is when (islands that have not synced since do not train,
+`island_training`); and the shard carries the outer steps and tokens its lost state had merged (the least of
+its fragments, `status.syncer.lineages`), still counting toward spec.stopCondition.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from diloco.api.conditions import Reason
-from diloco.api.job import FragmentProgress
+from diloco.api.job import FragmentProgress, ShardLineage
 from diloco.operator.events import Event
 
 MAX_NAMED = 8
@@ -26,48 +28,72 @@ MAX_NAMED = 8
 
 @dataclass(frozen=True)
 class Regression:
-    """A fragment whose version went back from one pass to the next."""
+    """A fragment whose state went back from one pass to the next: from version `was` to `now` (0 in a new
+    state, whatever it has reached since), losing the merges of `tokens` tokens."""
 
     fragment: int
     shard: int
     was: int
     now: int
+    tokens: int = 0
 
 
-def regressions(previous: Sequence[FragmentProgress], current: Sequence[FragmentProgress]) -> list[Regression]:
-    """The fragments whose version is lower now than on the last pass."""
+def new_states(previous: Sequence[ShardLineage], reported: Mapping[int, str]) -> set[int]:
+    """The shards that report a lineage other than the one they had (one first known is none)."""
+    had = {s.shard: s.lineage for s in previous}
+    return {shard for shard, lineage in reported.items() if had.get(shard, lineage) != lineage}
+
+
+def regressions(
+    previous: Sequence[FragmentProgress], current: Sequence[FragmentProgress], renewed: Collection[int] = ()
+) -> list[Regression]:
+    """The fragments whose state went back on this pass: every fragment of a shard in `renewed` (`new_states`),
+    and any other whose version is lower now."""
     before = {f.fragment: f for f in previous}
-    return [
-        Regression(f.fragment, f.shard, before[f.fragment].version, f.version)
-        for f in current
-        if f.fragment in before and f.version < before[f.fragment].version
-    ]
+    found = []
+    for f in current:
+        if (b := before.get(f.fragment)) is None:
+            continue
+        if f.shard in renewed:
+            found.append(Regression(f.fragment, f.shard, b.version, 0, b.tokens))
+        elif f.version < b.version:
+            found.append(Regression(f.fragment, f.shard, b.version, f.version, max(0, b.tokens - f.tokens)))
+    return found
 
 
-def carried(
-    carried_before: tuple[int, int], progress_before: tuple[int, int] | None, progress_now: tuple[int, int] | None
-) -> tuple[int, int]:
-    """Outer steps and tokens carried toward the stop condition: those carried so far, and what the job's progress
-    (the slowest fragment's, without them) lost on this pass. The shard that lost its state holds the slowest
-    fragments from then on, so the job's progress goes on from where it was."""
-    if progress_before is None or progress_now is None:
-        return carried_before
-    (steps, tokens), (steps_was, tokens_was), (steps_now, tokens_now) = carried_before, progress_before, progress_now
-    return steps + max(0, steps_was - steps_now), tokens + max(0, tokens_was - tokens_now)
+def follow(
+    previous: Sequence[ShardLineage],
+    reported: Mapping[int, str],
+    lost: Sequence[Regression],
+    current: Sequence[FragmentProgress],
+) -> list[ShardLineage]:
+    """Each shard's lineage as last reported, carrying what its lost states had merged: for each loss, the least
+    any of its fragments lost (one that did not go back lost nothing), so the stop condition never comes early."""
+    by_shard = {s.shard: s for s in previous}
+    for shard, lineage in reported.items():
+        had = by_shard.get(shard, ShardLineage(shard=shard, lineage=lineage))
+        steps, tokens = had.carried_outer_steps, had.carried_tokens
+        if its := [r for r in lost if r.shard == shard]:
+            went_back = {r.fragment: r for r in its}
+            fragments = [went_back.get(f.fragment) for f in current if f.shard == shard]
+            steps += min(r.was - r.now if r else 0 for r in fragments)
+            tokens += min(r.tokens if r else 0 for r in fragments)
+        by_shard[shard] = ShardLineage(shard=shard, lineage=lineage, carried_outer_steps=steps, carried_tokens=tokens)
+    return [by_shard[k] for k in sorted(by_shard)]
 
 
-def loss_message(lost: Sequence[Regression], carried_steps: int) -> str:
-    """What was lost, in words: the shards, the fragments and how far they went back."""
+def loss_message(lost: Sequence[Regression]) -> str:
+    """What was lost, in words: the shards, the fragments, how far they went back and what the slowest carries."""
     shards = sorted({r.shard for r in lost})
     named = ", ".join(f"{r.fragment} ({r.was} -> {r.now})" for r in lost[:MAX_NAMED])
     more = f" and {len(lost) - MAX_NAMED} more" if len(lost) > MAX_NAMED else ""
     return (
         f"syncer shard{'s' if len(shards) > 1 else ''} {', '.join(map(str, shards))} came back without its state: "
-        f"fragments {named}{more} went back in version (a checkpoint volume lost or replaced, or an older "
-        f"checkpoint); the islands seed it with the model they hold, and {carried_steps} outer steps are carried "
-        "toward the stop condition"
+        f"fragments {named}{more} went back (a checkpoint volume lost or replaced, or an older "
+        "checkpoint); the islands seed it with the model they hold, and "
+        f"{min(r.was - r.now for r in lost)} outer steps are carried toward the stop condition"
     )
 
 
-def loss_event(lost: Sequence[Regression], carried_steps: int) -> Event:
-    return Event("Warning", Reason.SYNCER_STATE_LOST, loss_message(lost, carried_steps))
+def loss_event(lost: Sequence[Regression]) -> Event:
+    return Event("Warning", Reason.SYNCER_STATE_LOST, loss_message(lost))

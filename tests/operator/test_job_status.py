@@ -22,10 +22,10 @@ def job_spec(**overrides) -> DiLoCoJobSpec:
     return DiLoCoJobSpec.model_validate(data)
 
 
-def shards(*fragments, ready=True, live=("a", "b")):
+def shards(*fragments, ready=True, live=("a", "b"), lineage=0):
     """One shard reporting (fragment, version, tokens) triples."""
     reports = tuple(FragmentReport(f, v, t, 1_767_268_800.0) for f, v, t in fragments)
-    return [ShardObservation(shard=0, ready=ready, fragments=reports, live_islands=frozenset(live))]
+    return [ShardObservation(shard=0, ready=ready, fragments=reports, live_islands=frozenset(live), lineage=lineage)]
 
 
 def healthy(**extra) -> Observation:
@@ -429,3 +429,17 @@ def test_a_shard_that_lost_its_state_is_loud_and_the_stop_condition_goes_on_from
     assert later.status.outer_step == 29 and later.status.phase is Phase.RUNNING
     assert condition(later.status, "SyncerStateLost") == state.model_copy(update={"observed_generation": 1})
     assert finished.status.phase is Phase.SUCCEEDED and finished.status.outer_step == 30
+
+
+def test_a_shard_seen_only_once_its_new_state_passed_the_old_one_is_still_a_loss():
+    spec = job_spec(stopCondition={"outerSteps": 60})
+    pods = healthy().pods
+    trained = Observation(pods=pods, shards=shards((0, 25, 2500), (1, 26, 2600), lineage=0xAA))
+    passed = Observation(pods=pods, shards=shards((0, 30, 3000), (1, 31, 3100), lineage=0xBB))
+    kept, lost_pass = run(spec, [trained, passed])
+    assert [s.lineage for s in kept.status.syncer.lineages] == ["00000000000000aa"]
+    status = lost_pass.status
+    assert condition(status, "SyncerStateLost").status == "True"
+    assert "fragments 0 (25 -> 0), 1 (26 -> 0)" in condition(status, "SyncerStateLost").message
+    assert (status.outer_step, status.tokens) == (55, 5500), "the old state's merges and the new state's"
+    assert (status.carried_outer_steps, status.carried_tokens) == (25, 2500), "the least its fragments lost"

@@ -84,6 +84,7 @@ def probes(calls):
                 ready=r,
                 fragments=(FragmentReport(i, 4, 100, 0.0),) if r else None,
                 accepts=frozenset(map(fingerprint, tokens)) if r else frozenset(),
+                lineage=0xA0 + i if r else 0,
             )
             for i, r in enumerate(ready)
         ]
@@ -212,7 +213,14 @@ def test_named_tls_secrets_are_read_and_a_missing_one_leaves_the_shards_unreacha
     calls.clear()
     outcome = reconciler.reconcile(JOB, 1, named, None, NOW)
     assert calls == [], "nothing to call the shards with"
-    assert outcome.status["syncer"] == {"shards": 2, "ready": 2, "reachable": 0, "lastStateLoss": None, "endpoints": []}
+    assert outcome.status["syncer"] == {
+        "shards": 2,
+        "ready": 2,
+        "reachable": 0,
+        "lastStateLoss": None,
+        "lineages": [],
+        "endpoints": [],
+    }
     assert any("Secret our-ca not found" in c.get("message", "") for c in outcome.status["conditions"])
 
 
@@ -365,7 +373,12 @@ def test_observed_pods_and_syncers_reach_the_status(setup):
     status = outcome.status
     assert status["phase"] == "Running" and status["islandsReady"] == "2/2"
     assert status["outerStep"] == 4
+    lineages = status["syncer"].pop("lineages")
     assert status["syncer"] == {"shards": 2, "ready": 2, "reachable": 2, "lastStateLoss": None, "endpoints": []}
+    assert [(s["shard"], s["lineage"], s["carriedOuterSteps"]) for s in lineages] == [
+        (0, "00000000000000a0", 0),
+        (1, "00000000000000a1", 0),
+    ], "each shard's state as first seen: nothing lost"
     assert [i["ready"] for i in status["islands"]] == [2, 1]
 
 
@@ -463,6 +476,7 @@ def test_a_job_against_remote_shards_runs_only_islands_and_reads_its_progress_fr
     assert kube.get("Secret", "ml", "diloco-demo-token") is None, "the islands mount the Secret the job names"
     assert calls == [(REMOTE["endpoints"], [True, True], ["their-token"], Tls(ca=TEST_PKI.ca.cert))]
     syncer = outcome.status["syncer"]
+    assert [s["lineage"] for s in syncer.pop("lineages")] == ["00000000000000a0", "00000000000000a1"]
     assert syncer == {"shards": 2, "ready": 2, "reachable": 2, "lastStateLoss": None, "endpoints": REMOTE["endpoints"]}
     assert outcome.status["outerStep"] == 4
 
@@ -560,6 +574,7 @@ def test_islands_of_another_cluster_train_against_exposed_shards_over_tls_and_ea
         job_b = n.JobRef(name="demo", namespace="ml", uid="another-cluster's-uid")
         operator_b = Reconciler(kube_b, None, scrape_trainers=lambda urls, t: {}, token_key=bytes([1] * 32))
         status_b = operator_b.reconcile(job_b, 1, spec_b, None, NOW).status
+        assert [s["lineage"] for s in status_b["syncer"].pop("lineages")] == [f"{shard.state.lineage:016x}"]
         assert status_b["syncer"] == {
             "shards": 1,
             "ready": 1,

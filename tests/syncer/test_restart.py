@@ -122,6 +122,8 @@ def test_kill_9_mid_run_resumes_from_the_checkpoint(syncer_process):
     with make_client(process.port) as seeder:
         for p in (0, 1):
             assert seeder.seed(p, random_values(p)).accepted
+        lineage = seeder.status().lineage
+    assert lineage != 0, "a shard that starts without a checkpoint draws its state's id"
 
     running, stop = threading.Event(), threading.Event()
     running.set()
@@ -150,6 +152,7 @@ def test_kill_9_mid_run_resumes_from_the_checkpoint(syncer_process):
                 assert pulled_version.version == version
                 assert same_values(pulled, values), f"fragment {p} differs from its checkpoint"
             new_incarnation = status[0].version.incarnation
+            assert observer.status().lineage == lineage, "the state it resumed is the one it had"
 
             running.set()  # the workers go on by themselves: re-pull, rebase, push
 
@@ -377,3 +380,17 @@ def test_an_interrupted_checkpoint_write_does_not_stop_a_restart(syncer_process)
         wait_until(lambda: saved_versions(process).get(0) == 2, timeout=30, interval=0.1)
         assert checkpoint.load(path)["incarnation"] == version.incarnation, "checkpoints are written again"
         assert os.path.getsize(path) > 0
+
+
+def test_a_shard_that_comes_back_without_its_checkpoint_names_a_new_state(syncer_process):
+    process = syncer_process(config_for(quorum=1))
+    with make_client(process.port) as client:
+        assert client.seed(0, random_values(0)).accepted
+        lineage = client.status().lineage
+    assert process.signal(signal.SIGTERM) == 0
+    checkpoint_file(process).unlink()  # the volume lost, as when its claim is deleted and made anew
+    process.start()
+    with make_client(process.port) as client:
+        reply = client.status()
+    assert reply.lineage not in (0, lineage), "whoever watches the shard tells a new state from a resumed one"
+    assert not any(f.seeded for f in reply.fragments)

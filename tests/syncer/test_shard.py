@@ -495,6 +495,13 @@ class TestCheckpointState:
         assert torch.equal(resumed.fragments[0].values[0], shard.fragments[0].values[0])
         assert resumed.fragments[0].version == 1
 
+    def test_a_resumed_shard_keeps_the_lineage_of_its_state_and_an_old_checkpoint_has_none(self):
+        shard = ShardState(make_shard().config, 0, 1, INCARNATION, lineage=7)
+        for clean in (True, False):
+            assert ShardState.from_state_dict(shard.config, 0, 1, shard.to_state_dict(clean=clean), 99).lineage == 7
+        old = {k: v for k, v in shard.to_state_dict(clean=True).items() if k != "lineage"}
+        assert ShardState.from_state_dict(shard.config, 0, 1, old, 99).lineage == 0, "not known"
+
     def test_resume_refuses_a_checkpoint_of_another_layout(self):
         shard = make_shard()
         with pytest.raises(ValueError, match="shard 0 of 1"):

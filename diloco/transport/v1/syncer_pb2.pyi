@@ -224,7 +224,7 @@ class FragmentStatus(_message.Message):
     def __init__(self, fragment_id: _Optional[int] = ..., seeded: _Optional[bool] = ..., version: _Optional[_Union[FragmentVersion, _Mapping]] = ..., pending: _Optional[int] = ..., last_contributors: _Optional[int] = ..., last_merge_unix: _Optional[float] = ..., max_staleness_seen: _Optional[int] = ..., tokens_merged: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "fragments", "live_islands", "rejected_pushes", "left_islands", "accepted_tokens")
+    __slots__ = ("shard_index", "num_shards", "fragments", "live_islands", "rejected_pushes", "left_islands", "accepted_tokens", "lineage")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class StatusReply(_message.Message):
     REJECTED_PUSHES_FIELD_NUMBER: _ClassVar[int]
     LEFT_ISLANDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
@@ -239,4 +240,5 @@ class StatusReply(_message.Message):
     rejected_pushes: int
     left_islands: _containers.RepeatedScalarFieldContainer[str]
     accepted_tokens: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., live_islands: _Optional[_Iterable[str]] = ..., rejected_pushes: _Optional[int] = ..., left_islands: _Optional[_Iterable[str]] = ..., accepted_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+    lineage: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., live_islands: _Optional[_Iterable[str]] = ..., rejected_pushes: _Optional[int] = ..., left_islands: _Optional[_Iterable[str]] = ..., accepted_tokens: _Optional[_Iterable[str]] = ..., lineage: _Optional[int] = ...) -> None: ...
