@@ -270,7 +270,7 @@ def decide(
     accounts = _account_islands(spec, previous, observed, now)
     islands, rolled = finish_rolls(_with_syncs_and_losses([a.status for a in accounts], observed, now))
     fragments = merge_fragments(previous.fragments, observed.shards, spec.syncer.shards)
-    reported = {s.shard: f"{s.lineage:016x}" for s in observed.shards if s.lineage and s.fragments is not None}
+    reported = {s.shard: f"{s.lineage:016x}" if s.lineage else None for s in observed.shards if s.fragments is not None}
     lost = regressions(previous.fragments, fragments, new_states(previous.syncer.lineages, reported))
     lineages = follow(previous.syncer.lineages, reported, lost, fragments)
     progress = slowest_fragment(fragments, spec.training.fragments, lineages)

@@ -1349,10 +1349,12 @@ class ShardLineage(CamelModel):
     before had merged."""
 
     shard: int = Field(ge=0, description="Shard index.")
-    lineage: str = Field(
+    lineage: str | None = Field(
+        None,
         pattern="^[0-9a-f]{16}$",
         description="The id of the shard's state (16 hex digits), drawn when it starts without a checkpoint: a new "
-        "one means the shard came back without its state, however far its versions have got again.",
+        "one means the shard came back without its state, however far its versions have got again. None from a "
+        "shard that does not say it (an older image): its state's losses are told by versions alone.",
     )
     carried_outer_steps: int = Field(
         0,

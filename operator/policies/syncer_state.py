@@ -38,10 +38,14 @@ class Regression:
     tokens: int = 0
 
 
-def new_states(previous: Sequence[ShardLineage], reported: Mapping[int, str]) -> set[int]:
-    """The shards that report a lineage other than the one they had (one first known is none)."""
+def new_states(previous: Sequence[ShardLineage], reported: Mapping[int, str | None]) -> set[int]:
+    """The shards that report a lineage other than the one they had (one first known, or not known, is none)."""
     had = {s.shard: s.lineage for s in previous}
-    return {shard for shard, lineage in reported.items() if had.get(shard, lineage) != lineage}
+    return {
+        shard
+        for shard, lineage in reported.items()
+        if lineage is not None and had.get(shard) is not None and had[shard] != lineage
+    }
 
 
 def regressions(
@@ -63,7 +67,7 @@ def regressions(
 
 def follow(
     previous: Sequence[ShardLineage],
-    reported: Mapping[int, str],
+    reported: Mapping[int, str | None],
     lost: Sequence[Regression],
     current: Sequence[FragmentProgress],
 ) -> list[ShardLineage]:

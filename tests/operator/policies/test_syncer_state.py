@@ -26,6 +26,7 @@ def test_a_new_lineage_is_a_loss_however_far_its_versions_have_got_again():
     had = [ShardLineage(shard=0, lineage=OLD), ShardLineage(shard=1, lineage=OLD)]
     assert new_states(had, {0: NEW, 1: OLD}) == {0}
     assert new_states([], {0: NEW}) == set(), "a lineage first known is no loss"
+    assert new_states(had, {0: None}) == set(), "nor one a shard does not say (an older image)"
     assert regressions(progress(5, 5, 6), progress(9, 6, 10), renewed={0}) == [
         Regression(0, 0, 5, 0, 500),
         Regression(2, 0, 6, 0, 600),
