@@ -63,8 +63,7 @@ class SyncerMetrics:
         ).set_function(lambda: _total(self.tls_handshakes) - _total(self.tls_connections_with_calls))
         self.grace_seconds = Gauge(
             "diloco_syncer_grace_seconds",
-            "How long a merge now waits for more islands once its quorum is in when no push in it said its slack "
-            "(adaptive, at most graceSeconds); pushes that say it bound the wait by their slack",
+            "How long a merge now waits for more islands once its quorum is in (adaptive, at most graceSeconds)",
             registry=r,
         )
         self.live_islands = Gauge("diloco_syncer_live_islands", "Islands heard from within the timeout", registry=r)

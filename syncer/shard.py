@@ -271,8 +271,7 @@ class ShardState:
         return min((self.step_seconds[island] for island in live), default=0.0)
 
     def grace_seconds(self) -> float:
-        """How long a merge waits once its quorum is in when no push in it said its slack: sized from the lateness
-        seen, at most graceSeconds."""
+        """How long a merge waits once its quorum is in: sized from the lateness seen, at most graceSeconds."""
         return grace_window(self.lateness, self.config.grace_seconds)
 
     # Fragments
@@ -506,12 +505,12 @@ class ShardState:
         return due
 
     def closes(self, frag: ShardFragment) -> float:
-        """When the merge of a fragment whose quorum is in closes: within the slack of the islands already in it,
-        or the adaptive window where none said it (`diloco.core.grace`)."""
+        """When the merge of a fragment whose quorum is in closes: the adaptive window, within the slack of the
+        islands already in it (`diloco.core.grace`)."""
         if frag.quorum_since is None:
             raise ValueError(f"fragment {frag.index} has no quorum")
         pushed = [(p.arrived, p.slack) for p in frag.pending.values()]
-        return merge_closes(frag.quorum_since, self.grace_seconds(), pushed, self.config.island_timeout_seconds)
+        return merge_closes(frag.quorum_since, self.grace_seconds(), pushed)
 
     def next_deadline(self) -> float | None:
         """When the earliest running merge window closes, for the server's merge thread to wake."""

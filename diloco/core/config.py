@@ -140,13 +140,11 @@ class TrainingConfig(CamelModel):
         1, ge=1, description="K: contributions a syncer shard waits for before merging (capped by live islands)."
     )
     grace_seconds: float = Field(
-        2.0,
+        30.0,
         ge=0,
-        description="The most seconds a shard waits for more contributions once the quorum is reached when the "
-        "pushes in the merge say no slack; it sizes each such wait from how late contributions have arrived. "
-        "Pushes that say their slack (their round less their sync) bound the wait by it instead: the merge waits "
-        "for every live island until 0.8 of that slack, at most islandTimeoutSeconds. It never waits for an "
-        "island that left or timed out.",
+        description="The most seconds a shard waits for more contributions once the quorum is reached; it "
+        "sizes each wait from how late it has seen contributions arrive, never past 0.8 of the slack of the "
+        "islands already in (their round less their sync), and never waits for an island that left or timed out.",
     )
     max_staleness: int = Field(
         4, ge=0, description="Contributions based on a fragment version older than this many merges are refused."
