@@ -140,11 +140,11 @@ class TrainingConfig(CamelModel):
         1, ge=1, description="K: contributions a syncer shard waits for before merging (capped by live islands)."
     )
     grace_seconds: float = Field(
-        30.0,
+        2.0,
         ge=0,
         description="The most seconds a shard waits for more contributions once the quorum is reached; it "
-        "sizes each wait from how late it has seen contributions arrive, never past 0.8 of the slack of the "
-        "islands already in (their round less their sync), and never waits for an island that left or timed out.",
+        "sizes each wait from how late it has seen contributions arrive, and never waits for an island that "
+        "left or timed out.",
     )
     max_staleness: int = Field(
         4, ge=0, description="Contributions based on a fragment version older than this many merges are refused."
