@@ -63,7 +63,8 @@ class SyncerMetrics:
         ).set_function(lambda: _total(self.tls_handshakes) - _total(self.tls_connections_with_calls))
         self.grace_seconds = Gauge(
             "diloco_syncer_grace_seconds",
-            "How long a merge now waits for more islands once its quorum is in (adaptive, at most graceSeconds)",
+            "How long a merge now waits for more islands once its quorum is in when no push in it said its slack "
+            "(adaptive, at most graceSeconds or 2 s); pushes that say it bound the wait by their slack",
             registry=r,
         )
         self.live_islands = Gauge("diloco_syncer_live_islands", "Islands heard from within the timeout", registry=r)

@@ -21,7 +21,7 @@ from diloco.core import robust
 from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoded, decoded
 from diloco.core.fragments import owned_fragments
-from diloco.core.grace import HISTORY, grace_window, merge_closes
+from diloco.core.grace import HISTORY, adaptive_max, grace_window, merge_closes, slack_max
 from diloco.core.island_id import MAX_KNOWN_ISLANDS, check_island_id, forget_before
 from diloco.core.merge import (
     CHUNK,
@@ -271,8 +271,9 @@ class ShardState:
         return min((self.step_seconds[island] for island in live), default=0.0)
 
     def grace_seconds(self) -> float:
-        """How long a merge waits once its quorum is in: sized from the lateness seen, at most graceSeconds."""
-        return grace_window(self.lateness, self.config.grace_seconds)
+        """How long a merge waits once its quorum is in when no push in it said its slack: sized from the lateness
+        seen, at most graceSeconds (2 s where it is unset)."""
+        return grace_window(self.lateness, adaptive_max(self.config.grace_seconds))
 
     # Fragments
 
@@ -505,12 +506,13 @@ class ShardState:
         return due
 
     def closes(self, frag: ShardFragment) -> float:
-        """When the merge of a fragment whose quorum is in closes: the adaptive window, within the slack of the
-        islands already in it (`diloco.core.grace`)."""
+        """When the merge of a fragment whose quorum is in closes: within the slack of the islands already in it,
+        or the adaptive window where none said it (`diloco.core.grace`)."""
         if frag.quorum_since is None:
             raise ValueError(f"fragment {frag.index} has no quorum")
         pushed = [(p.arrived, p.slack) for p in frag.pending.values()]
-        return merge_closes(frag.quorum_since, self.grace_seconds(), pushed)
+        longest = slack_max(self.config.grace_seconds, self.config.island_timeout_seconds)
+        return merge_closes(frag.quorum_since, self.grace_seconds(), pushed, longest)
 
     def next_deadline(self) -> float | None:
         """When the earliest running merge window closes, for the server's merge thread to wake."""

@@ -139,12 +139,15 @@ class TrainingConfig(CamelModel):
     quorum: int = Field(
         1, ge=1, description="K: contributions a syncer shard waits for before merging (capped by live islands)."
     )
-    grace_seconds: float = Field(
-        2.0,
+    grace_seconds: float | None = Field(
+        None,
         ge=0,
-        description="The most seconds a shard waits for more contributions once the quorum is reached; it "
-        "sizes each wait from how late it has seen contributions arrive, and never waits for an island that "
-        "left or timed out.",
+        description="The most seconds a shard waits for more contributions once the quorum is reached (0: merge at "
+        "once). Unset, the islands' slack sizes the wait: where the pushes in a merge say their slack (their "
+        "round less their sync), the merge waits for every live island until 0.8 of it, at most "
+        "islandTimeoutSeconds; where they say none (an island's first push), it waits an adaptive window sized "
+        "from how late contributions have arrived, at most 2 s. It never waits for an island that left or timed "
+        "out.",
     )
     max_staleness: int = Field(
         4, ge=0, description="Contributions based on a fragment version older than this many merges are refused."

@@ -560,7 +560,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--grace-seconds",
         type=float,
         default=job.grace_seconds,
-        help="the most seconds a shard waits for more contributions once the quorum is reached (adaptive below)",
+        help="the most seconds a shard waits for more contributions once the quorum is reached (unset: 0.8 of the "
+        "pushes' slack)",
     )
     p.add_argument(
         "--speed-aware",

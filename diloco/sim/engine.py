@@ -12,9 +12,8 @@ chip and says how long its replacement takes. Every policy replays the same even
   `reschedule_seconds + reform_seconds`, and the learner restarts from the latest global fragments, losing each
   fragment's progress since that fragment's last push. Merges follow the syncer shard's rules
   (`diloco.core.grace`): once K pushes are pending (K capped by the live learners), the merge waits for the
-  other live learners until its window closes; the window is sized from how late pushes came after earlier
-  quorums, at most the grace (`graceSeconds`), and closes before any pending learner's slack (tau inner steps
-  less the sync latency) runs out, so that a merge of waiting costs no learner a wait. A learner that has
+  other live learners until its window closes: before any pending learner's slack (tau inner steps less the
+  sync latency) runs out, so that a merge of waiting costs no learner a wait. A learner that has
   pushed must see that push merged within `overlap_steps` (tau) inner steps (or within the round, with
   `MergeWait.ROUND`) or it waits. Synchronous DiLoCo is the same engine with K = M, never capped, and no
   grace. With `speedAware`, a decoupled learner of a slower generation runs fewer inner steps per round
@@ -35,14 +34,13 @@ import heapq
 import math
 import re
 import statistics
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from diloco.core.config import Mode, TrainingConfig
-from diloco.core.grace import HISTORY, grace_window, merge_closes
+from diloco.core.grace import adaptive_max, merge_closes, slack_max
 from diloco.core.pace import paced_inner_steps
 from diloco.core.rules import QUORUM_WITHIN_ISLANDS
 from diloco.local.failure_trace import FailureEvent, chip_target
@@ -505,7 +503,8 @@ class _DilocoRun:
         self.h, self.fragments = float(training.inner_steps), training.fragments
         self.tau = float(training.overlap_steps) if config.merge_wait is MergeWait.OVERLAP else self.h
         self.quorum = self.m if synchronous else training.quorum
-        self.grace = 0.0 if synchronous else training.grace_seconds
+        self.grace = 0.0 if synchronous else adaptive_max(training.grace_seconds)
+        self.slack_max = 0.0 if synchronous else slack_max(training.grace_seconds, math.inf)
         self.latency = config.sync_latency_seconds
         self.timeout = 0.0 if config.instant_failure_detection else training.island_timeout_seconds
         sizes = np.diff(config.learner_bounds()).tolist()
@@ -522,9 +521,6 @@ class _DilocoRun:
         self.timer_at: float | None = None  # when the running grace window ends
         self.timer_epoch = 0  # invalidates a grace window's MERGE event once it has merged or moved
         self.quorum_since: float | None = None  # when the pending merge reached its quorum
-        self.merged_quorum_since: float | None = None  # the same, for the last merge
-        self.lateness: deque[float] = deque(maxlen=HISTORY)  # how long after a quorum pushes came
-        self.window: float | None = None  # the merge window `lateness` gives (None: not worked out since)
         self.merges = self.contributors = 0
         self.struck = self.absorbed = 0
         self.heap: list[tuple[float, _Event, int, int]] = []
@@ -542,7 +538,7 @@ class _DilocoRun:
     def merge(self, t: float) -> None:
         self.merges += 1
         self.contributors += len(self.pending)
-        self.merged_quorum_since, self.quorum_since = self.quorum_since, None
+        self.quorum_since = None
         for i in self.pending:
             self.learners[i].base = self.merges
             if self.latency > 0:
@@ -572,9 +568,10 @@ class _DilocoRun:
             return
         if self.quorum_since is None:
             self.quorum_since = t
-        if self.window is None:
-            self.window = grace_window(self.lateness, self.grace)
-        closes = merge_closes(self.quorum_since, self.window, [(learners[i].last_push, self.slack(i)) for i in pending])
+        # Every learner's push says its slack, so the window sized from lateness (for pushes that say none) is never
+        # the shard's bound here, nor the island timeout (a learner's slack is shorter).
+        pushed = [(learners[i].last_push, self.slack(i)) for i in pending]
+        closes = merge_closes(self.quorum_since, self.grace, pushed, self.slack_max)
         if t < closes:
             for i, lr in enumerate(learners):
                 if i not in pending and (lr.status is not _DOWN or t < lr.down_since + timeout):
@@ -597,15 +594,8 @@ class _DilocoRun:
                 heapq.heappush(self.heap, (closes, _MERGE, -1, self.timer_epoch))
 
     def record_push(self, i: int, t: float) -> None:
-        """What the shard learns from a push: how late it came after its round's quorum (one a merge late
-        counts from that merge's quorum), and when it came."""
-        learner = self.learners[i]
-        staleness = self.merges - learner.base
-        since = self.quorum_since if staleness == 0 else self.merged_quorum_since if staleness == 1 else None
-        if since is not None:
-            self.lateness.append(t - since)
-            self.window = None
-        learner.last_push = t
+        """What the shard learns from a push: when it came (its slack, `slack`, follows from the learner)."""
+        self.learners[i].last_push = t
 
     # --- a learner's events ---
 

@@ -307,7 +307,8 @@ def settings_line(config: SimConfig, trace_path: str | None) -> str:
         f"replacement ready after {config.reschedule_seconds:g} s; full restart {config.restart_seconds:g} s; re-form "
         f"{config.reform_seconds:g} s; checkpoint every {config.checkpoint_steps} step(s); a failure takes out "
         f"{config.failure_chips} chips (elastic); DiLoCo H={training.inner_steps}, P={training.fragments}, "
-        f"tau={training.overlap_steps}, K={training.quorum}, grace {training.grace_seconds:g} s"
+        f"tau={training.overlap_steps}, K={training.quorum}, "
+        + ("grace from slack" if training.grace_seconds is None else f"grace {training.grace_seconds:g} s")
         + ("; a learner waits for a merge only a round after its push" if config.merge_wait is MergeWait.ROUND else "")
         + (f"; merge reaches islands after {config.sync_latency_seconds:g} s" if config.sync_latency_seconds else "")
         + (
@@ -620,7 +621,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--grace-seconds",
         type=float,
         default=job.grace_seconds,
-        help="the most seconds a merge waits for more once K are in (the window adapts to the lateness seen)",
+        help="the most seconds a merge waits for more once K are in (unset: 0.8 of the pushes' slack)",
     )
     add(
         "--speed-aware",

@@ -11,7 +11,8 @@ An island does not train, in this order of telling:
 - with every pod Ready, SyncerStateLost: a shard lost its state and no merge came back to the island since;
 - with every pod Ready, NotSyncing: no merge came back within `sync_bound` of its last sync (as its trainer
   says; as the shards last reported it live when its trainer does not answer) or of its pods all becoming
-  Ready: SYNC_BOUND_ROUNDS rounds of its inner steps at its step time, plus the grace window, and never less
+  Ready: SYNC_BOUND_ROUNDS rounds of its inner steps at its step time (a merge held for late islands closes
+  within one), plus the longest adaptive window, and never less
   than MIN_SYNC_BOUND.
 An island short of Ready pods is not whole, which the job's conditions say on their own ("k/n pods ready").
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from diloco.api.conditions import Reason
 from diloco.api.job import IslandStatus
 from diloco.core.config import TrainingConfig
+from diloco.core.grace import adaptive_max
 from diloco.operator.island_accounting import PodObservation
 from diloco.operator.policies.phase import is_whole
 
@@ -61,7 +63,7 @@ def sync_bound(config: TrainingConfig, report: TrainerReport | None) -> datetime
     if report is None or not report.step_seconds:
         return MIN_SYNC_BOUND
     steps = report.round_steps or config.inner_steps
-    seconds = SYNC_BOUND_ROUNDS * steps * report.step_seconds + config.grace_seconds
+    seconds = SYNC_BOUND_ROUNDS * steps * report.step_seconds + adaptive_max(config.grace_seconds)
     return max(MIN_SYNC_BOUND, datetime.timedelta(seconds=seconds))
 
 

@@ -16,7 +16,8 @@ def test_defaults():
     cfg = TrainingConfig()
     assert (cfg.inner_steps, cfg.fragments, cfg.overlap_steps, cfg.mix_alpha) == (100, 4, 5, 0.5)
     assert cfg.encoding is Encoding.INT4
-    assert (cfg.block_size, cfg.quorum, cfg.grace_seconds) == (128, 1, 2.0)
+    assert (cfg.block_size, cfg.quorum) == (128, 1)
+    assert cfg.grace_seconds is None, "unset: the islands' slack sizes a merge's wait"
     assert (cfg.max_staleness, cfg.staleness_decay, cfg.radial_directional) == (4, 1.0, False)
     assert cfg.island_timeout_seconds == 60.0
     assert cfg.min_transfer_mbps == 0.5

@@ -6,7 +6,7 @@ import torch
 
 from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoded, Encoding, decoded, encode, validated
-from diloco.core.grace import MARGIN, SLACK_FRACTION
+from diloco.core.grace import ADAPTIVE_MAX_SECONDS, FLOOR_SECONDS, MARGIN, SLACK_FRACTION
 from diloco.core.island_id import ISLAND_ID_MAX_CHARS
 from diloco.core.merge import MAX_TOKEN_RATIO
 from diloco.syncer.shard import MAX_KNOWN_ISLANDS, MAX_PENDING_BYTES, PushKey, Refused, ShardState, TensorSpec
@@ -216,6 +216,9 @@ class TestAdaptiveGrace:
         shard = make_shard(quorum=1, grace_seconds=30.0, island_timeout_seconds=1000.0)
         assert shard.grace_seconds() == 30.0
 
+    def test_unset_the_window_for_pushes_that_say_no_slack_is_at_most_two_seconds(self):
+        assert make_shard(quorum=1).grace_seconds() == ADAPTIVE_MAX_SECONDS == 2.0
+
 
 class TestMergeWindow:
     """Once its quorum is in, a merge waits for every live island up to its window, and never past the slack
@@ -246,6 +249,29 @@ class TestMergeWindow:
         assert shard.poll(10.0) == [] and shard.poll(10.3) == []
         assert shard.closes(shard.fragments[0]) == pytest.approx(10.0 + SLACK_FRACTION * 0.5)
         assert shard.poll(10.0 + SLACK_FRACTION * 0.5) == [0], "a mixes in at 10.5: b is not waited for longer"
+
+    def test_a_late_island_is_waited_for_past_the_lateness_seen_within_the_slack(self):
+        shard = make_shard(quorum=1, island_timeout_seconds=1000.0)
+        for island in "ab":
+            shard.join(island, 0.0)
+        shard.lateness.extend([0.1] * 8)  # the islands have come together so far
+        assert shard.grace_seconds() == pytest.approx(FLOOR_SECONDS), "the window for pushes that say no slack"
+        key = PushKey("a", INCARNATION, 0, 0)
+        shard.submit(key, 0, SPECS, [torch.zeros(2), torch.zeros(1)], 100, 10, 10.0, slack_seconds=8.0)
+        assert shard.poll(10.0) == [] and shard.poll(13.0) == [], "b, 3 s late, costs a nothing: it is waited for"
+        assert shard.closes(shard.fragments[0]) == pytest.approx(10.0 + SLACK_FRACTION * 8.0), "past 2 s"
+        assert shard.poll(10.0 + SLACK_FRACTION * 8.0) == [0]
+
+    @pytest.mark.parametrize("grace", [0.0, 3.0])
+    def test_a_grace_the_job_sets_caps_the_wait_whatever_the_slack(self, grace):
+        shard = make_shard(quorum=1, grace_seconds=grace, island_timeout_seconds=1000.0)
+        for island in "ab":
+            shard.join(island, 0.0)
+        key = PushKey("a", INCARNATION, 0, 0)
+        shard.submit(key, 0, SPECS, [torch.zeros(2), torch.zeros(1)], 100, 10, 10.0, slack_seconds=8.0)
+        if grace:
+            assert shard.poll(10.0) == [] and shard.closes(shard.fragments[0]) == pytest.approx(10.0 + grace)
+        assert shard.poll(10.0 + grace) == [0], "b is not waited for past graceSeconds"
 
     @pytest.mark.parametrize("slack", [float("nan"), float("inf"), -0.1])
     def test_a_slack_that_is_not_a_finite_duration_is_refused(self, slack):
