@@ -383,7 +383,7 @@ def pull_ours(server: SyncerServer, islands: int, held: tuple[pb.FragmentVersion
 def held_by_islands(server: SyncerServer) -> tuple[pb.FragmentVersion, int]:
     """What the islands hold after their last pull, as they name it: the shard's record of what it sent them
     (reading it spares the bench an island's decoding and hashing)."""
-    ref = server._references._entries[("island-0", 0)]
+    ref = server.pulls.references._entries[("island-0", 0)]
     return pb.FragmentVersion(incarnation=ref.incarnation, version=ref.version), ref.digest
 
 
@@ -445,7 +445,7 @@ def measure(numel: int, encoding: Encoding, islands: int, args: argparse.Namespa
         frag.version += 1
         gc.collect()
         # snapshot (read, written), newest and held read, difference and result written, result read (digest)
-        reference = server._references._entries[("island-0", 0)].values
+        reference = server.pulls.references._entries[("island-0", 0)].values
         touched = [*frag.values, *frag.values, *frag.values, *reference, *difference_blobs, *frag.values, *frag.values]
         started = clock()
         out.pull_bytes = copier.copy(touched)
@@ -464,7 +464,7 @@ def measure(numel: int, encoding: Encoding, islands: int, args: argparse.Namespa
         # The first pull snapshots the newest values (merges step them in place). Taken here on its own, by the
         # shard's code, so that the fragment can then be that snapshot: the bench holds no fourth copy.
         started = clock()
-        snapshot = server._snapshot(0)
+        snapshot = server.pulls.snapshot(0)
         snapshotted = clock() - started
         frag.values = list(snapshot.values)
         del snapshot

@@ -2,11 +2,10 @@
 
 Data is read and checked outside the state lock, and pushes are kept as they were sent (int4: 1/7.5 of
 float32) until a merge decodes them chunk by chunk; only validation, submission, merges and snapshots hold
-the lock. Encoded fragment values are cached per version and encoding, so many islands pulling the same merge
-cost one encoding. An island that says which values it holds gets the difference to the newest in the
-job's encoding when the shard knows those values (`diloco.core.compressed_pull`), and full values otherwise;
-islands that hold the same values share one difference, made once (`replies`). Merges, differences and
-digests use `threads` cores: torch's own threads for the arithmetic (set by the process), a pool for digests.
+the lock. What a pull is answered with, and what the shard served each island, is `pulls`'s: full values
+encoded once per version, or the difference to what the island holds, made once for all islands that hold
+it. Merges, differences and digests use `threads` cores: torch's own threads for the arithmetic (set by the
+process), a pool for digests.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
@@ -29,7 +27,6 @@ import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2
 
-from diloco.core.compressed_pull import difference, values_digest
 from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoding, EncodingError
 from diloco.core.merge import CHUNK, Delta, delta_norm
@@ -37,8 +34,7 @@ from diloco.core.refusal import Refusal
 from diloco.progress import MergeEvent, ProgressWriter
 from diloco.syncer import checkpoint
 from diloco.syncer.metrics import SyncerMetrics
-from diloco.syncer.references import Reference, References
-from diloco.syncer.replies import SharedReplies
+from diloco.syncer.pulls import Pulls, ServedPull, fragment_version
 from diloco.syncer.shard import MAX_PENDING_BYTES, PushKey, PushResult, Refused, ShardState, TensorSpec
 from diloco.syncer.streams import (
     CONTROL_WORKERS,
@@ -86,40 +82,10 @@ def _specs(payloads: Iterable[pb.TensorPayload]) -> list[TensorSpec]:
     return [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in payloads]
 
 
-def _version(incarnation: int, version: int) -> pb.FragmentVersion:
-    return pb.FragmentVersion(incarnation=incarnation, version=version)
-
-
 def _saturated(count: int, most: int) -> int:
     """A counter as its unsigned wire field can carry it: at most `most`, so Status answers whatever the
     state holds (a checkpoint written before tokens were bounded may hold more than 2^64 tokens merged)."""
     return max(0, min(count, most))
-
-
-@dataclass(frozen=True)
-class ServedPull:
-    """A Pull reply as it goes out: serialized messages, the tensor bytes they carry, whether a difference."""
-
-    messages: list[bytes]
-    nbytes: int
-    delta: bool
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    """A copy of a fragment's values at a version, never changed."""
-
-    incarnation: int
-    version: int
-    values: tuple[torch.Tensor, ...]
-
-
-@dataclass(frozen=True)
-class _DeltaReply:
-    """A difference as every island holding its base gets it, and what each then holds."""
-
-    served: ServedPull
-    reference: Reference
 
 
 class SyncerServer:
@@ -178,12 +144,15 @@ class SyncerServer:
         self._dirty = False
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._replies: dict[tuple[int, Encoding], tuple[int, list[bytes], int]] = {}
-        self._snapshots: dict[int, _Snapshot] = {}
-        self._full_references: dict[int, Reference] = {}
-        self._references = References(max_reference_bytes)
-        self._delta_replies: SharedReplies[_DeltaReply] = SharedReplies()
-        self._hashing = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="syncer-hash")
+        self.pulls = Pulls(
+            self.state,
+            config,
+            self._cond,
+            clock,
+            chunk=self.chunk,
+            threads=threads,
+            max_reference_bytes=max_reference_bytes,
+        )
         min_mbps = config.min_transfer_mbps
         idle = quiet_seconds(min_mbps) if stream_idle_seconds is None else stream_idle_seconds
         self.streams = StreamWatch(idle, min_mbps, on_cancel=self._count_cancelled)
@@ -334,7 +303,7 @@ class SyncerServer:
         for thread in self._threads:
             thread.join()
         self._control.shutdown()
-        self._hashing.shutdown()
+        self.pulls.close()
         self.save_checkpoint(clean=True)
         if self.progress is not None:
             self.progress.close()
@@ -440,7 +409,7 @@ class SyncerServer:
 
     def version(self, version: int) -> pb.FragmentVersion:
         """A fragment version as the wire names it: within this shard's incarnation."""
-        return _version(self.state.incarnation, version)
+        return fragment_version(self.state.incarnation, version)
 
     def join(self, island: str) -> pb.JoinReply:
         """Counts the island live (again, if it had left) and tells it how the fragments are laid out."""
@@ -517,25 +486,8 @@ class SyncerServer:
             return self.state.cadence_step_seconds(self.clock())
 
     def pull(self, request: pb.PullRequest, encoding: Encoding, delta_encoding: Encoding | None) -> ServedPull | None:
-        """The Pull reply to `request`, None when the island holds the newest version: a difference in
-        `delta_encoding` when the island asked for one and the shard knows what it holds, else the full
-        values in `encoding`. A joined island is refreshed once the pull is answered; a difference is encoded
-        outside the lock, from the newest values' snapshot (merges step the fragment in place)."""
-        with self._cond:
-            if request.island_id:
-                self.state.check_island(request.island_id)
-            frag = self.state.seeded_fragment(request.fragment_id)
-            self.state.touch(request.island_id, self.clock())
-            if (request.have.incarnation, request.have.version) == (self.state.incarnation, frag.version):
-                return None
-            if delta_encoding is not None and (held := self._held_reference(request)) is not None:
-                newest, round_opened = self._snapshot(request.fragment_id), frag.round_opened
-            else:
-                _, messages, nbytes = self._pull_reply(request.fragment_id, encoding)
-                if delta_encoding is not None and request.island_id and encoding is Encoding.FP32:
-                    self._record_full(request.island_id, request.fragment_id)
-                return ServedPull(messages, nbytes, delta=False)
-        return self._delta_reply(request, held, newest, round_opened, delta_encoding)
+        """The Pull reply to `request` (`Pulls.serve`), None when the island holds the newest version."""
+        return self.pulls.serve(request, encoding, delta_encoding)
 
     def leave(self, island: str) -> None:
         """The island has finished: it no longer caps the quorum, so a merge that waited only for it is due,
@@ -561,7 +513,7 @@ class SyncerServer:
                     pb.FragmentStatus(
                         fragment_id=f.index,
                         seeded=f.seeded,
-                        version=_version(st.incarnation, f.version),
+                        version=fragment_version(st.incarnation, f.version),
                         pending=_saturated(len(f.pending), U32),
                         last_contributors=_saturated(f.last_contributors, U32),
                         last_merge_unix=f.last_merge_unix,
@@ -579,110 +531,7 @@ class SyncerServer:
         self.metrics.rejected.labels(refusal.reason).inc()
         log.debug("refused", extra={"reason": refusal.reason, "detail": refusal.message})
 
-    # What the calls above share; the caller holds the lock unless said otherwise
-
-    def _pull_reply(self, index: int, encoding: Encoding) -> tuple[int, list[bytes], int]:
-        """The serialized Pull reply for the fragment's current values in `encoding` (version, messages,
-        tensor bytes), built once per version."""
-        frag = self.state.seeded_fragment(index)
-        cached = self._replies.get((index, encoding))
-        if cached is None or cached[0] != frag.version:
-            named = [(s.name, v) for s, v in zip(frag.specs, frag.values)]
-            payloads, blobs = wire.tensor_payloads(named, encoding, self.config.block_size, self.config.top_k)
-            for payload, spec in zip(payloads, frag.specs):
-                payload.dtype = spec.dtype
-            version = _version(self.state.incarnation, frag.version)
-            messages = list(
-                wire.fragment_messages(index, version, payloads, blobs, round_opened_seconds=frag.round_opened)
-            )
-            cached = (frag.version, messages, sum(len(b) for b in blobs))
-            self._replies[(index, encoding)] = cached
-        return cached
-
-    def _snapshot(self, index: int) -> _Snapshot:
-        """The fragment's current float32 values, copied once per version: what differences are made from
-        outside the lock while merges step the fragment in place, and what full pulls leave islands holding."""
-        frag = self.state.seeded_fragment(index)
-        snapshot = self._snapshots.get(index)
-        if snapshot is None or (snapshot.incarnation, snapshot.version) != (self.state.incarnation, frag.version):
-            snapshot = _Snapshot(self.state.incarnation, frag.version, tuple(v.clone() for v in frag.values))
-            self._snapshots[index] = snapshot
-        return snapshot
-
-    def _full_reference(self, index: int) -> Reference:
-        """The fragment's current values as a reference, with their digest, one per version shared by every
-        island that pulls them in full (hashed only when one does: a difference needs no digest of them)."""
-        snapshot = self._snapshot(index)
-        ref = self._full_references.get(index)
-        if ref is None or ref.values is not snapshot.values:
-            digest = values_digest(snapshot.values, self._hashing.map)
-            ref = Reference(snapshot.incarnation, snapshot.version, snapshot.values, digest)
-            self._full_references[index] = ref
-        return ref
-
-    def _record_full(self, island: str, index: int) -> None:
-        """Notes that `island` is being sent the fragment's current values in full."""
-        self._references.record(island, index, self._full_reference(index))
-
-    def _held_reference(self, request: pb.PullRequest) -> Reference | None:
-        """What the island holds, when it says so and the shard knows exactly those values: what it last
-        served the island, or (version unknown) the newest values themselves."""
-        if not (request.HasField("held") and request.island_id):
-            return None
-        held = request.held
-        if not held.HasField("version"):
-            newest = self._full_reference(request.fragment_id)
-            return newest if newest.digest == held.digest else None
-        return self._references.match(
-            request.island_id, request.fragment_id, held.version.incarnation, held.version.version, held.digest
-        )
-
-    def _delta_reply(
-        self, request: pb.PullRequest, held: Reference, newest: _Snapshot, round_opened: float, encoding: Encoding
-    ) -> ServedPull:
-        """The difference from `held` to `newest` in `encoding`, made once for every island that holds `held`
-        (`SharedReplies`); records what the island will hold once it applies it. Called without the lock: it
-        encodes, and takes the lock to record."""
-        index = request.fragment_id
-        named = request.held.HasField("version")  # the reply names its base only when the island did
-        key = (encoding, held.incarnation, held.version, held.digest, named)
-
-        def make() -> _DeltaReply:
-            return self._make_delta_reply(index, held, newest, round_opened, encoding, request.held.version)
-
-        reply = self._delta_replies.get(index, (newest.incarnation, newest.version), key, make)
-        with self._cond:
-            self._references.record(request.island_id, index, reply.reference)
-        return reply.served
-
-    def _make_delta_reply(
-        self,
-        index: int,
-        held: Reference,
-        newest: _Snapshot,
-        round_opened: float,
-        encoding: Encoding,
-        base: pb.FragmentVersion,
-    ) -> _DeltaReply:
-        """One pass over the fragment: the encoded difference, the values it gives and their digest."""
-        frag = self.state.fragments[index]
-        block_size, top_k = self.config.block_size, self.config.top_k
-        made = difference(newest.values, held.values, encoding, block_size, top_k, self.chunk)
-        named = [(spec.name, values) for spec, values in zip(frag.specs, newest.values)]
-        payloads = wire.payloads_of(named, made.blobs, encoding, block_size, top_k)
-        for payload, spec in zip(payloads, frag.specs):
-            payload.dtype = spec.dtype
-        values = tuple(made.held)
-        ref = Reference(newest.incarnation, newest.version, values, values_digest(values, self._hashing.map))
-        messages = wire.fragment_messages(
-            index,
-            _version(newest.incarnation, newest.version),
-            payloads,
-            made.blobs,
-            delta_base=base,
-            round_opened_seconds=round_opened,
-        )
-        return _DeltaReply(ServedPull(list(messages), sum(len(b) for b in made.blobs), delta=True), ref)
+    # Counted where operators look
 
     def _count_cancelled(self, reason: str, method: str) -> None:
         """A stream that kept the shard waiting too long was cancelled; count it where operators look."""

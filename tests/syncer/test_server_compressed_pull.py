@@ -13,7 +13,7 @@ from syncer_harness import TOKEN, config_for, make_client, open_channel, random_
 
 from diloco.core.compressed_pull import values_digest
 from diloco.core.encoding import Encoding, encoded_nbytes, error_bound
-from diloco.syncer import server as server_module
+from diloco.syncer import pulls as pulls_module
 from diloco.transport.client import Held
 from diloco.transport.v1 import syncer_pb2 as pb
 from diloco.transport.v1 import syncer_pb2_grpc
@@ -79,7 +79,7 @@ def test_after_one_full_pull_each_version_comes_as_an_int4_difference_within_one
             assert torch.all((g - t).abs() <= bound), "more than one quantisation step off"
         held = _held(pulled)
     # The shard recorded exactly what the island holds: its record's checksum is the island's.
-    ref = server._references.match("island", 0, held.version.incarnation, held.version.version, held.digest)
+    ref = server.pulls.references.match("island", 0, held.version.incarnation, held.version.version, held.digest)
     assert ref is not None and all(torch.equal(a, b) for a, b in zip(ref.values, held.values))
 
 
@@ -173,8 +173,8 @@ def test_islands_holding_the_same_values_get_one_difference_made_once(start_serv
     """Islands that pulled the same version hold the same values: each next version is one pass over the
     fragment for all of them, and every island gets its bytes and ends up holding the same values."""
     made = []
-    real = server_module.difference
-    monkeypatch.setattr(server_module, "difference", lambda *args: made.append(1) or real(*args))
+    real = pulls_module.difference
+    monkeypatch.setattr(pulls_module, "difference", lambda *args: made.append(1) or real(*args))
     server = start_server(config_for(quorum=1, grace_seconds=0.0, block_size=BLOCK, max_staleness=1000), threads=2)
     islands = [make_client(server.port, f"island-{i}") for i in range(4)]
     pusher = make_client(server.port, "pusher")
