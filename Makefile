@@ -20,9 +20,10 @@ run: $(STAMP)  ## the embedded default: a syncer and 4 islands on loopback train
 test: $(STAMP)  ## every tier CI runs: tests/prepare.sh first readies what they need, or says why a tier cannot run
 	DILOCO_CLUSTER_BIN=$$(bash tests/prepare.sh | tail -1) $(BIN)/python -m pytest
 
-lint: $(STAMP)  ## static checks: ruff (lint and format), mypy strict on core/transport/api, the import layers
+lint: $(STAMP)  ## static checks: ruff (lint and format), mypy strict on core/transport/api/syncer, the import layers
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python tests/typecheck_tree.py
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_layers.py
 

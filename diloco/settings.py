@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import overload
 
 from diloco.core.config import TrainingConfig
 from diloco.transport import tls
@@ -18,7 +19,12 @@ DEFAULT_CORPUS_BYTES = 8 * 1024 * 1024
 training on a laptop, and the same corpus for the workers and for whoever evaluates the global model."""
 
 
+@overload
+def env_default(name: str, default: str) -> str: ...
+@overload
+def env_default(name: str, default: None = None) -> str | None: ...
 def env_default(name: str, default: str | None = None) -> str | None:
+    """DILOCO_`name` from the environment, else `default`."""
     return os.environ.get(f"DILOCO_{name}", default)
 
 

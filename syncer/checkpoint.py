@@ -40,4 +40,5 @@ def load(path: Path) -> dict[str, Any] | None:
     """The saved state, or None when there is no checkpoint yet. Only tensors and plain data are loaded."""
     if not path.exists():
         return None
-    return torch.load(path, map_location="cpu", weights_only=True)
+    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    return state

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 def _total(counter: Counter) -> float:
     """A counter's value, as a scrape reads it."""
-    return next(s.value for s in counter.collect()[0].samples if s.name.endswith("_total"))
+    return next(s.value for metric in counter.collect() for s in metric.samples if s.name.endswith("_total"))
 
 
 class SyncerMetrics:

@@ -10,9 +10,10 @@ Differences and full references are hashed on `threads` cores.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -21,7 +22,7 @@ from diloco.core.config import TrainingConfig
 from diloco.core.encoding import Encoding
 from diloco.syncer.references import Reference, References
 from diloco.syncer.replies import SharedReplies
-from diloco.syncer.shard import ShardState
+from diloco.syncer.shard import ShardState, TensorSpec
 from diloco.transport import wire
 from diloco.transport.v1 import syncer_pb2 as pb
 
@@ -29,6 +30,12 @@ from diloco.transport.v1 import syncer_pb2 as pb
 def fragment_version(incarnation: int, version: int) -> pb.FragmentVersion:
     """A fragment version as the wire names it: within a shard's incarnation."""
     return pb.FragmentVersion(incarnation=incarnation, version=version)
+
+
+def _with_dtypes(payloads: Sequence[pb.TensorPayload], specs: Sequence[TensorSpec]) -> None:
+    """Each payload names its tensor's dtype as the islands pushed it (a proto enum is its int at run time)."""
+    for payload, spec in zip(payloads, specs):
+        payload.dtype = cast(pb.DType, spec.dtype)
 
 
 @dataclass(frozen=True)
@@ -127,8 +134,7 @@ class Pulls:
         if cached is None or cached[0] != frag.version:
             named = [(s.name, v) for s, v in zip(frag.specs, frag.values)]
             payloads, blobs = wire.tensor_payloads(named, encoding, self.config.block_size, self.config.top_k)
-            for payload, spec in zip(payloads, frag.specs):
-                payload.dtype = spec.dtype
+            _with_dtypes(payloads, frag.specs)
             version = fragment_version(self.state.incarnation, frag.version)
             messages = list(
                 wire.fragment_messages(index, version, payloads, blobs, round_opened_seconds=frag.round_opened)
@@ -194,8 +200,7 @@ class Pulls:
         made = difference(newest.values, held.values, encoding, block_size, top_k, self.chunk)
         named = [(spec.name, values) for spec, values in zip(frag.specs, newest.values)]
         payloads = wire.payloads_of(named, made.blobs, encoding, block_size, top_k)
-        for payload, spec in zip(payloads, frag.specs):
-            payload.dtype = spec.dtype
+        _with_dtypes(payloads, frag.specs)
         values = tuple(made.held)
         ref = Reference(newest.incarnation, newest.version, values, values_digest(values, self._hashing.map))
         messages = wire.fragment_messages(

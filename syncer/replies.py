@@ -52,8 +52,9 @@ class SharedReplies(Generic[T]):
                 future.set_result(make())
             except BaseException as error:
                 with self._lock:
-                    if self._entries.get(fragment, {}).get(key) is future:
-                        del self._entries[fragment][key]
+                    held = self._entries.get(fragment)
+                    if held is not None and held.get(key) is future:
+                        del held[key]
                 future.set_exception(error)
                 raise
         return future.result()

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import torch
@@ -605,7 +605,7 @@ class _Admitted(grpc.GenericRpcHandler):
         self._refuse = refuse
         self._control = control
 
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = self._inner.service(handler_call_details)
         if handler is None or hasattr(behavior_of(handler), "experimental_thread_pool") or self.data_threads.has_room():
             return handler
