@@ -2,15 +2,16 @@
 encoding, the newest values' snapshot, and compressed differences (`diloco.core.compressed_pull`) made once
 for every island that holds the same values (`replies`), with what each island then holds (`references`).
 
-The server's lock guards the shard's state and these caches; `serve` takes it for the bookkeeping and makes a
-difference outside it, from a snapshot of the newest values, while merges step the fragment in place.
+The server's lock guards the shard's state and these caches; `serve` takes it to read them and makes a
+difference outside it, from a snapshot of the newest values, while merges step the fragment in place. Whether
+an island needs a pull at all, and that it is live, is the server's to say.
 Differences and full references are hashed on `threads` cores.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import cast
@@ -72,7 +73,6 @@ class Pulls:
         state: ShardState,
         config: TrainingConfig,
         lock: threading.Condition,
-        clock: Callable[[], float],
         *,
         chunk: int,
         threads: int,
@@ -83,7 +83,6 @@ class Pulls:
         self.chunk = chunk
         self.references = References(max_reference_bytes)
         self._lock = lock
-        self._clock = clock
         self._replies: dict[tuple[int, Encoding], tuple[int, list[bytes], int]] = {}
         self._snapshots: dict[int, Snapshot] = {}
         self._full_references: dict[int, Reference] = {}
@@ -93,18 +92,13 @@ class Pulls:
     def close(self) -> None:
         self._hashing.shutdown()
 
-    def serve(self, request: pb.PullRequest, encoding: Encoding, delta_encoding: Encoding | None) -> ServedPull | None:
-        """The Pull reply to `request`, None when the island holds the newest version: a difference in
+    def serve(self, request: pb.PullRequest, encoding: Encoding, delta_encoding: Encoding | None) -> ServedPull:
+        """The newest values of a seeded fragment for an island that holds older ones: a difference in
         `delta_encoding` when the island asked for one and the shard knows what it holds, else the full
-        values in `encoding`. A joined island is refreshed once the pull is answered."""
+        values in `encoding`."""
         index = request.fragment_id
         with self._lock:
-            if request.island_id:
-                self.state.check_island(request.island_id)
             frag = self.state.seeded_fragment(index)
-            self.state.touch(request.island_id, self._clock())
-            if (request.have.incarnation, request.have.version) == (self.state.incarnation, frag.version):
-                return None
             if delta_encoding is not None and (held := self._held_reference(request)) is not None:
                 newest, round_opened = self.snapshot(index), frag.round_opened
             else:

@@ -148,7 +148,6 @@ class SyncerServer:
             self.state,
             config,
             self._cond,
-            clock,
             chunk=self.chunk,
             threads=threads,
             max_reference_bytes=max_reference_bytes,
@@ -486,7 +485,15 @@ class SyncerServer:
             return self.state.cadence_step_seconds(self.clock())
 
     def pull(self, request: pb.PullRequest, encoding: Encoding, delta_encoding: Encoding | None) -> ServedPull | None:
-        """The Pull reply to `request` (`Pulls.serve`), None when the island holds the newest version."""
+        """The Pull reply to `request` (`Pulls.serve`), None when the island holds the newest version. A joined
+        island is refreshed once the pull is answered."""
+        with self._cond:
+            if request.island_id:
+                self.state.check_island(request.island_id)
+            frag = self.state.seeded_fragment(request.fragment_id)
+            self.state.touch(request.island_id, self.clock())
+            if (request.have.incarnation, request.have.version) == (self.state.incarnation, frag.version):
+                return None
         return self.pulls.serve(request, encoding, delta_encoding)
 
     def leave(self, island: str) -> None:
