@@ -162,6 +162,7 @@ class MergeEvent(ProgressEvent):
     fragment: int
     version: int
     pushes: tuple[PushKey, ...] = ()
+    landed: int = 0  # of the pushes, the islands' last, landed on their mean (`diloco.core.outer_optimizer.land`)
 
     @classmethod
     def from_payload(cls, t: float, source: Source, payload: dict[str, Any]) -> MergeEvent:

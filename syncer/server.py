@@ -354,7 +354,9 @@ class SyncerServer:
             self.metrics.contributors.observe(len(record.contributors))
             if self.progress is not None:
                 pushes = tuple((k.island, k.incarnation, k.base_version, k.sequence) for k in record.pushes)
-                self.progress.write(MergeEvent, fragment=index, version=record.version, pushes=pushes)
+                self.progress.write(
+                    MergeEvent, fragment=index, version=record.version, pushes=pushes, landed=record.landed
+                )
             log.debug(
                 "merged",
                 extra={
@@ -466,14 +468,26 @@ class SyncerServer:
         inner_steps: int,
         step_seconds: float,
         slack_seconds: float | None = None,
+        last: bool = False,
     ) -> PushResult:
         """Takes a checked push and wakes the merge thread, which may find the fragment due now. The delta's norm
         (what its merge clips by) is a pass over its bytes: taken here, on the push's own thread, before the
-        lock, so that neither the merge nor the other calls wait for it."""
+        lock, so that neither the merge nor the other calls wait for it. `last`: the island's last push of the
+        fragment, which its merge lands."""
         norm = delta_norm(delta, self.state.chunk)
         with self._cond:
             result = self.state.submit(
-                key, fragment, specs, delta, tokens, inner_steps, self.clock(), step_seconds, slack_seconds, norm
+                key,
+                fragment,
+                specs,
+                delta,
+                tokens,
+                inner_steps,
+                self.clock(),
+                step_seconds,
+                slack_seconds,
+                norm,
+                last,
             )
             self._dirty |= not result.duplicate
             self._cond.notify_all()
@@ -779,7 +793,9 @@ class _Servicer:
                     _, tensors = wire.read_push_stream(itertools.chain([h], parts), max_total_bytes=limit)
             if early is None:
                 delta = [t for _, t in tensors]
-                result = s.submit_push(key, h.fragment_id, specs, delta, h.tokens, h.inner_steps, h.step_seconds, slack)
+                result = s.submit_push(
+                    key, h.fragment_id, specs, delta, h.tokens, h.inner_steps, h.step_seconds, slack, h.last
+                )
                 s.metrics.bytes_in.inc(sum(p.byte_length for p, _ in tensors))
             else:
                 result = early

@@ -28,6 +28,7 @@ from diloco.core.merge import (
     MAX_TOKENS_PER_INNER_STEP,
     Contribution,
     Delta,
+    MergedGradient,
     delta_norm,
     is_too_stale,
     merge_deltas,
@@ -36,6 +37,8 @@ from diloco.core.merge import (
 from diloco.core.outer_optimizer import (
     ROUND_EPSILON,
     init_momentum,
+    land_bound,
+    land_chunked,
     largest_magnitude,
     outer_momentum,
     outer_step_chunked,
@@ -44,9 +47,11 @@ from diloco.core.outer_optimizer import (
 )
 from diloco.core.refusal import Refusal
 
-CHECKPOINT_FORMAT = 2
-READABLE_FORMATS = frozenset({1, CHECKPOINT_FORMAT})
-"""Format 2 added the outer round's progress; a format-1 checkpoint resumes with a round opening."""
+CHECKPOINT_FORMAT = 3
+READABLE_FORMATS = frozenset({1, 2, CHECKPOINT_FORMAT})
+"""Format 2 added the outer round's progress, format 3 took a round's look-ahead at its end rather than its
+opening (`outer_step`) and marked the islands' last pushes: an older checkpoint resumes with a round opening,
+so that a round whose look-ahead was taken does not take it again."""
 MAX_PENDING_BYTES = 16 * 1024**3
 """Pending deltas a shard holds in memory, as it holds them (as sent: int4 0.53 bytes a parameter): 8 islands'
 float32 deltas of the whole `large` preset (1.4 GB) and room, or 16 islands' int4 pushes of a 2 B model."""
@@ -93,6 +98,7 @@ class Pending:
     on_time: bool = True  # based on the version then current: pushed in the round it was trained for
     slack: float | None = None  # seconds after the push the island mixes the merge in (None: unknown)
     norm: float = 0.0  # the delta's L2 norm, by which its merge may leave it out as an outlier (`robust`)
+    last: bool = False  # the island's last push of the fragment: its merge lands it (`outer_optimizer.land`)
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,7 @@ class MergeRecord:
     max_staleness: int
     dropped: str | None
     outliers: tuple[PushKey, ...] = ()  # pushes left out of the merge, their deltas far beyond their peers' (`robust`)
+    landed: int = 0  # of `pushes`, the islands' last, landed rather than stepped past (`outer_optimizer.land`)
 
     @property
     def contributors(self) -> tuple[str, ...]:
@@ -358,6 +365,7 @@ class ShardState:
         step_seconds: float = 0.0,
         slack_seconds: float | None = None,
         norm: float | None = None,
+        last: bool = False,
     ) -> PushResult:
         """Takes a delta as the island's pending contribution to the fragment's next merge: as it came over the
         wire (checked, not decoded: its merge decodes it chunk by chunk) or as float values.
@@ -367,6 +375,7 @@ class ShardState:
         `step_seconds` is the island's measured seconds per inner step, `slack_seconds` how long after the
         push it mixes the merge in (0 and None: not measured). `norm` is the delta's L2 norm (`delta_norm`)
         when the caller took it before holding the shard's lock, as the server does; else it is taken here.
+        `last` marks the island's last push of the fragment, which its merge lands rather than steps past.
         """
         duplicate = self.check_push(key, fragment, specs, tokens, inner_steps, slack_seconds, _held_bytes(delta))
         if duplicate is not None:
@@ -382,7 +391,9 @@ class ShardState:
         self._record_lateness(frag, staleness, now)
         delta32 = [d if isinstance(d, Encoded) else d.to(torch.float32) for d in delta]
         norm = delta_norm(delta32, self.chunk) if norm is None else norm
-        frag.pending[key.island] = Pending(key, delta32, tokens, inner_steps, now, staleness == 0, slack_seconds, norm)
+        frag.pending[key.island] = Pending(
+            key, delta32, tokens, inner_steps, now, staleness == 0, slack_seconds, norm, last
+        )
         frag.max_staleness_seen = max(frag.max_staleness_seen, staleness)
         self.touch(key.island, now)
         if key.island in self.islands:
@@ -547,7 +558,9 @@ class ShardState:
         return contributors / max(contributors, self.round_members(frag, now))
 
     def merge(self, index: int, now: float) -> MergeRecord:
-        """Merges the pending contributions into the fragment with the outer optimizer; bumps its version.
+        """Merges the pending contributions into the fragment with the outer optimizer; bumps its version. The
+        islands' last pushes among them (`Pending.last`) are merged apart and landed (`land`: the mean of their
+        models, no step past it), as their own share of the round.
 
         One pass over the fragment: each chunk of the merged outer gradient is decoded from the pending deltas and
         stepped into the values and momentum while in cache, in place. A delta whose norm is far beyond its peers'
@@ -576,62 +589,60 @@ class ShardState:
             frag.pending.clear()
             frag.quorum_since = None
             return MergeRecord(index, frag.version, (), 0, 0, dropped="outliers", outliers=outliers)
-        contributions = [
-            Contribution(p.key.island, p.delta, p.tokens, frag.version - p.key.base_version) for p in pending
-        ]
-        gradient = merge_deltas(
-            contributions,
-            staleness_decay=self.config.staleness_decay,
-            radial_directional=self.config.radial_directional,
-            chunk=self.chunk,
-        )
+        contributions = {
+            p.key: Contribution(p.key.island, p.delta, p.tokens, frag.version - p.key.base_version) for p in pending
+        }
+        stepping = [p for p in pending if not p.last]
+        landing = [p for p in pending if p.last]
         outer = self.config.outer
         momentum_coef = round_momentum(outer_momentum(self.config), frag.freshness)
-        in_place = (
-            max(
-                step_bounds(
-                    *_magnitudes(frag),
-                    gradient.bound,
-                    lr=outer.lr,
-                    momentum_coef=momentum_coef,
-                    nesterov=outer.nesterov,
-                )
+        value_bound, momentum_bound = _magnitudes(frag)
+        step_gradient = land_gradient = None
+        if stepping:
+            step_gradient = self._gradient([contributions[p.key] for p in stepping])
+            value_bound, momentum_bound = step_bounds(
+                value_bound,
+                momentum_bound,
+                step_gradient.bound,
+                lr=outer.lr,
+                momentum_coef=momentum_coef,
+                nesterov=outer.nesterov,
             )
-            < IN_PLACE_BOUND
-        )
+        land_share = self.merge_share(frag, len(landing), now) if landing else 0.0
+        if landing:
+            land_gradient = self._gradient([contributions[p.key] for p in landing])
+            value_bound = land_bound(value_bound, land_gradient.bound, share=land_share)
+        in_place = max(value_bound, momentum_bound) < IN_PLACE_BOUND
         values = frag.values if in_place else [v.clone() for v in frag.values]
         momentum = frag.momentum if in_place else [m.clone() for m in frag.momentum]
-        share = self.merge_share(frag, len(pending), now)
-        step = outer_step_chunked(
-            values,
-            momentum,
-            gradient,
-            lr=outer.lr,
-            momentum_coef=momentum_coef,
-            nesterov=outer.nesterov,
-            share=share,
-            round_progress=frag.round_progress,
-            chunk=self.chunk,
-        )
+        share = self.merge_share(frag, len(stepping), now) if stepping else 0.0
+        progress = frag.round_progress
+        value_magnitude, momentum_magnitude = _magnitudes(frag)
+        if step_gradient is not None:
+            step = outer_step_chunked(
+                values,
+                momentum,
+                step_gradient,
+                lr=outer.lr,
+                momentum_coef=momentum_coef,
+                nesterov=outer.nesterov,
+                share=share,
+                round_progress=frag.round_progress,
+                chunk=self.chunk,
+            )
+            progress, value_magnitude, momentum_magnitude = step.progress, step.value_magnitude, step.momentum_magnitude
+        if land_gradient is not None:
+            value_magnitude = land_chunked(values, land_gradient, share=land_share, chunk=self.chunk)
         frag.pending.clear()
         frag.merged_quorum_since, frag.quorum_since = frag.quorum_since, None
         tokens = sum(p.tokens for p in pending)
-        finite = math.isfinite(step.value_magnitude) and math.isfinite(step.momentum_magnitude)
+        finite = math.isfinite(value_magnitude) and math.isfinite(momentum_magnitude)
         dropped = None if finite else "non_finite"
         if dropped is None:
             frag.values, frag.momentum = values, momentum
-            frag.magnitudes = (step.value_magnitude, step.momentum_magnitude)
-            if frag.round_progress == 0 or frag.round_progress + share > 1 + ROUND_EPSILON:
-                frag.round_opened = merged_arrival(pending)  # this merge opened a round (or carried into one)
-            fresh = sum(c.staleness == 0 for c in contributions) / len(contributions)
-            if frag.round_progress + share >= 1 - ROUND_EPSILON:  # a round completed: the next is of those live
-                frag.round_left.clear()
-                completing = 1 - frag.round_progress
-                frag.freshness = min(1.0, frag.round_fresh + fresh * completing)
-                frag.round_fresh = fresh * max(0.0, share - completing)
-            else:
-                frag.round_fresh += fresh * share
-            frag.round_progress = step.progress
+            frag.magnitudes = (value_magnitude, momentum_magnitude)
+            if stepping:
+                self._advance_round(frag, stepping, [contributions[p.key] for p in stepping], share, progress)
             frag.version += 1
             frag.merged_keys |= {p.key for p in pending}
             oldest_useful = frag.version - self.config.max_staleness
@@ -649,10 +660,41 @@ class ShardState:
             version=frag.version,
             pushes=tuple(p.key for p in pending),
             tokens=tokens,
-            max_staleness=max(c.staleness for c in contributions),
+            max_staleness=max(c.staleness for c in contributions.values()),
             dropped=dropped,
             outliers=outliers,
+            landed=len(landing),
         )
+
+    def _gradient(self, contributions: Sequence[Contribution]) -> MergedGradient:
+        return merge_deltas(
+            contributions,
+            staleness_decay=self.config.staleness_decay,
+            radial_directional=self.config.radial_directional,
+            chunk=self.chunk,
+        )
+
+    @staticmethod
+    def _advance_round(
+        frag: ShardFragment,
+        stepping: Sequence[Pending],
+        contributions: Sequence[Contribution],
+        share: float,
+        progress: float,
+    ) -> None:
+        """The round bookkeeping of a step of `share` that left the round at `progress`: when it opened, which
+        islands it waits on, and how fresh its deltas were (the next round's momentum)."""
+        if frag.round_progress == 0 or frag.round_progress + share > 1 + ROUND_EPSILON:
+            frag.round_opened = merged_arrival(stepping)  # this merge opened a round (or carried into one)
+        fresh = sum(c.staleness == 0 for c in contributions) / len(contributions)
+        if frag.round_progress + share >= 1 - ROUND_EPSILON:  # a round completed: the next is of those live
+            frag.round_left.clear()
+            completing = 1 - frag.round_progress
+            frag.freshness = min(1.0, frag.round_fresh + fresh * completing)
+            frag.round_fresh = fresh * max(0.0, share - completing)
+        else:
+            frag.round_fresh += fresh * share
+        frag.round_progress = progress
 
     # Checkpoints
 
@@ -710,7 +752,9 @@ class ShardState:
         shard.contributed = set(state.get("contributed", shard.islands.keys() | shard.left.keys()))
         shard.newcomers = dict(state.get("newcomers", {}))
         for p, fragment in state["fragments"].items():
-            _restore_fragment(shard.fragment(p), fragment, keep_pushes=clean)
+            _restore_fragment(
+                shard.fragment(p), fragment, keep_pushes=clean, rounds=state["format"] == CHECKPOINT_FORMAT
+            )
         return shard
 
 
@@ -746,6 +790,7 @@ def _saved_fragment(frag: ShardFragment) -> dict[str, Any]:
                 "delta": [decoded(d).clone() if isinstance(d, Encoded) else d.clone() for d in p.delta],
                 "tokens": p.tokens,
                 "inner_steps": p.inner_steps,
+                "last": p.last,
             }
             for p in frag.pending.values()
         ],
@@ -761,9 +806,10 @@ def _saved_fragment(frag: ShardFragment) -> dict[str, Any]:
     }
 
 
-def _restore_fragment(frag: ShardFragment, saved: dict[str, Any], keep_pushes: bool) -> None:
+def _restore_fragment(frag: ShardFragment, saved: dict[str, Any], keep_pushes: bool, rounds: bool) -> None:
     """Fills a fresh fragment from its checkpoint; pending pushes and keys survive only a clean stop,
-    since after a crash their bases belong to an incarnation that no longer exists."""
+    since after a crash their bases belong to an incarnation that no longer exists. Without `rounds` (an
+    older format's round), the next merge opens a round."""
     frag.specs = tuple(TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in saved["specs"])
     frag.values = list(saved["values"])
     frag.momentum = list(saved["momentum"])
@@ -771,9 +817,11 @@ def _restore_fragment(frag: ShardFragment, saved: dict[str, Any], keep_pushes: b
     if keep_pushes:
         for p in saved["pending"]:
             key = PushKey(*p["key"])
-            frag.pending[key.island] = Pending(key, list(p["delta"]), p["tokens"], p["inner_steps"])
+            frag.pending[key.island] = Pending(
+                key, list(p["delta"]), p["tokens"], p["inner_steps"], last=p.get("last", False)
+            )
         frag.merged_keys = {PushKey(*k) for k in saved["merged_keys"]}
-    frag.round_progress = saved.get("round_progress", 0.0)  # format 1 had no rounds: each merge was its own
+    frag.round_progress = saved.get("round_progress", 0.0) if rounds else 0.0
     frag.round_left = set(saved.get("round_left", ()))
     frag.round_fresh = saved.get("round_fresh", 0.0)
     frag.freshness = saved.get("freshness", 1.0)

@@ -195,6 +195,7 @@ class Learner:
         checkpoint_every: int = CHECKPOINT_EVERY,
         tokens_per_step: int | None = None,
         instruments: LoopInstruments | None = None,
+        last_step: int | None = None,
     ) -> None:
         """`syncers[i]` is the address of shard i, reached with `security` (TLS, or plaintext by name). A
         round with no merge within `sync_timeout` seconds is abandoned; each call gets `rpc_timeout` seconds
@@ -217,7 +218,11 @@ class Learner:
         step (or 0).
 
         `instruments` write the progress events a local run reads and emulate its slower hardware
-        (`diloco.worker.loop_instruments`)."""
+        (`diloco.worker.loop_instruments`).
+
+        `last_step`, the inner step the loop ends at when it knows it, marks the pushes that step begins as
+        the island's last, as `flush` marks its own: the shards land them on the mean of the islands' models
+        rather than stepping past it (`diloco.core.outer_optimizer.land`)."""
         if not syncers:
             raise ValueError("a learner needs at least one syncer shard")
         if not island_id:
@@ -240,6 +245,7 @@ class Learner:
         self.stop = stop
         self.checkpoint_every = checkpoint_every
         self.tokens_per_step = tokens_per_step
+        self.last_step = last_step
         self._instruments = instruments
         self._token = token
         if compressed_pulls is None:
@@ -600,7 +606,9 @@ class Learner:
         due = fragments_due_in(before, self._phase, self.config.inner_steps, self.config.fragments)
         for index in due:
             if self._fragments[index].mixable_at is None:
-                self._begin_round(self._fragments[index])
+                self._begin_round(
+                    self._fragments[index], last=self.last_step is not None and self._step >= self.last_step
+                )
         if self.synchronous and due:
             self._await_rounds(self.sync_timeout)
         self._last_step_monotonic = time.monotonic()
@@ -654,7 +662,8 @@ class Learner:
         """Pushes every fragment's progress since its last sync (where a round is still out, against the merge
         it brings back) and waits up to `timeout` seconds (default `flush_timeout`, or after a stop request
         what its grace period leaves) for the merges: the end of a run, so that its last steps reach the
-        global model too; the island pushes no more after it. Once the
+        global model too; the island pushes no more after it, so these pushes are marked its last (the shards
+        land them rather than step past them: `diloco.core.outer_optimizer.land`). Once the
         shards hold those pushes a decoupled island tells them it has left, so that no merge of the islands
         still training waits for it while it waits for its own (a synchronous one stays in the barrier until
         it closes: its last merge takes in every island). Also checkpoints the optimizer state, for the
@@ -670,13 +679,13 @@ class Learner:
         out = [f for f in self._fragments if f.mixable_at is not None]
         for f in self._fragments:
             if f.mixable_at is None:
-                self._begin_round(f)
+                self._begin_round(f, last=True)
         out = [f for f in out if f.began_at < self._step]  # one that began at this step carries every step
         if out:  # a round still out holds its fragment's base: the steps since go against what it brings back
             self._await_rounds(max(0.0, deadline - time.monotonic()), out)
             for f in out:
                 if f.mixable_at is None:
-                    self._begin_round(f)
+                    self._begin_round(f, last=True)
         if self.island.is_leader and not self.synchronous:
             for round_ in list(self._rounds.values()):
                 round_.wait_delivered(max(0.0, deadline - time.monotonic()))
@@ -754,7 +763,7 @@ class Learner:
             self._metrics_server.server_close()
             self._metrics_server = None
 
-    def _begin_round(self, f: _IslandFragment) -> None:
+    def _begin_round(self, f: _IslandFragment, *, last: bool = False) -> None:
         f.mixable_at = self._phase + self.config.overlap_steps
         f.began_at = self._step
         tokens = self.island.sum(f.tokens)
@@ -774,6 +783,7 @@ class Learner:
             sequence=f.sequence,
             step_seconds=self._step_seconds,
             slack_seconds=self._slack_seconds(),
+            last=last,
         )
         round_ = FragmentSync(
             self._clients[f.shard],

@@ -66,6 +66,7 @@ class SyncRequest:
     sequence: int
     step_seconds: float = 0.0  # the island's measured seconds per inner step (0: not measured)
     slack_seconds: float | None = None  # how long after the push the island mixes the merge in (None: unknown)
+    last: bool = False  # the island's last push of the fragment: the end of its run
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ class FragmentSync:
                 encoded=encoded,
                 step_seconds=r.step_seconds,
                 slack_seconds=r.slack_seconds,
+                last=r.last,
             )
         except grpc.RpcError as error:
             if refusal_of(error.code()) is Refusal.OUT_OF_STEP:

@@ -249,6 +249,7 @@ class Trainer:
                 checkpoint_dir=settings.checkpoint_dir,
                 checkpoint_every=settings.checkpoint_every,
                 tokens_per_step=settings.batch_size * self.context,
+                last_step=settings.steps or None,
             )
         self.step = 0
         self.tokens = 0

@@ -8,20 +8,24 @@ exactly: a zero-initialised buffer gives mu·0 + g = g on the first step, which 
 A decoupled shard rarely takes a full step: it merges whichever islands have pushed, so one round of M islands
 may arrive as M merges of one island each. Each merge is a *share* of a round, and momentum advances once per
 round of shares, not once per merge (as Delayed Nesterov does in Async Local-SGD, Liu et al. 2024). One
-Nesterov step, θ ← θ − lr·((1+μ)·g + μ²·buf) with buf ← μ·buf + g, splits into a part that depends only on
-the momentum of earlier rounds (μ²·buf) and a part linear in this round's gradient ((1+μ)·g). The momentum part
-is taken when a round opens; each merge then adds its share s of the gradient part, s·(1+μ)·g to the step and
-s·g to the buffer. However the round's deltas happen to be grouped in time, the fragment and its momentum end
-the round exactly where one merge of all of them would have put them. Scaling each merge's step by its share
-instead (and decaying momentum by μ^share), as shards did before, only matched a full step once momentum had
-settled: stale one-island merges each carried momentum forward, and the global model fell behind its islands.
-"""
+Nesterov step, θ ← θ − lr·(g + μ·buf') with buf' = μ·buf + g, splits into a part linear in this round's
+gradient (g) and the look-ahead along the new momentum (μ·buf'). Each merge adds its share s of the gradient,
+lr·s·g to the step and s·g to the buffer (decayed by μ when the round opens); the look-ahead is taken when the
+round completes, once the buffer holds all of it. However the round's deltas happen to be grouped in time, the
+fragment and its momentum end the round exactly where one merge of all of them would have put them; and a
+round that never completes (the end of a run, where islands push the steps since their last round) steps its
+shares of the gradient and nothing of a look-ahead for rounds that will not come. Taking the momentum when a
+round opened, as shards did before, moved the model a whole round's look-ahead past the islands on a share of
+a round's progress: at the end of a run that overshoot was what the exported model kept. Scaling each merge's
+step by its share instead (and decaying momentum by μ^share), as shards did earlier still, only matched a full
+step once momentum had settled: stale one-island merges each carried momentum forward, and the global model
+fell behind its islands. The islands' last pushes are not stepped at all but landed (`land`)."""
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -81,10 +85,10 @@ def outer_step(
     """Apply `share` of a round's outer step in place, `round_progress` of the round being already applied;
     returns the round's progress after it (0 once the round is complete).
 
-    Opening a round (progress 0): buf ← μ·buf, θ ← θ − lr·μ·buf (Nesterov; heavy ball: θ ← θ − lr·buf).
-    Then for the share s: buf ← buf + s·g, θ ← θ − lr·(1+μ)·s·g (heavy ball: lr·s·g). A share that runs past
-    the end of the round completes it and opens the next with the rest. With share 1 from progress 0 this is
-    one full step of torch's SGD."""
+    Opening a round (progress 0): buf ← μ·buf (heavy ball, which has no look-ahead: also θ ← θ − lr·buf).
+    Then for the share s: buf ← buf + s·g, θ ← θ − lr·s·g. Completing a round (Nesterov): θ ← θ − lr·μ·buf. A
+    share that runs past the end of the round completes it and opens the next with the rest. With share 1
+    from progress 0 this is one full step of torch's SGD."""
     if not len(params) == len(momentum) == len(outer_grad):
         raise ValueError(
             f"got {len(params)} params, {len(momentum)} momentum buffers and {len(outer_grad)} outer gradients"
@@ -93,8 +97,7 @@ def outer_step(
         raise ValueError(f"lr must be positive, got {lr}")
     if not 0 <= momentum_coef < 1:
         raise ValueError(f"momentum_coef must be in [0, 1), got {momentum_coef}")
-    if not 0 < share <= 1:
-        raise ValueError(f"share must be in (0, 1], got {share}")
+    _check_share(share)
     if not 0 <= round_progress < 1:
         raise ValueError(f"round_progress must be in [0, 1), got {round_progress}")
     for i, (param, buf, grad) in enumerate(zip(params, momentum, outer_grad)):
@@ -103,23 +106,25 @@ def outer_step(
                 f"tensor {i}: param {tuple(param.shape)}, momentum {tuple(buf.shape)} and outer gradient "
                 f"{tuple(grad.shape)} differ in shape"
             )
-    look_ahead = momentum_coef if nesterov else 1.0
-    gradient_gain = 1 + momentum_coef if nesterov else 1.0
     remaining, progress = share, round_progress
     with torch.no_grad():
         while remaining > ROUND_EPSILON:
             if progress == 0:
                 for param, buf in zip(params, momentum):
                     buf.mul_(momentum_coef)
-                    param.add_(buf, alpha=-lr * look_ahead)
+                    if not nesterov:
+                        param.add_(buf, alpha=-lr)
             taken = min(remaining, 1 - progress)
             for param, buf, grad in zip(params, momentum, outer_grad):
                 buf.add_(grad, alpha=taken)
-                param.add_(grad, alpha=-lr * gradient_gain * taken)
+                param.add_(grad, alpha=-lr * taken)
             remaining -= taken
             progress += taken
             if progress >= 1 - ROUND_EPSILON:
                 progress = 0.0
+                if nesterov:
+                    for param, buf in zip(params, momentum):
+                        param.add_(buf, alpha=-lr * momentum_coef)
     return progress
 
 
@@ -178,21 +183,74 @@ def outer_step_chunked(
     if len(params) != len(momentum):
         raise ValueError(f"got {len(params)} params and {len(momentum)} momentum buffers")
     value_magnitude = momentum_magnitude = 0.0
-    for index, (param, buf) in enumerate(zip(params, momentum)):
-        if param.shape != buf.shape or not (param.is_contiguous() and buf.is_contiguous()):
+    for values, (moment,), grad in _chunks(params, [momentum], gradient, chunk):
+        step([values], [moment], [grad])
+        value_magnitude = max(value_magnitude, largest_magnitude([values]))
+        momentum_magnitude = max(momentum_magnitude, largest_magnitude([moment]))
+    return ChunkedStep(progress, value_magnitude, momentum_magnitude)
+
+
+def land(params: Sequence[Tensor], outer_grad: Sequence[Tensor], *, share: float = 1.0) -> None:
+    """θ ← θ − share·g in place, momentum untouched: the merge of islands' last pushes, at the end of their run.
+
+    An outer step moves the fragment past the mean of the islands' models (lr·(1+μ) of the gradient, and μ²
+    of the momentum on top), a bet that the rounds after it pay for: islands train on from there and correct
+    it. After an island's last push there is no such round, and the step past the mean is what the exported
+    model keeps: at the end of a run it ended up to 0.3 worse in held-out loss than the islands that trained
+    it. Landing takes the last pushes as they are: with every island's last push in one merge (share 1, fresh
+    deltas) the fragment becomes the token-weighted mean of their models. Momentum is left as it was, for
+    islands still training (a replaced island catching up), and so is the round in progress."""
+    _check_share(share)
+    if len(params) != len(outer_grad):
+        raise ValueError(f"got {len(params)} params and {len(outer_grad)} outer gradients")
+    with torch.no_grad():
+        for i, (param, grad) in enumerate(zip(params, outer_grad)):
+            if param.shape != grad.shape:
+                raise ValueError(f"tensor {i}: param {tuple(param.shape)}, outer gradient {tuple(grad.shape)}")
+            param.add_(grad, alpha=-share)
+
+
+def land_chunked(params: Sequence[Tensor], gradient: ChunkedGradient, *, share: float, chunk: int) -> float:
+    """`land` with a gradient filled about `chunk` elements at a time, as `outer_step_chunked` takes a step;
+    returns the largest magnitude of the values it leaves (inf when any is not finite)."""
+    _check_share(share)
+    value_magnitude = 0.0
+    for values, _, grad in _chunks(params, [], gradient, chunk):
+        land([values], [grad], share=share)
+        value_magnitude = max(value_magnitude, largest_magnitude([values]))
+    return value_magnitude
+
+
+def _check_share(share: float) -> None:
+    if not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1], got {share}")
+
+
+def _chunks(
+    params: Sequence[Tensor], alongside: Sequence[Sequence[Tensor]], gradient: ChunkedGradient, chunk: int
+) -> Iterator[tuple[Tensor, list[Tensor], Tensor]]:
+    """The values, the same elements of each tensor list `alongside` them (momentum) and the gradient filled for
+    them, about `chunk` elements at a time, on the gradient's alignment: views, so that a step on them is one
+    in place."""
+    for index, param in enumerate(params):
+        tensors = [param, *(others[index] for others in alongside)]
+        if any(t.shape != param.shape or not t.is_contiguous() for t in tensors):
             raise ValueError(f"tensor {index}: param and momentum must be contiguous and alike in shape")
-        flat_param, flat_buf = param.view(-1), buf.view(-1)
+        flat = [t.view(-1) for t in tensors]
         align = gradient.alignment(index)
         size = max(1, chunk // align) * align
-        scratch = torch.empty(min(size, flat_param.numel()), dtype=param.dtype)
-        for start in range(0, flat_param.numel(), size):
-            values, moment = flat_param[start : start + size], flat_buf[start : start + size]
-            grad = scratch[: values.numel()]
+        scratch = torch.empty(min(size, param.numel()), dtype=param.dtype)
+        for start in range(0, param.numel(), size):
+            views = [f[start : start + size] for f in flat]
+            grad = scratch[: views[0].numel()]
             gradient.fill(index, start, grad)
-            step([values], [moment], [grad])
-            value_magnitude = max(value_magnitude, largest_magnitude([values]))
-            momentum_magnitude = max(momentum_magnitude, largest_magnitude([moment]))
-    return ChunkedStep(progress, value_magnitude, momentum_magnitude)
+            yield views[0], views[1:], grad
+
+
+def land_bound(value_bound: float, gradient_bound: float, *, share: float) -> float:
+    """A bound on the magnitude of the values after `land`, given bounds before it and on the gradient (with
+    `step_bounds`' margin for float32 rounding)."""
+    return (value_bound + share * gradient_bound) * (1 + 2.0**-20)
 
 
 def step_bounds(
@@ -207,14 +265,13 @@ def step_bounds(
     """Bounds on the magnitude of the values and momentum during and after any share of a step, given bounds
     before it and on the gradient: what lets a shard take a step in place, proven finite before it starts.
 
-    A share opens at most two rounds (it runs past the end of one into the next). The momentum never exceeds
-    momentum_bound + gradient_bound (each opening scales it by μ < 1, and the shares add up to at most one
-    gradient); each opening moves the values by lr · look-ahead · that at most and the shares by lr · gain ·
-    gradient_bound. float32 rounding of the few operations on each element adds relative errors of a few
-    2^-24, covered by a margin of 2^-20."""
+    A share opens or completes at most two rounds (it runs past the end of one into the next). The momentum
+    never exceeds momentum_bound + gradient_bound (each opening scales it by μ < 1, and the shares add up to at
+    most one gradient); each look-ahead (Nesterov's at a completion, heavy ball's at an opening) moves the
+    values by lr · look-ahead · that at most and the shares by lr · gradient_bound. float32 rounding of the few
+    operations on each element adds relative errors of a few 2^-24, covered by a margin of 2^-20."""
     look_ahead = momentum_coef if nesterov else 1.0
-    gradient_gain = 1 + momentum_coef if nesterov else 1.0
     margin = 1 + 2.0**-20
     momentum_after = (momentum_bound + gradient_bound) * margin
-    value_after = (value_bound + lr * (2 * look_ahead * momentum_after + gradient_gain * gradient_bound)) * margin
+    value_after = (value_bound + lr * (2 * look_ahead * momentum_after + gradient_bound)) * margin
     return value_after, momentum_after

@@ -306,10 +306,12 @@ class SyncerClient:
         encoded: tuple[Sequence[pb.TensorPayload], Sequence[bytes]],
         step_seconds: float = 0.0,
         slack_seconds: float | None = None,
+        last: bool = False,
     ) -> pb.PushReply:
         """`push` of an outer gradient the caller encoded (`wire.tensor_payloads`), for a caller that needs
         the bytes it sends (error feedback decodes them). `slack_seconds`: how long after this push the island
-        mixes the merge in (a merge waits for late islands no longer than that)."""
+        mixes the merge in (a merge waits for late islands no longer than that). `last`: the island's last push
+        of the fragment (the end of its run), which its merge lands rather than steps past."""
         payloads, blobs = encoded
         header = pb.PushHeader(
             island_id=self.island_id,
@@ -320,6 +322,7 @@ class SyncerClient:
             sequence=sequence,
             step_seconds=step_seconds,
             slack_seconds=slack_seconds,
+            last=last,
         )
         timeout = self._timeout(sum(len(b) for b in blobs))
         reply = self._retrying(

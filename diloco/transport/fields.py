@@ -301,6 +301,7 @@ FIELDS: Mapping[str, Mapping[str, Rule]] = {
         "tensors": Repeated(NESTED, MAX_TENSORS),
         "step_seconds": Seconds(MAX_STEP_SECONDS, MIN_STEP_SECONDS, unknown_zero=True),
         "slack_seconds": Seconds(MAX_SLACK_SECONDS),  # unset: unknown
+        "last": ANY,
     },
     "PushChunk": {"header": NESTED, "data": ANY, "offset": READER, "crc32": ANY},
     "PushReply": {

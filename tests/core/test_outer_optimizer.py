@@ -6,7 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco.core.config import Encoding, TrainingConfig
-from diloco.core.outer_optimizer import init_momentum, outer_momentum, outer_step, outer_step_chunked, step_bounds
+from diloco.core.outer_optimizer import (
+    init_momentum,
+    land,
+    land_bound,
+    land_chunked,
+    outer_momentum,
+    outer_step,
+    outer_step_chunked,
+    step_bounds,
+)
 
 
 def test_hand_computed_three_nesterov_steps():
@@ -92,16 +101,47 @@ def test_errors_leave_state_untouched():
 
 
 def test_hand_computed_partial_steps_of_one_round():
-    # buf 0.5 from earlier rounds, lr 0.7, mu 0.9. The round opens: buf <- 0.45; theta <- 1 - 0.7 * 0.9 * 0.45
-    # = 0.7165. Share 0.5 of g = 0.2: buf <- 0.45 + 0.1 = 0.55; theta <- 0.7165 - 0.7 * 1.9 * 0.1 = 0.5835.
-    # The other half, g = 0.4: buf <- 0.55 + 0.2 = 0.75; theta <- 0.5835 - 0.7 * 1.9 * 0.2 = 0.3175; complete.
+    # buf 0.5 from earlier rounds, lr 0.7, mu 0.9. The round opens: buf <- 0.45, theta stays 1. Share 0.5 of
+    # g = 0.2: buf <- 0.45 + 0.1 = 0.55; theta <- 1 - 0.7 * 0.1 = 0.93. The other half, g = 0.4: buf <- 0.55 +
+    # 0.2 = 0.75; theta <- 0.93 - 0.7 * 0.2 = 0.79; the round completes with its look-ahead, theta <- 0.79 -
+    # 0.7 * 0.9 * 0.75 = 0.3175: one full step's 1 - 0.7 * (0.3 + 0.9 * 0.75).
     params, momentum = [torch.tensor([1.0], dtype=torch.float64)], [torch.tensor([0.5], dtype=torch.float64)]
     progress = outer_step(params, momentum, [torch.tensor([0.2], dtype=torch.float64)], **OUTER, share=0.5)
-    assert (progress, momentum[0].item(), params[0].item()) == pytest.approx((0.5, 0.55, 0.5835), abs=1e-12)
+    assert (progress, momentum[0].item(), params[0].item()) == pytest.approx((0.5, 0.55, 0.93), abs=1e-12)
     progress = outer_step(
         params, momentum, [torch.tensor([0.4], dtype=torch.float64)], **OUTER, share=0.5, round_progress=progress
     )
     assert (progress, momentum[0].item(), params[0].item()) == pytest.approx((0.0, 0.75, 0.3175), abs=1e-12)
+
+
+def test_a_round_that_never_completes_takes_its_shares_and_no_look_ahead():
+    """The end of a run: a quarter of a round pushed after the last full one moves the fragment by its share of
+    the gradient alone, not by a look-ahead for the rounds that would have followed."""
+    params, momentum = [torch.tensor([1.0], dtype=torch.float64)], [torch.tensor([0.5], dtype=torch.float64)]
+    outer_step(params, momentum, [torch.tensor([0.4], dtype=torch.float64)], **OUTER, share=0.25)
+    assert params[0].item() == pytest.approx(1 - 0.7 * 0.25 * 0.4, abs=1e-12)
+
+
+def test_landing_moves_by_the_share_of_the_gradient_and_leaves_momentum():
+    params, momentum = [torch.tensor([1.0, 2.0])], [torch.tensor([0.5, 0.5])]
+    land(params, [torch.tensor([0.4, -0.8])], share=0.5)
+    assert torch.equal(params[0], torch.tensor([0.8, 2.4]))
+    assert torch.equal(momentum[0], torch.tensor([0.5, 0.5]))
+
+
+def test_landing_every_islands_last_push_at_once_gives_the_mean_of_their_models():
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(5, generator=gen)
+    models = [base + torch.randn(5, generator=gen) for _ in range(4)]
+    params = [base.clone()]
+    land(params, [torch.stack([base - m for m in models]).mean(0)])
+    torch.testing.assert_close(params[0], torch.stack(models).mean(0))
+
+
+@pytest.mark.parametrize("share", [0.0, 1.5])
+def test_landing_refuses_a_share_outside_a_round(share):
+    with pytest.raises(ValueError, match="share"):
+        land([torch.zeros(1)], [torch.zeros(1)], share=share)
 
 
 OUTER = {"lr": 0.7, "momentum_coef": 0.9}
@@ -232,6 +272,27 @@ def test_chunk_by_chunk_is_the_whole_step_bit_for_bit(sizes, chunk, align, share
     assert step.momentum_magnitude == max((float(m.abs().max()) for m in whole_momentum if m.numel()), default=0.0)
 
 
+@settings(deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 50), min_size=1, max_size=3),
+    chunk=st.integers(1, 20),
+    align=st.integers(1, 4),
+    share=st.floats(0.05, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_landing_chunk_by_chunk_is_landing_whole_bit_for_bit_and_within_its_bound(sizes, chunk, align, share, seed):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [torch.randn(n, generator=gen) for n in sizes]
+    whole = [p.clone() for p in params]
+    before = max((float(p.abs().max()) for p in params if p.numel()), default=0.0)
+    bound = land_bound(before, max((float(g.abs().max()) for g in grads if g.numel()), default=0.0), share=share)
+    land(whole, grads, share=share)
+    magnitude = land_chunked(params, Whole(grads, align), share=share, chunk=chunk)
+    assert all(torch.equal(a, b) for a, b in zip(params, whole))
+    assert magnitude == max((float(p.abs().max()) for p in whole if p.numel()), default=0.0) <= bound
+
+
 def test_a_step_that_overflows_reports_an_infinite_magnitude():
     params, momentum = [torch.full((4,), 3e38)], [torch.zeros(4)]
     step = outer_step_chunked(params, momentum, Whole([torch.full((4,), -3e38)]), **OUTER, chunk=2)
@@ -245,11 +306,11 @@ def test_values_that_are_not_contiguous_are_refused():
 
 
 def test_hand_computed_step_bounds():
-    # |buf| <= 2 + 1 = 3; |theta| <= 10 + 0.7 * (2 * 0.9 * 3 + 1.9 * 1) = 10 + 0.7 * 7.3 = 15.11, each with a
+    # |buf| <= 2 + 1 = 3; |theta| <= 10 + 0.7 * (2 * 0.9 * 3 + 1) = 10 + 0.7 * 6.4 = 14.48, each with a
     # margin of 2^-20 for float32 rounding.
     values, momentum = step_bounds(10.0, 2.0, 1.0, **OUTER)
     assert momentum == pytest.approx(3.0, rel=1e-5) and momentum >= 3.0
-    assert values == pytest.approx(15.11, rel=1e-5) and values >= 15.11
+    assert values == pytest.approx(14.48, rel=1e-5) and values >= 14.48
 
 
 @settings(deadline=None)

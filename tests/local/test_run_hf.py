@@ -19,7 +19,7 @@ from support import wait_until
 
 from diloco.cli import main
 from diloco.export.model_files import load
-from diloco.progress import EvalEvent, StartEvent, StepEvent, read_events
+from diloco.progress import EvalEvent, MergeEvent, StartEvent, StepEvent, read_events
 from diloco.worker.data import epoch_order, island_windows, load_tokens, split_holdout
 from diloco.worker.tokenizer import load_tokenizer
 
@@ -63,6 +63,9 @@ def test_four_islands_train_the_llama_and_its_held_out_loss_falls(llama_run):
     evals = [e for e in read_events(out / "diloco" / "progress") if isinstance(e, EvalEvent)]
     first = min(e.loss for e in evals if e.step == 10)  # the islands' first measurements, after 10 steps each
     assert summary["final_loss"] < first - 0.3 < math.log(2048) - 0.3, (summary["final_loss"], first)
+    merges = [e for e in read_events(out / "diloco" / "merges") if isinstance(e, MergeEvent)]
+    assert sum(e.landed for e in merges) >= ISLANDS, "every island's last pushes landed"
+    assert summary["final_loss"] <= summary["islands_loss"] + 0.03, "the export as good as the islands"
     exported = load(out / "diloco" / "model")
     assert exported.config["model_type"] == "llama" and exported.config["outer_steps"] >= 1
     config = json.loads((out / "diloco" / "model" / "config.json").read_text())

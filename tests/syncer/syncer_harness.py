@@ -69,11 +69,12 @@ def random_values(seed: int, scale: float = 1.0) -> list[tuple[str, torch.Tensor
 
 
 class ReferenceFragment:
-    """The outer optimizer written out by hand, independent of the code under test: per round of shares, the
-    fragment sits at θ_0 − lr·(μ²·buf_0 + (1+μ)·G), where θ_0 and buf_0 are where the round opened and G is the
-    sum of share × g over the round's merges (g the token-weighted mean of a merge's deltas, share = k of the
-    `live` islands); once the shares make a whole round, buf ← μ·buf_0 + G and the next round opens there.
-    With whole rounds it is Nesterov SGD: buf ← μ·buf + g, θ ← θ − lr·(g + μ·buf)."""
+    """The outer optimizer written out by hand, independent of the code under test: within a round of shares,
+    the fragment sits at θ_0 − lr·G, where θ_0 is where the round opened and G is the sum of share × g over the
+    round's merges (g the token-weighted mean of a merge's deltas, share = k of the `live` islands); once the
+    shares make a whole round, it takes the look-ahead too, θ_0 − lr·(μ²·buf_0 + (1+μ)·G), buf ← μ·buf_0 + G,
+    and the next round opens there. With whole rounds it is Nesterov SGD: buf ← μ·buf + g, θ ← θ − lr·(g +
+    μ·buf)."""
 
     def __init__(self, config: TrainingConfig, values: list[tuple[str, torch.Tensor]]) -> None:
         self.lr = config.outer.lr
@@ -96,10 +97,11 @@ class ReferenceFragment:
             self.progress += taken
             share -= taken
             mu, lr = self.mu, self.lr
-            self.theta = [
-                t0 - lr * (mu * mu * b + (1 + mu) * acc) for t0, b, acc in zip(self.opened, self.buf, self.grad)
-            ]
+            self.theta = [t0 - lr * acc for t0, acc in zip(self.opened, self.grad)]
             if self.progress >= 1 - 1e-9:
+                self.theta = [
+                    t0 - lr * (mu * mu * b + (1 + mu) * acc) for t0, b, acc in zip(self.opened, self.buf, self.grad)
+                ]
                 self.buf = [mu * b + acc for b, acc in zip(self.buf, self.grad)]
                 self.opened = [t.clone() for t in self.theta]
                 self.grad = [torch.zeros_like(t) for t in self.theta]

@@ -27,10 +27,11 @@ def make_shard(max_pending_bytes: int = MAX_PENDING_BYTES, **overrides) -> Shard
     return shard
 
 
-def push(shard, island, now, *, fragment=0, base=None, seq=0, delta=1.0, tokens=100, specs=SPECS):
+def push(shard, island, now, *, fragment=0, base=None, seq=0, delta=1.0, tokens=100, specs=SPECS, last=False):
     base = shard.fragments[fragment].version if base is None else base
     key = PushKey(island, INCARNATION, base, seq)
-    return shard.submit(key, fragment, specs, [torch.full((2,), delta), torch.full((1,), delta)], tokens, 10, now)
+    deltas = [torch.full((2,), delta), torch.full((1,), delta)]
+    return shard.submit(key, fragment, specs, deltas, tokens, 10, now, last=last)
 
 
 def outer_lr_first_step(delta: float, config: TrainingConfig) -> float:
@@ -371,13 +372,13 @@ class TestStalenessAndIdempotency:
         assert result.staleness == 1
         shard.merge(0, 1.0)
         assert shard.fragments[0].max_staleness_seen == 1
-        lr, mu = shard.config.outer.lr, shard.config.outer.momentum
+        lr = shard.config.outer.lr
         after_first = outer_lr_first_step(1.0, shard.config)
         grad = (4.0 * 100 * 0.5 + 1.0 * 100) / (100 * 0.5 + 100)
         # The first merge, a's alone before b and c joined, was a whole round (momentum 1.0 after it). This one
-        # opens the next, of a, b and c, with its momentum part, μ·(μ·1.0), and takes 2/3 of its gradient part.
+        # opens the next, of a, b and c, and takes 2/3 of its gradient; the look-ahead waits for the round's end.
         share = 2 / 3
-        expected = after_first - lr * mu * mu * 1.0 - lr * (1 + mu) * share * grad
+        expected = after_first - lr * share * grad
         assert torch.allclose(shard.fragments[0].values[0], torch.full((2,), expected))
 
     def test_base_ahead_or_from_another_incarnation_asks_for_a_pull(self):
@@ -706,6 +707,59 @@ class TestRoundsOfShares:
         resumed = ShardState.from_state_dict(shard.config, 0, 1, saved, new_incarnation=INCARNATION + 1)
         assert resumed.fragments[0].round_progress == shard.fragments[0].round_progress == 0.25
         assert resumed.fragments[0].round_left == {"b"}
+
+
+class TestLastPushes:
+    """An island's last pushes (the end of its run) land the fragment on the mean of the islands' models: no
+    outer learning rate or momentum past it, for rounds that will not come."""
+
+    def trained(self):
+        shard = make_shard()
+        for island in "abcd":
+            shard.join(island, 0.0)
+        for island in "abcd":
+            push(shard, island, 0.0, delta=1.0)
+        shard.merge(0, 0.0)  # one whole round: momentum 1.0
+        return shard
+
+    def test_every_islands_last_push_in_one_merge_lands_on_the_mean_of_their_models(self):
+        shard = self.trained()
+        frag = shard.fragments[0]
+        before, momentum = frag.values[0].clone(), [m.clone() for m in frag.momentum]
+        for island, delta in zip("abcd", (0.2, 0.4, 0.6, 0.8)):
+            push(shard, island, 1.0, delta=delta, last=True)
+        record = shard.merge(0, 1.0)
+        assert record.landed == 4 and frag.version == 2
+        assert torch.allclose(frag.values[0], before - 0.5)  # the models before − δ, averaged
+        assert all(torch.equal(a, b) for a, b in zip(frag.momentum, momentum))
+        assert frag.round_progress == 0.0
+
+    def test_last_pushes_land_as_their_share_and_the_others_step_in_the_same_merge(self):
+        shard = self.trained()
+        frag = shard.fragments[0]
+        before = frag.values[0].clone()
+        push(shard, "a", 1.0, delta=0.4)  # still training: a quarter of the next round, no look-ahead yet
+        push(shard, "b", 1.0, delta=0.8, last=True)
+        record = shard.merge(0, 1.0)
+        assert record.landed == 1 and record.contributors == ("a", "b")
+        lr = shard.config.outer.lr
+        assert torch.allclose(frag.values[0], before - lr * 0.25 * 0.4 - 0.25 * 0.8)
+        assert frag.round_progress == pytest.approx(0.25)
+
+    def test_a_clean_checkpoint_keeps_a_pending_push_last(self):
+        shard = self.trained()
+        push(shard, "a", 1.0, delta=0.4, last=True)
+        resumed = ShardState.from_state_dict(shard.config, 0, 1, shard.to_state_dict(clean=True), INCARNATION)
+        assert resumed.fragments[0].pending["a"].last
+
+    def test_a_round_from_an_older_checkpoint_format_resumes_as_a_round_opening(self):
+        shard = self.trained()
+        push(shard, "a", 1.0, delta=0.4)
+        shard.merge(0, 1.0)
+        saved = shard.to_state_dict(clean=True) | {"format": 2}  # its round's look-ahead was taken at the opening
+        assert saved["fragments"][0]["round_progress"] == pytest.approx(0.25)
+        resumed = ShardState.from_state_dict(shard.config, 0, 1, saved, INCARNATION)
+        assert resumed.fragments[0].round_progress == 0.0
 
 
 class TestMergeBounds:

@@ -116,7 +116,7 @@ class SeedReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[_Union[FragmentVersion, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("island_id", "fragment_id", "base", "tokens", "inner_steps", "sequence", "tensors", "step_seconds", "slack_seconds")
+    __slots__ = ("island_id", "fragment_id", "base", "tokens", "inner_steps", "sequence", "tensors", "step_seconds", "slack_seconds", "last")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class PushHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SLACK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     fragment_id: int
     base: FragmentVersion
@@ -135,7 +136,8 @@ class PushHeader(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorPayload]
     step_seconds: float
     slack_seconds: float
-    def __init__(self, island_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., sequence: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., slack_seconds: _Optional[float] = ...) -> None: ...
+    last: bool
+    def __init__(self, island_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base: _Optional[_Union[FragmentVersion, _Mapping]] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., sequence: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., slack_seconds: _Optional[float] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data", "offset", "crc32")
