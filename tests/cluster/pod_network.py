@@ -196,14 +196,19 @@ def _net_namespace(pid: int | str) -> str | None:
     return namespace(pid, "net")
 
 
+def _argv0(pid: int | str) -> str | None:
+    """Process `pid`'s argv[0], None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+    except OSError:
+        return None
+
+
 def _processes() -> Iterator[tuple[int, str]]:
     """(pid, argv[0]) of every process this user can see."""
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                yield int(entry.name), (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
-            except OSError:
-                continue  # it ended while we looked
+        if entry.name.isdigit() and (argv0 := _argv0(entry.name)) is not None:  # None: it ended while we looked
+            yield int(entry.name), argv0
 
 
 def holders() -> Iterator[tuple[int, Holder]]:
@@ -300,7 +305,7 @@ class PodNetwork:
             stdin=subprocess.DEVNULL,
         )
         self.processes.append(holder)
-        _wait_for_namespace(holder, _net_namespace("self"), "the node namespace (unshare --net)")
+        _wait_for_holder(holder, self._holder(NODE), "the node namespace (unshare --net)")
         self._run(self.enter(["sh", "-c", " && ".join(node_setup())]), "the node namespace's bridge")
         outside = socket.socket(socket.AF_UNIX)
         self.socket_path.unlink(missing_ok=True)  # left by a run that was killed, in a workdir started again
@@ -343,7 +348,7 @@ class PodNetwork:
         )
         self.pods[uid] = _Pod(holder, ip)
         try:
-            _wait_for_namespace(holder, _net_namespace(self.processes[0].pid), f"pod {uid}'s namespace")
+            _wait_for_holder(holder, self._holder(uid), f"pod {uid}'s namespace")
             self._run(self.enter(["sh", "-c", " && ".join(attach(uid, holder.pid))]), f"pod {uid}'s veth")
             self._run(self.enter_pod(uid, ["sh", "-c", " && ".join(pod_setup(uid, ip))]), f"pod {uid}'s eth0")
         except BaseException:
@@ -391,10 +396,14 @@ def http_get(enter: Sequence[str], url: str) -> str:
     return result.stdout
 
 
-def _wait_for_namespace(holder: subprocess.Popen, outer: str | None, what: str) -> None:
-    """Waits until `holder` is in a network namespace other than `outer`."""
+def _wait_for_holder(holder: subprocess.Popen, expected: Holder, what: str) -> None:
+    """Waits until process `holder` runs as the holder `expected` names: it has then entered the node
+    namespace (a pod's holder, through nsenter), unshared its own and exec'd. A namespace that merely differs
+    from the node's is no sign of it: a pod's holder starts in this process's own namespace, and one moved a
+    veth into it there, or into the node's, before its unshare (eth0 in the node namespace, the pod with no
+    route: "Network is unreachable")."""
     deadline = time.monotonic() + 10
-    while _net_namespace(holder.pid) in (outer, None):
+    while _argv0(holder.pid) != expected.name:
         if time.monotonic() > deadline or holder.poll() is not None:
             raise OSError(f"could not make {what}")
         time.sleep(0.01)

@@ -143,6 +143,19 @@ def test_each_pod_has_its_ip_on_eth0_and_pods_reach_each_other_and_are_reached_f
 
 
 @pytest.mark.process
+def test_every_pod_added_in_a_row_gets_its_eth0_in_its_own_namespace_never_the_nodes(network):
+    """A pod's holder enters the node namespace, then unshares its own: a veth moved into it before that
+    landed in the node namespace, and the pod had no route to anything (a restarted operator's "Network is
+    unreachable", seen in the e2e tier)."""
+    pods = {f"pod-{i}": f"10.244.0.{i + 1}" for i in range(12)}
+    for uid, ip in pods.items():
+        network.add_pod(uid, ip)
+    for uid, ip in pods.items():
+        assert f"inet {ip}/" in _in(network, ["ip", "-o", "-4", "address", "show", "dev", "eth0"], uid).stdout
+    assert "eth0" not in _links(network)
+
+
+@pytest.mark.process
 def test_a_removed_pod_leaves_neither_veth_nor_namespace(network):
     network.add_pod("pod-a", "10.244.0.1")
     holder = network.pods["pod-a"].holder
