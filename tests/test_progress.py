@@ -65,7 +65,8 @@ WORKER_LINES = [
     f'{{"event": "push", {HEADER}, "fragment": 0, "began_at": 10, "incarnation": 3, "base_version": 1, '
     '"sequence": 1700000000000000000}\n',
     '{"event": "merge", "t": 1700000000.5, "island": "shard-0", "rank": 0, "mode": "syncer", "pid": 99, '
-    '"fragment": 0, "version": 2, "pushes": [["island-1", 3, 1, 1700000000000000000], ["island-2", 3, 0, 5]]}\n',
+    '"fragment": 0, "version": 2, "pushes": [["island-1", 3, 1, 1700000000000000000], ["island-2", 3, 0, 5]], '
+    '"landed": 1}\n',
     f'{{"event": "checkpoint", {HEADER}, "step": 50}}\n',
     f'{{"event": "done", {HEADER}, "step": 40, "loss": 2.5}}\n',
     f'{{"event": "done", {HEADER}, "step": 40, "loss": 2.5, "inner_steps": 40, "tokens": 81920, "syncs_pushed": 8, '

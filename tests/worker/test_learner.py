@@ -292,7 +292,7 @@ def test_a_flushing_island_leaves_once_the_shards_hold_its_pushes_not_once_they_
     a = island(shards, seed=1, name="a")
     island(shards, seed=2, name="b")
     a.train(1)
-    a.learner.flush(timeout=0.5)  # its pushes cannot merge: b is live and not in, and the window is 60 s
+    a.learner.flush(timeout=3.0)  # its pushes cannot merge: b is live and not in, and the window is 60 s
     with shards.client(0) as observer:
         status = observer.status()
     assert (list(status.live_islands), list(status.left_islands)) == (["b"], ["a"])
