@@ -596,10 +596,12 @@ class ShardState:
         landing = [p for p in pending if p.last]
         outer = self.config.outer
         momentum_coef = round_momentum(outer_momentum(self.config), frag.freshness)
-        value_bound, momentum_bound = _magnitudes(frag)
-        step_gradient = land_gradient = None
-        if stepping:
-            step_gradient = self._gradient([contributions[p.key] for p in stepping])
+        step_gradient = self._gradient([contributions[p.key] for p in stepping]) if stepping else None
+        land_gradient = self._gradient([contributions[p.key] for p in landing]) if landing else None
+        share = self.merge_share(frag, len(stepping), now) if stepping else 0.0
+        land_share = self.merge_share(frag, len(landing), now) if landing else 0.0
+        value_magnitude, momentum_magnitude = value_bound, momentum_bound = _magnitudes(frag)
+        if step_gradient is not None:
             value_bound, momentum_bound = step_bounds(
                 value_bound,
                 momentum_bound,
@@ -608,16 +610,12 @@ class ShardState:
                 momentum_coef=momentum_coef,
                 nesterov=outer.nesterov,
             )
-        land_share = self.merge_share(frag, len(landing), now) if landing else 0.0
-        if landing:
-            land_gradient = self._gradient([contributions[p.key] for p in landing])
+        if land_gradient is not None:
             value_bound = land_bound(value_bound, land_gradient.bound, share=land_share)
         in_place = max(value_bound, momentum_bound) < IN_PLACE_BOUND
         values = frag.values if in_place else [v.clone() for v in frag.values]
         momentum = frag.momentum if in_place else [m.clone() for m in frag.momentum]
-        share = self.merge_share(frag, len(stepping), now) if stepping else 0.0
         progress = frag.round_progress
-        value_magnitude, momentum_magnitude = _magnitudes(frag)
         if step_gradient is not None:
             step = outer_step_chunked(
                 values,

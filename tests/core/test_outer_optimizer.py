@@ -235,16 +235,18 @@ class Whole:
         out.copy_(self.tensors[index].reshape(-1)[start : start + out.numel()])
 
 
+CHUNKED = {
+    "sizes": st.lists(st.integers(0, 50), min_size=1, max_size=3),
+    "chunk": st.integers(1, 20),
+    "align": st.integers(1, 4),
+    "share": st.floats(0.05, 1.0),
+    "seed": st.integers(0, 2**16),
+}
+"""Tensors of any sizes, taken chunk by chunk on any alignment, and any share of a round."""
+
+
 @settings(deadline=None)
-@given(
-    sizes=st.lists(st.integers(0, 50), min_size=1, max_size=3),
-    chunk=st.integers(1, 20),
-    align=st.integers(1, 4),
-    share=st.floats(0.05, 1.0),
-    progress=st.floats(0.0, 0.95),
-    nesterov=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(**CHUNKED, progress=st.floats(0.0, 0.95), nesterov=st.booleans())
 def test_chunk_by_chunk_is_the_whole_step_bit_for_bit(sizes, chunk, align, share, progress, nesterov, seed):
     gen = torch.Generator().manual_seed(seed)
     params = [torch.randn(n, generator=gen) for n in sizes]
@@ -273,13 +275,7 @@ def test_chunk_by_chunk_is_the_whole_step_bit_for_bit(sizes, chunk, align, share
 
 
 @settings(deadline=None)
-@given(
-    sizes=st.lists(st.integers(0, 50), min_size=1, max_size=3),
-    chunk=st.integers(1, 20),
-    align=st.integers(1, 4),
-    share=st.floats(0.05, 1.0),
-    seed=st.integers(0, 2**16),
-)
+@given(**CHUNKED)
 def test_landing_chunk_by_chunk_is_landing_whole_bit_for_bit_and_within_its_bound(sizes, chunk, align, share, seed):
     gen = torch.Generator().manual_seed(seed)
     params = [torch.randn(n, generator=gen) for n in sizes]
